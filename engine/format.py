@@ -1,0 +1,136 @@
+"""The on-disk model format: one file, a JSON header then 64-byte aligned raw weights.
+
+Layout::
+
+    b"SFENGIN1" | u64 little-endian header length | JSON header | padding | weight blobs
+
+The header holds the graph (inputs, outputs, nodes with attributes) and, per weight, its dtype,
+shape, offset and size. Weights are read lazily: either memory-mapped as a whole
+(:func:`load_model`, pages are touched only when a kernel reads them) or one at a time
+(:meth:`ModelFile.read_weight`) so a runtime can stream weights layer by layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.ir import Graph, Node, TensorInfo
+
+MAGIC = b"SFENGIN1"
+ALIGN = 64
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, bytes):
+        return v.decode()
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def save_model(graph: Graph, path: str | os.PathLike) -> int:
+    """Write ``graph`` to ``path``; returns the file size in bytes.
+
+    >>> from engine.builder import GraphBuilder
+    >>> import tempfile
+    >>> b = GraphBuilder(); b.output(b.relu(b.input("x", (None, 2))))
+    >>> save_model(b.build(), tempfile.mktemp()) > 0
+    True
+    """
+    table, offset = [], 0
+    for name, w in graph.weights.items():
+        w = np.asarray(w)
+        table.append({"name": name, "dtype": w.dtype.str, "shape": list(w.shape),
+                      "offset": offset, "nbytes": int(w.nbytes)})
+        offset = _align(offset + w.nbytes)
+    header = {
+        "name": graph.name,
+        "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": np.dtype(t.dtype).str}
+                   for t in graph.inputs],
+        "outputs": list(graph.outputs),
+        "nodes": [{"op": n.op, "name": n.name, "inputs": n.inputs, "outputs": n.outputs,
+                   "attrs": {k: _jsonable(v) for k, v in n.attrs.items()}} for n in graph.nodes],
+        "weights": table,
+    }
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    data_start = _align(len(MAGIC) + 8 + len(blob))
+    with open(path, "wb") as f:
+        f.write(MAGIC + struct.pack("<Q", len(blob)) + blob)
+        f.write(b"\0" * (data_start - f.tell()))
+        for entry, w in zip(table, graph.weights.values(), strict=True):
+            f.seek(data_start + entry["offset"])
+            f.write(np.ascontiguousarray(w).tobytes())
+        f.truncate(data_start + offset)
+        return data_start + offset
+
+
+class ModelFile:
+    """A model file opened for reading: the header now, each weight when asked.
+
+    >>> mf = ModelFile(path)                        # doctest: +SKIP
+    >>> w = mf.read_weight(mf.weight_names()[0])    # reads only that weight's bytes  # doctest: +SKIP
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            if f.read(len(MAGIC)) != MAGIC:
+                raise ValueError(f"{self.path} is not a streamflow engine model (bad magic)")
+            (n,) = struct.unpack("<Q", f.read(8))
+            self.header: dict[str, Any] = json.loads(f.read(n))
+        self.data_start = _align(len(MAGIC) + 8 + n)
+        self._table = {w["name"]: w for w in self.header["weights"]}
+
+    def weight_names(self) -> list[str]:
+        return list(self._table)
+
+    def weight_info(self, name: str) -> TensorInfo:
+        e = self._table[name]
+        return TensorInfo(name, tuple(e["shape"]), np.dtype(e["dtype"]))
+
+    def read_weight(self, name: str) -> np.ndarray:
+        """Read one weight from disk into a fresh array (no mapping of the rest of the file)."""
+        e = self._table[name]
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + e["offset"])
+            raw = f.read(e["nbytes"])
+        return np.frombuffer(raw, dtype=np.dtype(e["dtype"])).reshape(e["shape"]).copy()
+
+    def graph(self, mmap: bool = True) -> Graph:
+        """The graph with weights as read-only memory-mapped views (or fully read if not ``mmap``)."""
+        h = self.header
+        if mmap and self._table:
+            whole = np.memmap(self.path, dtype=np.uint8, mode="r")
+            weights = {}
+            for name, e in self._table.items():
+                start = self.data_start + e["offset"]
+                raw = whole[start : start + e["nbytes"]]
+                weights[name] = raw.view(np.dtype(e["dtype"])).reshape(e["shape"])
+        else:
+            weights = {name: self.read_weight(name) for name in self._table}
+        return Graph(
+            inputs=[TensorInfo(t["name"], tuple(t["shape"]), np.dtype(t["dtype"])) for t in h["inputs"]],
+            outputs=list(h["outputs"]),
+            nodes=[Node(n["op"], n["inputs"], n["outputs"], n["attrs"], n["name"]) for n in h["nodes"]],
+            weights=weights,
+            name=h["name"],
+        )
+
+
+def load_model(path: str | os.PathLike, mmap: bool = True) -> Graph:
+    """Load a model written by :func:`save_model`; weights are memory-mapped by default."""
+    return ModelFile(path).graph(mmap=mmap)
