@@ -1,0 +1,231 @@
+"""Collective storage: every task's feature rows in a DuckDB table, written in Arrow batches.
+
+Durability window: a row handed to :meth:`CollectiveStorage.write` is visible to every read of this
+storage at once (reads flush first), and is durable in the DuckDB file after the next flush, which
+happens when a table's buffer reaches ``flush_rows`` rows, when the oldest buffered row is
+``flush_interval_s`` seconds old (checked on every write), on any read, on :meth:`close`, and on
+SIGTERM/SIGINT once :func:`flush_on_signals` is installed. A hard crash (SIGKILL, power loss)
+loses at most the buffered rows: fewer than ``flush_rows`` per table, at most ``flush_interval_s``
+seconds old while writes keep coming.
+
+Rows a table cannot take (a value whose type clashes with the column's) are not dropped: the rest
+of the batch is stored and each refused row goes to the ``dead_letter`` table with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+DEFAULT_DB = "streamflow.duckdb"
+DEAD_LETTER_TABLE = "dead_letter"
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+def check_table_name(name: str) -> str:
+    """``name`` if it is a plain SQL identifier (letters, digits, underscore), else ``ValueError``."""
+    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+        raise ValueError(f"table name {name!r} must be letters, digits and underscores, not starting with a digit")
+    return name
+
+
+def resolve_db_path(path: str | os.PathLike[str] | None = None) -> Path:
+    """Explicit path first, then ``STREAMFLOW_DB``, then ``./streamflow.duckdb``."""
+    return Path(path or os.environ.get("STREAMFLOW_DB") or DEFAULT_DB)
+
+
+class CollectiveStorage:
+    """Buffered DuckDB tables for feature rows (see the module docstring for durability).
+
+    Example:
+        >>> import tempfile, os
+        >>> db = os.path.join(tempfile.mkdtemp(), "features.duckdb")
+        >>> with CollectiveStorage(db, flush_rows=100) as store:
+        ...     store.write("ipv", [{"user_id": "u1", "dwell_s": 12.0}])
+        ...     store.query("SELECT user_id, dwell_s FROM ipv")
+        [('u1', 12.0)]
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, flush_rows: int = 4096,
+                 flush_interval_s: float = 5.0):
+        if flush_rows < 1:
+            raise ValueError(f"flush_rows must be >= 1, got {flush_rows}")
+        self.path = resolve_db_path(path)
+        if self.path.parent != Path(""):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.flush_rows = flush_rows
+        self.flush_interval_s = flush_interval_s
+        self.rows_written: dict[str, int] = {}
+        self.flushes = 0
+        self._con = duckdb.connect(str(self.path))
+        self._buffers: dict[str, list[Mapping[str, Any]]] = {}
+        self._oldest: float | None = None
+        self._lock = threading.RLock()
+        self._columns: dict[str, set[str]] = {}
+        self._closed = False
+
+    # -- writing -----------------------------------------------------------------------------
+    def write(self, table: str, rows: Iterable[Mapping[str, Any]]) -> None:
+        """Buffer ``rows`` for ``table``; flush that table when its buffer is full."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"storage {self.path} is closed")
+            buffer = self._buffers.get(table)
+            if buffer is None:
+                buffer = self._buffers[check_table_name(table)] = []
+            before = len(buffer)
+            buffer.extend(rows)
+            added = len(buffer) - before
+            self.rows_written[table] = self.rows_written.get(table, 0) + added
+            now = time.monotonic()
+            if self._oldest is None and added:
+                self._oldest = now
+            if len(buffer) >= self.flush_rows:
+                self._flush_table(table)
+            elif self._oldest is not None and now - self._oldest >= self.flush_interval_s:
+                self.flush()
+
+    def flush(self) -> None:
+        """Store every buffered row in the DuckDB file."""
+        with self._lock:
+            for table in list(self._buffers):
+                self._flush_table(table)
+            self._oldest = None
+
+    def pending(self) -> int:
+        """Rows buffered and not yet in the file."""
+        with self._lock:
+            return sum(len(b) for b in self._buffers.values())
+
+    def _flush_table(self, table: str) -> None:
+        rows = self._buffers.get(table)
+        if not rows:
+            return
+        self._buffers[table] = []
+        if not any(self._buffers.values()):
+            self._oldest = None
+        try:
+            self._insert(table, rows)
+        except (pa.ArrowException, duckdb.Error, TypeError, ValueError):
+            self._insert_row_by_row(table, rows)
+        self.flushes += 1
+
+    def _insert(self, table: str, rows: list[Mapping[str, Any]]) -> None:
+        arrays = {c: pa.array([row.get(c) for row in rows]) for c in dict.fromkeys(k for row in rows for k in row)}
+        # An all-null column has no type yet: leave it out (it reads as NULL) until a value types it.
+        batch = pa.table({c: a for c, a in arrays.items() if not pa.types.is_null(a.type)})
+        columns = batch.column_names
+        self._con.register("_sf_batch", batch)
+        try:
+            self._con.execute("BEGIN")
+            try:
+                self._ensure_columns(table, batch)
+                names = ", ".join(f'"{c}"' for c in columns)
+                self._con.execute(f'INSERT INTO "{table}" ({names}) SELECT {names} FROM _sf_batch')
+                self._con.execute("COMMIT")
+            except BaseException:
+                self._con.execute("ROLLBACK")
+                self._columns.pop(table, None)  # re-read after a rolled-back ALTER
+                raise
+        finally:
+            self._con.unregister("_sf_batch")
+
+    def _ensure_columns(self, table: str, batch: pa.Table) -> None:
+        known = self._columns.get(table)
+        if known is None:
+            self._con.execute(f'CREATE TABLE IF NOT EXISTS "{table}" AS SELECT * FROM _sf_batch WHERE false')
+            known = self._columns[table] = {
+                row[0] for row in self._con.execute(
+                    "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [table]
+                ).fetchall()
+            }
+        for name in batch.column_names:
+            if name not in known:
+                sql_type = self._con.execute(f'SELECT typeof("{name}") FROM _sf_batch LIMIT 1').fetchone()[0]
+                self._con.execute(f'ALTER TABLE "{table}" ADD COLUMN "{name}" {sql_type}')
+                known.add(name)
+
+    def _insert_row_by_row(self, table: str, rows: list[Mapping[str, Any]]) -> None:
+        refused = []
+        for index, row in enumerate(rows):
+            try:
+                self._insert(table, [row])
+            except (pa.ArrowException, duckdb.Error, TypeError, ValueError) as exc:
+                refused.append({
+                    "source": f"storage:{table}", "line": index,
+                    "reason": f"row refused by table {table}: {type(exc).__name__}: {exc}".strip()[:2000],
+                    "raw": json.dumps(row, default=str),
+                })
+        if refused:
+            self.rows_written[table] -= len(refused)
+            if table == DEAD_LETTER_TABLE:
+                raise RuntimeError(f"dead-letter rows could not be stored: {refused[0]['reason']}")
+            self._buffers.setdefault(DEAD_LETTER_TABLE, []).extend(refused)
+            self.rows_written[DEAD_LETTER_TABLE] = self.rows_written.get(DEAD_LETTER_TABLE, 0) + len(refused)
+            self._flush_table(DEAD_LETTER_TABLE)
+
+    # -- reading -----------------------------------------------------------------------------
+    def query(self, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
+        """Run SQL over the tables after flushing, returning the rows as tuples."""
+        with self._lock:
+            self.flush()
+            return self._con.execute(sql, params or []).fetchall()
+
+    def read(self, table: str) -> pa.Table:
+        """A whole table as Arrow, after flushing."""
+        with self._lock:
+            self.flush()
+            return self._con.sql(f'SELECT * FROM "{check_table_name(table)}"').to_arrow_table()
+
+    def tables(self) -> list[str]:
+        """Names of the tables in the file (after flushing)."""
+        return [row[0] for row in self.query("SELECT table_name FROM information_schema.tables ORDER BY 1")]
+
+    def drop(self, tables: Iterable[str]) -> None:
+        """Drop ``tables`` (and their buffered rows) if they exist."""
+        with self._lock:
+            for table in tables:
+                self._buffers.pop(check_table_name(table), None)
+                self._columns.pop(table, None)
+                self._con.execute(f'DROP TABLE IF EXISTS "{table}"')
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Flush and close; safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self.flush()
+            finally:
+                self._closed = True
+                self._con.close()
+
+    def __enter__(self) -> CollectiveStorage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def flush_on_signals() -> None:
+    """Turn SIGTERM into ``SystemExit`` (SIGINT already raises ``KeyboardInterrupt``).
+
+    Either way the stack unwinds through the ``with``/``finally`` blocks that close the storage,
+    so buffered rows are flushed on the main thread, never from inside a signal handler in the
+    middle of a write.
+    """
+    def _terminate(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _terminate)

@@ -1,0 +1,33 @@
+"""Stream operators shared by every runner: written once, unaware of who executes them.
+
+Example:
+    >>> from operators import Aggregate, Count, Filter, KeyBy, run_pipeline
+    >>> run_pipeline([Filter(lambda r: r["ok"]), KeyBy("k"), Aggregate(n=Count())],
+    ...              [{"k": 1, "ok": True}, {"k": 1, "ok": False}])
+    [{'k': 1, 'n': 1}]
+"""
+
+from operators.aggregate import Aggregate
+from operators.aggregations import (
+    Aggregation,
+    Count,
+    CountDistinct,
+    Distinct,
+    First,
+    Last,
+    LastN,
+    Max,
+    Min,
+    Sum,
+)
+from operators.base import Group, Operator, get_field, run_pipeline
+from operators.filter import Filter
+from operators.keyby import KeyBy
+from operators.map import Map
+from operators.window import TimeWindow, window_starts
+
+__all__ = [
+    "Aggregate", "Aggregation", "Count", "CountDistinct", "Distinct", "Filter", "First", "Group",
+    "KeyBy", "Last", "LastN", "Map", "Max", "Min", "Operator", "Sum", "TimeWindow", "get_field",
+    "run_pipeline", "window_starts",
+]

@@ -1,0 +1,195 @@
+"""Aggregation functions, shaped like Flink's ``AggregateFunction``.
+
+Each has ``create() -> acc``, ``add(acc, item) -> acc``, ``merge(a, b) -> acc`` and
+``result(acc)``, so the same object folds a triggered sequence on the device and a Flink window in
+the cloud. ``where=`` restricts an aggregation to the items a predicate accepts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from operators.base import FieldSpec, field_reader
+
+
+class Aggregation:
+    """Base class. Subclasses define ``create``, ``add``, ``merge`` and ``result``."""
+
+    needs_field = True
+
+    def __init__(self, field: FieldSpec | None = None, where: Callable[[Any], bool] | None = None):
+        if field is None and self.needs_field:
+            raise TypeError(f"{type(self).__name__} needs the field to aggregate, e.g. {type(self).__name__}('ts')")
+        if where is not None and not callable(where):
+            raise TypeError(f"where= must be a function of the item, got {where!r}")
+        self.field = field
+        self.where = where
+        self._read = field_reader(field) if field is not None else None
+
+    def create(self) -> Any:
+        raise NotImplementedError
+
+    def add(self, acc: Any, item: Any) -> Any:
+        raise NotImplementedError
+
+    def merge(self, a: Any, b: Any) -> Any:
+        raise NotImplementedError
+
+    def result(self, acc: Any) -> Any:
+        return acc
+
+    def fold(self, items: list[Any]) -> Any:
+        """The result over ``items`` (honouring ``where``)."""
+        acc = self.create()
+        where, add = self.where, self.add
+        for item in items:
+            if where is None or where(item):
+                acc = add(acc, item)
+        return self.result(acc)
+
+    def __repr__(self) -> str:
+        parts = [repr(self.field)] if self.field is not None else []
+        if self.where is not None:
+            parts.append("where=...")
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+
+class Count(Aggregation):
+    """Number of items. ``Count(where=lambda e: e.event_id == "buy")`` counts buys."""
+
+    needs_field = False
+
+    def __init__(self, where: Callable[[Any], bool] | None = None):
+        super().__init__(None, where)
+
+    def create(self) -> int:
+        return 0
+
+    def add(self, acc: int, item: Any) -> int:
+        return acc + 1
+
+    def merge(self, a: int, b: int) -> int:
+        return a + b
+
+
+class Sum(Aggregation):
+    """Sum of a numeric field (0 over no items)."""
+
+    def create(self) -> float:
+        return 0
+
+    def add(self, acc: float, item: Any) -> float:
+        return acc + self._read(item)
+
+    def merge(self, a: float, b: float) -> float:
+        return a + b
+
+
+class Min(Aggregation):
+    """Smallest value of a field (``None`` over no items)."""
+
+    def create(self) -> Any:
+        return None
+
+    def add(self, acc: Any, item: Any) -> Any:
+        value = self._read(item)
+        return value if acc is None or value < acc else acc
+
+    def merge(self, a: Any, b: Any) -> Any:
+        return b if a is None else a if b is None else min(a, b)
+
+
+class Max(Aggregation):
+    """Largest value of a field (``None`` over no items)."""
+
+    def create(self) -> Any:
+        return None
+
+    def add(self, acc: Any, item: Any) -> Any:
+        value = self._read(item)
+        return value if acc is None or value > acc else acc
+
+    def merge(self, a: Any, b: Any) -> Any:
+        return b if a is None else a if b is None else max(a, b)
+
+
+class First(Aggregation):
+    """Value of a field on the first item (``None`` over no items)."""
+
+    def create(self) -> tuple[bool, Any]:
+        return (False, None)
+
+    def add(self, acc: tuple[bool, Any], item: Any) -> tuple[bool, Any]:
+        return acc if acc[0] else (True, self._read(item))
+
+    def merge(self, a: tuple[bool, Any], b: tuple[bool, Any]) -> tuple[bool, Any]:
+        return a if a[0] else b
+
+    def result(self, acc: tuple[bool, Any]) -> Any:
+        return acc[1]
+
+
+class Last(Aggregation):
+    """Value of a field on the last item (``None`` over no items)."""
+
+    def create(self) -> tuple[bool, Any]:
+        return (False, None)
+
+    def add(self, acc: tuple[bool, Any], item: Any) -> tuple[bool, Any]:
+        return (True, self._read(item))
+
+    def merge(self, a: tuple[bool, Any], b: tuple[bool, Any]) -> tuple[bool, Any]:
+        return b if b[0] else a
+
+    def result(self, acc: tuple[bool, Any]) -> Any:
+        return acc[1]
+
+
+class LastN(Aggregation):
+    """The last ``n`` values of a field, oldest first."""
+
+    def __init__(self, field: FieldSpec, n: int, where: Callable[[Any], bool] | None = None):
+        if n < 1:
+            raise ValueError(f"LastN needs n >= 1, got {n}")
+        super().__init__(field, where)
+        self.n = n
+
+    def create(self) -> list[Any]:
+        return []
+
+    def add(self, acc: list[Any], item: Any) -> list[Any]:
+        acc.append(self._read(item))
+        if len(acc) > self.n:
+            del acc[0]
+        return acc
+
+    def merge(self, a: list[Any], b: list[Any]) -> list[Any]:
+        return (a + b)[-self.n:]
+
+    def result(self, acc: list[Any]) -> list[Any]:
+        return list(acc)
+
+
+class Distinct(Aggregation):
+    """The distinct values of a field, in first-seen order."""
+
+    def create(self) -> dict[Any, None]:
+        return {}
+
+    def add(self, acc: dict[Any, None], item: Any) -> dict[Any, None]:
+        acc[self._read(item)] = None
+        return acc
+
+    def merge(self, a: dict[Any, None], b: dict[Any, None]) -> dict[Any, None]:
+        return {**a, **b}
+
+    def result(self, acc: dict[Any, None]) -> list[Any]:
+        return list(acc)
+
+
+class CountDistinct(Distinct):
+    """Number of distinct values of a field."""
+
+    def result(self, acc: dict[Any, None]) -> int:
+        return len(acc)

@@ -1,0 +1,79 @@
+"""What every operator shares: the data a pipeline passes along and how fields are read.
+
+A pipeline passes a list of *groups*. A group is ``(key, items)``: ``key`` is a dict of the fields
+that define it (empty at the start, filled by :class:`~operators.KeyBy` and
+:class:`~operators.TimeWindow`) and ``items`` are events or rows (dicts). Every operator maps groups
+to groups, so operators compose in any order and none knows which runner executes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+Group = tuple[dict[str, Any], list[Any]]
+#: A field is named (an event attribute, a key of ``Event.contents`` or of a row) or computed.
+FieldSpec = str | Callable[[Any], Any]
+
+
+class Operator:
+    """Base class: an operator turns the groups of a pipeline into new groups."""
+
+    def apply(self, groups: list[Group]) -> list[Group]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
+
+
+def get_field(item: Any, name: str) -> Any:
+    """Read field ``name`` of an event (attribute or ``contents`` key) or of a row (dict key)."""
+    if isinstance(item, Mapping):
+        try:
+            return item[name]
+        except KeyError:
+            raise KeyError(f"row has no field {name!r} (fields: {', '.join(map(str, item))})") from None
+    reader = getattr(item, "field", None)
+    if reader is not None:
+        return reader(name)
+    return getattr(item, name)
+
+
+def field_reader(spec: FieldSpec) -> Callable[[Any], Any]:
+    """A one-argument function reading ``spec`` from an item."""
+    if callable(spec):
+        return spec
+    if isinstance(spec, str) and spec:
+        return lambda item: get_field(item, spec)
+    raise TypeError(f"a field is a non-empty name or a function of the item, got {spec!r}")
+
+
+def field_name(spec: FieldSpec, default: str) -> str:
+    """The column name a field spec produces: its own name, or ``default`` for a function."""
+    return spec if isinstance(spec, str) else default
+
+
+def run_pipeline(operators: Sequence[Operator], items: Iterable[Any]) -> list[dict[str, Any]]:
+    """Run ``operators`` over ``items`` and return the resulting rows.
+
+    Group keys are merged into the rows, so a row of a keyed, windowed aggregation carries its key
+    and window bounds. The pipeline must end in rows (dicts): end it with an aggregation or a
+    :class:`~operators.Map` that returns dicts.
+
+    Example:
+        >>> from operators import Aggregate, Count, KeyBy
+        >>> run_pipeline([KeyBy("kind"), Aggregate(n=Count())], [{"kind": "a"}, {"kind": "b"}, {"kind": "a"}])
+        [{'kind': 'a', 'n': 2}, {'kind': 'b', 'n': 1}]
+    """
+    groups: list[Group] = [({}, list(items))]
+    for op in operators:
+        groups = op.apply(groups)
+    rows: list[dict[str, Any]] = []
+    for key, group_items in groups:
+        for item in group_items:
+            if not isinstance(item, Mapping):
+                raise TypeError(f"the pipeline must end in rows (dicts), but it produced {item!r}; "
+                                "end it with Aggregate(...) or a Map that returns a dict")
+            rows.append({**key, **item} if key else dict(item))
+    return rows

@@ -1,0 +1,105 @@
+"""The ``streamflow`` command: run a job, describe a job.
+
+    streamflow run JOB --events FILE [--runner device] [--db PATH]
+    streamflow describe JOB
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from connectors.storage import CollectiveStorage, flush_on_signals
+from streamflow.job import Job, JobLoadError, load_job
+from streamflow.progress import track
+from streamflow.runners.device import SYSTEM_TABLES, DeviceRunner
+from streamflow.sources import FORMATS, open_source
+from streamflow.trie import TriggerTrie
+
+RUNNERS = ("device",)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamflow", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run a job over an events file")
+    run.add_argument("job", help="job file (a Python module defining `job = Job(...)`)")
+    run.add_argument("--events", required=True, help="events file: Taobao CSV (.csv) or JSON lines (.jsonl)")
+    run.add_argument("--format", choices=sorted(FORMATS), help="events format (default: from the extension)")
+    run.add_argument("--runner", choices=RUNNERS, default=os.environ.get("STREAMFLOW_RUNNER", "device"),
+                     help="where to run (default: device, or $STREAMFLOW_RUNNER)")
+    run.add_argument("--db", help="DuckDB file for feature rows (default: $STREAMFLOW_DB or ./streamflow.duckdb)")
+    run.add_argument("--workers", type=int, default=2, help="worker threads for tasks fired together")
+    run.add_argument("--quarantine-after", type=int, default=5,
+                     help="consecutive failures after which a task is quarantined")
+    run.add_argument("--replace", action="store_true",
+                     help="drop the job's tables (and dead_letter, task_errors) before running")
+    run.add_argument("--show", type=int, default=3, help="sample rows to print per table")
+
+    describe = commands.add_parser("describe", help="show a job's tasks and the trie of their triggers")
+    describe.add_argument("job")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        job = load_job(args.job)
+        if args.command == "describe":
+            print(describe(job))
+            return 0
+        return _run(job, args)
+    except (JobLoadError, FileNotFoundError, ValueError) as exc:
+        print(f"streamflow: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def describe(job: Job) -> str:
+    """The job's tasks and the trie of their trigger conditions, as text."""
+    trie = TriggerTrie()
+    lines = [f"job {job.name}" + (f": {job.description}" if job.description else ""), "", "tasks:"]
+    for task in job.tasks:
+        trie.register(task.name, task.trigger)
+        history = f", history {task.history_events} events" + (
+            f" / {task.history_s:g}s" if task.history_s is not None else "")
+        lines.append(f"  {task.name}: trigger {list(task.trigger)}, input {task.input}"
+                     f"{history if task.input != 'page' else ''}, sink table {task.sink}")
+        for op in task.pipeline:
+            lines.append(f"    | {op!r}")
+    lines += ["", "trigger trie:", trie.render()]
+    return "\n".join(lines)
+
+
+def _run(job: Job, args: argparse.Namespace) -> int:
+    source = open_source(args.events, args.format)
+    flush_on_signals()
+    with CollectiveStorage(args.db) as storage:
+        if args.replace:
+            storage.drop([task.sink for task in job.tasks] + list(SYSTEM_TABLES))
+        runner = DeviceRunner(job, storage, workers=args.workers, quarantine_after=args.quarantine_after)
+        try:
+            summary = runner.run(track(source, desc=f"{job.name} on {args.runner}"))
+        finally:
+            runner.close()
+        print(f"job {job.name} ran on the {args.runner} runner over {args.events}")
+        print(summary)
+        for task in job.tasks:
+            if summary.task_stats[task.name].rows and args.show > 0:
+                print(f"\nfirst rows of table {task.sink}:")
+                table = storage.read(task.sink).slice(0, args.show)
+                for row in table.to_pylist():
+                    print("  " + ", ".join(f"{k}={v}" for k, v in row.items()))
+        print(f"\nquery them: duckdb {storage.path} \"SELECT * FROM {job.tasks[0].sink} LIMIT 10\""
+              if job.tasks else "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

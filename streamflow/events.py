@@ -1,0 +1,115 @@
+"""The event model: what an app reports about a user, one record at a time.
+
+An :class:`Event` is ``(user_id, event_id, page_id, ts, contents)``:
+
+- ``event_id`` is the kind of event (``page_enter``, ``page_exit``, ``fav``, ``click_buy`` ...),
+- ``page_id`` is the page the user was on when it happened,
+- ``ts`` is event time in Unix seconds (float),
+- ``contents`` carries everything else (item id, category, ...).
+
+A user's events in time order form the *time-level sequence*. The events from a page's
+``page_enter`` up to and including its ``page_exit`` form one *page-level sequence*
+(see :mod:`streamflow.sequences`).
+
+Records that cannot become events are not dropped: sources yield a :class:`Rejected` naming the
+source, the line and the reason, and the runner stores it in the dead-letter table.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+PAGE_ENTER = "page_enter"
+PAGE_EXIT = "page_exit"
+
+#: Earliest plausible event time (2000-01-01T00:00:00Z); older stamps are rejected as absurd.
+MIN_PLAUSIBLE_TS = 946_684_800.0
+#: How far into the future (seconds past the wall clock) an event may claim to be.
+MAX_FUTURE_SKEW_S = 86_400.0
+
+
+@dataclass(slots=True)
+class Event:
+    """One app event of one user.
+
+    Example:
+        >>> e = Event("u1", "fav", "item", 1511848951.0, {"item_id": "77460"})
+        >>> e.field("item_id"), e.field("event_id")
+        ('77460', 'fav')
+    """
+
+    user_id: str
+    event_id: str
+    page_id: str
+    ts: float
+    contents: dict[str, Any] = field(default_factory=dict)
+
+    def field(self, name: str) -> Any:
+        """Value of a top-level attribute, or else of a key in ``contents``.
+
+        A missing name raises ``KeyError`` naming the event, so a pipeline error says what was
+        missing and where.
+        """
+        if name in _EVENT_ATTRS:
+            return getattr(self, name)
+        try:
+            return self.contents[name]
+        except KeyError:
+            raise KeyError(f"event {self.event_id!r} of user {self.user_id!r} at ts={self.ts} "
+                           f"has no field {name!r}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The event as a plain dict (for JSON lines and dead-letter records)."""
+        return {"user_id": self.user_id, "event_id": self.event_id, "page_id": self.page_id,
+                "ts": self.ts, "contents": dict(self.contents)}
+
+
+_EVENT_ATTRS = frozenset(("user_id", "event_id", "page_id", "ts", "contents"))
+
+
+@dataclass(slots=True, frozen=True)
+class Rejected:
+    """A record that could not be accepted: where it came from, what it was and why not."""
+
+    source: str
+    line: int
+    reason: str
+    raw: str
+
+    def describe(self) -> str:
+        return f"{self.source}:{self.line}: {self.reason}"
+
+
+class TimestampGuard:
+    """Rejects absurd timestamps and timestamps that go backwards within a user's stream.
+
+    Event time must be plausible (after 2000-01-01 and at most ``max_future_skew_s`` ahead of the
+    wall clock) and non-decreasing per user: the device runtime processes each user's events in
+    the order the app produced them, so a step back in time means a broken clock or a corrupt
+    record, not a late event.
+
+    Example:
+        >>> guard = TimestampGuard()
+        >>> guard.check("u1", 1511848894.0) is None
+        True
+        >>> guard.check("u1", 1511848000.0)
+        'timestamp goes backwards: 1511848000.0 < 1511848894.0, the previous event of user u1'
+    """
+
+    def __init__(self, min_ts: float = MIN_PLAUSIBLE_TS, max_future_skew_s: float = MAX_FUTURE_SKEW_S):
+        self.min_ts = min_ts
+        self.max_ts = time.time() + max_future_skew_s
+        self._last: dict[str, float] = {}
+
+    def check(self, user_id: str, ts: float) -> str | None:
+        """The reason ``ts`` is rejected for ``user_id``, or ``None`` (and remember it) if fine."""
+        if not (self.min_ts <= ts <= self.max_ts):  # also catches NaN
+            return (f"absurd timestamp {ts!r}: outside [{self.min_ts:.0f}, {self.max_ts:.0f}] "
+                    "(2000-01-01 .. now + skew)")
+        last = self._last.get(user_id)
+        if last is not None and ts < last:
+            return f"timestamp goes backwards: {ts} < {last}, the previous event of user {user_id}"
+        self._last[user_id] = ts
+        return None

@@ -1,0 +1,139 @@
+"""The job API: a job is a set of tasks; a task is a trigger condition plus a pipeline.
+
+Example:
+    >>> from operators import Aggregate, Count
+    >>> job = Job("demo")
+    >>> task = job.task("buys_on_page", trigger=["item"], input="page",
+    ...                 pipeline=[Aggregate(buys=Count(where=lambda e: e.event_id == "buy"))])
+    >>> [t.name for t in job.tasks]
+    ['buys_on_page']
+
+A job file is a Python module that defines ``job = Job(...)``; :func:`load_job` loads it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from operators import Operator
+from streamflow.trie import normalize_condition
+
+TaskInput = Literal["page", "recent", "pages"]
+TASK_INPUTS: tuple[str, ...] = ("page", "recent", "pages")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+@dataclass
+class Task:
+    """A trigger condition and the pipeline it runs over the user's recent events.
+
+    ``input`` says what the pipeline receives when the trigger fires:
+
+    - ``"page"``: the events of the current page visit up to the triggering event (for a page-exit
+      trigger, the whole visit from enter to exit);
+    - ``"recent"``: the user's time-level sequence, the last ``history_events`` events no older
+      than ``history_s`` seconds before the trigger;
+    - ``"pages"``: the user's page-level sequence (:class:`~streamflow.sequences.PageVisit` items),
+      bounded the same way.
+
+    The rows the pipeline returns are written to table ``sink`` (default: the task's name), each
+    with the ``user_id`` and the triggering event's ``trigger_ts`` in front.
+    """
+
+    name: str
+    trigger: Sequence[str]
+    pipeline: Sequence[Operator]
+    input: TaskInput = "page"
+    history_s: float | None = None
+    history_events: int = 256
+    sink: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ValueError(f"task name {self.name!r} must be letters, digits and underscores")
+        self.trigger = normalize_condition(self.trigger)
+        self.pipeline = list(self.pipeline)
+        for op in self.pipeline:
+            if not isinstance(op, Operator):
+                raise TypeError(f"task {self.name!r}: pipeline step {op!r} is not an operator "
+                                "(KeyBy, TimeWindow, Filter, Map, Aggregate, ...)")
+        if self.input not in TASK_INPUTS:
+            raise ValueError(f"task {self.name!r}: input must be one of {', '.join(TASK_INPUTS)}, got {self.input!r}")
+        if self.history_events < 1:
+            raise ValueError(f"task {self.name!r}: history_events must be >= 1")
+        self.sink = self.sink or self.name
+        if not _NAME.match(self.sink):
+            raise ValueError(f"task {self.name!r}: sink {self.sink!r} must be letters, digits and underscores")
+
+
+class Job:
+    """A named set of tasks, the unit a runner executes.
+
+    Example:
+        >>> from operators import Aggregate, Count
+        >>> Job("j", [Task("t", ["fav"], [Aggregate(n=Count())])]).task_names()
+        ['t']
+    """
+
+    def __init__(self, name: str, tasks: Sequence[Task] = (), description: str = ""):
+        self.name = name
+        self.description = description
+        self.tasks: list[Task] = []
+        for task in tasks:
+            self.add(task)
+
+    def add(self, task: Task) -> Task:
+        if any(t.name == task.name for t in self.tasks):
+            raise ValueError(f"job {self.name!r} already has a task named {task.name!r}")
+        self.tasks.append(task)
+        return task
+
+    def task(self, name: str, trigger: Sequence[str], pipeline: Sequence[Operator], **options) -> Task:
+        """Define and add a task; see :class:`Task` for ``options``."""
+        return self.add(Task(name, trigger, pipeline, **options))
+
+    def task_names(self) -> list[str]:
+        return [t.name for t in self.tasks]
+
+
+class JobLoadError(Exception):
+    """A job file that cannot be loaded; the message says which file and why."""
+
+
+def load_job(path: str | Path) -> Job:
+    """Execute a job file and return the :class:`Job` it defines (as ``job``, or its only Job).
+
+    A job file is the user's own code, run as any Python script they run is.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise JobLoadError(f"job file not found: {path}")
+    module_name = f"streamflow_job_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise JobLoadError(f"cannot load {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        raise JobLoadError(f"cannot load job file {path}: syntax error at line {exc.lineno}: {exc.msg}") from exc
+    except Exception as exc:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == str(path)]
+        where = f" at line {frames[-1].lineno}" if frames else ""
+        raise JobLoadError(f"cannot load job file {path}: {type(exc).__name__}{where}: {exc}") from exc
+    job = getattr(module, "job", None)
+    if not isinstance(job, Job):
+        jobs = [v for v in vars(module).values() if isinstance(v, Job)]
+        if len(jobs) != 1:
+            raise JobLoadError(f"job file {path} must define `job = Job(...)` "
+                               f"(found {len(jobs)} Job objects)")
+        job = jobs[0]
+    return job

@@ -1,0 +1,5 @@
+"""Runners execute a job; they hold no feature logic (that lives in ``operators``)."""
+
+from streamflow.runners.device import DeviceRunner, RunSummary
+
+__all__ = ["DeviceRunner", "RunSummary"]

@@ -1,0 +1,136 @@
+"""A user's event sequences: the time-level sequence and the page-level sequence.
+
+- The **time-level sequence** is the user's events in time order; a bounded number of the most
+  recent ones is kept.
+- The **page-level sequence** is the user's page visits in order. A visit is the events from a
+  ``page_enter`` up to and including the matching ``page_exit`` of the same page, aggregated into a
+  :class:`PageVisit`. A ``page_enter`` while another page is open ends the open visit at its last
+  event (the exit was never reported); a ``page_exit`` with no matching open page is a visit of
+  that one event.
+
+:class:`UserSequence` holds both for one user and is what a task's input is cut from.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from streamflow.events import PAGE_ENTER, PAGE_EXIT, Event
+
+
+@dataclass(slots=True)
+class PageVisit:
+    """One page-level element: a page's enter-to-exit events, aggregated.
+
+    Example:
+        >>> v = PageVisit.of([Event("u", "page_enter", "item", 10.0), Event("u", "page_exit", "item", 25.0)])
+        >>> v.page_id, v.dwell_s, v.n_events
+        ('item', 15.0, 2)
+    """
+
+    user_id: str
+    page_id: str
+    enter_ts: float
+    exit_ts: float
+    events: list[Event]
+
+    @classmethod
+    def of(cls, events: list[Event]) -> PageVisit:
+        first, last = events[0], events[-1]
+        return cls(first.user_id, first.page_id, first.ts, last.ts, events)
+
+    @property
+    def dwell_s(self) -> float:
+        return self.exit_ts - self.enter_ts
+
+    @property
+    def n_events(self) -> int:
+        return len(self.events)
+
+    def field(self, name: str) -> Any:
+        """Attribute (``page_id``, ``enter_ts``, ``dwell_s``, ...) or ``contents`` key of the enter event."""
+        if name in ("user_id", "page_id", "enter_ts", "exit_ts", "dwell_s", "n_events", "events"):
+            return getattr(self, name)
+        if name == "ts":
+            return self.exit_ts
+        return self.events[0].field(name)
+
+
+class UserSequence:
+    """The recent time-level and page-level sequences of one user.
+
+    Example:
+        >>> seq = UserSequence(max_events=10, max_pages=5)
+        >>> for e in [Event("u", "page_enter", "item", 1.0), Event("u", "fav", "item", 2.0)]:
+        ...     _ = seq.append(e)
+        >>> [e.event_id for e in seq.current_page()]
+        ['page_enter', 'fav']
+    """
+
+    __slots__ = ("recent", "pages", "_open")
+
+    def __init__(self, max_events: int = 256, max_pages: int = 32):
+        self.recent: deque[Event] = deque(maxlen=max_events)
+        self.pages: deque[PageVisit] = deque(maxlen=max_pages)
+        self._open: list[Event] | None = None
+
+    def resize(self, max_events: int, max_pages: int) -> None:
+        """Change the bounds, keeping the most recent events and visits."""
+        self.recent = deque(self.recent, maxlen=max_events)
+        self.pages = deque(self.pages, maxlen=max_pages)
+
+    def append(self, event: Event) -> PageVisit | None:
+        """Add the next event; return the page visit it completes, if it is a page exit."""
+        self.recent.append(event)
+        kind = event.event_id
+        if kind == PAGE_ENTER:
+            if self._open is not None:
+                self.pages.append(PageVisit.of(self._open))
+            self._open = [event]
+            return None
+        if kind == PAGE_EXIT:
+            opened = self._open
+            if opened is not None and opened[0].page_id == event.page_id:
+                opened.append(event)
+                visit = PageVisit.of(opened)
+            else:
+                visit = PageVisit.of([event])
+            self._open = None
+            self.pages.append(visit)
+            return visit
+        if self._open is not None:
+            self._open.append(event)
+        return None
+
+    def current_page(self) -> list[Event]:
+        """Events of the page visit in progress (or just completed by the latest event).
+
+        If the latest event is a page exit, that completed visit; if no page is open, just the
+        latest event.
+        """
+        if self._open is not None:
+            return list(self._open)
+        if self.recent and self.recent[-1].event_id == PAGE_EXIT and self.pages:
+            return list(self.pages[-1].events)
+        return list(self.recent)[-1:]
+
+    def recent_events(self, since_ts: float | None = None, limit: int | None = None) -> list[Event]:
+        """The time-level sequence, oldest first, optionally only events at or after ``since_ts``
+        and only the last ``limit``."""
+        events = list(self.recent)
+        if since_ts is not None:
+            events = [e for e in events if e.ts >= since_ts]
+        if limit is not None:
+            events = events[-limit:]
+        return events
+
+    def recent_pages(self, since_ts: float | None = None, limit: int | None = None) -> list[PageVisit]:
+        """The page-level sequence (completed visits), oldest first, filtered like :meth:`recent_events`."""
+        pages = list(self.pages)
+        if since_ts is not None:
+            pages = [p for p in pages if p.exit_ts >= since_ts]
+        if limit is not None:
+            pages = pages[-limit:]
+        return pages

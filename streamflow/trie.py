@@ -1,0 +1,275 @@
+"""Trigger management: every task's trigger condition in one trie, as in Walle.
+
+A *trigger condition* is a sequence of trigger ids. Matching semantics:
+
+- An event offers one or two trigger ids: its ``event_id`` and, for a ``page_exit`` event, also its
+  ``page_id`` (so a page id as trigger id means "that page was just left", i.e. its page-level
+  sequence is complete).
+- Elements match **contiguous** events of the user's time-level sequence: ``["a", "b"]`` fires on
+  an event offering ``b`` whose immediately preceding event offered ``a``.
+- The wildcard ``"*"`` matches a gap of zero or more events of any kind: ``["page_enter", "*",
+  "buy"]`` fires on every ``buy`` that follows a ``page_enter`` at any distance. Repeated ``*`` are
+  one ``*``; a leading ``*`` changes nothing (a condition may start anywhere) and is dropped; a
+  trailing ``*`` is refused: a condition fires on the event that completes it, so it must end on a
+  concrete id.
+- A condition fires at most once per event (however many alignments end there) and fires again on
+  every later event that completes it.
+- A condition registered while events flow sees only the events after its registration.
+
+The trie: the root's children are the *static pending list*, tried on every event; the nodes a
+user's recent events have partially matched are that user's *dynamic pending list*. Stepping an event
+is ``dynamic pending list ∪ static pending list → next dynamic pending list``, plus the tasks whose
+condition just completed. The step is cached per (dynamic pending list, event ids) like a lazily built
+DFA, so a steady stream costs one dictionary lookup per event; the cache is bounded and is rebuilt
+after tasks are registered or unregistered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from itertools import count
+
+from streamflow.events import PAGE_EXIT, Event
+
+WILDCARD = "*"
+_MAX_CACHED_STATES = 20_000
+
+
+def normalize_condition(condition: Sequence[str]) -> tuple[str, ...]:
+    """The canonical form of a trigger condition (see the module docstring), or ``ValueError``.
+
+    Example:
+        >>> normalize_condition(["*", "page_enter", "*", "*", "buy"])
+        ('page_enter', '*', 'buy')
+    """
+    if isinstance(condition, str):
+        raise ValueError(f"a trigger condition is a sequence of ids, not the string {condition!r}")
+    out: list[str] = []
+    for element in condition:
+        if not isinstance(element, str) or not element:
+            raise ValueError(f"trigger ids must be non-empty strings, got {element!r} in {list(condition)!r}")
+        if element == WILDCARD and (not out or out[-1] == WILDCARD):
+            continue
+        out.append(element)
+    if not out:
+        raise ValueError(f"trigger condition {list(condition)!r} has no trigger id")
+    if out[-1] == WILDCARD:
+        raise ValueError(f"trigger condition {list(condition)!r} ends with '*': it must end on a trigger id")
+    return tuple(out)
+
+
+def trigger_ids(event: Event) -> tuple[str, ...]:
+    """The trigger ids an event offers: its event id, plus its page id if it exits that page."""
+    if event.event_id == PAGE_EXIT and event.page_id != PAGE_EXIT:
+        return (PAGE_EXIT, event.page_id)
+    return (event.event_id,)
+
+
+class _Node:
+    __slots__ = ("id", "symbol", "parent", "children", "star", "tasks", "removed")
+
+    def __init__(self, node_id: int, symbol: str, parent: _Node | None):
+        self.id = node_id
+        self.symbol = symbol
+        self.parent = parent
+        self.children: dict[str, _Node] = {}
+        self.star: _Node | None = None  # the wildcard child: a gap after this node's prefix
+        self.tasks: list[str] = []
+        self.removed = False
+
+    @property
+    def is_star(self) -> bool:
+        return self.symbol == WILDCARD
+
+
+_Step = tuple["MatchState", tuple[str, ...]]  # (next state, tasks that fire)
+
+
+class MatchState:
+    """A user's position in the trie: the dynamic pending list, interned and with its cached steps.
+
+    Instances are shared between users and owned by one :class:`TriggerTrie`; treat them as opaque
+    values (``pending_nodes`` is there for inspection and for persisting the state elsewhere).
+    """
+
+    __slots__ = ("pending_nodes", "steps", "generation")
+
+    def __init__(self, pending_nodes: frozenset[int], generation: int):
+        self.pending_nodes = pending_nodes
+        self.steps: dict[tuple[str, ...], _Step] = {}
+        self.generation = generation
+
+
+class TriggerTrie:
+    """All tasks' trigger conditions in one trie; steps users' events and says which tasks fire.
+
+    Example:
+        >>> trie = TriggerTrie()
+        >>> trie.register("ipv", ["item"])            # the item page was exited
+        >>> trie.register("buy_after_fav", ["fav", "*", "buy"])
+        >>> state = trie.initial_state()
+        >>> fired = []
+        >>> for e in [Event("u", "fav", "item", 1.0), Event("u", "buy", "item", 2.0),
+        ...           Event("u", "page_exit", "item", 3.0)]:
+        ...     state, tasks = trie.step(state, e)
+        ...     fired.append(tasks)
+        >>> fired
+        [(), ('buy_after_fav',), ('ipv',)]
+    """
+
+    def __init__(self) -> None:
+        self._ids = count()
+        self.root = _Node(next(self._ids), "", None)
+        self._nodes: dict[int, _Node] = {self.root.id: self.root}
+        self._conditions: dict[str, tuple[str, ...]] = {}
+        self._alphabet: dict[str, int] = {}  # trigger id -> number of conditions using it
+        self._generation = 0
+        self._states: dict[frozenset[int], MatchState] = {}
+        self._initial = self._intern(frozenset())
+
+    # -- registration -------------------------------------------------------------------------
+    @property
+    def conditions(self) -> dict[str, tuple[str, ...]]:
+        """Registered task name → its normalized condition."""
+        return dict(self._conditions)
+
+    def register(self, task: str, condition: Sequence[str]) -> None:
+        """Add ``task``'s trigger condition; a name can hold one condition at a time."""
+        if task in self._conditions:
+            raise ValueError(f"task {task!r} is already registered")
+        cond = normalize_condition(condition)
+        node = self.root
+        for symbol in cond:
+            if symbol == WILDCARD:
+                if node.star is None:
+                    node.star = self._new_node(WILDCARD, node)
+                node = node.star
+            else:
+                child = node.children.get(symbol)
+                if child is None:
+                    child = node.children[symbol] = self._new_node(symbol, node)
+                node = child
+                self._alphabet[symbol] = self._alphabet.get(symbol, 0) + 1
+        node.tasks.append(task)
+        self._conditions[task] = cond
+        self._invalidate()
+
+    def unregister(self, task: str) -> None:
+        """Remove ``task``'s condition and prune the nodes no other condition uses."""
+        cond = self._conditions.pop(task)
+        node = self.root
+        for symbol in cond:
+            node = node.star if symbol == WILDCARD else node.children[symbol]
+            if symbol != WILDCARD:
+                self._alphabet[symbol] -= 1
+                if not self._alphabet[symbol]:
+                    del self._alphabet[symbol]
+        node.tasks.remove(task)
+        while node is not self.root and not node.tasks and not node.children and node.star is None:
+            parent = node.parent
+            assert parent is not None
+            if node.is_star:
+                parent.star = None
+            else:
+                del parent.children[node.symbol]
+            node.removed = True
+            del self._nodes[node.id]
+            node = parent
+        self._invalidate()
+
+    def _new_node(self, symbol: str, parent: _Node) -> _Node:
+        node = _Node(next(self._ids), symbol, parent)
+        self._nodes[node.id] = node
+        return node
+
+    def _invalidate(self) -> None:
+        self._generation += 1
+        self._states = {}
+        self._initial = self._intern(frozenset())
+
+    # -- matching ---------------------------------------------------------------------------
+    def initial_state(self) -> MatchState:
+        """The state of a user with no partial match (only the static pending list is active)."""
+        return self._initial
+
+    def step(self, state: MatchState, event: Event) -> tuple[MatchState, tuple[str, ...]]:
+        """Advance one user's state by one event; return the new state and the tasks that fire."""
+        eid = event.event_id
+        if eid == PAGE_EXIT:
+            symbol = tuple(k for k in (eid, event.page_id) if k in self._alphabet)
+        else:
+            symbol = (eid,) if eid in self._alphabet else ()
+        if state.generation != self._generation:
+            state = self.restore(state.pending_nodes)
+        hit = state.steps.get(symbol)
+        if hit is None:
+            hit = state.steps[symbol] = self._compute_step(state.pending_nodes, symbol)
+        return hit
+
+    def restore(self, pending_nodes: Iterable[int]) -> MatchState:
+        """The state for a persisted dynamic pending list (nodes pruned since are dropped)."""
+        return self._intern(frozenset(n for n in pending_nodes if n in self._nodes))
+
+    def static_pending(self) -> list[str]:
+        """The trigger ids of the static pending list (the root's children)."""
+        return sorted(self.root.children)
+
+    def dynamic_pending(self, state: MatchState) -> list[tuple[str, ...]]:
+        """The partial matches of a state, each as the condition prefix it has matched."""
+        return sorted(self._prefix(self._nodes[n]) for n in state.pending_nodes if n in self._nodes)
+
+    def _prefix(self, node: _Node) -> tuple[str, ...]:
+        symbols = []
+        while node is not self.root:
+            symbols.append(node.symbol)
+            node = node.parent  # type: ignore[assignment]
+        return tuple(reversed(symbols))
+
+    def _compute_step(self, pending: frozenset[int], symbol: tuple[str, ...]) -> _Step:
+        nodes = [self.root] + [self._nodes[n] for n in pending]
+        reached: dict[int, _Node] = {}
+        for node in nodes:
+            if node.is_star:
+                reached[node.id] = node  # the gap swallows this event
+            for key in symbol:
+                child = node.children.get(key)
+                if child is not None:
+                    reached[child.id] = child
+        fired: list[str] = []
+        next_pending: set[int] = set()
+        for node in reached.values():
+            if not node.is_star:
+                fired.extend(node.tasks)
+                if node.star is not None:
+                    next_pending.add(node.star.id)
+            if node.children or node.star is not None:
+                next_pending.add(node.id)
+        order = {name: i for i, name in enumerate(self._conditions)}
+        fired_tasks = tuple(sorted(set(fired), key=order.__getitem__))
+        return self._intern(frozenset(next_pending)), fired_tasks
+
+    def _intern(self, pending: frozenset[int]) -> MatchState:
+        state = self._states.get(pending)
+        if state is None:
+            if len(self._states) >= _MAX_CACHED_STATES:
+                self._states = {}  # bounded memory: forget cached steps, keep matching correctly
+            state = self._states[pending] = MatchState(pending, self._generation)
+        return state
+
+    # -- inspection -------------------------------------------------------------------------
+    def render(self) -> str:
+        """The trie as an indented tree, tasks shown where their condition ends."""
+        lines = ["(root)  static pending list: " + (", ".join(self.static_pending()) or "empty")]
+
+        def walk(node: _Node, depth: int) -> None:
+            kids = [node.children[k] for k in sorted(node.children)]
+            if node.star is not None:
+                kids.append(node.star)
+            for kid in kids:
+                label = "* (gap)" if kid.is_star else kid.symbol
+                tasks = f"  -> fires {', '.join(kid.tasks)}" if kid.tasks else ""
+                lines.append("  " * (depth + 1) + label + tasks)
+                walk(kid, depth + 1)
+
+        walk(self.root, 0)
+        return "\n".join(lines)
