@@ -14,7 +14,11 @@ A *trigger condition* is a sequence of trigger ids. Matching semantics:
   concrete id.
 - A condition fires at most once per event (however many alignments end there) and fires again on
   every later event that completes it.
-- A condition registered while events flow sees only the events after its registration.
+- A condition registered while events flow fires on the events after its registration. The trie
+  tracks prefixes, not conditions: a user's partial match of a prefix the new condition shares with
+  conditions registered before it counts towards it, as in Walle's dynamic pending list; a prefix
+  new to the trie starts matching with the next event. Unregistering a condition leaves the partial
+  matches of all others intact.
 
 The trie: the root's children are the *static pending list*, tried on every event; the nodes a
 user's recent events have partially matched are that user's *dynamic pending list*. Stepping an event
