@@ -10,41 +10,35 @@ dropped.
 Run it:  streamflow run jobs/ipv.py --events jobs/data/taobao_user_behavior_10k.csv
 """
 
-from operators import Aggregate, Count, First, Map, Max, Min
+from operators import Aggregate, CountBy, First, Last, Map
 from streamflow import Job, Task
 
 
-def _is(kind: str):
-    return lambda event: event.event_id == kind
-
-
 def _ipv_row(visit: dict) -> dict:
+    counts = visit["events"]
     return {
         "item_id": visit["item_id"],
         "category_id": visit["category_id"],
         "enter_ts": visit["enter_ts"],
         "dwell_s": visit["exit_ts"] - visit["enter_ts"],
-        "n_reload": visit["n_reload"],
-        "n_fav": visit["n_fav"],
-        "n_cart": visit["n_cart"],
-        "n_buy": visit["n_buy"],
+        "n_reload": counts.get("pv", 0),
+        "n_fav": counts.get("fav", 0),
+        "n_cart": counts.get("cart", 0),
+        "n_buy": counts.get("buy", 0),
     }
 
 
 ipv = Task(
     name="ipv",
     trigger=["item"],  # a page id as trigger: the item page was just exited
-    input="page",      # the events from entering that page to leaving it
+    input="page",      # the events from entering that page to leaving it, in time order
     pipeline=[
         Aggregate(
             item_id=First("item_id"),
             category_id=First("category_id"),
-            enter_ts=Min("ts"),
-            exit_ts=Max("ts"),
-            n_reload=Count(where=_is("pv")),
-            n_fav=Count(where=_is("fav")),
-            n_cart=Count(where=_is("cart")),
-            n_buy=Count(where=_is("buy")),
+            enter_ts=First("ts"),
+            exit_ts=Last("ts"),
+            events=CountBy("event_id"),
         ),
         Map(_ipv_row),
     ],

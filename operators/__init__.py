@@ -11,6 +11,7 @@ from operators.aggregate import Aggregate
 from operators.aggregations import (
     Aggregation,
     Count,
+    CountBy,
     CountDistinct,
     Distinct,
     First,
@@ -27,7 +28,7 @@ from operators.map import Map
 from operators.window import TimeWindow, window_starts
 
 __all__ = [
-    "Aggregate", "Aggregation", "Count", "CountDistinct", "Distinct", "Filter", "First", "Group",
+    "Aggregate", "Aggregation", "Count", "CountBy", "CountDistinct", "Distinct", "Filter", "First", "Group",
     "KeyBy", "Last", "LastN", "Map", "Max", "Min", "Operator", "Sum", "TimeWindow", "get_field",
     "run_pipeline", "window_starts",
 ]

@@ -27,6 +27,14 @@ class Aggregate(Operator):
         self.aggregations = aggregations
 
     def apply(self, groups: list[Group]) -> list[Group]:
-        aggs = self.aggregations.items()
-        rows = [{**key, **{name: agg.fold(items) for name, agg in aggs}} for key, items in groups]
+        rows = []
+        for key, items in groups:
+            row = dict(key)
+            try:
+                for name, agg in self.aggregations.items():
+                    row[name] = agg.fold(items)
+            except Exception as exc:
+                exc.add_note(f"in Aggregate({name}={agg!r}) over {len(items)} items")
+                raise
+            rows.append(row)
         return [({}, rows)]

@@ -40,12 +40,17 @@ class Aggregation:
         return acc
 
     def fold(self, items: list[Any]) -> Any:
-        """The result over ``items`` (honouring ``where``)."""
+        """The result over ``items`` (honouring ``where``): what ``create``/``add``/``result`` give."""
+        if self.where is not None:
+            items = [item for item in items if self.where(item)]
+        return self._fold(items)
+
+    def _fold(self, items: list[Any]) -> Any:
+        # Subclasses replace this with the same result computed by builtins over the whole list,
+        # which is several times faster than one ``add`` call per item.
         acc = self.create()
-        where, add = self.where, self.add
         for item in items:
-            if where is None or where(item):
-                acc = add(acc, item)
+            acc = self.add(acc, item)
         return self.result(acc)
 
     def __repr__(self) -> str:
@@ -72,6 +77,9 @@ class Count(Aggregation):
     def merge(self, a: int, b: int) -> int:
         return a + b
 
+    def _fold(self, items: list[Any]) -> int:
+        return len(items)
+
 
 class Sum(Aggregation):
     """Sum of a numeric field (0 over no items)."""
@@ -84,6 +92,9 @@ class Sum(Aggregation):
 
     def merge(self, a: float, b: float) -> float:
         return a + b
+
+    def _fold(self, items: list[Any]) -> float:
+        return sum(map(self._read, items))
 
 
 class Min(Aggregation):
@@ -99,6 +110,9 @@ class Min(Aggregation):
     def merge(self, a: Any, b: Any) -> Any:
         return b if a is None else a if b is None else min(a, b)
 
+    def _fold(self, items: list[Any]) -> Any:
+        return min(map(self._read, items), default=None)
+
 
 class Max(Aggregation):
     """Largest value of a field (``None`` over no items)."""
@@ -113,6 +127,9 @@ class Max(Aggregation):
     def merge(self, a: Any, b: Any) -> Any:
         return b if a is None else a if b is None else max(a, b)
 
+    def _fold(self, items: list[Any]) -> Any:
+        return max(map(self._read, items), default=None)
+
 
 class First(Aggregation):
     """Value of a field on the first item (``None`` over no items)."""
@@ -125,6 +142,9 @@ class First(Aggregation):
 
     def merge(self, a: tuple[bool, Any], b: tuple[bool, Any]) -> tuple[bool, Any]:
         return a if a[0] else b
+
+    def _fold(self, items: list[Any]) -> Any:
+        return self._read(items[0]) if items else None
 
     def result(self, acc: tuple[bool, Any]) -> Any:
         return acc[1]
@@ -141,6 +161,9 @@ class Last(Aggregation):
 
     def merge(self, a: tuple[bool, Any], b: tuple[bool, Any]) -> tuple[bool, Any]:
         return b if b[0] else a
+
+    def _fold(self, items: list[Any]) -> Any:
+        return self._read(items[-1]) if items else None
 
     def result(self, acc: tuple[bool, Any]) -> Any:
         return acc[1]
@@ -167,6 +190,9 @@ class LastN(Aggregation):
     def merge(self, a: list[Any], b: list[Any]) -> list[Any]:
         return (a + b)[-self.n:]
 
+    def _fold(self, items: list[Any]) -> list[Any]:
+        return list(map(self._read, items[-self.n:]))
+
     def result(self, acc: list[Any]) -> list[Any]:
         return list(acc)
 
@@ -184,8 +210,42 @@ class Distinct(Aggregation):
     def merge(self, a: dict[Any, None], b: dict[Any, None]) -> dict[Any, None]:
         return {**a, **b}
 
+    def _fold(self, items: list[Any]) -> Any:
+        return self.result(dict.fromkeys(map(self._read, items)))
+
     def result(self, acc: dict[Any, None]) -> list[Any]:
         return list(acc)
+
+
+class CountBy(Aggregation):
+    """How many items have each value of a field: ``{value: count}`` in first-seen order.
+
+    One pass instead of one ``Count(where=...)`` per value: ``CountBy("event_id")`` over a page
+    visit gives ``{"page_enter": 1, "fav": 2, "page_exit": 1}``.
+    """
+
+    def create(self) -> dict[Any, int]:
+        return {}
+
+    def add(self, acc: dict[Any, int], item: Any) -> dict[Any, int]:
+        value = self._read(item)
+        acc[value] = acc.get(value, 0) + 1
+        return acc
+
+    def merge(self, a: dict[Any, int], b: dict[Any, int]) -> dict[Any, int]:
+        merged = dict(a)
+        for value, n in b.items():
+            merged[value] = merged.get(value, 0) + n
+        return merged
+
+    def result(self, acc: dict[Any, int]) -> dict[Any, int]:
+        return dict(acc)
+
+    def _fold(self, items: list[Any]) -> dict[Any, int]:
+        counts: dict[Any, int] = {}
+        for value in map(self._read, items):
+            counts[value] = counts.get(value, 0) + 1
+        return counts
 
 
 class CountDistinct(Distinct):

@@ -9,6 +9,7 @@ to groups, so operators compose in any order and none knows which runner execute
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 Group = tuple[dict[str, Any], list[Any]]
@@ -28,24 +29,24 @@ class Operator:
 
 
 def get_field(item: Any, name: str) -> Any:
-    """Read field ``name`` of an event (attribute or ``contents`` key) or of a row (dict key)."""
-    if isinstance(item, Mapping):
-        try:
-            return item[name]
-        except KeyError:
+    """Read field ``name`` of an item: a row (dict key) or an event (attribute or ``contents`` key).
+
+    Items are read with ``item[name]``: rows are mappings and events support item access.
+    """
+    try:
+        return item[name]
+    except KeyError:
+        if isinstance(item, Mapping):
             raise KeyError(f"row has no field {name!r} (fields: {', '.join(map(str, item))})") from None
-    reader = getattr(item, "field", None)
-    if reader is not None:
-        return reader(name)
-    return getattr(item, name)
+        raise
 
 
 def field_reader(spec: FieldSpec) -> Callable[[Any], Any]:
-    """A one-argument function reading ``spec`` from an item."""
+    """A one-argument function reading ``spec`` from an item (``item[spec]`` for a name)."""
     if callable(spec):
         return spec
     if isinstance(spec, str) and spec:
-        return lambda item: get_field(item, spec)
+        return itemgetter(spec)
     raise TypeError(f"a field is a non-empty name or a function of the item, got {spec!r}")
 
 
@@ -58,8 +59,9 @@ def run_pipeline(operators: Sequence[Operator], items: Iterable[Any]) -> list[di
     """Run ``operators`` over ``items`` and return the resulting rows.
 
     Group keys are merged into the rows, so a row of a keyed, windowed aggregation carries its key
-    and window bounds. The pipeline must end in rows (dicts): end it with an aggregation or a
-    :class:`~operators.Map` that returns dicts.
+    and window bounds (a row without a group key is returned as the pipeline made it, not copied).
+    The pipeline must end in rows (dicts): end it with an aggregation or a :class:`~operators.Map`
+    that returns dicts.
 
     Example:
         >>> from operators import Aggregate, Count, KeyBy
@@ -72,8 +74,8 @@ def run_pipeline(operators: Sequence[Operator], items: Iterable[Any]) -> list[di
     rows: list[dict[str, Any]] = []
     for key, group_items in groups:
         for item in group_items:
-            if not isinstance(item, Mapping):
+            if type(item) is not dict and not isinstance(item, Mapping):
                 raise TypeError(f"the pipeline must end in rows (dicts), but it produced {item!r}; "
                                 "end it with Aggregate(...) or a Map that returns a dict")
-            rows.append({**key, **item} if key else dict(item))
+            rows.append({**key, **item} if key else item)
     return rows

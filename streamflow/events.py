@@ -36,7 +36,7 @@ class Event:
 
     Example:
         >>> e = Event("u1", "fav", "item", 1511848951.0, {"item_id": "77460"})
-        >>> e.field("item_id"), e.field("event_id")
+        >>> e.field("item_id"), e["event_id"]
         ('77460', 'fav')
     """
 
@@ -59,6 +59,8 @@ class Event:
         except KeyError:
             raise KeyError(f"event {self.event_id!r} of user {self.user_id!r} at ts={self.ts} "
                            f"has no field {name!r}") from None
+
+    __getitem__ = field  # events read like rows: event["item_id"], as operators do
 
     def to_dict(self) -> dict[str, Any]:
         """The event as a plain dict (for JSON lines and dead-letter records)."""
@@ -106,7 +108,7 @@ class TimestampGuard:
     def check(self, user_id: str, ts: float) -> str | None:
         """The reason ``ts`` is rejected for ``user_id``, or ``None`` (and remember it) if fine."""
         if not (self.min_ts <= ts <= self.max_ts):  # also catches NaN
-            return (f"absurd timestamp {ts!r}: outside [{self.min_ts:.0f}, {self.max_ts:.0f}] "
+            return (f"absurd timestamp: {ts!r} is outside [{self.min_ts:.0f}, {self.max_ts:.0f}] "
                     "(2000-01-01 .. now + skew)")
         last = self._last.get(user_id)
         if last is not None and ts < last:

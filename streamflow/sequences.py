@@ -57,6 +57,8 @@ class PageVisit:
             return self.exit_ts
         return self.events[0].field(name)
 
+    __getitem__ = field
+
 
 class UserSequence:
     """The recent time-level and page-level sequences of one user.
