@@ -44,6 +44,53 @@ def resolve_db_path(path: str | os.PathLike[str] | None = None) -> Path:
     return Path(path or os.environ.get("STREAMFLOW_DB") or DEFAULT_DB)
 
 
+class ColumnBuffer:
+    """Rows of one table kept column by column, ready to become one Arrow table.
+
+    Appending a row costs one list append per field; a missing field is a null, a new field a
+    column of nulls for the rows before it.
+
+    Example:
+        >>> buf = ColumnBuffer()
+        >>> buf.extend([{"a": 1}, {"a": 2, "b": "x"}])
+        >>> buf.to_arrow().to_pylist()
+        [{'a': 1, 'b': None}, {'a': 2, 'b': 'x'}]
+    """
+
+    __slots__ = ("columns", "n")
+
+    def __init__(self) -> None:
+        self.columns: dict[str, list[Any]] = {}
+        self.n = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def extend(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        columns = self.columns
+        for row in rows:
+            n = self.n
+            for key, value in row.items():
+                column = columns.get(key)
+                if column is None:
+                    column = columns[key] = [None] * n
+                column.append(value)
+            self.n = n = n + 1
+            if len(row) != len(columns):
+                for column in columns.values():
+                    if len(column) < n:
+                        column.append(None)
+
+    def to_arrow(self) -> pa.Table:
+        """The rows as Arrow; a column with no value yet is left out (it reads as NULL)."""
+        arrays = {name: pa.array(values) for name, values in self.columns.items()}
+        return pa.table({name: a for name, a in arrays.items() if not pa.types.is_null(a.type)})
+
+    def rows(self) -> list[dict[str, Any]]:
+        names = list(self.columns)
+        return [dict(zip(names, values, strict=True)) for values in zip(*self.columns.values(), strict=True)]
+
+
 class CollectiveStorage:
     """Buffered DuckDB tables for feature rows (see the module docstring for durability).
 
@@ -68,7 +115,7 @@ class CollectiveStorage:
         self.rows_written: dict[str, int] = {}
         self.flushes = 0
         self._con = duckdb.connect(str(self.path))
-        self._buffers: dict[str, list[Mapping[str, Any]]] = {}
+        self._buffers: dict[str, ColumnBuffer] = {}
         self._oldest: float | None = None
         self._lock = threading.RLock()
         self._columns: dict[str, set[str]] = {}
@@ -82,10 +129,10 @@ class CollectiveStorage:
                 raise RuntimeError(f"storage {self.path} is closed")
             buffer = self._buffers.get(table)
             if buffer is None:
-                buffer = self._buffers[check_table_name(table)] = []
-            before = len(buffer)
+                buffer = self._buffers[check_table_name(table)] = ColumnBuffer()
+            before = buffer.n
             buffer.extend(rows)
-            added = len(buffer) - before
+            added = buffer.n - before
             self.rows_written[table] = self.rows_written.get(table, 0) + added
             now = time.monotonic()
             if self._oldest is None and added:
@@ -105,25 +152,22 @@ class CollectiveStorage:
     def pending(self) -> int:
         """Rows buffered and not yet in the file."""
         with self._lock:
-            return sum(len(b) for b in self._buffers.values())
+            return sum(b.n for b in self._buffers.values())
 
     def _flush_table(self, table: str) -> None:
-        rows = self._buffers.get(table)
-        if not rows:
+        buffer = self._buffers.get(table)
+        if not buffer:
             return
-        self._buffers[table] = []
+        self._buffers[table] = ColumnBuffer()
         if not any(self._buffers.values()):
             self._oldest = None
         try:
-            self._insert(table, rows)
+            self._insert(table, buffer.to_arrow())
         except (pa.ArrowException, duckdb.Error, TypeError, ValueError):
-            self._insert_row_by_row(table, rows)
+            self._insert_row_by_row(table, buffer.rows())
         self.flushes += 1
 
-    def _insert(self, table: str, rows: list[Mapping[str, Any]]) -> None:
-        arrays = {c: pa.array([row.get(c) for row in rows]) for c in dict.fromkeys(k for row in rows for k in row)}
-        # An all-null column has no type yet: leave it out (it reads as NULL) until a value types it.
-        batch = pa.table({c: a for c, a in arrays.items() if not pa.types.is_null(a.type)})
+    def _insert(self, table: str, batch: pa.Table) -> None:
         columns = batch.column_names
         self._con.register("_sf_batch", batch)
         try:
@@ -159,7 +203,9 @@ class CollectiveStorage:
         refused = []
         for index, row in enumerate(rows):
             try:
-                self._insert(table, [row])
+                single = ColumnBuffer()
+                single.extend([row])
+                self._insert(table, single.to_arrow())
             except (pa.ArrowException, duckdb.Error, TypeError, ValueError) as exc:
                 refused.append({
                     "source": f"storage:{table}", "line": index,
@@ -170,7 +216,7 @@ class CollectiveStorage:
             self.rows_written[table] -= len(refused)
             if table == DEAD_LETTER_TABLE:
                 raise RuntimeError(f"dead-letter rows could not be stored: {refused[0]['reason']}")
-            self._buffers.setdefault(DEAD_LETTER_TABLE, []).extend(refused)
+            self._buffers.setdefault(DEAD_LETTER_TABLE, ColumnBuffer()).extend(refused)
             self.rows_written[DEAD_LETTER_TABLE] = self.rows_written.get(DEAD_LETTER_TABLE, 0) + len(refused)
             self._flush_table(DEAD_LETTER_TABLE)
 

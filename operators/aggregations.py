@@ -26,6 +26,8 @@ class Aggregation:
         self.field = field
         self.where = where
         self._read = field_reader(field) if field is not None else None
+        if where is None:
+            self.fold = self._fold  # skip the filtering layer on the hot path
 
     def create(self) -> Any:
         raise NotImplementedError

@@ -68,7 +68,7 @@ def run_pipeline(operators: Sequence[Operator], items: Iterable[Any]) -> list[di
         >>> run_pipeline([KeyBy("kind"), Aggregate(n=Count())], [{"kind": "a"}, {"kind": "b"}, {"kind": "a"}])
         [{'kind': 'a', 'n': 2}, {'kind': 'b', 'n': 1}]
     """
-    groups: list[Group] = [({}, list(items))]
+    groups: list[Group] = [({}, items if isinstance(items, list) else list(items))]
     for op in operators:
         groups = op.apply(groups)
     rows: list[dict[str, Any]] = []

@@ -163,9 +163,9 @@ class JsonLinesSource(_LineSource):
     ``contents`` is an optional object. Anything else is yielded as :class:`Rejected`.
 
     Example:
-        >>> src = JsonLinesSource.from_lines(['{"user_id": 1, "event_id": "fav", "page_id": "item", "ts": 5}'])
+        >>> src = JsonLinesSource.from_lines(['{"user_id": 1, "event_id": "fav", "page_id": "item", "ts": 1511848951}'])
         >>> next(iter(src))
-        Event(user_id='1', event_id='fav', page_id='item', ts=5.0, contents={})
+        Event(user_id='1', event_id='fav', page_id='item', ts=1511848951.0, contents={})
     """
 
     def __iter__(self) -> Iterator[Event | Rejected]:

@@ -187,6 +187,7 @@ class DeviceRunner:
 
     def process(self, event: Event) -> None:
         """Process one event of any user."""
+        started = time.perf_counter() if self.latencies_s is not None else 0.0
         summary = self.summary
         reason = self._guard.check(event.user_id, event.ts)
         if reason is not None:
@@ -200,20 +201,16 @@ class DeviceRunner:
                                                       UserSequence(self._max_events, self._max_pages))
         user.sequence.append(event)
         user.match, fired = self.trie.step(user.match, event)
-        if fired:
-            self._fire(fired, event, user.sequence)
-
-    def _fire(self, names: tuple[str, ...], event: Event, sequence: UserSequence) -> None:
-        started = time.perf_counter()
-        if len(names) == 1:
-            results = [self._run_task(names[0], event, sequence)]
+        if not fired:
+            return
+        if len(fired) == 1:
+            self._record(fired[0], event, self._run_task(fired[0], event, user.sequence))
         else:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="streamflow-task")
-            futures = [self._pool.submit(self._run_task, name, event, sequence) for name in names]
-            results = [f.result() for f in futures]
-        for name, outcome in zip(names, results, strict=True):
-            self._record(name, event, outcome)
+            futures = [self._pool.submit(self._run_task, name, event, user.sequence) for name in fired]
+            for name, future in zip(fired, futures, strict=True):
+                self._record(name, event, future.result())
         if self.latencies_s is not None:
             self.latencies_s.append(time.perf_counter() - started)
 
