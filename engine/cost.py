@@ -1,0 +1,62 @@
+"""Turn a kernel's analytic :class:`Cost` into seconds, with rates measured on this machine.
+
+The calibration runs a few tiny benchmarks once per process (~0.1 s): BLAS GEMM throughput,
+numpy vector throughput, memory bandwidth and the fixed cost of a Python-level numpy call.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from engine.kernels.base import Cost
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Rates used by the cost model. The defaults are a typical laptop core; use :func:`calibrate`."""
+
+    gemm_flops_per_s: float = 5e10
+    vector_flops_per_s: float = 1.5e9
+    bytes_per_s: float = 8e9
+    call_s: float = 2e-6
+
+    def seconds(self, cost: Cost) -> float:
+        return (cost.gemm_flops / self.gemm_flops_per_s + cost.vector_flops / self.vector_flops_per_s
+                + cost.bytes / self.bytes_per_s + cost.calls * self.call_s)
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def _best(fn, repeat: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+@functools.cache
+def calibrate() -> Calibration:
+    """Measure the rates on this machine (cached for the process)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((256, 512), dtype=np.float32)
+    b = rng.standard_normal((512, 784), dtype=np.float32)
+    c = np.empty((256, 784), np.float32)
+    gemm = 2 * 256 * 512 * 784 / _best(lambda: np.matmul(a, b, out=c))
+    big = rng.standard_normal(1 << 21, dtype=np.float32)
+    dst = np.empty_like(big)
+    bw = 2 * big.nbytes / _best(lambda: np.copyto(dst, big))
+    # A strided gather (what im2col and the depthwise taps do) measures the vector rate.
+    src = rng.standard_normal((64, 60, 60), dtype=np.float32)
+    out = np.empty((64, 29, 29), np.float32)
+    vec = out.size / _best(lambda: np.multiply(src[:, 1:59:2, 1:59:2], 1.5, out=out))
+    tiny = np.empty(4, np.float32)
+    call = _best(lambda: [np.add(tiny, 1, out=tiny) for _ in range(100)]) / 100
+    return Calibration(gemm, vec, bw, call)

@@ -1,0 +1,42 @@
+"""Kernel registry: every op maps to one or more implementations; the planner picks one."""
+
+from __future__ import annotations
+
+from engine.kernels import conv, elementwise, gemm, pool, raster
+from engine.kernels.base import Cost, Kernel, NodeCtx
+
+REGISTRY: dict[str, list[Kernel]] = {}
+
+
+def register(kernel: Kernel) -> Kernel:
+    for op in kernel.ops:
+        REGISTRY.setdefault(op, []).append(kernel)
+    return kernel
+
+
+def candidates(ctx: NodeCtx) -> list[Kernel]:
+    """Kernels implementing ``ctx.node.op`` that apply to its shapes and attributes."""
+    return [k for k in REGISTRY.get(ctx.node.op, []) if k.applies(ctx)]
+
+
+def by_name(name: str) -> Kernel:
+    for ks in REGISTRY.values():
+        for k in ks:
+            if k.name == name:
+                return k
+    raise KeyError(f"no kernel named {name!r}")
+
+
+for _module in (conv, gemm, elementwise, pool, raster):
+    for _k in _module.KERNELS:
+        register(_k)
+
+try:  # numba is an optional accelerator; numpy kernels cover every op without it
+    from engine.kernels import numba_kernels
+except ImportError:  # pragma: no cover - depends on the environment
+    numba_kernels = None
+else:
+    for _k in numba_kernels.KERNELS:
+        register(_k)
+
+__all__ = ["REGISTRY", "Cost", "Kernel", "NodeCtx", "by_name", "candidates", "register"]

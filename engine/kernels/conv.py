@@ -1,0 +1,397 @@
+"""Conv kernels: 1x1 GEMM, im2col+GEMM, direct (tap by tap), Winograd F(2,3), depthwise.
+
+All take NCHW float32 input, weights (Cout, Cin/group, kh, kw), optional bias, optional fused
+residual (4th input, same shape as the output) and a fused activation (attrs ``act``,
+``act_params``) applied in place on the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from engine.kernels import epilogue
+from engine.kernels.base import Cost, Kernel, NodeCtx, Step, carve, scratch_size
+from engine.ops import conv_attrs
+
+
+@dataclass(frozen=True)
+class ConvGeom:
+    n: int
+    c: int
+    h: int
+    w: int
+    cout: int
+    kh: int
+    kw: int
+    oh: int
+    ow: int
+    stride: tuple[int, int]
+    pads: tuple[int, int, int, int]  # top, left, bottom, right
+    dil: tuple[int, int]
+    group: int
+
+    @classmethod
+    def of(cls, ctx: NodeCtx) -> ConvGeom:
+        """Geometry of a Conv, or of a pool (seen as a depthwise conv with no weights)."""
+        x, y = ctx.ins[0].shape, ctx.outs[0].shape
+        w = ctx.ins[1].shape if ctx.node.op == "Conv" else (x[1], 1, *ctx.attrs["kernel_shape"])
+        a = conv_attrs(ctx.node, w)
+        group = a["group"] if ctx.node.op == "Conv" else x[1]
+        return cls(x[0], x[1], x[2], x[3], w[0], w[2], w[3], y[2], y[3], tuple(a["strides"]),
+                   tuple(a["pads"]), tuple(a["dilations"]), group)
+
+    @property
+    def padded(self) -> bool:
+        return any(self.pads)
+
+    @property
+    def pad_shape(self) -> tuple[int, int, int]:
+        top, left, bottom, right = self.pads
+        return (self.c, self.h + top + bottom, self.w + left + right)
+
+    @property
+    def macs(self) -> int:
+        return self.n * self.cout * self.oh * self.ow * (self.c // self.group) * self.kh * self.kw
+
+
+def pad_into(x: np.ndarray, buf: np.ndarray, top: int, left: int, value: float = 0.0) -> None:
+    """Copy ``x`` (C,H,W) into ``buf`` at (top, left), filling only the border strips."""
+    _, h, w = x.shape
+    buf[:, :top] = value
+    buf[:, top + h :] = value
+    buf[:, top : top + h, :left] = value
+    buf[:, top : top + h, left + w :] = value
+    buf[:, top : top + h, left : left + w] = x
+
+
+def windows(xp: np.ndarray, g: ConvGeom) -> np.ndarray:
+    """(C, kh, kw, OH, OW) strided view of the padded input: every tap's input window."""
+    sc, sh, sw = xp.strides
+    return as_strided(xp, (xp.shape[0], g.kh, g.kw, g.oh, g.ow),
+                      (sc, g.dil[0] * sh, g.dil[1] * sw, g.stride[0] * sh, g.stride[1] * sw))
+
+
+class ConvBase(Kernel):
+    ops = ("Conv",)
+
+    def epilogue_bytes(self, ctx: NodeCtx) -> int:
+        return epilogue.CHUNK_BYTES if epilogue.needs_scratch(ctx.attrs.get("act")) else 0
+
+    def transform(self, ctx: NodeCtx) -> dict[str, np.ndarray]:
+        w = ctx.const(1)
+        b = ctx.const(2)
+        cout = w.shape[0]
+        return {"w": w, "b": (b if b is not None else np.zeros(cout, np.float32)).reshape(cout, 1)}
+
+    def finish(self, ctx: NodeCtx, params, y: np.ndarray, r: np.ndarray | None, tmp) -> None:
+        """Bias, residual and activation on one image's output viewed as (Cout, OH*OW)."""
+        if ctx.has_input(2):
+            y += params["b"]
+        if r is not None:
+            y += r
+        epilogue.apply(y, y, ctx.attrs.get("act"), ctx.attrs.get("act_params", ()), tmp)
+
+    def residual(self, ctx: NodeCtx, ins: list[np.ndarray], n: int, g: ConvGeom) -> np.ndarray | None:
+        return ins[3][n].reshape(g.cout, -1) if len(ins) > 3 and ctx.has_input(3) else None
+
+    def epilogue_cost(self, g: ConvGeom) -> Cost:
+        out = g.n * g.cout * g.oh * g.ow
+        return Cost(vector_flops=3 * out, bytes=3 * 4 * out, calls=3)
+
+
+class Conv1x1Gemm(ConvBase):
+    """1x1, stride 1, no pad, group 1: the conv *is* a GEMM on the input, no scratch at all."""
+
+    name = "conv1x1_gemm"
+
+    def applies(self, ctx):
+        g = ConvGeom.of(ctx)
+        return (g.kh, g.kw, g.stride, g.group) == (1, 1, (1, 1), 1) and not g.padded
+
+    def cost(self, ctx):
+        g = ConvGeom.of(ctx)
+        return Cost(gemm_flops=2 * g.macs, bytes=4 * g.n * (g.c + g.cout) * g.oh * g.ow,
+                    calls=g.n) + self.epilogue_cost(g)
+
+    def scratch_bytes(self, ctx):
+        return self.epilogue_bytes(ctx)
+
+    def transform(self, ctx):
+        p = super().transform(ctx)
+        p["w"] = p["w"].reshape(p["w"].shape[0], -1)  # a view: no copy of the weights
+        return p
+
+    def bind(self, ctx, params, ins, outs, scratch) -> Step:
+        g = ConvGeom.of(ctx)
+        x, y = ins[0].reshape(g.n, g.c, -1), outs[0].reshape(g.n, g.cout, -1)
+        tmp = scratch.view(np.float32) if self.epilogue_bytes(ctx) else None
+
+        def run():
+            for n in range(g.n):
+                np.matmul(params["w"], x[n], out=y[n])
+                self.finish(ctx, params, y[n], self.residual(ctx, ins, n, g), tmp)
+
+        return run
+
+
+class ConvIm2col(ConvBase):
+    """General conv: pad, gather every tap's window into a (Cin*kh*kw, OH*OW) matrix, one GEMM."""
+
+    name = "conv_im2col"
+
+    def parts(self, g: ConvGeom):
+        parts = [((g.c // g.group * g.kh * g.kw, g.oh * g.ow), np.float32)]
+        return parts + ([(g.pad_shape, np.float32)] if g.padded else [])
+
+    def cost(self, ctx):
+        g = ConvGeom.of(ctx)
+        cols = g.n * g.c * g.kh * g.kw * g.oh * g.ow
+        # The strided gather runs far below bandwidth: count it as vector work as well as bytes.
+        return Cost(gemm_flops=2 * g.macs, vector_flops=2 * cols, bytes=4 * (2 * cols + g.n * g.cout * g.oh * g.ow),
+                    calls=g.n * (2 + g.group)) + self.epilogue_cost(g)
+
+    def scratch_bytes(self, ctx):
+        return scratch_size(*self.parts(ConvGeom.of(ctx))) + self.epilogue_bytes(ctx)
+
+    def transform(self, ctx):
+        p = super().transform(ctx)
+        g = ConvGeom.of(ctx)
+        p["w"] = p["w"].reshape(g.group, g.cout // g.group, -1)
+        return p
+
+    def bind(self, ctx, params, ins, outs, scratch) -> Step:
+        g = ConvGeom.of(ctx)
+        views = carve(scratch, *self.parts(g))
+        cols = views[0]
+        xp = views[1] if g.padded else None
+        tmp = scratch[scratch_size(*self.parts(g)):].view(np.float32) if self.epilogue_bytes(ctx) else None
+        cg, og = g.c // g.group, g.cout // g.group
+        cols5 = cols.reshape(cg, g.kh, g.kw, g.oh, g.ow)
+        y = outs[0].reshape(g.n, g.cout, -1)
+
+        def run():
+            for n in range(g.n):
+                src = ins[0][n]
+                if xp is not None:
+                    pad_into(src, xp, g.pads[0], g.pads[1])
+                    src = xp
+                win = windows(src, g)
+                for k in range(g.group):
+                    np.copyto(cols5, win[k * cg : (k + 1) * cg])
+                    np.matmul(params["w"][k], cols, out=y[n, k * og : (k + 1) * og])
+                self.finish(ctx, params, y[n], self.residual(ctx, ins, n, g), tmp)
+
+        return run
+
+
+class ConvDirect(ConvBase):
+    """Tap-by-tap accumulation: kh*kw small GEMMs; scratch is one window, not kh*kw of them."""
+
+    name = "conv_direct"
+
+    def applies(self, ctx):
+        return ConvGeom.of(ctx).group == 1
+
+    def parts(self, g: ConvGeom):
+        parts = [((g.c, g.oh * g.ow), np.float32), ((g.cout, g.oh * g.ow), np.float32)]
+        return parts + ([(g.pad_shape, np.float32)] if g.padded else [])
+
+    def cost(self, ctx):
+        g = ConvGeom.of(ctx)
+        taps = g.kh * g.kw
+        win = g.n * taps * g.c * g.oh * g.ow
+        acc = g.n * taps * g.cout * g.oh * g.ow
+        return Cost(gemm_flops=2 * g.macs, vector_flops=2 * win + acc, bytes=4 * (2 * win + 3 * acc),
+                    calls=g.n * taps * 3) + self.epilogue_cost(g)
+
+    def scratch_bytes(self, ctx):
+        return scratch_size(*self.parts(ConvGeom.of(ctx))) + self.epilogue_bytes(ctx)
+
+    def transform(self, ctx):
+        p = super().transform(ctx)
+        w = p["w"]
+        p["taps"] = np.ascontiguousarray(w.transpose(2, 3, 0, 1)).reshape(-1, w.shape[0], w.shape[1])
+        return p
+
+    def bind(self, ctx, params, ins, outs, scratch) -> Step:
+        g = ConvGeom.of(ctx)
+        views = carve(scratch, *self.parts(g))
+        win_buf, acc = views[0], views[1]
+        xp = views[2] if g.padded else None
+        tmp = scratch[scratch_size(*self.parts(g)):].view(np.float32) if self.epilogue_bytes(ctx) else None
+        y = outs[0].reshape(g.n, g.cout, -1)
+        win3 = win_buf.reshape(g.c, g.oh, g.ow)
+
+        def run():
+            for n in range(g.n):
+                src = ins[0][n]
+                if xp is not None:
+                    pad_into(src, xp, g.pads[0], g.pads[1])
+                    src = xp
+                win = windows(src, g)
+                for t in range(g.kh * g.kw):
+                    np.copyto(win3, win[:, t // g.kw, t % g.kw])
+                    if t == 0:
+                        np.matmul(params["taps"][t], win_buf, out=y[n])
+                    else:
+                        np.matmul(params["taps"][t], win_buf, out=acc)
+                        y[n] += acc
+                self.finish(ctx, params, y[n], self.residual(ctx, ins, n, g), tmp)
+
+        return run
+
+
+# Winograd F(2x2, 3x3) matrices (Lavin & Gray).
+_G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], dtype=np.float64)
+
+
+class ConvWinograd23(ConvBase):
+    """Winograd F(2,3) for 3x3 stride-1 convs: 16 batched GEMMs on transformed 4x4 tiles, 2.25x
+    fewer multiplies than im2col; the weights are kept transformed (16/9 of their size)."""
+
+    name = "conv_winograd_f23"
+
+    def applies(self, ctx):
+        g = ConvGeom.of(ctx)
+        return (g.kh, g.kw, g.stride, g.dil, g.group) == (3, 3, (1, 1), (1, 1), 1)
+
+    @staticmethod
+    def tiles(g: ConvGeom) -> tuple[int, int]:
+        return -(-g.oh // 2), -(-g.ow // 2)
+
+    def parts(self, g: ConvGeom):
+        th, tw = self.tiles(g)
+        parts = [((g.c, 2 * th + 2, 2 * tw + 2), np.float32),  # padded input, whole tiles
+                 ((4, g.c, th, tw, 4), np.float32),  # row-transformed tiles
+                 ((16, g.c, th * tw), np.float32),  # V
+                 ((16, g.cout, th * tw), np.float32),  # M
+                 ((2, 4, g.cout, th, tw), np.float32)]  # row-transformed M
+        if (g.oh % 2) or (g.ow % 2):
+            parts.append(((g.cout, 2 * th, 2 * tw), np.float32))
+        return parts
+
+    def cost(self, ctx):
+        g = ConvGeom.of(ctx)
+        th, tw = self.tiles(g)
+        p = g.n * th * tw
+        transforms = p * (g.c * (16 + 32) + g.cout * (24 + 8))
+        return Cost(gemm_flops=2 * 16 * g.cout * g.c * p, vector_flops=transforms, bytes=4 * 2 * transforms,
+                    calls=g.n * 30) + self.epilogue_cost(g)
+
+    def scratch_bytes(self, ctx):
+        return scratch_size(*self.parts(ConvGeom.of(ctx))) + self.epilogue_bytes(ctx)
+
+    def transform(self, ctx):
+        p = super().transform(ctx)
+        w = p.pop("w").astype(np.float64)
+        u = np.einsum("ij,ocjk,lk->iloc", _G, w, _G)  # (4, 4, Cout, Cin)
+        p["u"] = np.ascontiguousarray(u.reshape(16, w.shape[0], w.shape[1]), dtype=np.float32)
+        return p
+
+    def bind(self, ctx, params, ins, outs, scratch) -> Step:
+        g = ConvGeom.of(ctx)
+        th, tw = self.tiles(g)
+        parts = self.parts(g)
+        xp, t, v, m, s, *full = carve(scratch, *parts)
+        tmp = scratch[scratch_size(*parts):].view(np.float32) if self.epilogue_bytes(ctx) else None
+        sc, sh, sw = xp.strides
+        d = as_strided(xp, (g.c, th, tw, 4, 4), (sc, 2 * sh, 2 * sw, sh, sw))
+        v5 = v.reshape(4, 4, g.c, th, tw)
+        m5 = m.reshape(4, 4, g.cout, th, tw)
+        y = outs[0].reshape(g.n, g.cout, -1)
+        top, left = g.pads[0], g.pads[1]
+
+        def run():
+            for n in range(g.n):
+                pad_into(ins[0][n], xp, top, left)  # zero fill also covers the partial last tiles
+                # V = B^T d B, rows then columns
+                np.subtract(d[..., 0, :], d[..., 2, :], out=t[0])
+                np.add(d[..., 1, :], d[..., 2, :], out=t[1])
+                np.subtract(d[..., 2, :], d[..., 1, :], out=t[2])
+                np.subtract(d[..., 1, :], d[..., 3, :], out=t[3])
+                for r in range(4):
+                    np.subtract(t[r][..., 0], t[r][..., 2], out=v5[r, 0])
+                    np.add(t[r][..., 1], t[r][..., 2], out=v5[r, 1])
+                    np.subtract(t[r][..., 2], t[r][..., 1], out=v5[r, 2])
+                    np.subtract(t[r][..., 1], t[r][..., 3], out=v5[r, 3])
+                np.matmul(params["u"], v, out=m)
+                # Y = A^T M A, rows then columns
+                for c in range(4):
+                    np.add(m5[0, c], m5[1, c], out=s[0, c])
+                    s[0, c] += m5[2, c]
+                    np.subtract(m5[1, c], m5[2, c], out=s[1, c])
+                    s[1, c] -= m5[3, c]
+                dst = full[0] if full else outs[0][n]
+                yv = dst.reshape(g.cout, th, 2, tw, 2)
+                for a in range(2):
+                    np.add(s[a, 0], s[a, 1], out=yv[:, :, a, :, 0])
+                    yv[:, :, a, :, 0] += s[a, 2]
+                    np.subtract(s[a, 1], s[a, 2], out=yv[:, :, a, :, 1])
+                    yv[:, :, a, :, 1] -= s[a, 3]
+                if full:
+                    np.copyto(outs[0][n], full[0][:, : g.oh, : g.ow])
+                self.finish(ctx, params, y[n], self.residual(ctx, ins, n, g), tmp)
+
+        return run
+
+
+class DepthwiseNumpy(ConvBase):
+    """Depthwise (group == Cin == Cout): per tap, a broadcast multiply-add over all channels."""
+
+    name = "depthwise_numpy"
+
+    def applies(self, ctx):
+        g = ConvGeom.of(ctx)
+        return g.group == g.c == g.cout
+
+    def parts(self, g: ConvGeom):
+        parts = [((g.c, g.oh, g.ow), np.float32)]
+        return parts + ([(g.pad_shape, np.float32)] if g.padded else [])
+
+    def cost(self, ctx):
+        g = ConvGeom.of(ctx)
+        taps = g.n * g.c * g.oh * g.ow * g.kh * g.kw
+        return Cost(vector_flops=2 * taps, bytes=4 * 3 * taps, calls=2 * g.n * g.kh * g.kw) + self.epilogue_cost(g)
+
+    def scratch_bytes(self, ctx):
+        return scratch_size(*self.parts(ConvGeom.of(ctx))) + self.epilogue_bytes(ctx)
+
+    def transform(self, ctx):
+        p = super().transform(ctx)
+        p["taps"] = p["w"].reshape(p["w"].shape[0], -1, 1, 1)  # (C, kh*kw, 1, 1) view
+        return p
+
+    def bind(self, ctx, params, ins, outs, scratch) -> Step:
+        g = ConvGeom.of(ctx)
+        views = carve(scratch, *self.parts(g))
+        prod = views[0]
+        xp = views[1] if g.padded else None
+        tmp = scratch[scratch_size(*self.parts(g)):].view(np.float32) if self.epilogue_bytes(ctx) else None
+        taps = [params["taps"][:, t] for t in range(g.kh * g.kw)]
+        y = outs[0].reshape(g.n, g.cout, -1)
+
+        def run():
+            for n in range(g.n):
+                src = ins[0][n]
+                if xp is not None:
+                    pad_into(src, xp, g.pads[0], g.pads[1])
+                    src = xp
+                win = windows(src, g)
+                out = outs[0][n]
+                for t, w in enumerate(taps):
+                    tap = win[:, t // g.kw, t % g.kw]
+                    if t == 0:
+                        np.multiply(tap, w, out=out)
+                    else:
+                        np.multiply(tap, w, out=prod)
+                        out += prod
+                self.finish(ctx, params, y[n], self.residual(ctx, ins, n, g), tmp)
+
+        return run
+
+
+KERNELS = [Conv1x1Gemm(), ConvIm2col(), ConvDirect(), ConvWinograd23(), DepthwiseNumpy()]
+

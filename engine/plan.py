@@ -1,0 +1,164 @@
+"""Compile a graph for concrete input shapes: choose a kernel per node by cost, transform weights,
+and plan every activation and scratch buffer into one arena.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.cost import Calibration
+from engine.ir import Graph, GraphError, Node, TensorInfo
+from engine.kernels import Kernel, NodeCtx, by_name, candidates
+from engine.ops import VIEW_OPS, infer_shapes
+from engine.planner import ArenaPlan, Buffer, plan_arena
+
+
+@dataclass
+class StepPlan:
+    """One node: the chosen kernel, why (every candidate's estimate), and its memory."""
+
+    ctx: NodeCtx
+    kernel: Kernel | None  # None for a view (Reshape/Flatten...): no work, no memory
+    estimates: dict[str, float] = field(default_factory=dict)  # kernel name -> expected seconds
+    params: dict[str, np.ndarray] = field(default_factory=dict)
+    scratch_bytes: int = 0
+    weight_bytes: int = 0  # weights read by the kernel
+    transformed_bytes: int = 0  # extra bytes of transformed weight copies (0 when they are views)
+    forced: bool = False
+
+    @property
+    def node(self) -> Node:
+        return self.ctx.node
+
+    @property
+    def expected_s(self) -> float:
+        return self.estimates.get(self.kernel.name, 0.0) if self.kernel else 0.0
+
+    @property
+    def reason(self) -> str:
+        if self.kernel is None:
+            return "view of its input"
+        if self.forced:
+            return "forced"
+        if len(self.estimates) == 1:
+            return "only kernel"
+        alts = sorted(self.estimates.items(), key=lambda kv: kv[1])
+        return "cheapest: " + ", ".join(f"{k} {v * 1e3:.3f}ms" for k, v in alts)
+
+
+@dataclass
+class ExecutionPlan:
+    graph: Graph
+    infos: dict[str, TensorInfo]
+    consts: dict[str, np.ndarray]
+    steps: list[StepPlan]
+    aliases: dict[str, str]  # tensor -> tensor whose storage it views
+    arena: ArenaPlan
+    calibration: Calibration
+
+    def location(self, tensor: str) -> str:
+        return self.aliases.get(tensor, tensor)
+
+    @property
+    def expected_s(self) -> float:
+        return sum(s.expected_s for s in self.steps)
+
+    def memory_report(self) -> dict[str, int | float]:
+        weights = sum(int(np.asarray(w).nbytes) for w in self.graph.weights.values())
+        extra = sum(s.transformed_bytes for s in self.steps)
+        return {**self.arena.report(), "weight_bytes": weights, "transformed_weight_bytes": extra}
+
+    def table(self) -> str:
+        """Per-node kernel, memory and expected time, as printed by ``python -m engine plan``."""
+        rows = [f"{'node':<34} {'op':<18} {'kernel':<18} {'out shape':<20} {'scratch KB':>10} "
+                f"{'+weights KB':>11} {'exp ms':>8}  reason"]
+        for s in self.steps:
+            shape = "x".join(map(str, s.ctx.outs[0].shape))
+            rows.append(f"{s.node.name[:34]:<34} {s.node.op:<18} {(s.kernel.name if s.kernel else 'view'):<18} "
+                        f"{shape:<20} {s.scratch_bytes / 1024:>10.1f} {s.transformed_bytes / 1024:>11.1f} "
+                        f"{s.expected_s * 1e3:>8.3f}  {s.reason}")
+        m = self.memory_report()
+        rows.append(f"expected total {self.expected_s * 1e3:.2f} ms; arena {m['arena_bytes'] / 2**20:.2f} MiB "
+                    f"(live peak {m['live_peak_bytes'] / 2**20:.2f} MiB, no-reuse sum "
+                    f"{m['sum_of_buffers_bytes'] / 2**20:.2f} MiB); weights {m['weight_bytes'] / 2**20:.2f} MiB "
+                    f"+ transformed copies {m['transformed_weight_bytes'] / 2**20:.2f} MiB")
+        return "\n".join(rows)
+
+
+def _extra_bytes(params: dict[str, np.ndarray], originals: list[np.ndarray]) -> int:
+    total = 0
+    for p in params.values():
+        p = np.asarray(p)
+        if p.size > 1 and not any(np.shares_memory(p, o) for o in originals):
+            total += p.nbytes
+    return total
+
+
+def compile_plan(graph: Graph, input_shapes: dict[str, tuple[int, ...]], calibration: Calibration,
+                 overrides: dict[str, str] | None = None) -> ExecutionPlan:
+    """Plan ``graph`` (already optimised) for ``input_shapes``.
+
+    ``overrides`` maps a node name or an op type to a kernel name, to force a choice.
+    """
+    overrides = overrides or {}
+    infos, folded = infer_shapes(graph, input_shapes)
+    consts: dict[str, np.ndarray] = {**graph.weights, **folded}
+    aliases: dict[str, str] = {}
+    steps: list[StepPlan] = []
+    for node in graph.topological_order():
+        if all(o in consts for o in node.outputs):
+            continue
+        ctx = NodeCtx(node, [infos[t] for t in node.inputs if t], [infos[t] for t in node.outputs], consts)
+        if node.op in VIEW_OPS:
+            src = node.inputs[0]
+            if src in consts:
+                consts[node.outputs[0]] = np.asarray(consts[src]).reshape(infos[node.outputs[0]].shape)
+                continue
+            aliases[node.outputs[0]] = aliases.get(src, src)
+            steps.append(StepPlan(ctx, None))
+            continue
+        kernels = candidates(ctx)
+        if not kernels:
+            raise GraphError(f"no kernel for op '{node.op}' at node '{node.name}' with inputs "
+                             f"{[i.shape for i in ctx.ins]}")
+        estimates = {k.name: calibration.seconds(k.cost(ctx)) for k in kernels}
+        forced = overrides.get(node.name) or overrides.get(node.op)
+        if forced:
+            kernel = by_name(forced)
+            if not kernel.applies(ctx) or node.op not in kernel.ops:
+                raise GraphError(f"kernel {forced!r} does not apply to node '{node.name}' ({node.op})")
+        else:
+            kernel = min(kernels, key=lambda k: estimates[k.name])
+        params = kernel.transform(ctx)
+        originals = [np.asarray(consts[t]) for t in node.inputs if t in consts]
+        steps.append(StepPlan(ctx, kernel, estimates, params, kernel.scratch_bytes(ctx),
+                              sum(o.nbytes for o in originals), _extra_bytes(params, originals), bool(forced)))
+    arena = plan_arena(_buffers(graph, steps, consts, aliases, infos))
+    return ExecutionPlan(graph, infos, consts, steps, aliases, arena, calibration)
+
+
+def _buffers(graph, steps, consts, aliases, infos) -> list[Buffer]:
+    """Lifetimes (in step indices) of every arena tensor and every kernel's scratch."""
+    start: dict[str, int] = {t.name: 0 for t in graph.inputs}
+    end: dict[str, int] = dict.fromkeys(start, 0)
+    buffers = []
+    for i, s in enumerate(steps):
+        for t in s.node.inputs:
+            if t and t not in consts:
+                root = aliases.get(t, t)
+                end[root] = max(end.get(root, i), i)
+        if s.kernel is None:
+            continue
+        for t in s.node.outputs:
+            start[t], end[t] = i, max(end.get(t, i), i)
+        if s.scratch_bytes:
+            buffers.append(Buffer(f"{s.node.name}#scratch", s.scratch_bytes, i, i))
+    for o in graph.outputs:
+        root = aliases.get(o, o)
+        if root in end:
+            end[root] = len(steps)
+    for t, st in start.items():
+        buffers.append(Buffer(t, infos[t].nbytes_for(), st, end[t]))
+    return buffers

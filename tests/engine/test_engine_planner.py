@@ -1,0 +1,65 @@
+"""The static arena planner: no two live buffers collide, and runs allocate nothing beyond the plan."""
+
+import tracemalloc
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.builder import GraphBuilder
+from engine.cost import Calibration
+from engine.planner import Buffer, plan_arena
+from engine.session import InferenceSession
+
+buffers = st.lists(
+    st.tuples(st.integers(1, 5000), st.integers(0, 30), st.integers(0, 10)).map(
+        lambda t: (t[0], t[1], t[1] + t[2])),
+    min_size=1, max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(buffers)
+def test_plan_never_overlaps_live_buffers_and_beats_no_reuse(specs):
+    bufs = [Buffer(f"b{i}", size, s, e) for i, (size, s, e) in enumerate(specs)]
+    plan = plan_arena(bufs)
+    plan.check()
+    assert plan.live_peak <= plan.size
+    assert plan.size <= sum(-(-b.size // 64) * 64 for b in bufs)
+
+
+def test_disjoint_lifetimes_share_memory():
+    plan = plan_arena([Buffer("a", 1000, 0, 1), Buffer("b", 1000, 2, 3), Buffer("c", 10, 0, 3)])
+    assert plan.offsets["a"] == plan.offsets["b"]
+    assert plan.size == 1024 + 64
+    assert plan.report()["arena_vs_sum"] < 1
+
+
+def chain_model():
+    rng = np.random.default_rng(0)
+    b = GraphBuilder()
+    y = b.input("x", (None, 8, 64, 64))
+    for i in range(6):
+        w = rng.standard_normal((8, 8, 3, 3), dtype=np.float32) * 0.2
+        y = b.relu(b.conv(y, w, pads=1)) if i % 2 else b.hard_swish(b.conv(y, w, pads=1))
+    y = b.concat([y, b.avg_pool(y, 3, 1, 1)], axis=1)
+    b.output(b.softmax(b.flatten(b.global_avg_pool(y))))
+    return b.build()
+
+
+def test_run_allocates_nothing_beyond_the_arena():
+    sess = InferenceSession(chain_model(), calibration=Calibration())
+    x = np.random.default_rng(1).standard_normal((2, 8, 64, 64), dtype=np.float32)
+    sess.run(x)  # plan, bind, allocate the arena
+    plan = sess.plan_for({"x": x.shape})
+    plan.arena.check()
+    outputs = sum(plan.infos[o].nbytes_for() for o in plan.graph.outputs)
+    tracemalloc.start()
+    try:
+        sess.run(x)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # Only the returned output copies and numpy's fixed-size ufunc iteration buffers (8192 elements
+    # per operand), whatever the tensor sizes: no activation-sized temporary.
+    assert peak <= outputs + 256 * 1024, peak
+    assert peak < plan.arena.size / 10

