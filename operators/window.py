@@ -34,7 +34,8 @@ class TimeWindow(Operator):
     """Split each group into event-time windows; ``window_start``/``window_end`` join the group key.
 
     ``size`` and ``slide`` are seconds; without ``slide`` the windows tumble (``slide = size``).
-    With ``slide < size`` an item belongs to ``ceil(size / slide)`` windows. Windows without items
+    With ``slide < size`` an item belongs to every window that contains it (``size / slide`` of them
+    when ``slide`` divides ``size``). Windows without items
     are not produced. ``ts`` names the event-time field (``"ts"`` by default) or computes it.
 
     Example:

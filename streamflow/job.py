@@ -125,7 +125,7 @@ def load_job(path: str | Path) -> Job:
         spec.loader.exec_module(module)
     except SyntaxError as exc:
         raise JobLoadError(f"cannot load job file {path}: syntax error at line {exc.lineno}: {exc.msg}") from exc
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a job file calling sys.exit() is a load error too
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == str(path)]
         where = f" at line {frames[-1].lineno}" if frames else ""
         raise JobLoadError(f"cannot load job file {path}: {type(exc).__name__}{where}: {exc}") from exc

@@ -5,8 +5,8 @@
 - The **page-level sequence** is the user's page visits in order. A visit is the events from a
   ``page_enter`` up to and including the matching ``page_exit`` of the same page, aggregated into a
   :class:`PageVisit`. A ``page_enter`` while another page is open ends the open visit at its last
-  event (the exit was never reported); a ``page_exit`` with no matching open page is a visit of
-  that one event.
+  event (the exit was never reported); a ``page_exit`` of a page that is not the open one also ends
+  the open visit that way, and is itself a visit of that one event.
 
 :class:`UserSequence` holds both for one user and is what a task's input is cut from.
 """
@@ -98,6 +98,8 @@ class UserSequence:
                 opened.append(event)
                 visit = PageVisit.of(opened)
             else:
+                if opened is not None:  # that page's exit was never reported: it ends at its last event
+                    self.pages.append(PageVisit.of(opened))
                 visit = PageVisit.of([event])
             self._open = None
             self.pages.append(visit)

@@ -12,6 +12,7 @@ Each source iterates ``Event | Rejected`` in file order. Two formats:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ ITEM_PAGE = "item"
 TAOBAO_BEHAVIORS = frozenset(("pv", "fav", "cart", "buy"))
 #: Default inactivity after which the open item page counts as left (seconds).
 DEFAULT_INACTIVITY_GAP_S = 1800.0
+# Plain ASCII digits, at most 15 of them (int() would also take "1_000", "١٢" or 5,000 digits).
+_INTEGER = re.compile(r"-?[0-9]{1,15}")
 
 
 class _LineSource:
@@ -141,10 +144,9 @@ class TaobaoBehaviorSource(_LineSource):
                 return f"missing field: {name} is empty"
         if behavior not in TAOBAO_BEHAVIORS:
             return f"bad value: unknown behavior {behavior!r} (expected one of pv, fav, cart, buy)"
-        try:
-            ts = float(int(ts_text))
-        except ValueError:
-            return f"wrong type: timestamp {ts_text!r} is not an integer number of seconds"
+        if not _INTEGER.fullmatch(ts_text):
+            return f"wrong type: timestamp {ts_text[:40]!r} is not an integer number of seconds"
+        ts = float(ts_text)
         return user, item, category, behavior, ts
 
 
@@ -181,6 +183,8 @@ def _event_from_json(raw: str) -> Event | str:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
         return f"malformed JSON: {exc.msg} at column {exc.colno}"
+    except (RecursionError, ValueError) as exc:  # nesting too deep, an integer of > 4300 digits
+        return f"malformed JSON: {type(exc).__name__}: {str(exc)[:120]}"
     if not isinstance(obj, dict):
         return f"wrong type: expected a JSON object, got {type(obj).__name__}"
     missing = [name for name in _REQUIRED_JSON_FIELDS if name not in obj]
@@ -194,7 +198,9 @@ def _event_from_json(raw: str) -> Event | str:
         ids[name] = str(value)
     ts = obj["ts"]
     if isinstance(ts, bool) or not isinstance(ts, (int, float)):
-        return f"wrong type: ts must be a number of Unix seconds, got {ts!r}"
+        return f"wrong type: ts must be a number of Unix seconds, got {str(ts)[:40]!r}"
+    if isinstance(ts, int) and not -1e15 < ts < 1e15:
+        return f"absurd timestamp: an integer of {len(str(ts))} digits"
     contents = obj.get("contents", {})
     if contents is None:
         contents = {}
