@@ -96,8 +96,10 @@ def _run(job: Job, args: argparse.Namespace) -> int:
                 table = storage.read(task.sink).slice(0, args.show)
                 for row in table.to_pylist():
                     print("  " + ", ".join(f"{k}={v}" for k, v in row.items()))
-        print(f"\nquery them: duckdb {storage.path} \"SELECT * FROM {job.tasks[0].sink} LIMIT 10\""
-              if job.tasks else "")
+        if job.tasks:
+            sql = f"SELECT * FROM {job.tasks[0].sink} LIMIT 10"
+            print(f"\nquery them: python -c \"import duckdb; print(duckdb.connect('{storage.path}', "
+                  f"read_only=True).sql('{sql}'))\"")
     return 0
 
 
