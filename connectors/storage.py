@@ -44,51 +44,50 @@ def resolve_db_path(path: str | os.PathLike[str] | None = None) -> Path:
     return Path(path or os.environ.get("STREAMFLOW_DB") or DEFAULT_DB)
 
 
-class ColumnBuffer:
-    """Rows of one table kept column by column, ready to become one Arrow table.
+class RowBuffer:
+    """Rows of one table, kept as value tuples grouped by field names, ready to become Arrow.
 
-    Appending a row costs one list append per field; a missing field is a null, a new field a
-    column of nulls for the rows before it.
+    Rows of a task usually share their fields, so a row costs one tuple of its values; a row with
+    other fields starts a new segment. Each segment becomes one Arrow table (all-null columns left
+    out: they read as NULL until a value types them).
 
     Example:
-        >>> buf = ColumnBuffer()
+        >>> buf = RowBuffer()
         >>> buf.extend([{"a": 1}, {"a": 2, "b": "x"}])
-        >>> buf.to_arrow().to_pylist()
-        [{'a': 1, 'b': None}, {'a': 2, 'b': 'x'}]
+        >>> [t.to_pylist() for t in buf.to_arrow()]
+        [[{'a': 1}], [{'a': 2, 'b': 'x'}]]
     """
 
-    __slots__ = ("columns", "n")
+    __slots__ = ("segments", "n", "_keys", "_values")
 
     def __init__(self) -> None:
-        self.columns: dict[str, list[Any]] = {}
+        self.segments: list[tuple[tuple[str, ...], list[tuple[Any, ...]]]] = []
         self.n = 0
+        self._keys: Any = None  # the current segment's field names (a dict keys view)
+        self._values: list[tuple[Any, ...]] = []
 
     def __len__(self) -> int:
         return self.n
 
     def extend(self, rows: Iterable[Mapping[str, Any]]) -> None:
-        columns = self.columns
         for row in rows:
-            n = self.n
-            for key, value in row.items():
-                column = columns.get(key)
-                if column is None:
-                    column = columns[key] = [None] * n
-                column.append(value)
-            self.n = n = n + 1
-            if len(row) != len(columns):
-                for column in columns.values():
-                    if len(column) < n:
-                        column.append(None)
+            keys = row.keys()
+            if keys != self._keys:
+                self._keys = keys
+                self._values = []
+                self.segments.append((tuple(keys), self._values))
+            self._values.append(tuple(row.values()))
+            self.n += 1
 
-    def to_arrow(self) -> pa.Table:
-        """The rows as Arrow; a column with no value yet is left out (it reads as NULL)."""
-        arrays = {name: pa.array(values) for name, values in self.columns.items()}
-        return pa.table({name: a for name, a in arrays.items() if not pa.types.is_null(a.type)})
+    def to_arrow(self) -> list[pa.Table]:
+        tables = []
+        for names, values in self.segments:
+            arrays = [pa.array(column) for column in zip(*values, strict=True)]
+            tables.append(pa.table({n: a for n, a in zip(names, arrays, strict=True) if not pa.types.is_null(a.type)}))
+        return tables
 
     def rows(self) -> list[dict[str, Any]]:
-        names = list(self.columns)
-        return [dict(zip(names, values, strict=True)) for values in zip(*self.columns.values(), strict=True)]
+        return [dict(zip(names, row, strict=True)) for names, values in self.segments for row in values]
 
 
 class CollectiveStorage:
@@ -115,7 +114,7 @@ class CollectiveStorage:
         self.rows_written: dict[str, int] = {}
         self.flushes = 0
         self._con = duckdb.connect(str(self.path))
-        self._buffers: dict[str, ColumnBuffer] = {}
+        self._buffers: dict[str, RowBuffer] = {}
         self._oldest: float | None = None
         self._lock = threading.RLock()
         self._columns: dict[str, set[str]] = {}
@@ -129,7 +128,7 @@ class CollectiveStorage:
                 raise RuntimeError(f"storage {self.path} is closed")
             buffer = self._buffers.get(table)
             if buffer is None:
-                buffer = self._buffers[check_table_name(table)] = ColumnBuffer()
+                buffer = self._buffers[check_table_name(table)] = RowBuffer()
             before = buffer.n
             buffer.extend(rows)
             added = buffer.n - before
@@ -158,31 +157,32 @@ class CollectiveStorage:
         buffer = self._buffers.get(table)
         if not buffer:
             return
-        self._buffers[table] = ColumnBuffer()
+        self._buffers[table] = RowBuffer()
         if not any(self._buffers.values()):
             self._oldest = None
         try:
-            self._insert(table, buffer.to_arrow())
+            self._insert(table, *buffer.to_arrow())
         except (pa.ArrowException, duckdb.Error, TypeError, ValueError):
             self._insert_row_by_row(table, buffer.rows())
         self.flushes += 1
 
-    def _insert(self, table: str, batch: pa.Table) -> None:
-        columns = batch.column_names
-        self._con.register("_sf_batch", batch)
+    def _insert(self, table: str, *batches: pa.Table) -> None:
+        """Insert the batches in one transaction: all of them or none."""
+        self._con.execute("BEGIN")
         try:
-            self._con.execute("BEGIN")
-            try:
-                self._ensure_columns(table, batch)
-                names = ", ".join(f'"{c}"' for c in columns)
-                self._con.execute(f'INSERT INTO "{table}" ({names}) SELECT {names} FROM _sf_batch')
-                self._con.execute("COMMIT")
-            except BaseException:
-                self._con.execute("ROLLBACK")
-                self._columns.pop(table, None)  # re-read after a rolled-back ALTER
-                raise
-        finally:
-            self._con.unregister("_sf_batch")
+            for batch in batches:
+                self._con.register("_sf_batch", batch)
+                try:
+                    self._ensure_columns(table, batch)
+                    names = ", ".join(f'"{c}"' for c in batch.column_names)
+                    self._con.execute(f'INSERT INTO "{table}" ({names}) SELECT {names} FROM _sf_batch')
+                finally:
+                    self._con.unregister("_sf_batch")
+            self._con.execute("COMMIT")
+        except BaseException:
+            self._con.execute("ROLLBACK")
+            self._columns.pop(table, None)  # re-read after a rolled-back ALTER
+            raise
 
     def _ensure_columns(self, table: str, batch: pa.Table) -> None:
         known = self._columns.get(table)
@@ -203,9 +203,9 @@ class CollectiveStorage:
         refused = []
         for index, row in enumerate(rows):
             try:
-                single = ColumnBuffer()
+                single = RowBuffer()
                 single.extend([row])
-                self._insert(table, single.to_arrow())
+                self._insert(table, *single.to_arrow())
             except (pa.ArrowException, duckdb.Error, TypeError, ValueError) as exc:
                 refused.append({
                     "source": f"storage:{table}", "line": index,
@@ -216,7 +216,7 @@ class CollectiveStorage:
             self.rows_written[table] -= len(refused)
             if table == DEAD_LETTER_TABLE:
                 raise RuntimeError(f"dead-letter rows could not be stored: {refused[0]['reason']}")
-            self._buffers.setdefault(DEAD_LETTER_TABLE, ColumnBuffer()).extend(refused)
+            self._buffers.setdefault(DEAD_LETTER_TABLE, RowBuffer()).extend(refused)
             self.rows_written[DEAD_LETTER_TABLE] = self.rows_written.get(DEAD_LETTER_TABLE, 0) + len(refused)
             self._flush_table(DEAD_LETTER_TABLE)
 
