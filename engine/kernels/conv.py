@@ -88,11 +88,8 @@ class ConvBase(Kernel):
 
     def finish(self, ctx: NodeCtx, params, y: np.ndarray, r: np.ndarray | None, tmp) -> None:
         """Bias, residual and activation on one image's output viewed as (Cout, OH*OW)."""
-        if ctx.has_input(2):
-            y += params["b"]
-        if r is not None:
-            y += r
-        epilogue.apply(y, y, ctx.attrs.get("act"), ctx.attrs.get("act_params", ()), tmp)
+        epilogue.bias_residual_act(y, params["b"] if ctx.has_input(2) else None, r, ctx.attrs.get("act"),
+                                   ctx.attrs.get("act_params", ()), tmp)
 
     def residual(self, ctx: NodeCtx, ins: list[np.ndarray], n: int, g: ConvGeom) -> np.ndarray | None:
         return ins[3][n].reshape(g.cout, -1) if len(ins) > 3 and ctx.has_input(3) else None

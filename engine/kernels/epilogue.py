@@ -12,8 +12,29 @@ import numpy as np
 
 from engine.ir import Node
 
+try:
+    from engine.kernels import jit
+except ImportError:  # pragma: no cover - numba is optional
+    jit = None
+
 CHUNK = 16384  # floats; the chunk stays in L2
 CHUNK_BYTES = CHUNK * 4
+
+
+def bias_residual_act(y: np.ndarray, bias: np.ndarray | None, residual: np.ndarray | None, kind: str | None,
+                      params: Sequence[float] = (), scratch: np.ndarray | None = None) -> None:
+    """In place on ``y`` (C, M): ``y = act(y + bias[:, None] + residual)``; one pass with numba."""
+    if jit is not None and y.flags.c_contiguous:
+        code, p0, p1 = jit.act_code(kind, params)
+        b = bias.reshape(-1) if bias is not None else y[:, 0]
+        jit.bias_act(y, b, residual if residual is not None else y, bias is not None, residual is not None,
+                     code, p0, p1)
+        return
+    if bias is not None:
+        y += bias.reshape(-1, 1)
+    if residual is not None:
+        y += residual
+    apply(y, y, kind, params, scratch)
 
 
 def activation_of(node: Node, consts: dict[str, np.ndarray]) -> tuple[str, tuple[float, ...]]:

@@ -1,0 +1,107 @@
+"""numba loops (an optional accelerator): fused depthwise conv and a one-pass conv epilogue.
+
+Importing this module raises ImportError when numba is missing; callers fall back to numpy.
+Activation codes: 0 none, 1 relu, 2 clip(p0, p1), 3 hardswish, 4 hardsigmoid(alpha=p0, beta=p1),
+5 sigmoid.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+ACT_CODES = {None: 0, "relu": 1, "clip": 2, "hardswish": 3, "hardsigmoid": 4, "sigmoid": 5}
+
+
+def act_code(kind: str | None, params) -> tuple[int, float, float]:
+    p = list(params) + [0.0, 0.0]
+    return ACT_CODES[kind], float(p[0]), float(p[1])
+
+
+@numba.njit(inline="always")
+def _act_row(row, code, p0, p1):
+    """Activation over a contiguous row, one branch per code so each loop vectorises."""
+    lo, hi = np.float32(p0), np.float32(p1)
+    six, zero, one = np.float32(6.0), np.float32(0.0), np.float32(1.0)
+    if code == 1:
+        for k in range(row.shape[0]):
+            row[k] = max(row[k], zero)
+    elif code == 2:
+        for k in range(row.shape[0]):
+            row[k] = min(max(row[k], lo), hi)
+    elif code == 3:
+        for k in range(row.shape[0]):
+            v = row[k]
+            row[k] = v * min(max(v + np.float32(3.0), zero), six) / six
+    elif code == 4:
+        for k in range(row.shape[0]):
+            row[k] = min(max(row[k] * lo + hi, zero), one)
+    elif code == 5:
+        for k in range(row.shape[0]):
+            row[k] = one / (one + np.exp(-row[k]))
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def bias_act(y, b, r, has_b, has_r, code, p0, p1):  # pragma: no cover - compiled
+    """In place on y (C, M): y = act(y + b[:, None] + r)."""
+    c_n, m_n = y.shape
+    for c in range(c_n):
+        row = y[c]
+        if has_b:
+            bc = b[c]
+            for m in range(m_n):
+                row[m] += bc
+        if has_r:
+            res = r[c]
+            for m in range(m_n):
+                row[m] += res[m]
+        _act_row(row, code, p0, p1)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def depthwise(x, w, b, r, has_r, out, phases, sh, sw, pt, pl, dh, dw, code, p0, p1):  # pragma: no cover
+    """out (C, OH, OW) = act(depthwise_conv(x (C, H, W), w (C, KH, KW)) + b + r), padding implicit.
+
+    ``phases`` (sw, ceil(W / sw)) is scratch: for strided convs each input row is split into its
+    sw phases so every tap reads a contiguous slice. Inner loops run over slices indexed from 0 so
+    numba drops negative-index wraparound checks and vectorises them (a 6x difference)."""
+    c_n, h, wd = x.shape
+    _, oh_n, ow_n = out.shape
+    kh, kw = w.shape[1], w.shape[2]
+    for c in range(c_n):
+        for oh in range(oh_n):
+            row = out[c, oh]
+            bc = b[c]
+            for k in range(ow_n):
+                row[k] = bc
+            for i in range(kh):
+                ih = oh * sh - pt + i * dh
+                if ih < 0 or ih >= h:
+                    continue
+                xrow = x[c, ih]
+                if sw > 1:
+                    for ph in range(sw):
+                        dst_ph = phases[ph]
+                        for t in range((wd - ph + sw - 1) // sw):
+                            dst_ph[t] = xrow[t * sw + ph]
+                for j in range(kw):
+                    wv = w[c, i, j]
+                    off = j * dw - pl
+                    lo = 0 if off >= 0 else (-off + sw - 1) // sw
+                    hi = 0 if wd - 1 - off < 0 else min(ow_n, (wd - 1 - off) // sw + 1)
+                    if hi <= lo:
+                        continue
+                    dst = row[lo:hi]
+                    if sw == 1:
+                        src = xrow[lo + off : hi + off]
+                    else:  # input column (lo + k) * sw + off lives in phase off % sw
+                        phase = off % sw
+                        base = (off - phase) // sw
+                        src = phases[phase, lo + base : hi + base]
+                    for k in range(hi - lo):
+                        dst[k] += wv * src[k]
+            if has_r:
+                res = r[c, oh]
+                for k in range(ow_n):
+                    row[k] += res[k]
+            _act_row(row, code, p0, p1)

@@ -1,0 +1,53 @@
+"""Kernels that need numba (optional): registered only when ``import numba`` works."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.kernels import jit
+from engine.kernels.base import Cost, Step, carve, scratch_size
+from engine.kernels.conv import ConvGeom, DepthwiseNumpy
+
+
+class DepthwiseNumba(DepthwiseNumpy):
+    """Depthwise conv in one fused loop nest: implicit padding, bias, residual and activation in
+    the same pass, no scratch."""
+
+    name = "depthwise_numba"
+
+    def cost(self, ctx):
+        g = ConvGeom.of(ctx)
+        taps = g.n * g.c * g.oh * g.ow * g.kh * g.kw
+        return Cost(vector_flops=taps / 4, bytes=4 * g.n * (g.c * g.h * g.w + 2 * g.c * g.oh * g.ow), calls=g.n)
+
+    def scratch_bytes(self, ctx):
+        g = ConvGeom.of(ctx)
+        return scratch_size(self.phases_shape(g))
+
+    @staticmethod
+    def phases_shape(g: ConvGeom) -> tuple[tuple[int, int], type]:
+        return (g.stride[1], -(-g.w // g.stride[1])), np.float32
+
+    def transform(self, ctx):
+        p = super().transform(ctx)
+        p["w3"] = p["w"].reshape(p["w"].shape[0], p["w"].shape[2], p["w"].shape[3])
+        p["b1"] = p["b"].reshape(-1)
+        return p
+
+    def bind(self, ctx, params, ins, outs, scratch) -> Step:
+        g = ConvGeom.of(ctx)
+        code, p0, p1 = jit.act_code(ctx.attrs.get("act"), ctx.attrs.get("act_params", ()))
+        has_r = len(ins) > 3 and ctx.has_input(3)
+        w3, b1 = params["w3"], np.ascontiguousarray(params["b1"])
+        (phases,) = carve(scratch, self.phases_shape(g))
+        args = (phases, g.stride[0], g.stride[1], g.pads[0], g.pads[1], g.dil[0], g.dil[1], code, p0, p1)
+
+        def run():
+            for n in range(g.n):
+                r = ins[3][n] if has_r else outs[0][n]
+                jit.depthwise(ins[0][n], w3, b1, r, has_r, outs[0][n], *args)
+
+        return run
+
+
+KERNELS = [DepthwiseNumba()]
