@@ -2,13 +2,14 @@
 
 The calibration runs a few tiny benchmarks once per process (~0.1 s): BLAS GEMM throughput,
 numpy vector throughput, memory bandwidth and the fixed cost of a Python-level numpy call.
+:mod:`engine.tuning` then corrects each kernel by a factor measured on representative shapes.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -23,10 +24,15 @@ class Calibration:
     vector_flops_per_s: float = 1.5e9
     bytes_per_s: float = 8e9
     call_s: float = 2e-6
+    kernel_factors: dict[str, float] = field(default_factory=dict)  # measured / analytic, per kernel
 
-    def seconds(self, cost: Cost) -> float:
-        return (cost.gemm_flops / self.gemm_flops_per_s + cost.vector_flops / self.vector_flops_per_s
+    def seconds(self, cost: Cost, kernel: str | None = None) -> float:
+        base = (cost.gemm_flops / self.gemm_flops_per_s + cost.vector_flops / self.vector_flops_per_s
                 + cost.bytes / self.bytes_per_s + cost.calls * self.call_s)
+        return base * self.kernel_factors.get(kernel, 1.0)
+
+    def with_factors(self, factors: dict[str, float]) -> Calibration:
+        return replace(self, kernel_factors=dict(factors))
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -43,8 +49,8 @@ def _best(fn, repeat: int = 5) -> float:
 
 
 @functools.cache
-def calibrate() -> Calibration:
-    """Measure the rates on this machine (cached for the process)."""
+def calibrate_rates() -> Calibration:
+    """Measure the base rates on this machine (cached for the process)."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((256, 512), dtype=np.float32)
     b = rng.standard_normal((512, 784), dtype=np.float32)

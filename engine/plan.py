@@ -123,7 +123,7 @@ def compile_plan(graph: Graph, input_shapes: dict[str, tuple[int, ...]], calibra
         if not kernels:
             raise GraphError(f"no kernel for op '{node.op}' at node '{node.name}' with inputs "
                              f"{[i.shape for i in ctx.ins]}")
-        estimates = {k.name: calibration.seconds(k.cost(ctx)) for k in kernels}
+        estimates = {k.name: calibration.seconds(k.cost(ctx), k.name) for k in kernels}
         forced = overrides.get(node.name) or overrides.get(node.op)
         if forced:
             kernel = by_name(forced)

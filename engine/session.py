@@ -18,12 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from engine.cost import Calibration, calibrate
+from engine.cost import Calibration
 from engine.format import load_model
 from engine.ir import Graph
 from engine.passes import optimize
 from engine.plan import ExecutionPlan, compile_plan
 from engine.planner import ALIGN
+from engine.tuning import calibrate
 
 
 def _thread_limiter(threads: int):
@@ -54,7 +55,7 @@ class BoundPlan:
 
     def __init__(self, plan: ExecutionPlan) -> None:
         self.plan = plan
-        raw = np.empty(plan.arena.size + ALIGN, dtype=np.uint8)
+        raw = np.zeros(plan.arena.size + ALIGN, dtype=np.uint8)
         shift = (-raw.ctypes.data) % ALIGN
         self.arena = raw[shift : shift + plan.arena.size]
         self.views: dict[str, np.ndarray] = {}

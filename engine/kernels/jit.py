@@ -105,3 +105,78 @@ def depthwise(x, w, b, r, has_r, out, phases, sh, sw, pt, pl, dh, dw, code, p0, 
                 for k in range(ow_n):
                     row[k] += res[k]
             _act_row(row, code, p0, p1)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def winograd23_in(x, v, th, tw, pt, pl):  # pragma: no cover - compiled
+    """V (16, C, th*tw) = B^T d B for every 4x4 input tile d (stride 2, implicit zero padding)."""
+    c_n, h, wd = x.shape
+    d = np.zeros((4, 4), np.float32)
+    t = np.empty((4, 4), np.float32)
+    for c in range(c_n):
+        for ty in range(th):
+            y0 = 2 * ty - pt
+            for tx in range(tw):
+                x0 = 2 * tx - pl
+                for i in range(4):
+                    for j in range(4):
+                        yy, xx = y0 + i, x0 + j
+                        d[i, j] = x[c, yy, xx] if (0 <= yy < h and 0 <= xx < wd) else 0.0
+                for j in range(4):
+                    t[0, j] = d[0, j] - d[2, j]
+                    t[1, j] = d[1, j] + d[2, j]
+                    t[2, j] = d[2, j] - d[1, j]
+                    t[3, j] = d[1, j] - d[3, j]
+                p = ty * tw + tx
+                for i in range(4):
+                    v[4 * i + 0, c, p] = t[i, 0] - t[i, 2]
+                    v[4 * i + 1, c, p] = t[i, 1] + t[i, 2]
+                    v[4 * i + 2, c, p] = t[i, 2] - t[i, 1]
+                    v[4 * i + 3, c, p] = t[i, 1] - t[i, 3]
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def winograd23_out(m, out, b, r, has_r, th, tw, code, p0, p1):  # pragma: no cover - compiled
+    """out = act(A^T M A + b + r) for every tile, cropping the partial last row/column of tiles."""
+    co_n, oh_n, ow_n = out.shape
+    s = np.empty((2, 4), np.float32)
+    y = np.empty(4, np.float32)
+    for co in range(co_n):
+        bc = b[co]
+        for ty in range(th):
+            for tx in range(tw):
+                p = ty * tw + tx
+                for j in range(4):
+                    m0, m1, m2, m3 = m[j, co, p], m[4 + j, co, p], m[8 + j, co, p], m[12 + j, co, p]
+                    s[0, j] = m0 + m1 + m2
+                    s[1, j] = m1 - m2 - m3
+                for a in range(2):
+                    y[2 * a] = s[a, 0] + s[a, 1] + s[a, 2] + bc
+                    y[2 * a + 1] = s[a, 1] - s[a, 2] - s[a, 3] + bc
+                for a in range(2):
+                    oy = 2 * ty + a
+                    if oy >= oh_n:
+                        continue
+                    for e in range(2):
+                        ox = 2 * tx + e
+                        if ox >= ow_n:
+                            continue
+                        val = y[2 * a + e]
+                        if has_r:
+                            val += r[co, oy, ox]
+                        out[co, oy, ox] = _act_scalar(val, code, p0, p1)
+
+
+@numba.njit(inline="always")
+def _act_scalar(v, code, p0, p1):
+    if code == 1:
+        return max(v, np.float32(0.0))
+    if code == 2:
+        return min(max(v, np.float32(p0)), np.float32(p1))
+    if code == 3:
+        return v * min(max(v + np.float32(3.0), np.float32(0.0)), np.float32(6.0)) / np.float32(6.0)
+    if code == 4:
+        return min(max(v * np.float32(p0) + np.float32(p1), np.float32(0.0)), np.float32(1.0))
+    if code == 5:
+        return np.float32(1.0) / (np.float32(1.0) + np.exp(-v))
+    return v

@@ -6,7 +6,7 @@ import numpy as np
 
 from engine.kernels import jit
 from engine.kernels.base import Cost, Step, carve, scratch_size
-from engine.kernels.conv import ConvGeom, DepthwiseNumpy
+from engine.kernels.conv import ConvGeom, ConvWinograd23, DepthwiseNumpy
 
 
 class DepthwiseNumba(DepthwiseNumpy):
@@ -50,4 +50,43 @@ class DepthwiseNumba(DepthwiseNumpy):
         return run
 
 
-KERNELS = [DepthwiseNumba()]
+class ConvWinograd23Numba(ConvWinograd23):
+    """Winograd F(2,3) with the tile transforms as numba loops (implicit padding; bias, residual
+    and activation fused into the output transform); the 16 GEMMs stay on BLAS."""
+
+    name = "conv_winograd_f23_numba"
+
+    def parts(self, g: ConvGeom):
+        th, tw = self.tiles(g)
+        return [((16, g.c, th * tw), np.float32), ((16, g.cout, th * tw), np.float32)]
+
+    def cost(self, ctx):
+        g = ConvGeom.of(ctx)
+        th, tw = self.tiles(g)
+        p = g.n * th * tw
+        return Cost(gemm_flops=2 * 16 * g.cout * g.c * p, vector_flops=p * (g.c + g.cout) * 8,
+                    bytes=4 * 16 * p * (g.c + g.cout) * 2, calls=g.n * 3)
+
+    def scratch_bytes(self, ctx):
+        return scratch_size(*self.parts(ConvGeom.of(ctx)))
+
+    def bind(self, ctx, params, ins, outs, scratch) -> Step:
+        g = ConvGeom.of(ctx)
+        th, tw = self.tiles(g)
+        v, m = carve(scratch, *self.parts(g))
+        code, p0, p1 = jit.act_code(ctx.attrs.get("act"), ctx.attrs.get("act_params", ()))
+        has_r = len(ins) > 3 and ctx.has_input(3)
+        b = np.ascontiguousarray(params["b"].reshape(-1))
+        u = params["u"]
+
+        def run():
+            for n in range(g.n):
+                jit.winograd23_in(ins[0][n], v, th, tw, g.pads[0], g.pads[1])
+                np.matmul(u, v, out=m)
+                r = ins[3][n] if has_r else outs[0][n]
+                jit.winograd23_out(m, outs[0][n], b, r, has_r, th, tw, code, p0, p1)
+
+        return run
+
+
+KERNELS = [DepthwiseNumba(), ConvWinograd23Numba()]
