@@ -11,6 +11,7 @@ import numpy as np
 from engine.cost import Calibration
 from engine.ir import Graph, GraphError, Node, TensorInfo
 from engine.kernels import Kernel, NodeCtx, by_name, candidates
+from engine.measure import time_kernel
 from engine.ops import VIEW_OPS, infer_shapes
 from engine.planner import ArenaPlan, Buffer, plan_arena
 
@@ -27,6 +28,7 @@ class StepPlan:
     weight_bytes: int = 0  # weights read by the kernel
     transformed_bytes: int = 0  # extra bytes of transformed weight copies (0 when they are views)
     forced: bool = False
+    tuned: bool = False
 
     @property
     def node(self) -> Node:
@@ -42,6 +44,9 @@ class StepPlan:
             return "view of its input"
         if self.forced:
             return "forced"
+        if self.tuned:
+            return "fastest measured: " + ", ".join(f"{k} {v * 1e3:.3f}ms" for k, v in
+                                                    sorted(self.estimates.items(), key=lambda kv: kv[1]))
         if len(self.estimates) == 1:
             return "only kernel"
         alts = sorted(self.estimates.items(), key=lambda kv: kv[1])
@@ -97,10 +102,12 @@ def _extra_bytes(params: dict[str, np.ndarray], originals: list[np.ndarray]) -> 
 
 
 def compile_plan(graph: Graph, input_shapes: dict[str, tuple[int, ...]], calibration: Calibration,
-                 overrides: dict[str, str] | None = None) -> ExecutionPlan:
+                 overrides: dict[str, str] | None = None, tune: bool = False) -> ExecutionPlan:
     """Plan ``graph`` (already optimised) for ``input_shapes``.
 
-    ``overrides`` maps a node name or an op type to a kernel name, to force a choice.
+    ``overrides`` maps a node name or an op type to a kernel name, to force a choice. ``tune``
+    times every candidate kernel on the node's real shapes and keeps the fastest (the estimates
+    then hold measured times).
     """
     overrides = overrides or {}
     infos, folded = infer_shapes(graph, input_shapes)
@@ -123,8 +130,11 @@ def compile_plan(graph: Graph, input_shapes: dict[str, tuple[int, ...]], calibra
         if not kernels:
             raise GraphError(f"no kernel for op '{node.op}' at node '{node.name}' with inputs "
                              f"{[i.shape for i in ctx.ins]}")
-        estimates = {k.name: calibration.seconds(k.cost(ctx), k.name) for k in kernels}
         forced = overrides.get(node.name) or overrides.get(node.op)
+        if tune and len(kernels) > 1 and not forced:
+            estimates = {k.name: time_kernel(k, ctx) for k in kernels}
+        else:
+            estimates = {k.name: calibration.seconds(k.cost(ctx), k.name) for k in kernels}
         if forced:
             kernel = by_name(forced)
             if not kernel.applies(ctx) or node.op not in kernel.ops:
@@ -134,7 +144,8 @@ def compile_plan(graph: Graph, input_shapes: dict[str, tuple[int, ...]], calibra
         params = kernel.transform(ctx)
         originals = [np.asarray(consts[t]) for t in node.inputs if t in consts]
         steps.append(StepPlan(ctx, kernel, estimates, params, kernel.scratch_bytes(ctx),
-                              sum(o.nbytes for o in originals), _extra_bytes(params, originals), bool(forced)))
+                              sum(o.nbytes for o in originals), _extra_bytes(params, originals), bool(forced),
+                              tune and len(kernels) > 1 and not forced))
     arena = plan_arena(_buffers(graph, steps, consts, aliases, infos))
     return ExecutionPlan(graph, infos, consts, steps, aliases, arena, calibration)
 

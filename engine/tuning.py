@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 
 import numpy as np
 
 from engine.builder import GraphBuilder
 from engine.cost import Calibration, calibrate_rates
 from engine.kernels import REGISTRY
+from engine.measure import time_kernel
 from engine.plan import compile_plan
 
 # (cin, cout, k, stride, group, hw): one 3x3, one strided, one pointwise and one depthwise layer.
@@ -29,20 +29,6 @@ def _case_graph(cin: int, cout: int, k: int, stride: int, group: int, hw: int):
     return b.build()
 
 
-def _time_step(plan, repeat: int = 3) -> float:
-    from engine.session import BoundPlan
-
-    bound = BoundPlan(plan)
-    call = bound.calls[0]
-    call()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def measure_factors(rates: Calibration) -> dict[str, float]:
     from engine.passes import optimize
 
@@ -56,7 +42,7 @@ def measure_factors(rates: Calibration) -> dict[str, float]:
                 continue  # the kernel does not apply to this layer
             step = plan.steps[0]
             predicted = rates.seconds(kernel.cost(step.ctx))
-            ratios.setdefault(kernel.name, []).append(_time_step(plan) / predicted)
+            ratios.setdefault(kernel.name, []).append(time_kernel(kernel, step.ctx, step.params) / predicted)
     return {name: statistics.median(r) for name, r in ratios.items()}
 
 

@@ -62,13 +62,20 @@ def bias_act(y, b, r, has_b, has_r, code, p0, p1):  # pragma: no cover - compile
 def depthwise(x, w, b, r, has_r, out, phases, sh, sw, pt, pl, dh, dw, code, p0, p1):  # pragma: no cover
     """out (C, OH, OW) = act(depthwise_conv(x (C, H, W), w (C, KH, KW)) + b + r), padding implicit.
 
-    ``phases`` (sw, ceil(W / sw)) is scratch: for strided convs each input row is split into its
-    sw phases so every tap reads a contiguous slice. Inner loops run over slices indexed from 0 so
+    ``phases`` (sw, H, ceil(W / sw)) is scratch: for strided convs each channel is split once into
+    its sw column phases so every tap reads a contiguous slice. Inner loops run over slices indexed from 0 so
     numba drops negative-index wraparound checks and vectorises them (a 6x difference)."""
     c_n, h, wd = x.shape
     _, oh_n, ow_n = out.shape
     kh, kw = w.shape[1], w.shape[2]
     for c in range(c_n):
+        if sw > 1:
+            for yy in range(h):
+                xrow = x[c, yy]
+                for ph in range(sw):
+                    dst_ph = phases[ph, yy]
+                    for t in range((wd - ph + sw - 1) // sw):
+                        dst_ph[t] = xrow[t * sw + ph]
         for oh in range(oh_n):
             row = out[c, oh]
             bc = b[c]
@@ -79,11 +86,6 @@ def depthwise(x, w, b, r, has_r, out, phases, sh, sw, pt, pl, dh, dw, code, p0, 
                 if ih < 0 or ih >= h:
                     continue
                 xrow = x[c, ih]
-                if sw > 1:
-                    for ph in range(sw):
-                        dst_ph = phases[ph]
-                        for t in range((wd - ph + sw - 1) // sw):
-                            dst_ph[t] = xrow[t * sw + ph]
                 for j in range(kw):
                     wv = w[c, i, j]
                     off = j * dw - pl
@@ -97,7 +99,7 @@ def depthwise(x, w, b, r, has_r, out, phases, sh, sw, pt, pl, dh, dw, code, p0, 
                     else:  # input column (lo + k) * sw + off lives in phase off % sw
                         phase = off % sw
                         base = (off - phase) // sw
-                        src = phases[phase, lo + base : hi + base]
+                        src = phases[phase, ih, lo + base : hi + base]
                     for k in range(hi - lo):
                         dst[k] += wv * src[k]
             if has_r:

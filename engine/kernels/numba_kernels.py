@@ -25,8 +25,8 @@ class DepthwiseNumba(DepthwiseNumpy):
         return scratch_size(self.phases_shape(g))
 
     @staticmethod
-    def phases_shape(g: ConvGeom) -> tuple[tuple[int, int], type]:
-        return (g.stride[1], -(-g.w // g.stride[1])), np.float32
+    def phases_shape(g: ConvGeom) -> tuple[tuple[int, int, int], type]:
+        return (g.stride[1], g.h if g.stride[1] > 1 else 1, -(-g.w // g.stride[1])), np.float32
 
     def transform(self, ctx):
         p = super().transform(ctx)

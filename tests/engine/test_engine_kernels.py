@@ -21,10 +21,6 @@ def run(graph, x, **kernels):
     return InferenceSession(graph, kernels=kernels, calibration=CAL).run(x)[graph.outputs[0]]
 
 
-def conv_kernels():
-    return [k.name for k in REGISTRY["Conv"]]
-
-
 CONV_CASES = [  # (cin, cout, k, stride, pad, dilation, group, hw)
     (3, 8, 3, 1, 1, 1, 1, 9),
     (4, 6, 3, 1, 0, 1, 1, 8),
@@ -41,38 +37,50 @@ CONV_CASES = [  # (cin, cout, k, stride, pad, dilation, group, hw)
 ]
 
 
-@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: "c{}-{}k{}s{}p{}d{}g{}hw{}".format(*c))
-@pytest.mark.parametrize("kernel", conv_kernels())
-@pytest.mark.parametrize("act", [None, "relu", "hardswish"])
-def test_conv_kernels_match_torch(case, kernel, act):
+def conv_graph(case, act=None):
     cin, cout, k, s, p, d, g, hw = case
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((2, cin, hw, hw), dtype=np.float32)
     w = rng.standard_normal((cout, cin // g, k, k), dtype=np.float32) * 0.3
     bias = rng.standard_normal(cout, dtype=np.float32)
     b = GraphBuilder()
-    xi = b.input("x", (None, cin, hw, hw))
-    y = b.conv(xi, w, bias, strides=s, pads=p, group=g, dilations=d)
-    y = {None: lambda t: t, "relu": b.relu, "hardswish": b.hard_swish}[act](y)
-    b.output(y)
-    graph = b.build()
-    sess = InferenceSession(graph, kernels={"Conv": kernel}, calibration=CAL)
-    step = next(st for st in sess.graph.nodes if st.op == "Conv")
-    from engine.kernels import NodeCtx, by_name
+    y = b.conv(b.input("x", (None, cin, hw, hw)), w, bias, strides=s, pads=p, group=g, dilations=d)
+    b.output({None: lambda t: t, "relu": b.relu, "hardswish": b.hard_swish}[act](y))
+    return b.build(), w, bias
+
+
+def applicable_pairs():
+    from engine.kernels import NodeCtx
     from engine.ops import infer_shapes
 
-    infos, _ = infer_shapes(sess.graph, {"x": x.shape})
-    ctx = NodeCtx(step, [infos[t] for t in step.inputs if t], [infos[step.outputs[0]]], sess.graph.weights)
-    if not by_name(kernel).applies(ctx):
-        pytest.skip(f"{kernel} does not apply")
+    pairs = []
+    for case in CONV_CASES:
+        graph, _, _ = conv_graph(case)
+        node = graph.nodes[0]
+        infos, _ = infer_shapes(graph)
+        ctx = NodeCtx(node, [infos[t] for t in node.inputs if t], [infos[node.outputs[0]]], graph.weights)
+        pairs += [pytest.param(case, k.name, id="{}-c{}-{}k{}s{}p{}d{}g{}hw{}".format(k.name, *case))
+                  for k in REGISTRY["Conv"] if k.applies(ctx)]
+    return pairs
+
+
+@pytest.mark.parametrize(("case", "kernel"), applicable_pairs())
+@pytest.mark.parametrize("act", [None, "relu", "hardswish"])
+def test_conv_kernels_match_torch(case, kernel, act):
+    cin, cout, k, s, p, d, g, hw = case
+    x = np.random.default_rng(1).standard_normal((2, cin, hw, hw), dtype=np.float32)
+    graph, w, bias = conv_graph(case, act)
     ref = F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(bias), s, p, d, g)
     ref = {None: lambda t: t, "relu": F.relu, "hardswish": F.hardswish}[act](ref).numpy()
-    out = sess.run(x)[graph.outputs[0]]
+    out = run(graph, x, Conv=kernel)
     assert out.shape == ref.shape
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("kernel", ["conv_im2col", "conv_winograd_f23", "conv1x1_gemm"])
+def test_every_conv_kernel_is_exercised():
+    assert {p.values[1] for p in applicable_pairs()} == {k.name for k in REGISTRY["Conv"]}
+
+
+@pytest.mark.parametrize("kernel", [k.name for k in REGISTRY["Conv"] if "depthwise" not in k.name])
 def test_conv_fused_batchnorm_residual_relu(kernel):
     rng = np.random.default_rng(2)
     k = 1 if kernel == "conv1x1_gemm" else 3

@@ -63,3 +63,22 @@ def test_run_allocates_nothing_beyond_the_arena():
     # per operand), whatever the tensor sizes: no activation-sized temporary.
     assert peak <= outputs + 256 * 1024, peak
     assert peak < plan.arena.size / 10
+
+
+def test_kernel_choice_is_inspectable_and_tunable():
+    rng = np.random.default_rng(2)
+    b = GraphBuilder()
+    b.output(b.relu(b.conv(b.input("x", (1, 16, 20, 20)), rng.standard_normal((16, 16, 3, 3), dtype=np.float32),
+                           pads=1)))
+    graph = b.build()
+    x = rng.standard_normal((1, 16, 20, 20), dtype=np.float32)
+    plain = InferenceSession(graph, calibration=Calibration())
+    step = plain.plan_for({"x": x.shape}).steps[0]
+    assert {"conv_im2col", "conv_direct"} <= set(step.estimates)
+    assert step.kernel.name == min(step.estimates, key=step.estimates.get)
+    assert step.reason.startswith("cheapest")
+    tuned = InferenceSession(graph, calibration=Calibration(), tune=True)
+    tstep = tuned.plan_for({"x": x.shape}).steps[0]
+    assert tstep.reason.startswith("fastest measured")
+    assert tstep.kernel.name == min(tstep.estimates, key=tstep.estimates.get)
+    np.testing.assert_allclose(tuned.run(x)[graph.outputs[0]], plain.run(x)[graph.outputs[0]], atol=1e-4)
