@@ -37,6 +37,7 @@ from streamflow.events import PAGE_EXIT, Event
 
 WILDCARD = "*"
 _MAX_CACHED_STATES = 20_000
+_MAX_STEPS_PER_STATE = 1_024
 
 
 def normalize_condition(condition: Sequence[str]) -> tuple[str, ...]:
@@ -96,11 +97,12 @@ class MatchState:
     values (``pending_nodes`` is there for inspection and for persisting the state elsewhere).
     """
 
-    __slots__ = ("pending_nodes", "steps", "generation")
+    __slots__ = ("pending_nodes", "steps", "exit_steps", "generation")
 
     def __init__(self, pending_nodes: frozenset[int], generation: int):
         self.pending_nodes = pending_nodes
-        self.steps: dict[tuple[str, ...], _Step] = {}
+        self.steps: dict[str, _Step] = {}  # by event id
+        self.exit_steps: dict[str, _Step] = {}  # page exits, by page id
         self.generation = generation
 
 
@@ -128,6 +130,7 @@ class TriggerTrie:
         self._conditions: dict[str, tuple[str, ...]] = {}
         self._alphabet: dict[str, int] = {}  # trigger id -> number of conditions using it
         self._generation = 0
+        self._order: dict[str, int] = {}
         self._states: dict[frozenset[int], MatchState] = {}
         self._initial = self._intern(frozenset())
 
@@ -188,6 +191,7 @@ class TriggerTrie:
 
     def _invalidate(self) -> None:
         self._generation += 1
+        self._order = {name: i for i, name in enumerate(self._conditions)}  # registration order
         self._states = {}
         self._initial = self._intern(frozenset())
 
@@ -198,16 +202,19 @@ class TriggerTrie:
 
     def step(self, state: MatchState, event: Event) -> tuple[MatchState, tuple[str, ...]]:
         """Advance one user's state by one event; return the new state and the tasks that fire."""
-        eid = event.event_id
-        if eid == PAGE_EXIT:
-            symbol = tuple(k for k in (eid, event.page_id) if k in self._alphabet)
-        else:
-            symbol = (eid,) if eid in self._alphabet else ()
         if state.generation != self._generation:
             state = self.restore(state.pending_nodes)
-        hit = state.steps.get(symbol)
+        eid = event.event_id
+        if eid == PAGE_EXIT:
+            steps, key = state.exit_steps, event.page_id
+        else:
+            steps, key = state.steps, eid
+        hit = steps.get(key)
         if hit is None:
-            hit = state.steps[symbol] = self._compute_step(state.pending_nodes, symbol)
+            symbol = tuple(k for k in trigger_ids(event) if k in self._alphabet)
+            hit = self._compute_step(state.pending_nodes, symbol)
+            if len(steps) < _MAX_STEPS_PER_STATE:  # ids no condition uses could be unbounded
+                steps[key] = hit
         return hit
 
     def restore(self, pending_nodes: Iterable[int]) -> MatchState:
@@ -248,8 +255,7 @@ class TriggerTrie:
                     next_pending.add(node.star.id)
             if node.children or node.star is not None:
                 next_pending.add(node.id)
-        order = {name: i for i, name in enumerate(self._conditions)}
-        fired_tasks = tuple(sorted(set(fired), key=order.__getitem__))
+        fired_tasks = tuple(sorted(set(fired), key=self._order.__getitem__))
         return self._intern(frozenset(next_pending)), fired_tasks
 
     def _intern(self, pending: frozenset[int]) -> MatchState:
