@@ -107,18 +107,20 @@ def randomize(model: nn.Module, seed: int = 0) -> nn.Module:
     return model.eval()
 
 
-def build(name: str) -> nn.Module:
+def build(name: str, **kwargs) -> nn.Module:
     torch.manual_seed(0)
-    model = {"resnet18": ResNet18, "mobilenetv2": MobileNetV2}[name]()
+    model = {"resnet18": ResNet18, "mobilenetv2": MobileNetV2}[name](**kwargs)
     return randomize(model)
 
 
-def export(model: nn.Module, path: str, size: int = 224) -> str:
-    """Export with the TorchScript exporter and a dynamic batch dimension."""
+def export(model: nn.Module, path: str, size: int = 224, fold: bool = True) -> str:
+    """Export with the TorchScript exporter and a dynamic batch dimension; ``fold=False`` keeps
+    BatchNormalization nodes and the weights under their state_dict names (for training)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         torch.onnx.export(model, (torch.randn(1, 3, size, size),), path, dynamo=False, input_names=["x"],
-                          output_names=["y"], dynamic_axes={"x": {0: "N"}, "y": {0: "N"}}, opset_version=17)
+                          output_names=["y"], dynamic_axes={"x": {0: "N"}, "y": {0: "N"}}, opset_version=17,
+                          do_constant_folding=fold)
     return path
 
 

@@ -1,0 +1,290 @@
+"""Differentiable ops: each forward next to its backward.
+
+Arrays are NCHW float32. Convolutions use im2col windows (strided views) forward and scatter the
+column gradient back tap by tap; depthwise convs use per-channel einsums instead of a GEMM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from engine.autograd.tensor import Add, Function, MatMul, Mul, Tensor
+
+__all__ = ["Add", "Mul", "MatMul", "Conv2d", "Relu", "Clip", "HardSwish", "HardSigmoid", "Sigmoid",
+           "Softmax", "BatchNorm", "MaxPool2d", "AvgPool2d", "GlobalAvgPool", "Reshape", "Transpose",
+           "Concat", "Slice", "Pad"]
+
+
+def _windows(xp: np.ndarray, k: tuple[int, int], out_hw: tuple[int, int], stride, dil) -> np.ndarray:
+    """(N, C, kh, kw, OH, OW) strided view of every tap's window."""
+    n, c, _, _ = xp.shape
+    sn, sc, sh, sw = xp.strides
+    return as_strided(xp, (n, c, k[0], k[1], out_hw[0], out_hw[1]),
+                      (sn, sc, dil[0] * sh, dil[1] * sw, stride[0] * sh, stride[1] * sw))
+
+
+def _scatter_taps(dwin: np.ndarray, xp_shape, stride, dil) -> np.ndarray:
+    """Adjoint of :func:`_windows`: add each tap's gradient back into a padded-input gradient."""
+    dxp = np.zeros(xp_shape, np.float32)
+    _, _, kh, kw, oh, ow = dwin.shape
+    for i in range(kh):
+        for j in range(kw):
+            y0, x0 = i * dil[0], j * dil[1]
+            dxp[:, :, y0 : y0 + stride[0] * (oh - 1) + 1 : stride[0], x0 : x0 + stride[1] * (ow - 1) + 1 : stride[1]] \
+                += dwin[:, :, i, j]
+    return dxp
+
+
+def _pad(x: np.ndarray, pads, value: float = 0.0) -> np.ndarray:
+    t, l_, b, r = pads
+    if not any(pads):
+        return x
+    return np.pad(x, ((0, 0), (0, 0), (t, b), (l_, r)), constant_values=value)
+
+
+def _crop(dxp: np.ndarray, pads) -> np.ndarray:
+    t, l_, b, r = pads
+    return dxp[:, :, t : dxp.shape[2] - b, l_ : dxp.shape[3] - r]
+
+
+def _out_hw(h, w, k, stride, pads, dil):
+    return ((h + pads[0] + pads[2] - dil[0] * (k[0] - 1) - 1) // stride[0] + 1,
+            (w + pads[1] + pads[3] - dil[1] * (k[1] - 1) - 1) // stride[1] + 1)
+
+
+class Conv2d(Function):
+    """y = conv(x, w) + b; ``pads`` is (top, left, bottom, right)."""
+
+    def forward(self, x, w, b, stride=(1, 1), pads=(0, 0, 0, 0), dil=(1, 1), group=1):
+        self.stride, self.pads, self.dil, self.group = tuple(stride), tuple(pads), tuple(dil), group
+        n, c, h, wd = x.shape
+        cout, _, kh, kw = w.shape
+        self.k = (kh, kw)
+        self.oh, self.ow = _out_hw(h, wd, self.k, self.stride, self.pads, self.dil)
+        xp = _pad(x, self.pads)
+        self.xp_shape, self.w = xp.shape, w
+        win = _windows(xp, self.k, (self.oh, self.ow), self.stride, self.dil)
+        self.depthwise = group == c == cout and w.shape[1] == 1
+        if self.depthwise:
+            self.win = win
+            y = np.einsum("ncijhw,cij->nchw", win, w[:, 0], optimize=True)
+        else:
+            cg, og = c // group, cout // group
+            self.cols = [np.ascontiguousarray(win[:, g * cg : (g + 1) * cg]).reshape(n, cg * kh * kw, -1)
+                         for g in range(group)]
+            y = np.concatenate([w[g * og : (g + 1) * og].reshape(og, -1) @ self.cols[g] for g in range(group)],
+                               axis=1).reshape(n, cout, self.oh, self.ow)
+        return (y + b.reshape(1, -1, 1, 1)).astype(np.float32)
+
+    def backward(self, g):
+        w, (kh, kw) = self.w, self.k
+        n, cout = g.shape[:2]
+        db = g.sum(axis=(0, 2, 3))
+        if self.depthwise:
+            dw = np.einsum("ncijhw,nchw->cij", self.win, g, optimize=True)[:, None]
+            dwin = np.einsum("nchw,cij->ncijhw", g, w[:, 0], optimize=True)
+        else:
+            og = cout // self.group
+            g2 = g.reshape(n, cout, -1)
+            dws, dcols = [], []
+            for k in range(self.group):
+                gk = g2[:, k * og : (k + 1) * og]
+                wk = w[k * og : (k + 1) * og].reshape(og, -1)
+                dws.append((gk @ self.cols[k].transpose(0, 2, 1)).sum(axis=0).reshape(og, -1, kh, kw))
+                dcols.append((wk.T @ gk).reshape(n, -1, kh, kw, self.oh, self.ow))
+            dw = np.concatenate(dws, axis=0)
+            dwin = np.concatenate(dcols, axis=1)
+        dx = _crop(_scatter_taps(dwin, self.xp_shape, self.stride, self.dil), self.pads)
+        return dx, dw.astype(np.float32), db
+
+
+class Relu(Function):
+    def forward(self, x):
+        self.mask = x > 0
+        return x * self.mask
+
+    def backward(self, g):
+        return (g * self.mask,)
+
+
+class Clip(Function):
+    def forward(self, x, lo=-np.inf, hi=np.inf):
+        self.mask = (x > lo) & (x < hi)
+        return np.clip(x, lo, hi).astype(np.float32)
+
+    def backward(self, g):
+        return (g * self.mask,)
+
+
+class HardSwish(Function):
+    def forward(self, x):
+        self.x = x
+        return (x * np.clip(x + 3, 0, 6) / 6).astype(np.float32)
+
+    def backward(self, g):
+        x = self.x
+        d = np.where(x < -3, 0.0, np.where(x > 3, 1.0, (2 * x + 3) / 6))
+        return ((g * d).astype(np.float32),)
+
+
+class HardSigmoid(Function):
+    def forward(self, x, alpha=0.2, beta=0.5):
+        z = alpha * x + beta
+        self.d = ((z > 0) & (z < 1)) * np.float32(alpha)
+        return np.clip(z, 0, 1).astype(np.float32)
+
+    def backward(self, g):
+        return (g * self.d,)
+
+
+class Sigmoid(Function):
+    def forward(self, x):
+        self.y = (1 / (1 + np.exp(-x))).astype(np.float32)
+        return self.y
+
+    def backward(self, g):
+        return (g * self.y * (1 - self.y),)
+
+
+class Softmax(Function):
+    def forward(self, x, axis=-1):
+        e = np.exp(x - x.max(axis=axis, keepdims=True))
+        self.y, self.axis = e / e.sum(axis=axis, keepdims=True), axis
+        return self.y
+
+    def backward(self, g):
+        y = self.y
+        return (y * (g - (g * y).sum(axis=self.axis, keepdims=True)),)
+
+
+class BatchNorm(Function):
+    """Training-mode BatchNorm over (N, H, W) with batch statistics; updates running stats in
+    place (PyTorch's momentum convention: new = (1 - m) * old + m * batch, unbiased variance)."""
+
+    def forward(self, x, gamma, beta, running_mean=None, running_var=None, momentum=0.1, eps=1e-5):
+        axes = (0, 2, 3)
+        mean = x.mean(axis=axes, keepdims=True)
+        var = x.var(axis=axes, keepdims=True)
+        self.inv = 1 / np.sqrt(var + eps)
+        self.xhat = (x - mean) * self.inv
+        self.gamma = gamma.reshape(1, -1, 1, 1)
+        m = x.size // x.shape[1]
+        if running_mean is not None:
+            running_mean *= 1 - momentum
+            running_mean += momentum * mean.reshape(-1)
+            running_var *= 1 - momentum
+            running_var += momentum * var.reshape(-1) * m / max(m - 1, 1)
+        return (self.xhat * self.gamma + beta.reshape(1, -1, 1, 1)).astype(np.float32)
+
+    def backward(self, g):
+        axes = (0, 2, 3)
+        m = g.size // g.shape[1]
+        dxhat = g * self.gamma
+        dx = self.inv / m * (m * dxhat - dxhat.sum(axis=axes, keepdims=True)
+                             - self.xhat * (dxhat * self.xhat).sum(axis=axes, keepdims=True))
+        return dx.astype(np.float32), (g * self.xhat).sum(axis=axes), g.sum(axis=axes)
+
+
+class MaxPool2d(Function):
+    def forward(self, x, k=(2, 2), stride=(2, 2), pads=(0, 0, 0, 0)):
+        self.k, self.stride, self.pads = tuple(k), tuple(stride), tuple(pads)
+        oh, ow = _out_hw(x.shape[2], x.shape[3], self.k, self.stride, self.pads, (1, 1))
+        xp = _pad(x, self.pads, -np.inf)
+        self.xp_shape = xp.shape
+        win = _windows(xp, self.k, (oh, ow), self.stride, (1, 1))
+        flat = win.reshape(*win.shape[:2], -1, oh, ow) if win.flags.c_contiguous else \
+            np.ascontiguousarray(win).reshape(*win.shape[:2], -1, oh, ow)
+        self.arg = flat.argmax(axis=2)
+        return flat.max(axis=2)
+
+    def backward(self, g):
+        kh, kw = self.k
+        taps = np.arange(kh * kw).reshape(1, 1, -1, 1, 1)
+        dwin = (self.arg[:, :, None] == taps) * g[:, :, None]
+        dwin = dwin.reshape(g.shape[0], g.shape[1], kh, kw, *g.shape[2:]).astype(np.float32)
+        return (_crop(_scatter_taps(dwin, self.xp_shape, self.stride, (1, 1)), self.pads),)
+
+
+class AvgPool2d(Function):
+    def forward(self, x, k=(2, 2), stride=(2, 2), pads=(0, 0, 0, 0), count_include_pad=False):
+        self.k, self.stride, self.pads = tuple(k), tuple(stride), tuple(pads)
+        oh, ow = _out_hw(x.shape[2], x.shape[3], self.k, self.stride, self.pads, (1, 1))
+        xp = _pad(x, self.pads)
+        self.xp_shape = xp.shape
+        ones = _pad(np.ones((1, 1, *x.shape[2:]), np.float32), self.pads, 0.0 if not count_include_pad else 1.0)
+        if count_include_pad:
+            ones = np.ones_like(ones)
+        self.count = _windows(ones, self.k, (oh, ow), self.stride, (1, 1)).sum(axis=(2, 3))
+        return (_windows(xp, self.k, (oh, ow), self.stride, (1, 1)).sum(axis=(2, 3)) / self.count).astype(np.float32)
+
+    def backward(self, g):
+        kh, kw = self.k
+        dwin = np.broadcast_to((g / self.count)[:, :, None, None], (*g.shape[:2], kh, kw, *g.shape[2:]))
+        return (_crop(_scatter_taps(dwin, self.xp_shape, self.stride, (1, 1)), self.pads),)
+
+
+class GlobalAvgPool(Function):
+    def forward(self, x):
+        self.shape = x.shape
+        return x.mean(axis=(2, 3), keepdims=True)
+
+    def backward(self, g):
+        n = self.shape[2] * self.shape[3]
+        return (np.broadcast_to(g / n, self.shape).astype(np.float32),)
+
+
+class Reshape(Function):
+    def forward(self, x, shape=()):
+        self.shape = x.shape
+        return x.reshape(shape)
+
+    def backward(self, g):
+        return (g.reshape(self.shape),)
+
+
+class Transpose(Function):
+    def forward(self, x, perm=()):
+        self.perm = perm
+        return np.ascontiguousarray(x.transpose(perm))
+
+    def backward(self, g):
+        return (g.transpose(np.argsort(self.perm)),)
+
+
+class Concat(Function):
+    def forward(self, *xs, axis=0):
+        self.axis, self.sizes = axis, [x.shape[axis] for x in xs]
+        return np.concatenate(xs, axis=axis)
+
+    def backward(self, g):
+        return tuple(np.split(g, np.cumsum(self.sizes)[:-1], axis=self.axis))
+
+
+class Slice(Function):
+    def forward(self, x, index=()):
+        self.shape, self.index = x.shape, index
+        return np.ascontiguousarray(x[index])
+
+    def backward(self, g):
+        dx = np.zeros(self.shape, np.float32)
+        dx[self.index] = g
+        return (dx,)
+
+
+class Pad(Function):
+    def forward(self, x, pads=(), value=0.0):
+        rank = x.ndim
+        self.index = tuple(slice(pads[i], pads[i] + x.shape[i]) for i in range(rank))
+        return np.pad(x, [(pads[i], pads[i + rank]) for i in range(rank)], constant_values=value)
+
+    def backward(self, g):
+        return (g[self.index],)
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """``x @ w + b`` (w is (in, out))."""
+    y = MatMul.apply(x, w)
+    return Add.apply(y, b) if b is not None else y
+
+
