@@ -14,10 +14,13 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from streamflow.events import PAGE_ENTER, PAGE_EXIT, Event
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -123,18 +126,16 @@ class UserSequence:
     def recent_events(self, since_ts: float | None = None, limit: int | None = None) -> list[Event]:
         """The time-level sequence, oldest first, optionally only events at or after ``since_ts``
         and only the last ``limit``."""
-        events = list(self.recent)
-        if since_ts is not None:
-            events = [e for e in events if e.ts >= since_ts]
-        if limit is not None:
-            events = events[-limit:]
-        return events
+        return _tail(self.recent, lambda e: e.ts, since_ts, limit)
 
     def recent_pages(self, since_ts: float | None = None, limit: int | None = None) -> list[PageVisit]:
-        """The page-level sequence (completed visits), oldest first, filtered like :meth:`recent_events`."""
-        pages = list(self.pages)
-        if since_ts is not None:
-            pages = [p for p in pages if p.exit_ts >= since_ts]
-        if limit is not None:
-            pages = pages[-limit:]
-        return pages
+        """The page-level sequence (completed visits), oldest first, filtered like :meth:`recent_events`
+        (by exit time)."""
+        return _tail(self.pages, lambda p: p.exit_ts, since_ts, limit)
+
+
+def _tail(items: Iterable[T], ts_of: Callable[[T], float], since_ts: float | None, limit: int | None) -> list[T]:
+    out = list(items)
+    if since_ts is not None:
+        out = [item for item in out if ts_of(item) >= since_ts]
+    return out[-limit:] if limit is not None else out
