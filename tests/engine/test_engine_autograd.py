@@ -84,7 +84,8 @@ def test_binary_broadcast_and_matmul_gradients():
 def test_batchnorm_training_gradients_and_running_stats():
     rm, rv = np.zeros(3, np.float32), np.ones(3, np.float32)
     check(lambda x, g, b: F.BatchNorm.apply(x, g, b, running_mean=rm, running_var=rv, momentum=0.1),
-          lambda x, g, b: TF.batch_norm(x, torch.zeros(3), torch.ones(3), g, b, training=True), (4, 3, 5, 5), (3,), (3,))
+          lambda x, g, b: TF.batch_norm(x, torch.zeros(3), torch.ones(3), g, b, training=True),
+          (4, 3, 5, 5), (3,), (3,))
     x = np.random.default_rng(0).standard_normal((4, 3, 5, 5), dtype=np.float32)
     trm, trv = torch.zeros(3), torch.ones(3)
     TF.batch_norm(torch.from_numpy(x), trm, trv, training=True, momentum=0.1)
