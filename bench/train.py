@@ -1,0 +1,183 @@
+"""One SGD step (forward, cross-entropy, backward, momentum update) of MobileNetV2 width 0.35 at
+96x96, batch 16: our autograd vs PyTorch, plus peak memory of one step at batch 16/32/64.
+
+    python -m bench.train [--quick]
+
+Peak memory is the growth of the peak resident set during one step, each (framework, batch) in a
+fresh subprocess so one measurement cannot hide in another's freed heap; for ours the numpy
+allocations traced by tracemalloc are reported too. The last line printed is one JSON object,
+also written to bench/results/train.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import tracemalloc  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "engine"))
+
+SIZE, WIDTH, CLASSES = 96, 0.35, 1000
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def make_models(tmp: str):
+    import engine_zoo
+    import torch
+
+    from engine.autograd import GraphModel
+    from engine.onnx_import import from_onnx
+
+    torch.set_num_threads(1)
+    model = engine_zoo.build("mobilenetv2", width=WIDTH, classes=CLASSES)
+    path = engine_zoo.export(model, os.path.join(tmp, "m.onnx"), size=SIZE, fold=False)
+    return GraphModel(from_onnx(path)), model.train()
+
+
+def ours_step(model, opt, x, labels):
+    from engine.autograd import cross_entropy
+
+    opt.zero_grad()
+    loss = cross_entropy(model(x)["y"], labels)
+    loss.backward()
+    opt.step()
+    return float(loss.data)
+
+
+def torch_step(model, opt, x, labels):
+    import torch
+
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), labels)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def step_fns(ours, theirs, batch: int):
+    import torch
+
+    from engine.autograd import SGD
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, 3, SIZE, SIZE), dtype=np.float32)
+    labels = rng.integers(0, CLASSES, batch)
+    opt = SGD(ours.parameters(), lr=0.01, momentum=0.9)
+    topt = torch.optim.SGD(theirs.parameters(), lr=0.01, momentum=0.9)
+    tx, tl = torch.from_numpy(x), torch.from_numpy(labels)
+    return (lambda: ours_step(ours, opt, x, labels)), (lambda: torch_step(theirs, topt, tx, tl))
+
+
+def median_ms(fn, runs: int) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def peak_rss_growth(fn) -> int:
+    """Bytes the resident set grew to at its highest while ``fn`` ran (sampled every 0.5 ms)."""
+    import threading
+
+    base, peak, done = rss_bytes(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(0.0005)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        t.join()
+    return max(peak[0], rss_bytes()) - base
+
+
+def child(framework: str, batch: int, onnx_path: str) -> None:
+    """Print the peak memory of one training step of ``framework`` at ``batch`` (fresh process)."""
+    import engine_zoo
+    import torch
+
+    from engine.autograd import GraphModel
+    from engine.onnx_import import from_onnx
+
+    torch.set_num_threads(1)
+    ours = GraphModel(from_onnx(onnx_path))
+    theirs = engine_zoo.build("mobilenetv2", width=WIDTH, classes=CLASSES).train()
+    ours_fn, torch_fn = step_fns(ours, theirs, batch)
+    fn = ours_fn if framework == "ours" else torch_fn
+    result = {"rss_growth_mb": peak_rss_growth(fn) / 2**20}
+    if framework == "ours":
+        tracemalloc.start()
+        fn()
+        result["traced_mb"] = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+    print(json.dumps(result))
+
+
+def measure_memory(framework: str, batch: int, onnx_path: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "bench.train", "--child", framework, str(batch), onnx_path],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 timed steps, memory at batch 16 only (< 60 s)")
+    parser.add_argument("--child", nargs=3, metavar=("FRAMEWORK", "BATCH", "ONNX"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args.child[0], int(args.child[1]), args.child[2])
+        return {}
+    runs = 3 if args.quick else 10
+    results: dict = {"cpu_count": os.cpu_count(), "threads": 1, "batch": 16, "size": SIZE, "width": WIDTH,
+                     "runs": runs}
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, theirs = make_models(tmp)
+        ours_fn, torch_fn = step_fns(ours, theirs, 16)
+        results["step_ms"] = median_ms(ours_fn, runs)
+        results["torch_step_ms"] = median_ms(torch_fn, runs)
+        results["step_ratio_vs_torch"] = results["step_ms"] / results["torch_step_ms"]
+        print(f"step: ours {results['step_ms']:.0f} ms, torch {results['torch_step_ms']:.0f} ms", flush=True)
+        for batch in (16,) if args.quick else (16, 32, 64):
+            for fw in ("ours", "torch"):
+                m = measure_memory(fw, batch, os.path.join(tmp, "m.onnx"))
+                results[f"{fw}_peak_mb_b{batch}"] = m["rss_growth_mb"]
+                if fw == "ours":
+                    results[f"ours_traced_peak_mb_b{batch}"] = m["traced_mb"]
+            print(f"batch {batch}: ours {results[f'ours_peak_mb_b{batch}']:.0f} MB, "
+                  f"torch {results[f'torch_peak_mb_b{batch}']:.0f} MB", flush=True)
+    results = {k: round(v, 3) if isinstance(v, float) else v for k, v in results.items()}
+    out = ROOT / "bench" / "results" / "train.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
