@@ -59,7 +59,21 @@ def bias_act(y, b, r, has_b, has_r, code, p0, p1):  # pragma: no cover - compile
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def depthwise(x, w, b, r, has_r, out, phases, sh, sw, pt, pl, dh, dw, code, p0, p1):  # pragma: no cover
+def depthwise_taps(wd: int, ow_n: int, kw: int, sw: int, pl: int, dw: int) -> np.ndarray:
+    """Per kernel column j: (first output col, end output col, first source col, source phase),
+    computed once at bind time so the hot loop does no integer division."""
+    taps = np.zeros((kw, 4), np.int64)
+    for j in range(kw):
+        off = j * dw - pl
+        lo = 0 if off >= 0 else (-off + sw - 1) // sw
+        hi = 0 if wd - 1 - off < 0 else min(ow_n, (wd - 1 - off) // sw + 1)
+        phase = off % sw  # input column (lo + k) * sw + off lives in phase off % sw
+        taps[j] = (lo, max(hi, lo), lo + (off - phase) // sw if sw > 1 else lo + off, phase)
+    return taps
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def depthwise(x, w, b, r, has_r, out, phases, taps, sh, sw, pt, dh, code, p0, p1):  # pragma: no cover
     """out (C, OH, OW) = act(depthwise_conv(x (C, H, W), w (C, KH, KW)) + b + r), padding implicit.
 
     ``phases`` (sw, H, ceil(W / sw)) is scratch: for strided convs each channel is split once into
@@ -87,19 +101,15 @@ def depthwise(x, w, b, r, has_r, out, phases, sh, sw, pt, pl, dh, dw, code, p0, 
                     continue
                 xrow = x[c, ih]
                 for j in range(kw):
-                    wv = w[c, i, j]
-                    off = j * dw - pl
-                    lo = 0 if off >= 0 else (-off + sw - 1) // sw
-                    hi = 0 if wd - 1 - off < 0 else min(ow_n, (wd - 1 - off) // sw + 1)
+                    lo, hi = taps[j, 0], taps[j, 1]
                     if hi <= lo:
                         continue
+                    wv = w[c, i, j]
                     dst = row[lo:hi]
                     if sw == 1:
-                        src = xrow[lo + off : hi + off]
-                    else:  # input column (lo + k) * sw + off lives in phase off % sw
-                        phase = off % sw
-                        base = (off - phase) // sw
-                        src = phases[phase, ih, lo + base : hi + base]
+                        src = xrow[taps[j, 2] : taps[j, 2] + hi - lo]
+                    else:
+                        src = phases[taps[j, 3], ih, taps[j, 2] : taps[j, 2] + hi - lo]
                     for k in range(hi - lo):
                         dst[k] += wv * src[k]
             if has_r:

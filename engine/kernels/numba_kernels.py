@@ -40,7 +40,8 @@ class DepthwiseNumba(DepthwiseNumpy):
         has_r = len(ins) > 3 and ctx.has_input(3)
         w3, b1 = params["w3"], np.ascontiguousarray(params["b1"])
         (phases,) = carve(scratch, self.phases_shape(g))
-        args = (phases, g.stride[0], g.stride[1], g.pads[0], g.pads[1], g.dil[0], g.dil[1], code, p0, p1)
+        taps = jit.depthwise_taps(g.w, g.ow, g.kw, g.stride[1], g.pads[1], g.dil[1])
+        args = (phases, taps, g.stride[0], g.stride[1], g.pads[0], g.dil[0], code, p0, p1)
 
         def run():
             for n in range(g.n):
