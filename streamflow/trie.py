@@ -16,8 +16,9 @@ A *trigger condition* is a sequence of trigger ids. Matching semantics:
   every later event that completes it.
 - A condition registered while events flow fires on the events after its registration. The trie
   tracks prefixes, not conditions: a user's partial match of a prefix the new condition shares with
-  conditions registered before it counts towards it, as in Walle's dynamic pending list; a prefix
-  new to the trie starts matching with the next event. Unregistering a condition leaves the partial
+  conditions registered before it (a proper prefix of one of them, so that it was pending) counts
+  towards it, as in Walle's dynamic pending list; any other prefix starts matching with the next
+  event. Unregistering a condition leaves the partial
   matches of all others intact.
 
 The trie: the root's children are the *static pending list*, tried on every event; the nodes a
