@@ -66,9 +66,12 @@ class Conv2d(Function):
         self.xp_shape, self.w = xp.shape, w
         win = _windows(xp, self.k, (self.oh, self.ow), self.stride, self.dil)
         self.depthwise = group == c == cout and w.shape[1] == 1
-        if self.depthwise:
+        if self.depthwise:  # per-tap broadcast multiply-adds: far faster than an einsum on 6-d views
             self.win = win
-            y = np.einsum("ncijhw,cij->nchw", win, w[:, 0], optimize=True)
+            y = np.zeros((n, c, self.oh, self.ow), np.float32)
+            for i in range(kh):
+                for j in range(kw):
+                    y += win[:, :, i, j] * w[:, 0, i, j].reshape(1, -1, 1, 1)
         else:
             cg, og = c // group, cout // group
             self.cols = [np.ascontiguousarray(win[:, g * cg : (g + 1) * cg]).reshape(n, cg * kh * kw, -1)
@@ -82,8 +85,16 @@ class Conv2d(Function):
         n, cout = g.shape[:2]
         db = g.sum(axis=(0, 2, 3))
         if self.depthwise:
-            dw = np.einsum("ncijhw,nchw->cij", self.win, g, optimize=True)[:, None]
-            dwin = np.einsum("nchw,cij->ncijhw", g, w[:, 0], optimize=True)
+            dw = np.empty_like(w)
+            dxp = np.zeros(self.xp_shape, np.float32)
+            sy, sx = self.stride
+            for i in range(kh):
+                for j in range(kw):
+                    dw[:, 0, i, j] = (self.win[:, :, i, j] * g).sum(axis=(0, 2, 3))
+                    y0, x0 = i * self.dil[0], j * self.dil[1]
+                    dxp[:, :, y0 : y0 + sy * (self.oh - 1) + 1 : sy, x0 : x0 + sx * (self.ow - 1) + 1 : sx] \
+                        += g * w[:, 0, i, j].reshape(1, -1, 1, 1)
+            return _crop(dxp, self.pads), dw, db
         else:
             og = cout // self.group
             g2 = g.reshape(n, cout, -1)
