@@ -74,8 +74,11 @@ class Conv2d(Function):
                     y += win[:, :, i, j] * w[:, 0, i, j].reshape(1, -1, 1, 1)
         else:
             cg, og = c // group, cout // group
-            self.cols = [np.ascontiguousarray(win[:, g * cg : (g + 1) * cg]).reshape(n, cg * kh * kw, -1)
-                         for g in range(group)]
+            # A pointwise conv needs no im2col: its columns are the input itself.
+            self.pointwise = (kh, kw, self.stride, group) == (1, 1, (1, 1), 1) and not any(self.pads)
+            self.cols = [x.reshape(n, c, -1)] if self.pointwise else \
+                [np.ascontiguousarray(win[:, g * cg : (g + 1) * cg]).reshape(n, cg * kh * kw, -1)
+                 for g in range(group)]
             y = np.concatenate([w[g * og : (g + 1) * og].reshape(og, -1) @ self.cols[g] for g in range(group)],
                                axis=1).reshape(n, cout, self.oh, self.ow)
         return (y + b.reshape(1, -1, 1, 1)).astype(np.float32)
@@ -95,19 +98,20 @@ class Conv2d(Function):
                     dxp[:, :, y0 : y0 + sy * (self.oh - 1) + 1 : sy, x0 : x0 + sx * (self.ow - 1) + 1 : sx] \
                         += g * w[:, 0, i, j].reshape(1, -1, 1, 1)
             return _crop(dxp, self.pads), dw, db
-        else:
-            og = cout // self.group
-            g2 = g.reshape(n, cout, -1)
-            dws, dcols = [], []
-            for k in range(self.group):
-                gk = g2[:, k * og : (k + 1) * og]
-                wk = w[k * og : (k + 1) * og].reshape(og, -1)
-                dws.append((gk @ self.cols[k].transpose(0, 2, 1)).sum(axis=0).reshape(og, -1, kh, kw))
-                dcols.append((wk.T @ gk).reshape(n, -1, kh, kw, self.oh, self.ow))
-            dw = np.concatenate(dws, axis=0)
-            dwin = np.concatenate(dcols, axis=1)
+        og = cout // self.group
+        g2 = g.reshape(n, cout, -1)
+        dws, dcols = [], []
+        for k in range(self.group):
+            gk = g2[:, k * og : (k + 1) * og]
+            wk = w[k * og : (k + 1) * og].reshape(og, -1)
+            dws.append(np.tensordot(gk, self.cols[k], axes=([0, 2], [0, 2])).reshape(og, -1, kh, kw))
+            dcols.append(wk.T @ gk)
+        dw = np.concatenate(dws, axis=0).astype(np.float32)
+        if self.pointwise:
+            return dcols[0].reshape(n, -1, self.oh, self.ow), dw, db
+        dwin = np.concatenate(dcols, axis=1).reshape(n, -1, kh, kw, self.oh, self.ow)
         dx = _crop(_scatter_taps(dwin, self.xp_shape, self.stride, self.dil), self.pads)
-        return dx, dw.astype(np.float32), db
+        return dx, dw, db
 
 
 class Relu(Function):
