@@ -17,7 +17,6 @@ deterministic. A single fired task runs inline.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import time
@@ -29,11 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
-from operators import Operator, run_pipeline
 from streamflow.events import Event, Rejected, TimestampGuard
+from streamflow.execution import TaskExecution, UserState
 from streamflow.job import Job, Task
-from streamflow.sequences import UserSequence
-from streamflow.trie import MatchState, TriggerTrie
 
 log = logging.getLogger("streamflow.device")
 
@@ -94,14 +91,6 @@ class RunSummary:
 
 
 
-class _User:
-    __slots__ = ("match", "sequence")
-
-    def __init__(self, match: MatchState, sequence: UserSequence):
-        self.match = match
-        self.sequence = sequence
-
-
 class DeviceRunner:
     """Runs a job embedded, writing feature rows to collective storage.
 
@@ -126,15 +115,12 @@ class DeviceRunner:
         self.storage = storage
         self.workers = workers
         self.quarantine_after = quarantine_after
-        self.trie = TriggerTrie()
+        self.execution = TaskExecution()
+        self.trie = self.execution.trie
         self.summary = RunSummary(db_path=str(storage.path))
         self.latencies_s: list[float] | None = [] if record_latency else None
         self._guard = guard or TimestampGuard()
-        self._tasks: dict[str, Task] = {}
-        self._pipelines: dict[str, list[Operator]] = {}
-        self._users: dict[str, _User] = {}
-        self._max_events = 1
-        self._max_pages = 1
+        self._users: dict[str, UserState] = {}
         self._pool: ThreadPoolExecutor | None = None
         for task in job.tasks:
             self.register(task)
@@ -142,24 +128,12 @@ class DeviceRunner:
     # -- tasks at run time -----------------------------------------------------------------------
     def register(self, task: Task) -> None:
         """Start running ``task`` (from the next event on)."""
-        if task.name in self._tasks:
-            raise ValueError(f"task {task.name!r} is already registered")
-        self.trie.register(task.name, task.trigger)
-        self._tasks[task.name] = task
-        self._pipelines[task.name] = copy.deepcopy(list(task.pipeline))
+        self.execution.register(task)
         self.summary.task_stats.setdefault(task.name, TaskStats())
-        bound = task.history_events
-        if bound > self._max_events or bound > self._max_pages:
-            self._max_events = max(self._max_events, bound)
-            self._max_pages = max(self._max_pages, bound)
-            for user in self._users.values():
-                user.sequence.resize(self._max_events, self._max_pages)
 
     def unregister(self, name: str) -> None:
         """Stop running task ``name``."""
-        self.trie.unregister(name)
-        del self._tasks[name]
-        del self._pipelines[name]
+        self.execution.unregister(name)
 
     # -- the stream --------------------------------------------------------------------------
     def run(self, records: Iterable[Event | Rejected]) -> RunSummary:
@@ -197,39 +171,21 @@ class DeviceRunner:
         summary.events_in += 1
         user = self._users.get(event.user_id)
         if user is None:
-            user = self._users[event.user_id] = _User(self.trie.initial_state(),
-                                                      UserSequence(self._max_events, self._max_pages))
-        user.sequence.append(event)
-        user.match, fired = self.trie.step(user.match, event)
+            user = self._users[event.user_id] = self.execution.new_user()
+        fired = self.execution.step(user, event)
         if not fired:
             return
+        run_task = self.execution.run_task
         if len(fired) == 1:
-            self._record(fired[0], event, self._run_task(fired[0], event, user.sequence))
+            self._record(fired[0], event, run_task(fired[0], event, user.sequence))
         else:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="streamflow-task")
-            futures = [self._pool.submit(self._run_task, name, event, user.sequence) for name in fired]
+            futures = [self._pool.submit(run_task, name, event, user.sequence) for name in fired]
             for name, future in zip(fired, futures, strict=True):
                 self._record(name, event, future.result())
         if self.latencies_s is not None:
             self.latencies_s.append(time.perf_counter() - started)
-
-    def _run_task(self, name: str, event: Event, sequence: UserSequence) -> list[dict[str, Any]] | BaseException:
-        task = self._tasks[name]
-        try:
-            if task.input == "page":
-                items: list[Any] = sequence.current_page()
-            else:
-                since = event.ts - task.history_s if task.history_s is not None else None
-                if task.input == "recent":
-                    items = sequence.recent_events(since, task.history_events)
-                else:
-                    items = sequence.recent_pages(since, task.history_events)
-            rows = run_pipeline(self._pipelines[name], items)
-        except Exception as exc:  # a task's bug must not stop the stream or the other tasks
-            return exc
-        head = {"user_id": event.user_id, "trigger_ts": event.ts}
-        return [{**head, **row} for row in rows]
 
     def _record(self, name: str, event: Event, outcome: list[dict[str, Any]] | BaseException) -> None:
         stats = self.summary.task_stats[name]
@@ -239,7 +195,7 @@ class DeviceRunner:
             stats.consecutive_errors = 0
             if outcome:
                 stats.rows += len(outcome)
-                self.storage.write(self._tasks[name].sink, outcome)
+                self.storage.write(self.execution.tasks[name].sink, outcome)
             return
         stats.errors += 1
         stats.consecutive_errors += 1
