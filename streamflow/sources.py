@@ -62,7 +62,9 @@ def _numbered(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
 
 
 @dataclass(slots=True)
-class _OpenPage:
+class OpenPage:
+    """The item page a user is on: which item, and when they last did something there."""
+
     item_id: str
     category_id: str
     last_ts: float
@@ -100,9 +102,9 @@ class TaobaoBehaviorSource(_LineSource):
     def __iter__(self) -> Iterator[Event | Rejected]:
         guard = self._guard or TimestampGuard()
         gap = self.inactivity_gap_s
-        open_pages: dict[str, _OpenPage] = {}
+        open_pages: dict[str, OpenPage] = {}
         for line_no, raw in self._numbered_lines():
-            parsed = self._parse(raw)
+            parsed = self.parse(raw)
             if isinstance(parsed, str):
                 yield Rejected(self.name, line_no, parsed, raw)
                 continue
@@ -111,29 +113,13 @@ class TaobaoBehaviorSource(_LineSource):
             if reason is not None:
                 yield Rejected(self.name, line_no, reason, raw)
                 continue
-            contents = {"item_id": item, "category_id": category}
-            page = open_pages.get(user)
-            if page is not None and ts - page.last_ts > gap:
-                yield _exit(user, page, page.last_ts)
-                del open_pages[user]
-                page = None
-            if page is not None and page.item_id == item:
-                page.last_ts = ts
-                yield Event(user, behavior, ITEM_PAGE, ts, contents)
-                continue
-            if page is not None:
-                yield _exit(user, page, ts)
-            open_pages[user] = _OpenPage(item, category, ts)
-            if behavior == "pv":
-                yield Event(user, PAGE_ENTER, ITEM_PAGE, ts, contents)
-            else:
-                yield Event(user, PAGE_ENTER, ITEM_PAGE, ts, {**contents, "implicit": True})
-                yield Event(user, behavior, ITEM_PAGE, ts, contents)
+            open_pages[user], events = item_page_events(open_pages.get(user), user, item, category, behavior, ts, gap)
+            yield from events
         for user, page in open_pages.items():
-            yield _exit(user, page, page.last_ts)
+            yield page_exit(user, page, page.last_ts)
 
     @staticmethod
-    def _parse(raw: str) -> tuple[str, str, str, str, float] | str:
+    def parse(raw: str) -> tuple[str, str, str, str, float] | str:
         parts = raw.split(",")
         if len(parts) != 5:
             return (f"malformed CSV line: expected 5 comma-separated fields "
@@ -150,7 +136,35 @@ class TaobaoBehaviorSource(_LineSource):
         return user, item, category, behavior, ts
 
 
-def _exit(user: str, page: _OpenPage, ts: float) -> Event:
+def item_page_events(page: OpenPage | None, user: str, item: str, category: str, behavior: str, ts: float,
+                     gap: float) -> tuple[OpenPage, list[Event]]:
+    """One user's next Taobao row as app events: ``(the user's open page after it, events)``.
+
+    The per-user state machine of :class:`TaobaoBehaviorSource` (see its docstring), separate so
+    that a runner can keep ``page`` in its own per-user state.
+    """
+    events = []
+    contents = {"item_id": item, "category_id": category}
+    if page is not None and ts - page.last_ts > gap:
+        events.append(page_exit(user, page, page.last_ts))
+        page = None
+    if page is not None and page.item_id == item:
+        page.last_ts = ts
+        events.append(Event(user, behavior, ITEM_PAGE, ts, contents))
+        return page, events
+    if page is not None:
+        events.append(page_exit(user, page, ts))
+    page = OpenPage(item, category, ts)
+    if behavior == "pv":
+        events.append(Event(user, PAGE_ENTER, ITEM_PAGE, ts, contents))
+    else:
+        events.append(Event(user, PAGE_ENTER, ITEM_PAGE, ts, {**contents, "implicit": True}))
+        events.append(Event(user, behavior, ITEM_PAGE, ts, contents))
+    return page, events
+
+
+def page_exit(user: str, page: OpenPage, ts: float) -> Event:
+    """The exit event of a user's open item page."""
     return Event(user, PAGE_EXIT, ITEM_PAGE, ts, {"item_id": page.item_id, "category_id": page.category_id})
 
 
