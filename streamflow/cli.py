@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from connectors.storage import CollectiveStorage, flush_on_signals
 from streamflow.job import Job, JobLoadError, load_job
 from streamflow.progress import track
-from streamflow.runners.device import SYSTEM_TABLES, DeviceRunner
+from streamflow.runners.device import DeviceRunner
 from streamflow.sources import FORMATS, open_source
+from streamflow.summary import SYSTEM_TABLES
 from streamflow.trie import TriggerTrie
 
 RUNNERS = ("device",)

@@ -10,13 +10,19 @@ rows go, threads, state backends.
 from __future__ import annotations
 
 import copy
+import json
+import logging
+import traceback
 from typing import Any
 
 from operators import Operator, run_pipeline
 from streamflow.events import Event
 from streamflow.job import Task
 from streamflow.sequences import UserSequence
+from streamflow.summary import TASK_ERRORS_TABLE, TaskStats
 from streamflow.trie import MatchState, TriggerTrie
+
+log = logging.getLogger("streamflow.execution")
 
 
 class UserState:
@@ -42,9 +48,13 @@ class TaskExecution:
         (('favs',), [{'user_id': 'u', 'trigger_ts': 1600000000.0, 'n': 1}])
     """
 
-    def __init__(self, tasks: list[Task] | tuple[Task, ...] = ()):
+    def __init__(self, tasks: list[Task] | tuple[Task, ...] = (), quarantine_after: int = 5):
+        if quarantine_after < 1:
+            raise ValueError(f"quarantine_after must be >= 1, got {quarantine_after}")
+        self.quarantine_after = quarantine_after
         self.trie = TriggerTrie()
         self.tasks: dict[str, Task] = {}
+        self.stats: dict[str, TaskStats] = {}
         self._pipelines: dict[str, list[Operator]] = {}
         self._max_events = 1
         self._max_pages = 1
@@ -60,6 +70,7 @@ class TaskExecution:
         self.trie.register(task.name, task.trigger)
         self.tasks[task.name] = task
         self._pipelines[task.name] = copy.deepcopy(list(task.pipeline))
+        self.stats.setdefault(task.name, TaskStats())
         # A "page" task needs only the current visit; keep as much history as the others ask for.
         events = task.history_events if task.input == "recent" else 1
         pages = task.history_events if task.input == "pages" else 1
@@ -110,3 +121,33 @@ class TaskExecution:
             return exc
         head = {"user_id": event.user_id, "trigger_ts": event.ts}
         return [{**head, **row} for row in rows]
+
+    def settle(self, name: str, event: Event, outcome: list[dict[str, Any]] | Exception
+               ) -> tuple[str, list[dict[str, Any]]]:
+        """Count a task's run and say what to store: ``(table, rows)``.
+
+        Rows go to the task's sink; a failure becomes one ``task_errors`` row naming the task, the
+        user and the triggering event. After ``quarantine_after`` consecutive failures the task is
+        quarantined: unregistered, so it no longer fires.
+        """
+        stats = self.stats[name]
+        stats.fired += 1
+        if not isinstance(outcome, Exception):
+            stats.consecutive_errors = 0
+            stats.rows += len(outcome)
+            return self.tasks[name].sink, outcome
+        stats.errors += 1
+        stats.consecutive_errors += 1
+        error = f"{type(outcome).__name__}: {outcome}"
+        log.warning("task %s failed on %s of user %s at ts=%s: %s", name, event.event_id, event.user_id,
+                    event.ts, error)
+        if stats.consecutive_errors >= self.quarantine_after:
+            stats.quarantined = True
+            self.unregister(name)
+            log.error("task %s quarantined after %d consecutive failures; last: %s", name,
+                      stats.consecutive_errors, error)
+        return TASK_ERRORS_TABLE, [{
+            "task": name, "user_id": event.user_id, "trigger_ts": event.ts,
+            "trigger_event": json.dumps(event.to_dict(), default=str), "error": error,
+            "traceback": "".join(traceback.format_exception(outcome)),
+        }]

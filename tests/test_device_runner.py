@@ -11,7 +11,8 @@ from connectors.storage import CollectiveStorage
 from operators import Aggregate, Count, KeyBy, Last, Map, Operator, Sum
 from streamflow.events import PAGE_ENTER, PAGE_EXIT, Event
 from streamflow.job import Job, Task
-from streamflow.runners.device import TASK_ERRORS_TABLE, DeviceRunner
+from streamflow.runners.device import DeviceRunner
+from streamflow.summary import TASK_ERRORS_TABLE
 
 T0 = 1_600_000_000.0
 

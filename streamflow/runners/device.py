@@ -20,76 +20,17 @@ from __future__ import annotations
 import json
 import logging
 import time
-import traceback
-from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
 from streamflow.events import Event, Rejected, TimestampGuard
 from streamflow.execution import TaskExecution, UserState
 from streamflow.job import Job, Task
+from streamflow.summary import RunSummary
 
 log = logging.getLogger("streamflow.device")
-
-TASK_ERRORS_TABLE = "task_errors"
-#: Tables the runner itself writes: refused records and task failures.
-SYSTEM_TABLES = (DEAD_LETTER_TABLE, TASK_ERRORS_TABLE)
-
-
-@dataclass
-class TaskStats:
-    fired: int = 0
-    rows: int = 0
-    errors: int = 0
-    consecutive_errors: int = 0
-    quarantined: bool = False
-
-
-@dataclass
-class RunSummary:
-    """What a run did; ``str()`` is the human-readable report the CLI prints."""
-
-    db_path: str
-    events_in: int = 0
-    tasks_fired: int = 0
-    rows_written: dict[str, int] = field(default_factory=dict)
-    rejected: Counter[str] = field(default_factory=Counter)
-    task_stats: dict[str, TaskStats] = field(default_factory=dict)
-    elapsed_s: float = 0.0
-
-    @property
-    def rejected_total(self) -> int:
-        return sum(self.rejected.values())
-
-    @property
-    def quarantined(self) -> list[str]:
-        return [name for name, s in self.task_stats.items() if s.quarantined]
-
-    def __str__(self) -> str:
-        rate = self.events_in / self.elapsed_s if self.elapsed_s > 0 else 0.0
-        lines = [
-            f"events in        {self.events_in:,}  ({rate:,.0f} events/s)",
-            f"tasks fired      {self.tasks_fired:,}",
-            f"rows written     {sum(n for t, n in self.rows_written.items() if t not in SYSTEM_TABLES):,}  "
-            f"to {self.db_path}",
-        ]
-        for name, stats in self.task_stats.items():
-            state = "  QUARANTINED" if stats.quarantined else ""
-            lines.append(f"  task {name:<18} fired {stats.fired:>7,}  rows {stats.rows:>7,}  "
-                         f"errors {stats.errors:,}{state}")
-        lines.append(f"rejected records {self.rejected_total:,}" +
-                     (f"  (in table {DEAD_LETTER_TABLE})" if self.rejected_total else ""))
-        for reason, n in self.rejected.most_common():
-            lines.append(f"  {n:>7,}  {reason}")
-        errors = sum(s.errors for s in self.task_stats.values())
-        if errors:
-            lines.append(f"task errors      {errors:,}  (in table {TASK_ERRORS_TABLE})")
-        return "\n".join(lines)
-
-
 
 class DeviceRunner:
     """Runs a job embedded, writing feature rows to collective storage.
@@ -109,15 +50,12 @@ class DeviceRunner:
 
     def __init__(self, job: Job, storage: CollectiveStorage, workers: int = 2, quarantine_after: int = 5,
                  guard: TimestampGuard | None = None, record_latency: bool = False):
-        if quarantine_after < 1:
-            raise ValueError(f"quarantine_after must be >= 1, got {quarantine_after}")
         self.job = job
         self.storage = storage
         self.workers = workers
-        self.quarantine_after = quarantine_after
-        self.execution = TaskExecution()
+        self.execution = TaskExecution(quarantine_after=quarantine_after)
         self.trie = self.execution.trie
-        self.summary = RunSummary(db_path=str(storage.path))
+        self.summary = RunSummary(db_path=str(storage.path), task_stats=self.execution.stats)
         self.latencies_s: list[float] | None = [] if record_latency else None
         self._guard = guard or TimestampGuard()
         self._users: dict[str, UserState] = {}
@@ -129,7 +67,6 @@ class DeviceRunner:
     def register(self, task: Task) -> None:
         """Start running ``task`` (from the next event on)."""
         self.execution.register(task)
-        self.summary.task_stats.setdefault(task.name, TaskStats())
 
     def unregister(self, name: str) -> None:
         """Stop running task ``name``."""
@@ -187,31 +124,11 @@ class DeviceRunner:
         if self.latencies_s is not None:
             self.latencies_s.append(time.perf_counter() - started)
 
-    def _record(self, name: str, event: Event, outcome: list[dict[str, Any]] | BaseException) -> None:
-        stats = self.summary.task_stats[name]
-        stats.fired += 1
+    def _record(self, name: str, event: Event, outcome: list[dict[str, Any]] | Exception) -> None:
         self.summary.tasks_fired += 1
-        if not isinstance(outcome, BaseException):
-            stats.consecutive_errors = 0
-            if outcome:
-                stats.rows += len(outcome)
-                self.storage.write(self.execution.tasks[name].sink, outcome)
-            return
-        stats.errors += 1
-        stats.consecutive_errors += 1
-        error = f"{type(outcome).__name__}: {outcome}"
-        self.storage.write(TASK_ERRORS_TABLE, [{
-            "task": name, "user_id": event.user_id, "trigger_ts": event.ts,
-            "trigger_event": json.dumps(event.to_dict(), default=str), "error": error,
-            "traceback": "".join(traceback.format_exception(outcome)),
-        }])
-        log.warning("task %s failed on %s of user %s at ts=%s: %s", name, event.event_id, event.user_id,
-                    event.ts, error)
-        if stats.consecutive_errors >= self.quarantine_after:
-            stats.quarantined = True
-            self.unregister(name)
-            log.error("task %s quarantined after %d consecutive failures; last: %s", name,
-                      stats.consecutive_errors, error)
+        table, rows = self.execution.settle(name, event, outcome)
+        if rows:
+            self.storage.write(table, rows)
 
     def close(self) -> None:
         """Flush storage and stop the worker pool (storage stays open for reading)."""

@@ -1,0 +1,63 @@
+"""What a run did, counted the same way by every runner."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from connectors.storage import DEAD_LETTER_TABLE
+
+TASK_ERRORS_TABLE = "task_errors"
+#: Tables the runner itself writes: refused records and task failures.
+SYSTEM_TABLES = (DEAD_LETTER_TABLE, TASK_ERRORS_TABLE)
+
+
+@dataclass
+class TaskStats:
+    fired: int = 0
+    rows: int = 0
+    errors: int = 0
+    consecutive_errors: int = 0
+    quarantined: bool = False
+
+
+@dataclass
+class RunSummary:
+    """What a run did; ``str()`` is the human-readable report the CLI prints."""
+
+    db_path: str
+    events_in: int = 0
+    tasks_fired: int = 0
+    rows_written: dict[str, int] = field(default_factory=dict)
+    rejected: Counter[str] = field(default_factory=Counter)
+    task_stats: dict[str, TaskStats] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    @property
+    def rejected_total(self) -> int:
+        return sum(self.rejected.values())
+
+    @property
+    def quarantined(self) -> list[str]:
+        return [name for name, s in self.task_stats.items() if s.quarantined]
+
+    def __str__(self) -> str:
+        rate = self.events_in / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        lines = [
+            f"events in        {self.events_in:,}  ({rate:,.0f} events/s)",
+            f"tasks fired      {self.tasks_fired:,}",
+            f"rows written     {sum(n for t, n in self.rows_written.items() if t not in SYSTEM_TABLES):,}  "
+            f"to {self.db_path}",
+        ]
+        for name, stats in self.task_stats.items():
+            state = "  QUARANTINED" if stats.quarantined else ""
+            lines.append(f"  task {name:<18} fired {stats.fired:>7,}  rows {stats.rows:>7,}  "
+                         f"errors {stats.errors:,}{state}")
+        lines.append(f"rejected records {self.rejected_total:,}" +
+                     (f"  (in table {DEAD_LETTER_TABLE})" if self.rejected_total else ""))
+        for reason, n in self.rejected.most_common():
+            lines.append(f"  {n:>7,}  {reason}")
+        errors = sum(s.errors for s in self.task_stats.values())
+        if errors:
+            lines.append(f"task errors      {errors:,}  (in table {TASK_ERRORS_TABLE})")
+        return "\n".join(lines)
