@@ -146,8 +146,64 @@ def compile_plan(graph: Graph, input_shapes: dict[str, tuple[int, ...]], calibra
         steps.append(StepPlan(ctx, kernel, estimates, params, kernel.scratch_bytes(ctx),
                               sum(o.nbytes for o in originals), _extra_bytes(params, originals), bool(forced),
                               tune and len(kernels) > 1 and not forced))
+    steps = merge_rasters(steps, graph, aliases, calibration)
     arena = plan_arena(_buffers(graph, steps, consts, aliases, infos))
     return ExecutionPlan(graph, infos, consts, steps, aliases, arena, calibration)
+
+
+def merge_rasters(steps: list[StepPlan], graph: Graph, aliases: dict[str, str],
+                  calibration: Calibration) -> list[StepPlan]:
+    """Fold a raster step into the raster step reading its output (Transpose then Slice, Pad then
+    Concat, ...): the intermediate tensor is never written. Views in between are transparent
+    because regions address tensors by flat element offsets."""
+    outputs = {aliases.get(o, o) for o in graph.outputs}
+    merged = True
+    while merged:
+        merged = False
+        producer = {t: s for s in steps if s.kernel is not None for t in s.node.outputs}
+        reads: dict[str, int] = {}  # reads by computing steps (views do no work)
+        for s in steps:
+            for t in s.node.inputs if s.kernel is not None else ():
+                if t:
+                    reads[aliases.get(t, t)] = reads.get(aliases.get(t, t), 0) + 1
+        for b in steps:
+            if b.kernel is None or b.kernel.name != "raster":
+                continue
+            for i, t in enumerate(b.node.inputs):
+                root = aliases.get(t, t)
+                a = producer.get(root)
+                if a is None or a.kernel.name != "raster" or reads.get(root) != 1 or root in outputs:
+                    continue
+                step = _merge(a, b, i, calibration)
+                if step is not None:
+                    steps = [step if s is b else s for s in steps if s is not a]
+                    merged = True
+                    break
+            if merged:
+                break
+    return steps
+
+
+def _merge(a: StepPlan, b: StepPlan, index: int, calibration: Calibration) -> StepPlan | None:
+    """One raster step doing ``b`` straight from ``a``'s input, if ``a`` is one plain region."""
+    from engine.kernels.raster import compile_regions, compose
+
+    inner, fill = compile_regions(a.ctx)
+    if fill is not None or len(inner) != 1:
+        return None
+    outer, b_fill = compile_regions(b.ctx)
+    regions = []
+    for r in outer:
+        c = compose(r, inner[0], a.ctx.outs[0].shape) if r.src == index else r
+        if c is None:
+            return None
+        regions.append(c)
+    inputs = [a.node.inputs[0] if k == index else t for k, t in enumerate(b.node.inputs)]
+    node = Node("Raster", inputs, list(b.node.outputs), {"regions": regions, "fill": b_fill},
+                f"{a.node.name}+{b.node.name}")
+    ins = [a.ctx.ins[0] if k == index else info for k, info in enumerate(b.ctx.ins)]
+    ctx = NodeCtx(node, ins, b.ctx.outs, b.ctx.consts)
+    return StepPlan(ctx, b.kernel, {b.kernel.name: calibration.seconds(b.kernel.cost(ctx), b.kernel.name)})
 
 
 def _buffers(graph, steps, consts, aliases, infos) -> list[Buffer]:

@@ -187,3 +187,74 @@ def test_every_conv_kernel_declares_cost_scratch_and_transform():
         assert isinstance(k.transform(ctx), dict)
     winograd = next(k for k in REGISTRY["Conv"] if k.name == "conv_winograd_f23")
     assert winograd.transform(ctx)["u"].shape == (16, 8, 8)
+
+
+MERGE_CASES = [  # (build, reference, raster steps left after merging)
+    (lambda b, x: b.slice(b.transpose(x, [0, 2, 3, 1]), [1, 2], [4, 5], [1, 3]),
+     lambda x: x.transpose(0, 2, 3, 1)[:, 1:4, :, 2:5], 1),
+    (lambda b, x: b.transpose(b.transpose(x, [0, 2, 3, 1]), [0, 3, 1, 2]), lambda x: x, 1),
+    (lambda b, x: b.concat([b.slice(x, [0], [2], [1]), x], axis=1),
+     lambda x: np.concatenate([x[:, :2], x], 1), 1),
+    (lambda b, x: b.transpose(b.reshape(b.transpose(x, [0, 2, 1, 3]), [0, 5, 18]), [0, 2, 1]),
+     lambda x: x.transpose(0, 2, 1, 3).reshape(2, 5, 18).transpose(0, 2, 1), 1),
+    (lambda b, x: b.pad(b.slice(x, [1], [5], [2], [2]), [0, 0, 1, 1, 0, 0, 1, 1]),
+     lambda x: np.pad(x[:, :, 1:5:2], ((0, 0), (0, 0), (1, 1), (1, 1))), 1),
+    (lambda b, x: b.slice(b.pad(x, [0, 0, 1, 1, 0, 0, 1, 1]), [0], [3], [2]),  # pad fills: no merge
+     lambda x: np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))[:, :, 0:3], 2),
+]
+
+
+@pytest.mark.parametrize(("build", "ref", "left"), MERGE_CASES)
+def test_consecutive_rasters_merge(build, ref, left):
+    x = np.random.default_rng(7).standard_normal((2, 3, 5, 6), dtype=np.float32)
+    b = GraphBuilder()
+    b.output(build(b, b.input("x", (None, 3, 5, 6))))
+    graph = b.build()
+    sess = InferenceSession(graph, calibration=CAL)
+    np.testing.assert_array_equal(sess.run(x)[graph.outputs[0]], ref(x))
+    plan = sess.plan_for({"x": x.shape})
+    assert sum(1 for s in plan.steps if s.kernel is not None and s.kernel.name == "raster") == left
+
+
+def _random_layout_op(data, b, name, arr):
+    """Apply one random Transpose/Slice/Reshape to both the graph tensor and a numpy array."""
+    from hypothesis import strategies as st
+
+    kind = data.draw(st.sampled_from(["transpose", "slice", "reshape"]))
+    if kind == "transpose":
+        perm = data.draw(st.permutations(range(arr.ndim)))
+        return b.transpose(name, perm), arr.transpose(perm)
+    if kind == "slice":
+        axis = data.draw(st.integers(0, arr.ndim - 1))
+        n = arr.shape[axis]
+        start = data.draw(st.integers(0, n - 1))
+        step = data.draw(st.sampled_from([1, 2, -1]))
+        end = data.draw(st.integers(start + 1, n)) if step > 0 else data.draw(st.integers(-n - 1, start - 1))
+        idx = [slice(None)] * arr.ndim
+        idx[axis] = slice(start, end, step)
+        return b.slice(name, [start], [end], [axis], [step]), arr[tuple(idx)]
+    shape = [arr.shape[0], -1] if arr.ndim > 2 else [-1]
+    return b.reshape(name, shape), arr.reshape(shape)
+
+
+def test_merged_raster_chains_match_numpy():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.data())
+    def check(data):
+        x = np.arange(2 * 3 * 4 * 5, dtype=np.float32).reshape(2, 3, 4, 5)
+        b = GraphBuilder()
+        name, ref = b.input("x", x.shape), x
+        for _ in range(data.draw(st.integers(2, 4))):
+            if ref.size == 0:
+                break
+            name, ref = _random_layout_op(data, b, name, ref)
+        if name == "x":
+            return
+        b.output(name)
+        graph = b.build()
+        np.testing.assert_array_equal(InferenceSession(graph, calibration=CAL).run(x)[name], ref)
+
+    check()
