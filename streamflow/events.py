@@ -107,11 +107,17 @@ class TimestampGuard:
 
     def check(self, user_id: str, ts: float) -> str | None:
         """The reason ``ts`` is rejected for ``user_id``, or ``None`` (and remember it) if fine."""
+        reason = self.reason(user_id, ts, self._last.get(user_id))
+        if reason is None:
+            self._last[user_id] = ts
+        return reason
+
+    def reason(self, user_id: str, ts: float, last_ts: float | None) -> str | None:
+        """The same check against a user's last accepted ``last_ts`` kept by the caller (e.g. in
+        a runner's keyed state)."""
         if not (self.min_ts <= ts <= self.max_ts):  # also catches NaN
             return (f"absurd timestamp: {ts!r} is outside [{self.min_ts:.0f}, {self.max_ts:.0f}] "
                     "(2000-01-01 .. now + skew)")
-        last = self._last.get(user_id)
-        if last is not None and ts < last:
-            return f"timestamp goes backwards: {ts} < {last}, the previous event of user {user_id}"
-        self._last[user_id] = ts
+        if last_ts is not None and ts < last_ts:
+            return f"timestamp goes backwards: {ts} < {last_ts}, the previous event of user {user_id}"
         return None

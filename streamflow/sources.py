@@ -28,8 +28,17 @@ DEFAULT_INACTIVITY_GAP_S = 1800.0
 _INTEGER = re.compile(r"-?[0-9]{1,15}")
 
 
-class _LineSource:
-    """A file (or in-memory lines) read line by line; subclasses turn lines into events."""
+class LineSource:
+    """A file (or in-memory lines) read line by line, each line one record.
+
+    A format defines four steps, which every runner drives the same way (the device runner through
+    ``__iter__``, the Flink runner per key in keyed state):
+
+    - ``parse(raw)``: the record's fields, or the reason it is rejected (stateless, per line);
+    - ``user_of(parsed)`` and ``ts_of(parsed)``: whose record it is and its event time;
+    - ``user_events(state, parsed)``: ``(new per-user state, app events)``;
+    - ``end_events(user, state)``: the events still owed at the end of the input.
+    """
 
     def __init__(self, path: str | Path, guard: TimestampGuard | None = None):
         self.path = Path(path)
@@ -44,7 +53,7 @@ class _LineSource:
         src._lines = lines
         return src
 
-    def _numbered_lines(self) -> Iterator[tuple[int, str]]:
+    def numbered_lines(self) -> Iterator[tuple[int, str]]:
         """(1-based line number, line without its newline) for every non-blank line."""
         if self._lines is not None:
             lines: Iterable[str] = self._lines
@@ -52,6 +61,39 @@ class _LineSource:
         else:
             with open(self.path, encoding="utf-8", errors="replace") as f:
                 yield from _numbered(f)
+
+    def __iter__(self) -> Iterator[Event | Rejected]:
+        guard = self._guard or TimestampGuard()
+        states: dict[str, Any] = {}
+        for line_no, raw in self.numbered_lines():
+            parsed = self.parse(raw)
+            if isinstance(parsed, str):
+                yield Rejected(self.name, line_no, parsed, raw)
+                continue
+            user = self.user_of(parsed)
+            reason = guard.check(user, self.ts_of(parsed))
+            if reason is not None:
+                yield Rejected(self.name, line_no, reason, raw)
+                continue
+            states[user], events = self.user_events(states.get(user), parsed)
+            yield from events
+        for user, state in states.items():
+            yield from self.end_events(user, state)
+
+    def parse(self, raw: str) -> Any:
+        raise NotImplementedError
+
+    def user_of(self, parsed: Any) -> str:
+        raise NotImplementedError
+
+    def ts_of(self, parsed: Any) -> float:
+        raise NotImplementedError
+
+    def user_events(self, state: Any, parsed: Any) -> tuple[Any, list[Event]]:
+        raise NotImplementedError
+
+    def end_events(self, user: str, state: Any) -> list[Event]:
+        return []
 
 
 def _numbered(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
@@ -70,7 +112,7 @@ class OpenPage:
     last_ts: float
 
 
-class TaobaoBehaviorSource(_LineSource):
+class TaobaoBehaviorSource(LineSource):
     """Taobao UserBehavior CSV (``user_id,item_id,category_id,behavior,timestamp``) as app events.
 
     The mapping, per user (rows need not be grouped by user):
@@ -99,24 +141,18 @@ class TaobaoBehaviorSource(_LineSource):
         super().__init__(path, guard)
         self.inactivity_gap_s = inactivity_gap_s
 
-    def __iter__(self) -> Iterator[Event | Rejected]:
-        guard = self._guard or TimestampGuard()
-        gap = self.inactivity_gap_s
-        open_pages: dict[str, OpenPage] = {}
-        for line_no, raw in self._numbered_lines():
-            parsed = self.parse(raw)
-            if isinstance(parsed, str):
-                yield Rejected(self.name, line_no, parsed, raw)
-                continue
-            user, item, category, behavior, ts = parsed
-            reason = guard.check(user, ts)
-            if reason is not None:
-                yield Rejected(self.name, line_no, reason, raw)
-                continue
-            open_pages[user], events = item_page_events(open_pages.get(user), user, item, category, behavior, ts, gap)
-            yield from events
-        for user, page in open_pages.items():
-            yield page_exit(user, page, page.last_ts)
+    def user_of(self, parsed: tuple[str, str, str, str, float]) -> str:
+        return parsed[0]
+
+    def ts_of(self, parsed: tuple[str, str, str, str, float]) -> float:
+        return parsed[4]
+
+    def user_events(self, state: OpenPage | None, parsed: tuple[str, str, str, str, float]
+                    ) -> tuple[OpenPage, list[Event]]:
+        return item_page_events(state, *parsed, self.inactivity_gap_s)
+
+    def end_events(self, user: str, state: OpenPage | None) -> list[Event]:
+        return [page_exit(user, state, state.last_ts)] if state is not None else []
 
     @staticmethod
     def parse(raw: str) -> tuple[str, str, str, str, float] | str:
@@ -171,7 +207,7 @@ def page_exit(user: str, page: OpenPage, ts: float) -> Event:
 _REQUIRED_JSON_FIELDS = ("user_id", "event_id", "page_id", "ts")
 
 
-class JsonLinesSource(_LineSource):
+class JsonLinesSource(LineSource):
     """One JSON object per line: ``{"user_id", "event_id", "page_id", "ts", "contents"?}``.
 
     Ids may be strings or integers (integers become strings); ``ts`` is a number of Unix seconds,
@@ -184,15 +220,22 @@ class JsonLinesSource(_LineSource):
         Event(user_id='1', event_id='fav', page_id='item', ts=1511848951.0, contents={})
     """
 
-    def __iter__(self) -> Iterator[Event | Rejected]:
-        guard = self._guard or TimestampGuard()
-        for line_no, raw in self._numbered_lines():
-            parsed = _event_from_json(raw)
-            reason = parsed if isinstance(parsed, str) else guard.check(parsed.user_id, parsed.ts)
-            yield parsed if reason is None else Rejected(self.name, line_no, reason, raw)
+    @staticmethod
+    def parse(raw: str) -> Event | str:
+        return event_from_json(raw)
+
+    def user_of(self, parsed: Event) -> str:
+        return parsed.user_id
+
+    def ts_of(self, parsed: Event) -> float:
+        return parsed.ts
+
+    def user_events(self, state: None, parsed: Event) -> tuple[None, list[Event]]:
+        return None, [parsed]
 
 
-def _event_from_json(raw: str) -> Event | str:
+def event_from_json(raw: str) -> Event | str:
+    """One JSON line as an event, or the reason it cannot be one."""
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
