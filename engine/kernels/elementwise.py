@@ -38,7 +38,7 @@ class Binary(Kernel):
         def run():
             fn(a, b, out=y)
             if act:
-                epilogue.apply(y, y, act, act_params, tmp)
+                epilogue.bias_residual_act(y.reshape(1, -1), None, None, act, act_params, tmp)
 
         return run
 

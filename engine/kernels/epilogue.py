@@ -54,7 +54,8 @@ def activation_of(node: Node, consts: dict[str, np.ndarray]) -> tuple[str, tuple
 
 
 def needs_scratch(kind: str | None) -> bool:
-    return kind in ("hardswish", "sigmoid")
+    """Whether an in-place activation needs the chunk scratch (only without numba)."""
+    return jit is None and kind in ("hardswish", "sigmoid")
 
 
 def apply(x: np.ndarray, out: np.ndarray, kind: str | None, params: Sequence[float] = (),

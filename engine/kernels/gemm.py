@@ -54,7 +54,7 @@ class GemmBlas(Kernel):
                 np.add(y, params["c"], out=y)
             elif ctx.has_input(2):
                 np.add(y, ins[2] if beta == 1.0 else beta * ins[2], out=y)
-            epilogue.apply(y, y, act, act_params, tmp)
+            epilogue.bias_residual_act(y.reshape(1, -1), None, None, act, act_params, tmp)
 
         return run
 
