@@ -88,3 +88,18 @@ def test_plan_cli_prints_kernels_memory_and_time(onnx_models):
     assert "HardSwish" not in out.split("expected total")[0].split("\n", 1)[1] or "conv" in out
     assert "depthwise" in out and "conv1x1_gemm" in out
     assert "arena" in out and "expected total" in out and "exp ms" in out
+
+
+def test_optimized_model_file_runs_without_weight_copies(onnx_models, tmp_path):
+    """Save the optimised graph (BN already folded): loading it maps the weights, and GEMM-based
+    kernels use them in place -- no transformed copy, unlike Winograd which declares its own."""
+    sess = InferenceSession(onnx_models["mobilenetv2"])
+    save_model(sess.graph, tmp_path / "m.sfe")
+    mapped = InferenceSession(tmp_path / "m.sfe", kernels={"Conv": "conv_im2col"})
+    for name in mapped.graph.nodes[0].inputs[1:2]:
+        w = mapped.graph.weights[name]
+        assert isinstance(w, np.memmap) or isinstance(w.base, np.memmap)
+    x = np.random.default_rng(9).standard_normal((1, 3, 224, 224), dtype=np.float32)
+    np.testing.assert_allclose(mapped.run(x)["y"], sess.run(x)["y"], atol=TOL, rtol=0)
+    report = mapped.plan_for({"x": x.shape}).memory_report()
+    assert report["transformed_weight_bytes"] < 16 * 1024  # only the tiny Gemm bias*beta copy
