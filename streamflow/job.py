@@ -86,6 +86,9 @@ class Job:
         self.name = name
         self.description = description
         self.tasks: list[Task] = []
+        #: The module a job file was loaded as (set by :func:`load_job`); a distributed runner ships
+        #: it by value, since the workers cannot import it by name.
+        self.module: str | None = None
         for task in tasks:
             self.add(task)
 
@@ -136,4 +139,5 @@ def load_job(path: str | Path) -> Job:
             raise JobLoadError(f"job file {path} must define `job = Job(...)` "
                                f"(found {len(jobs)} Job objects)")
         job = jobs[0]
+    job.module = module_name
     return job
