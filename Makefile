@@ -3,23 +3,36 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+CORE   := $(VENV)/.installed-core
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint java bench clean
 
-$(STAMP): pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+
+# The embedded runtime needs only the light core.
+$(CORE): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e .
+	touch $(CORE)
+
+# Tests also need the dev tools and PyFlink (the Flink runner is tested on a real MiniCluster).
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[dev,flink]'
 	touch $(STAMP)
 
-run: $(STAMP)
+# PyFlink runs on a JVM: install a Java 17 runtime only if the machine has no java.
+java:
+	@command -v java >/dev/null || { apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless; }
+
+run: $(CORE)
 	$(VENV)/bin/streamflow run jobs/ipv.py --events jobs/data/taobao_user_behavior_10k.csv --db out/ipv.duckdb --replace
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-test: lint
+test: lint java
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
 
 bench: $(STAMP)

@@ -38,6 +38,11 @@ class TimeWindow(Operator):
     when ``slide`` divides ``size``). Windows without items
     are not produced. ``ts`` names the event-time field (``"ts"`` by default) or computes it.
 
+    In a stream task (``input="stream"``) windows close as the watermark passes them:
+    ``out_of_orderness`` is how far (seconds) events may arrive out of order before they count as
+    late, ``allowed_lateness`` how long a fired window still takes late events (each one fires it
+    again); later events go to the ``late_events`` table (see :mod:`streamflow.windowing`).
+
     Example:
         >>> from operators import Aggregate, Count, run_pipeline
         >>> rows = run_pipeline([TimeWindow(60), Aggregate(n=Count())],
@@ -46,12 +51,17 @@ class TimeWindow(Operator):
         [(0.0, 2), (60.0, 1)]
     """
 
-    def __init__(self, size: float, slide: float | None = None, ts: FieldSpec = "ts", offset: float = 0.0):
+    def __init__(self, size: float, slide: float | None = None, ts: FieldSpec = "ts", offset: float = 0.0,
+                 allowed_lateness: float = 0.0, out_of_orderness: float = 0.0):
         slide = size if slide is None else slide
         if not (size > 0 and slide > 0):
             raise ValueError(f"window size and slide must be positive, got size={size}, slide={slide}")
         if slide > size:
             raise ValueError(f"slide {slide} > size {size} would leave gaps between windows")
+        if allowed_lateness < 0 or out_of_orderness < 0:
+            raise ValueError("allowed_lateness and out_of_orderness must be >= 0 seconds")
+        self.allowed_lateness = float(allowed_lateness)
+        self.out_of_orderness = float(out_of_orderness)
         self.size = float(size)
         self.slide = float(slide)
         self.offset = float(offset)

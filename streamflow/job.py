@@ -24,9 +24,10 @@ from typing import Literal
 
 from operators import Operator
 from streamflow.trie import normalize_condition
+from streamflow.windowing import StreamPlan
 
-TaskInput = Literal["page", "recent", "pages"]
-TASK_INPUTS: tuple[str, ...] = ("page", "recent", "pages")
+TaskInput = Literal["page", "recent", "pages", "stream"]
+TASK_INPUTS: tuple[str, ...] = ("page", "recent", "pages", "stream")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 
@@ -41,14 +42,17 @@ class Task:
     - ``"recent"``: the user's time-level sequence, the last ``history_events`` events no older
       than ``history_s`` seconds before the trigger;
     - ``"pages"``: the user's page-level sequence (:class:`~streamflow.sequences.PageVisit` items),
-      bounded the same way.
+      bounded the same way;
+    - ``"stream"``: no trigger; the pipeline runs continuously over every event, closing event-time
+      windows as the watermark passes them (see :mod:`streamflow.windowing` for its shape and
+      semantics).
 
     The rows the pipeline returns are written to table ``sink`` (default: the task's name), each
     with the ``user_id`` and the triggering event's ``trigger_ts`` in front.
     """
 
     name: str
-    trigger: Sequence[str]
+    trigger: Sequence[str] | None
     pipeline: Sequence[Operator]
     input: TaskInput = "page"
     history_s: float | None = None
@@ -58,14 +62,20 @@ class Task:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ValueError(f"task name {self.name!r} must be letters, digits and underscores")
-        self.trigger = normalize_condition(self.trigger)
+        if self.input not in TASK_INPUTS:
+            raise ValueError(f"task {self.name!r}: input must be one of {', '.join(TASK_INPUTS)}, got {self.input!r}")
         self.pipeline = list(self.pipeline)
         for op in self.pipeline:
             if not isinstance(op, Operator):
                 raise TypeError(f"task {self.name!r}: pipeline step {op!r} is not an operator "
                                 "(KeyBy, TimeWindow, Filter, Map, Aggregate, ...)")
-        if self.input not in TASK_INPUTS:
-            raise ValueError(f"task {self.name!r}: input must be one of {', '.join(TASK_INPUTS)}, got {self.input!r}")
+        if self.input == "stream":
+            if self.trigger:
+                raise ValueError(f"stream task {self.name!r} runs over every event: it takes no trigger")
+            self.trigger = ()
+            StreamPlan.of(self.name, self.pipeline)
+        else:
+            self.trigger = normalize_condition(self.trigger or ())
         if self.history_events < 1:
             raise ValueError(f"task {self.name!r}: history_events must be >= 1")
         self.sink = self.sink or self.name
@@ -104,6 +114,14 @@ class Job:
 
     def task_names(self) -> list[str]:
         return [t.name for t in self.tasks]
+
+    @property
+    def trigger_tasks(self) -> list[Task]:
+        return [t for t in self.tasks if t.input != "stream"]
+
+    @property
+    def stream_tasks(self) -> list[Task]:
+        return [t for t in self.tasks if t.input == "stream"]
 
 
 class JobLoadError(Exception):

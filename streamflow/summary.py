@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from connectors.storage import DEAD_LETTER_TABLE
 
 TASK_ERRORS_TABLE = "task_errors"
-#: Tables the runner itself writes: refused records and task failures.
-SYSTEM_TABLES = (DEAD_LETTER_TABLE, TASK_ERRORS_TABLE)
+LATE_EVENTS_TABLE = "late_events"
+#: Tables the runner itself writes: refused records, task failures, events too late for any window.
+SYSTEM_TABLES = (DEAD_LETTER_TABLE, TASK_ERRORS_TABLE, LATE_EVENTS_TABLE)
 
 
 @dataclass

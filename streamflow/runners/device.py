@@ -28,7 +28,8 @@ from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
 from streamflow.events import Event, Rejected, TimestampGuard
 from streamflow.execution import TaskExecution, UserState
 from streamflow.job import Job, Task
-from streamflow.summary import RunSummary
+from streamflow.summary import LATE_EVENTS_TABLE, RunSummary, TaskStats
+from streamflow.windowing import StreamTaskRun
 
 log = logging.getLogger("streamflow.device")
 
@@ -59,6 +60,7 @@ class DeviceRunner:
         self.latencies_s: list[float] | None = [] if record_latency else None
         self._guard = guard or TimestampGuard()
         self._users: dict[str, UserState] = {}
+        self._streams: dict[str, StreamTaskRun] = {}
         self._pool: ThreadPoolExecutor | None = None
         for task in job.tasks:
             self.register(task)
@@ -66,11 +68,18 @@ class DeviceRunner:
     # -- tasks at run time -----------------------------------------------------------------------
     def register(self, task: Task) -> None:
         """Start running ``task`` (from the next event on)."""
-        self.execution.register(task)
+        if task.input == "stream":
+            if task.name in self._streams or task.name in self.execution.tasks:
+                raise ValueError(f"task {task.name!r} is already registered")
+            self._streams[task.name] = StreamTaskRun(task)
+            self.summary.task_stats[task.name] = TaskStats()
+        else:
+            self.execution.register(task)
 
     def unregister(self, name: str) -> None:
         """Stop running task ``name``."""
-        self.execution.unregister(name)
+        if self._streams.pop(name, None) is None:
+            self.execution.unregister(name)
 
     # -- the stream --------------------------------------------------------------------------
     def run(self, records: Iterable[Event | Rejected]) -> RunSummary:
@@ -82,6 +91,7 @@ class DeviceRunner:
                     self.process(record)
                 else:
                     self.reject(record)
+            self.finish()
         finally:
             self.summary.elapsed_s += time.perf_counter() - started
             self.storage.flush()
@@ -106,6 +116,8 @@ class DeviceRunner:
                                  json.dumps(event.to_dict(), default=str)))
             return
         summary.events_in += 1
+        for stream in self._streams.values():
+            self._write_stream(stream, *stream.process(event))
         user = self._users.get(event.user_id)
         if user is None:
             user = self._users[event.user_id] = self.execution.new_user()
@@ -123,6 +135,21 @@ class DeviceRunner:
                 self._record(name, event, future.result())
         if self.latencies_s is not None:
             self.latencies_s.append(time.perf_counter() - started)
+
+    def finish(self) -> None:
+        """End of input: close every stream task's open windows (later events count as late)."""
+        for stream in self._streams.values():
+            self._write_stream(stream, stream.finish(), [])
+
+    def _write_stream(self, stream: StreamTaskRun, rows: list[dict[str, Any]], late: list[dict[str, Any]]) -> None:
+        if rows:
+            stats = self.summary.task_stats[stream.name]
+            stats.fired += len(rows)
+            stats.rows += len(rows)
+            self.summary.tasks_fired += len(rows)
+            self.storage.write(stream.sink, rows)
+        if late:
+            self.storage.write(LATE_EVENTS_TABLE, late)
 
     def _record(self, name: str, event: Event, outcome: list[dict[str, Any]] | Exception) -> None:
         self.summary.tasks_fired += 1
