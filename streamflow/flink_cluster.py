@@ -328,6 +328,7 @@ def remote_environment(address: str, configuration: Any = None, *, parallelism: 
     here is Java's plain ``new StreamExecutionEnvironment(configuration)``, which honours the remote target.
     ``configuration`` (a ``pyflink.common.Configuration``) is copied; these keys are set on top of it:
     ``execution.target=remote``, ``rest.address``, ``rest.port``, and, unless already set,
+    ``execution.attached=true`` (else ``execute()`` returns as soon as the job is submitted),
     ``python.execution-mode=thread`` and ``python.executable=sys.executable``.
 
     >>> env = remote_environment("127.0.0.1:8081")  # doctest: +SKIP
@@ -347,6 +348,8 @@ def remote_environment(address: str, configuration: Any = None, *, parallelism: 
     config.set_string("execution.target", "remote")
     config.set_string("rest.address", host)
     config.set_string("rest.port", port)
+    if not config.contains_key("execution.attached"):
+        config.set_string("execution.attached", "true")  # default false: execute() would return at submission
     if not config.contains_key("python.execution-mode"):
         config.set_string("python.execution-mode", "thread")
     if not config.contains_key("python.executable"):
