@@ -81,7 +81,7 @@ class Conv2d(Function):
                  for g in range(group)]
             y = np.concatenate([w[g * og : (g + 1) * og].reshape(og, -1) @ self.cols[g] for g in range(group)],
                                axis=1).reshape(n, cout, self.oh, self.ow)
-        return (y + b.reshape(1, -1, 1, 1)).astype(np.float32)
+        return (y + b.reshape(1, -1, 1, 1)).astype(np.float32, copy=False)
 
     def backward(self, g):
         w, (kh, kw) = self.w, self.k
@@ -106,7 +106,7 @@ class Conv2d(Function):
             wk = w[k * og : (k + 1) * og].reshape(og, -1)
             dws.append(np.tensordot(gk, self.cols[k], axes=([0, 2], [0, 2])).reshape(og, -1, kh, kw))
             dcols.append(wk.T @ gk)
-        dw = np.concatenate(dws, axis=0).astype(np.float32)
+        dw = np.concatenate(dws, axis=0).astype(np.float32, copy=False)
         if self.pointwise:
             return dcols[0].reshape(n, -1, self.oh, self.ow), dw, db
         dwin = np.concatenate(dcols, axis=1).reshape(n, -1, kh, kw, self.oh, self.ow)
@@ -126,7 +126,7 @@ class Relu(Function):
 class Clip(Function):
     def forward(self, x, lo=-np.inf, hi=np.inf):
         self.mask = (x > lo) & (x < hi)
-        return np.clip(x, lo, hi).astype(np.float32)
+        return np.clip(x, lo, hi).astype(np.float32, copy=False)
 
     def backward(self, g):
         return (g * self.mask,)
@@ -135,19 +135,19 @@ class Clip(Function):
 class HardSwish(Function):
     def forward(self, x):
         self.x = x
-        return (x * np.clip(x + 3, 0, 6) / 6).astype(np.float32)
+        return (x * np.clip(x + 3, 0, 6) / 6).astype(np.float32, copy=False)
 
     def backward(self, g):
         x = self.x
         d = np.where(x < -3, 0.0, np.where(x > 3, 1.0, (2 * x + 3) / 6))
-        return ((g * d).astype(np.float32),)
+        return ((g * d).astype(np.float32, copy=False),)
 
 
 class HardSigmoid(Function):
     def forward(self, x, alpha=0.2, beta=0.5):
         z = alpha * x + beta
         self.d = ((z > 0) & (z < 1)) * np.float32(alpha)
-        return np.clip(z, 0, 1).astype(np.float32)
+        return np.clip(z, 0, 1).astype(np.float32, copy=False)
 
     def backward(self, g):
         return (g * self.d,)
@@ -155,7 +155,7 @@ class HardSigmoid(Function):
 
 class Sigmoid(Function):
     def forward(self, x):
-        self.y = (1 / (1 + np.exp(-x))).astype(np.float32)
+        self.y = (1 / (1 + np.exp(-x))).astype(np.float32, copy=False)
         return self.y
 
     def backward(self, g):
@@ -190,7 +190,7 @@ class BatchNorm(Function):
             running_mean += momentum * mean.reshape(-1)
             running_var *= 1 - momentum
             running_var += momentum * var.reshape(-1) * m / max(m - 1, 1)
-        return (self.xhat * self.gamma + beta.reshape(1, -1, 1, 1)).astype(np.float32)
+        return (self.xhat * self.gamma + beta.reshape(1, -1, 1, 1)).astype(np.float32, copy=False)
 
     def backward(self, g):
         axes = (0, 2, 3)
@@ -198,7 +198,7 @@ class BatchNorm(Function):
         dxhat = g * self.gamma
         dx = self.inv / m * (m * dxhat - dxhat.sum(axis=axes, keepdims=True)
                              - self.xhat * (dxhat * self.xhat).sum(axis=axes, keepdims=True))
-        return dx.astype(np.float32), (g * self.xhat).sum(axis=axes), g.sum(axis=axes)
+        return dx.astype(np.float32, copy=False), (g * self.xhat).sum(axis=axes), g.sum(axis=axes)
 
 
 class MaxPool2d(Function):
@@ -217,7 +217,7 @@ class MaxPool2d(Function):
         kh, kw = self.k
         taps = np.arange(kh * kw).reshape(1, 1, -1, 1, 1)
         dwin = (self.arg[:, :, None] == taps) * g[:, :, None]
-        dwin = dwin.reshape(g.shape[0], g.shape[1], kh, kw, *g.shape[2:]).astype(np.float32)
+        dwin = dwin.reshape(g.shape[0], g.shape[1], kh, kw, *g.shape[2:]).astype(np.float32, copy=False)
         return (_crop(_scatter_taps(dwin, self.xp_shape, self.stride, (1, 1)), self.pads),)
 
 
@@ -231,7 +231,8 @@ class AvgPool2d(Function):
         if count_include_pad:
             ones = np.ones_like(ones)
         self.count = _windows(ones, self.k, (oh, ow), self.stride, (1, 1)).sum(axis=(2, 3))
-        return (_windows(xp, self.k, (oh, ow), self.stride, (1, 1)).sum(axis=(2, 3)) / self.count).astype(np.float32)
+        pooled = _windows(xp, self.k, (oh, ow), self.stride, (1, 1)).sum(axis=(2, 3)) / self.count
+        return pooled.astype(np.float32, copy=False)
 
     def backward(self, g):
         kh, kw = self.k
@@ -246,7 +247,7 @@ class GlobalAvgPool(Function):
 
     def backward(self, g):
         n = self.shape[2] * self.shape[3]
-        return (np.broadcast_to(g / n, self.shape).astype(np.float32),)
+        return (np.broadcast_to(g / n, self.shape).astype(np.float32, copy=False),)
 
 
 class Reshape(Function):

@@ -19,7 +19,7 @@ class SoftmaxCrossEntropy(Function):
     def backward(self, g):
         d = self.p.copy()
         d[np.arange(len(self.labels)), self.labels] -= 1
-        return (g * d / len(self.labels)).astype(np.float32), None
+        return (g * d / len(self.labels)).astype(np.float32, copy=False), None
 
 
 class MSE(Function):
@@ -28,7 +28,7 @@ class MSE(Function):
         return np.asarray((self.diff**2).mean(), dtype=np.float32)
 
     def backward(self, g):
-        return (g * 2 * self.diff / self.diff.size).astype(np.float32), None
+        return (g * 2 * self.diff / self.diff.size).astype(np.float32, copy=False), None
 
 
 def cross_entropy(logits: Tensor, labels: np.ndarray) -> Tensor:

@@ -57,7 +57,8 @@ class Tensor:
                     continue
                 pg = _unbroadcast(pg, p.shape)
                 if p._ctx is None:
-                    p.grad = pg.astype(np.float32) if p.grad is None else p.grad + pg
+                    pg = np.ascontiguousarray(pg, dtype=np.float32)  # a leaf owns a real, writable grad
+                    p.grad = pg if p.grad is None else p.grad + pg
                 else:
                     grads[id(p)] = grads[id(p)] + pg if id(p) in grads else pg
 
@@ -155,4 +156,4 @@ class Sum(Function):
         return np.asarray(a.sum(), dtype=np.float32)
 
     def backward(self, g):
-        return (np.broadcast_to(g, self.shape).astype(np.float32),)
+        return (np.broadcast_to(g, self.shape).astype(np.float32, copy=False),)
