@@ -36,20 +36,31 @@ import cloudpickle
 
 import streamflow
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, resolve_db_path
+from operators import Filter
+from operators.base import field_reader
 from streamflow.events import TimestampGuard
 from streamflow.execution import TaskExecution
 from streamflow.job import Job
 from streamflow.sources import LineSource, open_source
-from streamflow.summary import TASK_ERRORS_TABLE, RunSummary, TaskStats
+from streamflow.summary import LATE_EVENTS_TABLE, TASK_ERRORS_TABLE, RunSummary, TaskStats
+from streamflow.windowing import StreamPlan, late_row, to_millis, window_row
 
 try:
     from pyflink.common import Configuration, Types, WatermarkStrategy
-    from pyflink.common.time import Time
-    from pyflink.datastream import OutputTag, StreamExecutionEnvironment
+    from pyflink.common.time import Duration, Time
+    from pyflink.common.watermark_strategy import TimestampAssigner
+    from pyflink.datastream import DataStream, OutputTag, StreamExecutionEnvironment
     from pyflink.datastream.connectors.base import Sink
     from pyflink.datastream.connectors.file_system import FileSource, StreamFormat
-    from pyflink.datastream.functions import KeyedProcessFunction, ProcessFunction, RuntimeContext
+    from pyflink.datastream.functions import (
+        AggregateFunction,
+        KeyedProcessFunction,
+        ProcessFunction,
+        ProcessWindowFunction,
+        RuntimeContext,
+    )
     from pyflink.datastream.state import StateTtlConfig, ValueStateDescriptor
+    from pyflink.datastream.window import SlidingEventTimeWindows
     from pyflink.java_gateway import get_gateway
 except ImportError as exc:  # the `flink` extra is optional
     raise ImportError("the Flink runner needs PyFlink: pip install 'streamflow[flink]'") from exc
@@ -57,6 +68,7 @@ except ImportError as exc:  # the `flink` extra is optional
 #: Keyed state of a user unseen for this long is dropped (Flink state TTL).
 DEFAULT_STATE_TTL_DAYS = 30
 _REJECTED = OutputTag("rejected", Types.PICKLED_BYTE_ARRAY())
+_EVENTS = OutputTag("events", Types.PICKLED_BYTE_ARRAY())  # accepted app events, for stream tasks
 _PICKLED = Types.PICKLED_BYTE_ARRAY()
 
 
@@ -94,8 +106,9 @@ def flink_environment(cluster: str | None = None, parallelism: int = 1,
 class ParseLines(ProcessFunction):
     """Numbers the lines and parses each; rejects go to the side output as dead-letter rows."""
 
-    def __init__(self, source: LineSource):
+    def __init__(self, source: LineSource, pace_s: float = 0.0):
         self.source = source
+        self.pace_s = pace_s
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self.line_no = 0
@@ -104,6 +117,8 @@ class ParseLines(ProcessFunction):
         self.line_no += 1
         if not line.strip():
             return  # blank lines are not records (as on the device)
+        if self.pace_s:
+            time.sleep(self.pace_s)  # paced replay: see run_flink(pace_ms=...)
         parsed = self.source.parse(line)
         if isinstance(parsed, str):
             yield _REJECTED, _dead_letter(self.source.name, self.line_no, parsed, line)
@@ -118,12 +133,13 @@ class UserTasks(KeyedProcessFunction):
         self.job = job
         self.source = source
         self.state_ttl_days = state_ttl_days
+        self.emit_events = bool(job.stream_tasks)
 
     def open(self, runtime_context: RuntimeContext) -> None:
         descriptor = ValueStateDescriptor("user", _PICKLED)
         descriptor.enable_time_to_live(StateTtlConfig.new_builder(Time.days(self.state_ttl_days)).build())
         self.state = runtime_context.get_state(descriptor)
-        self.execution = TaskExecution(self.job.tasks)
+        self.execution = TaskExecution(self.job.trigger_tasks)
         self.guard = TimestampGuard()
 
     def process_element(self, value: tuple[int, str, Any], ctx: KeyedProcessFunction.Context):
@@ -156,6 +172,8 @@ class UserTasks(KeyedProcessFunction):
         user = execution.new_user(saved["sequence"], saved["pending"], track=False)
         for event in events:
             saved["events"] += 1
+            if self.emit_events:
+                yield _EVENTS, event
             for name in execution.step(user, event):
                 table, rows = execution.settle(name, event, execution.run_task(name, event, user.sequence))
                 yield _FIRED, {"task": name, "failed": table == TASK_ERRORS_TABLE, "rows": len(rows)}
@@ -172,12 +190,96 @@ def _dead_letter(source: str, line: int, reason: str, raw: str) -> dict[str, Any
     return {"source": source, "line": line, "reason": reason, "raw": raw}
 
 
+class EventTime(TimestampAssigner):
+    """Flink record timestamps (ms) from a stream task's window ``ts`` field."""
+
+    def __init__(self, read_ts: Any):
+        self.read_ts = read_ts
+
+    def extract_timestamp(self, value: tuple[Any, Any], record_timestamp: int) -> int:
+        return to_millis(self.read_ts(value[1]))
+
+
+class WindowAggregate(AggregateFunction):
+    """An ``Aggregate`` operator's named aggregations as one Flink AggregateFunction."""
+
+    def __init__(self, aggregations: dict[str, Any]):
+        self.aggregations = list(aggregations.items())
+
+    def create_accumulator(self) -> list[Any]:
+        return [agg.create() for _, agg in self.aggregations]
+
+    def add(self, value: tuple[Any, Any], accumulator: list[Any]) -> list[Any]:
+        item = value[1]
+        for i, (_, agg) in enumerate(self.aggregations):
+            if agg.where is None or agg.where(item):
+                accumulator[i] = agg.add(accumulator[i], item)
+        return accumulator
+
+    def get_result(self, accumulator: list[Any]) -> dict[str, Any]:
+        return {name: agg.result(acc) for (name, agg), acc in zip(self.aggregations, accumulator, strict=True)}
+
+    def merge(self, a: list[Any], b: list[Any]) -> list[Any]:
+        return [agg.merge(x, y) for (_, agg), x, y in zip(self.aggregations, a, b, strict=True)]
+
+
+class WindowRows(ProcessWindowFunction):
+    """A fired window's aggregates as the row every runner produces (see ``window_row``)."""
+
+    def __init__(self, key_name: str):
+        self.key_name = key_name
+
+    def process(self, key: Any, context: ProcessWindowFunction.Context, elements: Any):
+        window = context.window()
+        for results in elements:
+            yield window_row(self.key_name, key, window.start / 1000, window.end / 1000, results)
+
+
+def _elementwise(stream: DataStream, ops: list[Any], on_pair: bool = False) -> DataStream:
+    """Filter/Map operators as Flink filter/map (on the item of ``(key, item)`` pairs if ``on_pair``)."""
+    for op in ops:
+        if isinstance(op, Filter):
+            pred = op.predicate
+            stream = stream.filter((lambda pair, p=pred: p(pair[1])) if on_pair else pred)
+        else:
+            fn = op.fn
+            stream = stream.map((lambda pair, f=fn: (pair[0], f(pair[1]))) if on_pair else fn, output_type=_PICKLED)
+    return stream
+
+
+def _stream_task(events: DataStream, task: Any) -> DataStream:
+    """A stream task as Flink operators: elementwise ops, key_by, event-time windows with watermarks,
+    allowed lateness and a late side output, the aggregate, row ops; ``(table, row)`` records out."""
+    plan = StreamPlan.of(task.name, task.pipeline)
+    window, read_key, read_ts = plan.window, field_reader(plan.key_by.key), field_reader(plan.window.ts)
+    late = OutputTag(f"late_{task.name}", _PICKLED)
+    pairs = _elementwise(events, plan.before_key).map(lambda item: (read_key(item), item), output_type=_PICKLED)
+    pairs = _elementwise(pairs, plan.before_window, on_pair=True).assign_timestamps_and_watermarks(
+        WatermarkStrategy.for_bounded_out_of_orderness(Duration.of_millis(to_millis(window.out_of_orderness)))
+        .with_timestamp_assigner(EventTime(read_ts)))
+    windows = (pairs.key_by(lambda pair: pair[0])
+               .window(SlidingEventTimeWindows.of(Time.milliseconds(to_millis(window.size)),
+                                                  Time.milliseconds(to_millis(window.slide)),
+                                                  Time.milliseconds(to_millis(window.offset))))
+               .allowed_lateness(to_millis(window.allowed_lateness))
+               .side_output_late_data(late)
+               .aggregate(WindowAggregate(plan.aggregate.aggregations), WindowRows(plan.key_by.name),
+                          accumulator_type=_PICKLED, output_type=_PICKLED))
+    sink = task.sink
+    rows = _elementwise(windows, plan.after_window).map(lambda row: (sink, row), output_type=_PICKLED)
+    name = task.name
+    lates = windows.get_side_output(late).map(
+        lambda pair: (LATE_EVENTS_TABLE, late_row(name, read_ts(pair[1]), pair[1])), output_type=_PICKLED)
+    return rows.union(lates)
+
+
 class StorageWriter(ProcessFunction):
     """Writes ``(table, row)`` records to collective storage and counts what the run did."""
 
-    def __init__(self, db_path: str, report_path: str):
+    def __init__(self, db_path: str, report_path: str, stream_sinks: dict[str, str]):
         self.db_path = db_path
         self.report_path = report_path
+        self.stream_sinks = stream_sinks  # sink table -> stream task
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self.storage = CollectiveStorage(self.db_path)
@@ -199,6 +301,10 @@ class StorageWriter(ProcessFunction):
         else:
             if table == DEAD_LETTER_TABLE:
                 self.rejected[row["reason"].split(":", 1)[0]] += 1
+            elif table in self.stream_sinks:  # a stream task's window fired
+                stats = self.tasks.setdefault(self.stream_sinks[table], {"fired": 0, "rows": 0, "errors": 0})
+                stats["fired"] += 1
+                stats["rows"] += 1
             self.storage.write(table, [row])
         return []
 
@@ -211,8 +317,13 @@ class StorageWriter(ProcessFunction):
 
 def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
               db: str | os.PathLike[str] | None = None, cluster: str | None = None, parallelism: int = 1,
-              state_ttl_days: int = DEFAULT_STATE_TTL_DAYS) -> RunSummary:
+              state_ttl_days: int = DEFAULT_STATE_TTL_DAYS, pace_ms: float = 0.0) -> RunSummary:
     """Run ``job`` over an events file on Flink and write its rows to DuckDB ``db``.
+
+    ``pace_ms`` replays the file at one record per ``pace_ms`` milliseconds. Flink emits
+    watermarks periodically, so which events are late depends on how fast they arrive; paced, the
+    watermark catches up after every record (the watermark interval is set to a tenth of the pace),
+    and lateness is decided per event exactly as on the device runner.
 
     Example (starts a JVM, so not run as a doctest)::
 
@@ -227,15 +338,21 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
         cloudpickle.register_pickle_by_value(sys.modules[job.module])  # workers cannot import it
     started = time.perf_counter()
     env = flink_environment(cluster, parallelism)
+    if pace_ms:
+        env.get_config().set_auto_watermark_interval(max(1, int(pace_ms / 10)))
+        env.set_buffer_timeout(1)
     lines = env.from_source(
         FileSource.for_record_stream_format(StreamFormat.text_line_format(), str(Path(events).resolve())).build(),
         WatermarkStrategy.no_watermarks(), "events").set_parallelism(1)
-    parsed = lines.process(ParseLines(source), output_type=_PICKLED).set_parallelism(1)
-    outputs = (parsed.key_by(lambda value: source.user_of(value[2]), key_type=Types.STRING())
-               .process(UserTasks(job, source, state_ttl_days), output_type=_PICKLED)
-               .union(parsed.get_side_output(_REJECTED).map(lambda row: (DEAD_LETTER_TABLE, row),
-                                                              output_type=_PICKLED)))
-    (outputs.process(StorageWriter(str(db_path), str(report)), output_type=_PICKLED)
+    parsed = lines.process(ParseLines(source, pace_ms / 1000), output_type=_PICKLED).set_parallelism(1)
+    per_user = (parsed.key_by(lambda value: source.user_of(value[2]), key_type=Types.STRING())
+                .process(UserTasks(job, source, state_ttl_days), output_type=_PICKLED))
+    outputs = per_user.union(parsed.get_side_output(_REJECTED).map(lambda row: (DEAD_LETTER_TABLE, row),
+                                                                   output_type=_PICKLED))
+    for task in job.stream_tasks:
+        outputs = outputs.union(_stream_task(per_user.get_side_output(_EVENTS), task))
+    stream_sinks = {task.sink: task.name for task in job.stream_tasks}
+    (outputs.process(StorageWriter(str(db_path), str(report), stream_sinks), output_type=_PICKLED)
      .set_parallelism(1)
      .sink_to(Sink(get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink())))
     env.execute(f"streamflow {job.name}")
