@@ -44,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
 
     describe = commands.add_parser("describe", help="show a job's tasks and the trie of their triggers")
     describe.add_argument("job")
+
+    cluster = commands.add_parser("flink-cluster", help="start/stop/status of a local Flink cluster (PyFlink's jars)")
+    cluster.add_argument("action", choices=("start", "stop", "status"))
+    cluster.add_argument("--port", type=int, default=None, help="REST port (default: 8081; status/stop: as started)")
+    cluster.add_argument("--dir", default=None,
+                         help="state dir (default: $STREAMFLOW_FLINK_HOME_DIR or ./.flink-cluster)")
     return parser
 
 
@@ -51,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.command == "flink-cluster":
+        return _flink_cluster(args)
     try:
         job = load_job(args.job)
         if args.command == "describe":
@@ -101,6 +109,26 @@ def _run(job: Job, args: argparse.Namespace) -> int:
             sql = f"SELECT * FROM {job.tasks[0].sink} LIMIT 10"
             print(f"\nquery them: python -c \"import duckdb; print(duckdb.connect('{storage.path}', "
                   f"read_only=True).sql('{sql}'))\"")
+    return 0
+
+
+def _flink_cluster(args: argparse.Namespace) -> int:
+    """``streamflow flink-cluster start|stop|status``: see :mod:`streamflow.flink_cluster`."""
+    from streamflow import flink_cluster
+
+    try:
+        if args.action == "start":
+            overview = flink_cluster.start(port=args.port or flink_cluster.DEFAULT_PORT, directory=args.dir)
+            print(f"Flink cluster up: http://127.0.0.1:{args.port or flink_cluster.DEFAULT_PORT} {overview}")
+        elif args.action == "stop":
+            print("stopped" if flink_cluster.stop(args.dir) else "no cluster running")
+        else:
+            overview = flink_cluster.status(args.port, args.dir)
+            print(overview if overview is not None else "no Flink cluster answers")
+            return 0 if overview is not None else 1
+    except flink_cluster.ClusterError as exc:
+        print(f"streamflow: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
