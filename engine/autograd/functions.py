@@ -12,7 +12,8 @@ from numpy.lib.stride_tricks import as_strided
 from engine.autograd.tensor import Add, Function, MatMul, Mul, Tensor
 
 __all__ = ["Add", "Mul", "MatMul", "Conv2d", "Relu", "Clip", "HardSwish", "HardSigmoid", "Sigmoid",
-           "Softmax", "BatchNorm", "MaxPool2d", "AvgPool2d", "GlobalAvgPool", "Reshape", "Transpose",
+           "Softmax", "BatchNorm", "MaxPool2d", "AvgPool2d", "GlobalAvgPool", "GlobalMaxPool", "ReduceMean",
+           "Reshape", "Transpose",
            "Concat", "Slice", "Pad"]
 
 
@@ -248,6 +249,31 @@ class GlobalAvgPool(Function):
     def backward(self, g):
         n = self.shape[2] * self.shape[3]
         return (np.broadcast_to(g / n, self.shape).astype(np.float32, copy=False),)
+
+
+class GlobalMaxPool(Function):
+    def forward(self, x):
+        flat = x.reshape(x.shape[0], x.shape[1], -1)
+        self.shape, self.arg = x.shape, flat.argmax(axis=2)
+        return flat.max(axis=2).reshape(x.shape[0], x.shape[1], *([1] * (x.ndim - 2)))
+
+    def backward(self, g):
+        n, c = self.shape[:2]
+        dx = np.zeros((n, c, int(np.prod(self.shape[2:]))), np.float32)
+        np.put_along_axis(dx, self.arg[..., None], g.reshape(n, c, 1), axis=2)
+        return (dx.reshape(self.shape),)
+
+
+class ReduceMean(Function):
+    def forward(self, x, axes=(), keepdims=True):
+        self.shape, self.axes = x.shape, tuple(axes)
+        y = x.mean(axis=self.axes, keepdims=True)
+        return y if keepdims else y.reshape([d for i, d in enumerate(y.shape) if i not in self.axes])
+
+    def backward(self, g):
+        kept = [1 if i in self.axes else d for i, d in enumerate(self.shape)]
+        n = int(np.prod([self.shape[a] for a in self.axes]))
+        return (np.broadcast_to(g.reshape(kept) / n, self.shape).astype(np.float32),)
 
 
 class Reshape(Function):

@@ -131,6 +131,15 @@ class GraphModel:
                                      count_include_pad=bool(a.get("count_include_pad", 0)))
         if op == "GlobalAveragePool":
             return F.GlobalAvgPool.apply(x)
+        if op == "GlobalMaxPool":
+            return F.GlobalMaxPool.apply(x)
+        if op == "ReduceMean":
+            rank = x.data.ndim
+            axes = a.get("axes")
+            if axes is None and len(node.inputs) > 1 and node.inputs[1]:
+                axes = consts[node.inputs[1]]
+            axes = sorted(int(v) % rank for v in (axes if axes is not None else range(rank)))
+            return F.ReduceMean.apply(x, axes=axes, keepdims=bool(a.get("keepdims", 1)))
         if op in ("Flatten", "Reshape", "Squeeze", "Unsqueeze"):
             return F.Reshape.apply(x, shape=out_shape)
         if op in ("Identity", "Dropout"):

@@ -10,6 +10,7 @@ import pytest
 
 from engine.autograd import SGD, Adam, GraphModel, Tensor, cross_entropy, mse
 from engine.autograd import functions as F
+from engine.session import InferenceSession
 
 torch = pytest.importorskip("torch")
 TF = torch.nn.functional
@@ -157,3 +158,44 @@ def test_whole_mobilenetv2_gradient_matches_torch(tmp_path):
     for m_name, buf in model.named_buffers():
         if m_name in ours.buffers:
             np.testing.assert_allclose(ours.buffers[m_name], buf.numpy(), atol=1e-4, err_msg=m_name)
+
+
+def test_global_max_pool_and_reduce_mean_gradients():
+    check(F.GlobalMaxPool.apply, lambda x: x.amax((2, 3), keepdim=True), (2, 3, 5, 5))
+    check(lambda x: F.ReduceMean.apply(x, axes=(1, 3), keepdims=False), lambda x: x.mean((1, 3)), (2, 3, 4, 5))
+
+
+def test_graph_model_gradients_through_every_graph_op():
+    from engine.builder import GraphBuilder
+
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((4, 3, 3, 3), dtype=np.float32) * 0.3
+    bias = rng.standard_normal(4, dtype=np.float32)
+    fc = rng.standard_normal((5, 8), dtype=np.float32) * 0.3  # (out, in): Gemm with transB
+    c1, c2 = np.float32(0.25), np.full((1, 4, 1, 1), 2.0, np.float32)
+    b = GraphBuilder()
+    y = b.conv(b.input("x", (None, 3, 6, 6)), w, bias, pads=1)
+    y = b.op("Div", [b.op("Sub", [y, np.array(c1)]), c2])
+    z = b.concat([y, b.transpose(y, [0, 1, 3, 2])], axis=1)
+    z = b.pad(b.slice(z, [1], [5], [2]), [0, 0, 1, 0, 0, 0, 0, 1])
+    pooled = b.add(b.op("GlobalMaxPool", [z]), b.op("ReduceMean", [z], axes=[2, 3], keepdims=1))
+    b.output(b.op("Gemm", [b.flatten(pooled), fc], transB=1))
+    graph = b.build()
+    model = GraphModel(graph)
+    x = rng.standard_normal((2, 3, 6, 6), dtype=np.float32)
+    r = rng.standard_normal((2, 5), dtype=np.float32)
+    out = model(x)[graph.outputs[0]]
+    (out * Tensor(r)).sum().backward()
+
+    tw, tb, tfc = (torch.tensor(a, requires_grad=True) for a in (w, bias, fc))
+    t = (TF.conv2d(torch.from_numpy(x), tw, tb, padding=1) - 0.25) / 2.0
+    t = torch.cat([t, t.transpose(2, 3)], 1)[:, :, 1:5]
+    t = TF.pad(t, (0, 1, 1, 0))
+    t = (t.amax((2, 3)) + t.mean((2, 3))) @ tfc.T
+    (t * torch.from_numpy(r)).sum().backward()
+    np.testing.assert_allclose(out.data, t.detach().numpy(), atol=TOL)
+    for name, ref in zip([graph.nodes[0].inputs[1], graph.nodes[0].inputs[2], graph.nodes[-1].inputs[1]],
+                         (tw, tb, tfc), strict=True):
+        np.testing.assert_allclose(model.params[name].grad, ref.grad.numpy(), atol=1e-4, err_msg=name)
+    served = InferenceSession(model.to_graph()).run(x)[graph.outputs[0]]
+    np.testing.assert_allclose(served, out.data, atol=TOL)
