@@ -1,7 +1,8 @@
-"""The ``streamflow`` command: run a job, describe a job.
+"""The ``streamflow`` command: run a job, describe a job, run a local Flink cluster.
 
-    streamflow run JOB --events FILE [--runner device] [--db PATH]
+    streamflow run JOB --events FILE [--runner device|flink] [--cluster HOST:PORT] [--db PATH]
     streamflow describe JOB
+    streamflow flink-cluster start|stop|status
 """
 
 from __future__ import annotations
@@ -11,16 +12,17 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from connectors.storage import CollectiveStorage, flush_on_signals
 from streamflow.job import Job, JobLoadError, load_job
 from streamflow.progress import track
 from streamflow.runners.device import DeviceRunner
 from streamflow.sources import FORMATS, open_source
-from streamflow.summary import SYSTEM_TABLES
+from streamflow.summary import SYSTEM_TABLES, RunSummary
 from streamflow.trie import TriggerTrie
 
-RUNNERS = ("device",)
+RUNNERS = ("device", "flink")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--workers", type=int, default=2, help="worker threads for tasks fired together")
     run.add_argument("--quarantine-after", type=int, default=5,
                      help="consecutive failures after which a task is quarantined")
+    run.add_argument("--cluster", metavar="HOST:PORT",
+                     help="flink runner: submit to this JobManager (REST endpoint) instead of a local MiniCluster")
+    run.add_argument("--parallelism", type=int, default=1, help="flink runner: job parallelism")
+    run.add_argument("--pace-ms", type=float, default=0.0,
+                     help="flink runner: replay one record per N ms, so that periodic watermarks decide "
+                          "lateness per event as the device runner does")
     run.add_argument("--replace", action="store_true",
                      help="drop the job's tables (and dead_letter, task_errors) before running")
     run.add_argument("--show", type=int, default=3, help="sample rows to print per table")
@@ -92,24 +100,38 @@ def _run(job: Job, args: argparse.Namespace) -> int:
     with CollectiveStorage(args.db) as storage:
         if args.replace:
             storage.drop([task.sink for task in job.tasks] + list(SYSTEM_TABLES))
-        runner = DeviceRunner(job, storage, workers=args.workers, quarantine_after=args.quarantine_after)
-        try:
-            summary = runner.run(track(source, desc=f"{job.name} on {args.runner}"))
-        finally:
-            runner.close()
-        print(f"job {job.name} ran on the {args.runner} runner over {args.events}")
-        print(summary)
+        if args.runner == "flink":
+            storage.close()  # the Flink job's writer opens the file itself
+            summary = _run_on_flink(job, args, storage.path)
+        else:
+            runner = DeviceRunner(job, storage, workers=args.workers, quarantine_after=args.quarantine_after)
+            try:
+                summary = runner.run(track(source, desc=f"{job.name} on {args.runner}"))
+            finally:
+                runner.close()
+    where = f" (cluster {args.cluster})" if args.runner == "flink" and args.cluster else ""
+    print(f"job {job.name} ran on the {args.runner} runner{where} over {args.events}")
+    print(summary)
+    with CollectiveStorage(summary.db_path) as storage:
         for task in job.tasks:
             if summary.task_stats[task.name].rows and args.show > 0:
                 print(f"\nfirst rows of table {task.sink}:")
-                table = storage.read(task.sink).slice(0, args.show)
-                for row in table.to_pylist():
+                for row in storage.read(task.sink).slice(0, args.show).to_pylist():
                     print("  " + ", ".join(f"{k}={v}" for k, v in row.items()))
-        if job.tasks:
-            sql = f"SELECT * FROM {job.tasks[0].sink} LIMIT 10"
-            print(f"\nquery them: python -c \"import duckdb; print(duckdb.connect('{storage.path}', "
-                  f"read_only=True).sql('{sql}'))\"")
+    if job.tasks:
+        sql = f"SELECT * FROM {job.tasks[0].sink} LIMIT 10"
+        print(f"\nquery them: python -c \"import duckdb; print(duckdb.connect('{summary.db_path}', "
+              f"read_only=True).sql('{sql}'))\"")
     return 0
+
+
+def _run_on_flink(job: Job, args: argparse.Namespace, db: Path) -> RunSummary:
+    try:
+        from streamflow.runners.flink import run_flink
+    except ImportError as exc:
+        raise ValueError(str(exc)) from exc
+    return run_flink(job, args.events, args.format, db, cluster=args.cluster, parallelism=args.parallelism,
+                     pace_ms=args.pace_ms)
 
 
 def _flink_cluster(args: argparse.Namespace) -> int:
