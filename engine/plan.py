@@ -29,6 +29,8 @@ class StepPlan:
     transformed_bytes: int = 0  # extra bytes of transformed weight copies (0 when they are views)
     forced: bool = False
     tuned: bool = False
+    options: list[Kernel] = field(default_factory=list)  # every kernel that applies
+    budgeted: bool = False  # moved off the fastest kernel to fit a memory budget
 
     @property
     def node(self) -> Node:
@@ -44,6 +46,8 @@ class StepPlan:
             return "view of its input"
         if self.forced:
             return "forced"
+        if self.budgeted:
+            return "least scratch, to fit the memory budget"
         if self.tuned:
             return "fastest measured: " + ", ".join(f"{k} {v * 1e3:.3f}ms" for k, v in
                                                     sorted(self.estimates.items(), key=lambda kv: kv[1]))
@@ -102,12 +106,14 @@ def _extra_bytes(params: dict[str, np.ndarray], originals: list[np.ndarray]) -> 
 
 
 def compile_plan(graph: Graph, input_shapes: dict[str, tuple[int, ...]], calibration: Calibration,
-                 overrides: dict[str, str] | None = None, tune: bool = False) -> ExecutionPlan:
+                 overrides: dict[str, str] | None = None, tune: bool = False,
+                 memory_budget: int | None = None) -> ExecutionPlan:
     """Plan ``graph`` (already optimised) for ``input_shapes``.
 
     ``overrides`` maps a node name or an op type to a kernel name, to force a choice. ``tune``
     times every candidate kernel on the node's real shapes and keeps the fastest (the estimates
-    then hold measured times).
+    then hold measured times). ``memory_budget`` (bytes) caps the arena: kernels with less scratch
+    replace the fastest ones where needed, or :class:`GraphError` says why it cannot fit.
     """
     overrides = overrides or {}
     infos, folded = infer_shapes(graph, input_shapes)
@@ -141,14 +147,44 @@ def compile_plan(graph: Graph, input_shapes: dict[str, tuple[int, ...]], calibra
                 raise GraphError(f"kernel {forced!r} does not apply to node '{node.name}' ({node.op})")
         else:
             kernel = min(kernels, key=lambda k: estimates[k.name])
-        params = kernel.transform(ctx)
-        originals = [np.asarray(consts[t]) for t in node.inputs if t in consts]
-        steps.append(StepPlan(ctx, kernel, estimates, params, kernel.scratch_bytes(ctx),
-                              sum(o.nbytes for o in originals), _extra_bytes(params, originals), bool(forced),
-                              tune and len(kernels) > 1 and not forced))
+        step = StepPlan(ctx, kernel, estimates, forced=bool(forced), tuned=tune and len(kernels) > 1 and not forced,
+                        options=kernels)
+        steps.append(_use(step, kernel))
     steps = merge_rasters(steps, graph, aliases, calibration)
     arena = plan_arena(_buffers(graph, steps, consts, aliases, infos))
+    if memory_budget is not None:
+        arena = _fit_budget(steps, memory_budget, arena, lambda: plan_arena(_buffers(graph, steps, consts, aliases,
+                                                                                     infos)))
     return ExecutionPlan(graph, infos, consts, steps, aliases, arena, calibration)
+
+
+def _use(step: StepPlan, kernel: Kernel) -> StepPlan:
+    """Make ``kernel`` the step's kernel: transform its weights and size its scratch."""
+    ctx = step.ctx
+    originals = [np.asarray(ctx.consts[t]) for t in ctx.node.inputs if t in ctx.consts]
+    step.kernel, step.params = kernel, kernel.transform(ctx)
+    step.scratch_bytes = kernel.scratch_bytes(ctx)
+    step.weight_bytes = sum(o.nbytes for o in originals)
+    step.transformed_bytes = _extra_bytes(step.params, originals)
+    return step
+
+
+def _fit_budget(steps: list[StepPlan], budget: int, arena: ArenaPlan, replan) -> ArenaPlan:
+    """Trade speed for memory until the arena fits ``budget`` bytes: repeatedly move the step with
+    the largest scratch to its applicable kernel with the least scratch (the fastest among those)."""
+    while arena.size > budget:
+        movable = [(s.scratch_bytes, i) for i, s in enumerate(steps) if s.kernel is not None and not s.forced
+                   and any(k.scratch_bytes(s.ctx) < s.scratch_bytes for k in s.options)]
+        if not movable:
+            raise GraphError(f"the plan needs {arena.size} bytes, over the {budget}-byte budget, and no kernel "
+                             f"with less scratch is left (activations alone: {arena.live_peak} bytes live at peak)")
+        step = steps[max(movable)[1]]
+        least = min(k.scratch_bytes(step.ctx) for k in step.options)
+        kernel = min((k for k in step.options if k.scratch_bytes(step.ctx) == least),
+                     key=lambda k: step.estimates[k.name])
+        _use(step, kernel).budgeted = True
+        arena = replan()
+    return arena
 
 
 def merge_rasters(steps: list[StepPlan], graph: Graph, aliases: dict[str, str],

@@ -108,7 +108,8 @@ class InferenceSession:
     ``threads`` caps the BLAS threads used during :meth:`run` (default 1). ``kernels`` forces a
     kernel per node name or op type, e.g. ``{"Conv": "conv_im2col"}``. ``calibration=None``
     measures this machine's rates once per process. ``tune=True`` times every candidate kernel on
-    each node's real shapes when planning and keeps the fastest.
+    each node's real shapes when planning and keeps the fastest. ``memory_budget`` (bytes) caps the
+    arena, trading kernel speed for scratch memory.
 
     >>> sess = InferenceSession(graph)                        # doctest: +SKIP
     >>> sess.run({"x": np.zeros((2, 3, 224, 224), "float32")})  # doctest: +SKIP
@@ -116,12 +117,13 @@ class InferenceSession:
 
     def __init__(self, model: Graph | str | os.PathLike, *, threads: int = 1,
                  kernels: dict[str, str] | None = None, calibration: Calibration | None = None,
-                 optimize_graph: bool = True, tune: bool = False) -> None:
+                 optimize_graph: bool = True, tune: bool = False, memory_budget: int | None = None) -> None:
         graph = load_graph(model)
         self.graph = optimize(graph) if optimize_graph else graph
         self.threads = threads
         self.overrides = dict(kernels or {})
         self.tune = tune
+        self.memory_budget = memory_budget
         self.calibration = calibration or calibrate()
         self._limit = _thread_limiter(threads)
         self._bound: dict[tuple, BoundPlan] = {}
@@ -146,7 +148,7 @@ class InferenceSession:
         if key not in self._bound:
             with self._limit():
                 plan = compile_plan(self.graph, {n: tuple(s) for n, s in shapes.items()}, self.calibration,
-                                    self.overrides, self.tune)
+                                    self.overrides, self.tune, self.memory_budget)
             self._bound[key] = BoundPlan(plan)
         return self._bound[key]
 

@@ -3,11 +3,13 @@
 import tracemalloc
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.builder import GraphBuilder
 from engine.cost import Calibration
+from engine.ir import GraphError
 from engine.planner import Buffer, plan_arena
 from engine.session import InferenceSession
 
@@ -82,3 +84,27 @@ def test_kernel_choice_is_inspectable_and_tunable():
     assert tstep.reason.startswith("fastest measured")
     assert tstep.kernel.name == min(tstep.estimates, key=tstep.estimates.get)
     np.testing.assert_allclose(tuned.run(x)[graph.outputs[0]], plain.run(x)[graph.outputs[0]], atol=1e-4)
+
+
+def test_memory_budget_trades_kernels_for_scratch():
+    rng = np.random.default_rng(3)
+    b = GraphBuilder()
+    y = b.input("x", (1, 32, 40, 40))
+    for _ in range(3):
+        y = b.relu(b.conv(y, rng.standard_normal((32, 32, 3, 3), dtype=np.float32) * 0.1, pads=1))
+    b.output(y)
+    graph = b.build()
+    x = rng.standard_normal((1, 32, 40, 40), dtype=np.float32)
+    free = InferenceSession(graph, calibration=Calibration())
+    free_plan = free.plan_for({"x": x.shape})
+    # the least memory any kernel choice reaches: tap-by-tap convs keep one window, not nine
+    budget = InferenceSession(graph, calibration=Calibration(), kernels={"Conv": "conv_direct"}) \
+        .plan_for({"x": x.shape}).arena.size
+    activations = 2 * x.nbytes
+    tight = InferenceSession(graph, calibration=Calibration(), memory_budget=budget)
+    plan = tight.plan_for({"x": x.shape})
+    assert plan.arena.size <= budget < free_plan.arena.size
+    assert any(s.budgeted and s.reason.startswith("least scratch") for s in plan.steps)
+    np.testing.assert_allclose(tight.run(x)[graph.outputs[0]], free.run(x)[graph.outputs[0]], atol=1e-4)
+    with pytest.raises(GraphError, match="budget"):
+        InferenceSession(graph, calibration=Calibration(), memory_budget=activations // 2).run(x)
