@@ -1,4 +1,5 @@
-"""``python -m engine plan MODEL [--batch N] [--size H W]``: per-node kernel, memory, expected time."""
+"""``python -m engine plan MODEL [--batch N] [--tune] [--budget BYTES] [--json]``: per-node kernel,
+memory, expected time, and why each kernel was chosen."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import sys
 
+from engine.ir import GraphError
 from engine.session import InferenceSession
 
 
@@ -16,15 +18,21 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("model")
     plan.add_argument("--batch", type=int, default=1)
     plan.add_argument("--json", action="store_true", help="print the memory report as JSON as well")
+    plan.add_argument("--tune", action="store_true", help="time every candidate kernel instead of estimating")
+    plan.add_argument("--budget", type=int, help="cap the arena at this many bytes")
     args = parser.parse_args(argv)
 
-    sess = InferenceSession(args.model)
+    sess = InferenceSession(args.model, tune=args.tune, memory_budget=args.budget)
     shapes = {}
     for t in sess.graph.inputs:
         if any(d is None for d in t.shape[1:]):
             parser.error(f"input {t.name} has unknown dims {t.shape}")
         shapes[t.name] = (args.batch, *t.shape[1:])
-    p = sess.plan_for(shapes)
+    try:
+        p = sess.plan_for(shapes)
+    except GraphError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(p.table())
     if args.json:
         print(json.dumps(p.memory_report()))

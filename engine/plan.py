@@ -177,7 +177,7 @@ def _fit_budget(steps: list[StepPlan], budget: int, arena: ArenaPlan, replan) ->
                    and any(k.scratch_bytes(s.ctx) < s.scratch_bytes for k in s.options)]
         if not movable:
             raise GraphError(f"the plan needs {arena.size} bytes, over the {budget}-byte budget, and no kernel "
-                             f"with less scratch is left (activations alone: {arena.live_peak} bytes live at peak)")
+                             f"with less scratch is left (at its peak step {arena.live_peak} bytes are live)")
         step = steps[max(movable)[1]]
         least = min(k.scratch_bytes(step.ctx) for k in step.options)
         kernel = min((k for k in step.options if k.scratch_bytes(step.ctx) == least),
