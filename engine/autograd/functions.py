@@ -11,6 +11,11 @@ from numpy.lib.stride_tricks import as_strided
 
 from engine.autograd.tensor import Add, Function, MatMul, Mul, Tensor
 
+try:  # numba (optional) runs depthwise convs as fused loops
+    from engine.kernels import jit
+except ImportError:  # pragma: no cover - depends on the environment
+    jit = None
+
 __all__ = ["Add", "Mul", "MatMul", "Conv2d", "Relu", "Clip", "HardSwish", "HardSigmoid", "Sigmoid",
            "Softmax", "BatchNorm", "MaxPool2d", "AvgPool2d", "GlobalAvgPool", "GlobalMaxPool", "ReduceMean",
            "Reshape", "Transpose",
@@ -67,6 +72,16 @@ class Conv2d(Function):
         self.xp_shape, self.w = xp.shape, w
         win = _windows(xp, self.k, (self.oh, self.ow), self.stride, self.dil)
         self.depthwise = group == c == cout and w.shape[1] == 1
+        if self.depthwise and jit is not None:  # fused loops, padding implicit
+            self.x = x
+            self.taps = jit.depthwise_taps(wd, self.ow, kw, self.stride[1], self.pads[1], self.dil[1])
+            phases = np.empty((self.stride[1], h if self.stride[1] > 1 else 1, -(-wd // self.stride[1])), np.float32)
+            y = np.empty((n, c, self.oh, self.ow), np.float32)
+            w3, b1 = np.ascontiguousarray(w[:, 0]), np.ascontiguousarray(b, dtype=np.float32)
+            for k in range(n):
+                jit.depthwise(x[k], w3, b1, y[k], False, y[k], phases, self.taps, self.stride[0], self.stride[1],
+                              self.pads[0], self.dil[0], 0, 0.0, 0.0)
+            return y
         if self.depthwise:  # per-tap broadcast multiply-adds: far faster than an einsum on 6-d views
             self.win = win
             y = np.zeros((n, c, self.oh, self.ow), np.float32)
@@ -88,6 +103,14 @@ class Conv2d(Function):
         w, (kh, kw) = self.w, self.k
         n, cout = g.shape[:2]
         db = g.sum(axis=(0, 2, 3))
+        if self.depthwise and jit is not None:
+            dx = np.zeros(self.x.shape, np.float32)
+            dw3 = np.zeros((w.shape[0], kh, kw), np.float32)
+            w3, gc = np.ascontiguousarray(w[:, 0]), np.ascontiguousarray(g, dtype=np.float32)
+            for k in range(n):
+                jit.depthwise_backward(self.x[k], gc[k], w3, dx[k], dw3, self.taps, self.stride[0], self.stride[1],
+                                       self.pads[0], self.pads[1], self.dil[0], self.dil[1])
+            return dx, dw3[:, None], db
         if self.depthwise:
             dw = np.empty_like(w)
             dxp = np.zeros(self.xp_shape, np.float32)
@@ -180,26 +203,32 @@ class BatchNorm(Function):
 
     def forward(self, x, gamma, beta, running_mean=None, running_var=None, momentum=0.1, eps=1e-5):
         axes = (0, 2, 3)
-        mean = x.mean(axis=axes, keepdims=True)
-        var = x.var(axis=axes, keepdims=True)
-        self.inv = 1 / np.sqrt(var + eps)
-        self.xhat = (x - mean) * self.inv
-        self.gamma = gamma.reshape(1, -1, 1, 1)
         m = x.size // x.shape[1]
+        mean = x.mean(axis=axes, keepdims=True)
+        xhat = x - mean  # centred once, normalised in place: fewer passes than x.var() then (x - mean)
+        var = np.einsum("nchw,nchw->c", xhat, xhat).reshape(mean.shape) / m
+        self.inv = (1 / np.sqrt(var + eps)).astype(np.float32)
+        xhat *= self.inv
+        self.xhat, self.gamma = xhat, gamma.reshape(1, -1, 1, 1)
         if running_mean is not None:
             running_mean *= 1 - momentum
             running_mean += momentum * mean.reshape(-1)
             running_var *= 1 - momentum
             running_var += momentum * var.reshape(-1) * m / max(m - 1, 1)
-        return (self.xhat * self.gamma + beta.reshape(1, -1, 1, 1)).astype(np.float32, copy=False)
+        y = xhat * self.gamma
+        y += beta.reshape(1, -1, 1, 1)
+        return y
 
     def backward(self, g):
-        axes = (0, 2, 3)
+        # dx = gamma * inv / m * (m * g - sum(g) - xhat * sum(g * xhat)), per channel
         m = g.size // g.shape[1]
-        dxhat = g * self.gamma
-        dx = self.inv / m * (m * dxhat - dxhat.sum(axis=axes, keepdims=True)
-                             - self.xhat * (dxhat * self.xhat).sum(axis=axes, keepdims=True))
-        return dx.astype(np.float32, copy=False), (g * self.xhat).sum(axis=axes), g.sum(axis=axes)
+        sum_g = g.sum(axis=(0, 2, 3))
+        sum_gx = np.einsum("nchw,nchw->c", g, self.xhat)
+        dx = self.xhat * (-sum_gx).reshape(1, -1, 1, 1)
+        dx += m * g
+        dx -= sum_g.reshape(1, -1, 1, 1)
+        dx *= self.gamma * self.inv / m
+        return dx.astype(np.float32, copy=False), sum_gx, sum_g
 
 
 class MaxPool2d(Function):

@@ -192,3 +192,41 @@ def _act_scalar(v, code, p0, p1):
     if code == 5:
         return np.float32(1.0) / (np.float32(1.0) + np.exp(-v))
     return v
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def depthwise_backward(x, g, w, dx, dw_, taps, sh, sw, pt, pl, dh, dil_w):  # pragma: no cover - compiled
+    """Gradients of a depthwise conv for one image: dx (C, H, W) += conv^T(g), dw_ (C, KH, KW) +=
+    correlation(x, g). ``taps`` as for :func:`depthwise` (column ranges per kernel column)."""
+    c_n, h, wd = x.shape
+    _, oh_n, ow_n = g.shape
+    kh, kw = w.shape[1], w.shape[2]
+    for c in range(c_n):
+        for oh in range(oh_n):
+            grow = g[c, oh]
+            for i in range(kh):
+                ih = oh * sh - pt + i * dh
+                if ih < 0 or ih >= h:
+                    continue
+                xrow = x[c, ih]
+                dxrow = dx[c, ih]
+                for j in range(kw):
+                    lo, hi = taps[j, 0], taps[j, 1]
+                    if hi <= lo:
+                        continue
+                    wv = w[c, i, j]
+                    acc = np.float32(0.0)
+                    gs = grow[lo:hi]
+                    if sw == 1:
+                        start = lo + j * dil_w - pl
+                        xs = xrow[start : start + hi - lo]
+                        dxs = dxrow[start : start + hi - lo]
+                        for k in range(hi - lo):
+                            acc += gs[k] * xs[k]
+                            dxs[k] += wv * gs[k]
+                    else:
+                        for k in range(hi - lo):
+                            col = (lo + k) * sw + j * dil_w - pl
+                            acc += gs[k] * xrow[col]
+                            dxrow[col] += wv * gs[k]
+                    dw_[c, i, j] += acc
