@@ -48,6 +48,8 @@ class StepPlan:
             return "forced"
         if self.budgeted:
             return "least scratch, to fit the memory budget"
+        if self.node.op == "Raster":
+            return "consecutive layout ops merged into one region copy"
         if self.tuned:
             return "fastest measured: " + ", ".join(f"{k} {v * 1e3:.3f}ms" for k, v in
                                                     sorted(self.estimates.items(), key=lambda kv: kv[1]))

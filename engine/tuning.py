@@ -42,7 +42,8 @@ def measure_factors(rates: Calibration) -> dict[str, float]:
                 continue  # the kernel does not apply to this layer
             step = plan.steps[0]
             predicted = rates.seconds(kernel.cost(step.ctx))
-            ratios.setdefault(kernel.name, []).append(time_kernel(kernel, step.ctx, step.params) / predicted)
+            measured = time_kernel(kernel, step.ctx, step.params, repeat=5)  # best of 5: robust to noise
+            ratios.setdefault(kernel.name, []).append(measured / predicted)
     return {name: statistics.median(r) for name, r in ratios.items()}
 
 

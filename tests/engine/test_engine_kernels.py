@@ -213,7 +213,9 @@ def test_consecutive_rasters_merge(build, ref, left):
     sess = InferenceSession(graph, calibration=CAL)
     np.testing.assert_array_equal(sess.run(x)[graph.outputs[0]], ref(x))
     plan = sess.plan_for({"x": x.shape})
-    assert sum(1 for s in plan.steps if s.kernel is not None and s.kernel.name == "raster") == left
+    rasters = [s for s in plan.steps if s.kernel is not None and s.kernel.name == "raster"]
+    assert len(rasters) == left
+    assert left == 2 or rasters[0].reason.startswith("consecutive layout ops merged")
 
 
 def _random_layout_op(data, b, name, arr):
