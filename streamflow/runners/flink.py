@@ -83,21 +83,23 @@ def python_path_for_workers() -> str:
 
 def flink_environment(cluster: str | None = None, parallelism: int = 1,
                       execution_mode: str | None = None) -> StreamExecutionEnvironment:
-    """A StreamExecutionEnvironment on the local MiniCluster, or on ``cluster`` (``HOST:PORT`` of
-    a JobManager's REST endpoint). Must be the first PyFlink call of the process: the JVM it
-    starts inherits ``PYTHONPATH``."""
+    """A StreamExecutionEnvironment on the local MiniCluster, or submitting to ``cluster`` (``HOST:PORT``
+    of a JobManager's REST endpoint, e.g. one started by ``streamflow flink-cluster start``).
+
+    Must be the first PyFlink call of the process: the JVM it starts inherits ``PYTHONPATH``. A remote
+    cluster's TaskManagers need the same ``PYTHONPATH`` in their own environment (``flink_cluster``
+    sets it when it starts them) and a ``python.executable`` that exists on their machine
+    (``$STREAMFLOW_FLINK_PYTHON``, default: this interpreter).
+    """
     os.environ["PYTHONPATH"] = python_path_for_workers()
     conf = Configuration()
     conf.set_string("python.execution-mode", execution_mode or os.environ.get(
         "STREAMFLOW_FLINK_EXECUTION_MODE", "thread"))
-    conf.set_string("python.executable", sys.executable)
+    conf.set_string("python.executable", os.environ.get("STREAMFLOW_FLINK_PYTHON", sys.executable))
     if cluster:
-        host, _, port = cluster.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"--cluster must be HOST:PORT of the JobManager's REST endpoint, got {cluster!r}")
-        conf.set_string("execution.target", "remote")
-        conf.set_string("rest.address", host)
-        conf.set_string("rest.port", port)
+        from streamflow.flink_cluster import remote_environment
+
+        return remote_environment(cluster, conf, parallelism=parallelism)
     env = StreamExecutionEnvironment.get_execution_environment(conf)
     env.set_parallelism(parallelism)
     return env
@@ -137,7 +139,12 @@ class UserTasks(KeyedProcessFunction):
 
     def open(self, runtime_context: RuntimeContext) -> None:
         descriptor = ValueStateDescriptor("user", _PICKLED)
-        descriptor.enable_time_to_live(StateTtlConfig.new_builder(Time.days(self.state_ttl_days)).build())
+        # Expired users are cleaned incrementally on access. PyFlink's default background cleanup
+        # builds a RocksDB compaction setting through the Py4J gateway, which a TaskManager's embedded
+        # interpreter does not have (it fails on a standalone cluster), so it is configured explicitly.
+        ttl = (StateTtlConfig.new_builder(Time.days(self.state_ttl_days))
+               .disable_cleanup_in_background().cleanup_incrementally(10, False).build())
+        descriptor.enable_time_to_live(ttl)
         self.state = runtime_context.get_state(descriptor)
         self.execution = TaskExecution(self.job.trigger_tasks)
         self.guard = TimestampGuard()
