@@ -111,6 +111,33 @@ def test_remote_pyflink_job_imports_streamflow_in_the_taskmanager(cluster, tmp_p
     assert overview["jobs-finished"] >= 1 and overview["jobs-failed"] == 0
 
 
+def test_ipv_job_on_the_cluster_matches_the_device_runner(cluster, tmp_path):
+    """`streamflow run --runner flink --cluster`: the translated job (keyed state with TTL, timers,
+    side outputs, the DuckDB writer) runs in the standalone TaskManager, not only a smoke job."""
+    import duckdb
+
+    from connectors.storage import CollectiveStorage
+    from streamflow.job import load_job
+    from streamflow.runners.device import DeviceRunner
+    from streamflow.runners.flink import run_flink
+    from streamflow.sources import open_source
+
+    events = tmp_path / "events.csv"
+    lines = (ROOT / "jobs" / "data" / "taobao_user_behavior_10k.csv").read_text().splitlines()[:2000]
+    events.write_text("\n".join(lines) + "\n")
+    summary = run_flink(load_job(ROOT / "jobs" / "ipv.py"), events, db=tmp_path / "flink.duckdb",
+                        cluster=f"127.0.0.1:{cluster['port']}")
+    with CollectiveStorage(tmp_path / "device.duckdb") as storage:
+        DeviceRunner(load_job(ROOT / "jobs" / "ipv.py"), storage).run(open_source(events))
+
+    def rows(db):
+        with duckdb.connect(str(db), read_only=True) as con:
+            return sorted(con.sql("SELECT * FROM ipv").fetchall())
+
+    assert summary.tasks_fired == len(rows(tmp_path / "flink.duckdb")) > 1000
+    assert rows(tmp_path / "flink.duckdb") == rows(tmp_path / "device.duckdb")
+
+
 def test_stop_closes_the_port(cluster):
     assert flink_cluster.stop(cluster["dir"]) is True
     assert not _port_open(cluster["port"])
