@@ -68,11 +68,19 @@ class GraphModel:
                 return self.params[name]
             return Tensor(np.asarray(consts[name]))
 
-        for node in self.graph.topological_order():
+        order = self.graph.topological_order()
+        uses: dict[str, int] = {}
+        for node in order:
+            for t in node.inputs:
+                uses[t] = uses.get(t, 0) + 1
+        for node in order:
             if all(o in folded for o in node.outputs):
                 continue
-            out = self._node(node, get, consts, infos, training)
-            env[node.outputs[0]] = out
+            env[node.outputs[0]] = self._node(node, get, consts, infos, training)
+            for t in node.inputs:  # drop activations nobody reads any more (functions keep what they saved)
+                uses[t] -= 1
+                if uses[t] == 0 and t in env and t not in self.graph.outputs:
+                    del env[t]
         return {o: env[o] if o in env else get(o) for o in self.graph.outputs}
 
     def _node(self, node: Node, get, consts, infos, training: bool) -> Tensor:

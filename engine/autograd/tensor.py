@@ -26,6 +26,7 @@ class Tensor:
         self.requires_grad = requires_grad
         self.name = name
         self._ctx: Function | None = None
+        self._node: _Node | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -36,9 +37,11 @@ class Tensor:
 
     def backward(self, grad: np.ndarray | None = None) -> None:
         """Accumulate d(self)/d(leaf) into every leaf's ``grad`` that requires it."""
+        if self._node is None:
+            return
         order, seen = [], set()
 
-        def visit(t: Tensor) -> None:
+        def visit(t: _Node | Tensor) -> None:
             if id(t) in seen or t._ctx is None:
                 return
             seen.add(id(t))
@@ -46,8 +49,8 @@ class Tensor:
                 visit(p)
             order.append(t)
 
-        visit(self)
-        grads = {id(self): np.ones_like(self.data) if grad is None else grad}
+        visit(self._node)
+        grads = {id(self._node): np.ones_like(self.data) if grad is None else grad}
         for t in reversed(order):
             g = grads.pop(id(t), None)
             if g is None:
@@ -101,20 +104,31 @@ def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return g
 
 
+class _Node:
+    """The autograd record of a computed tensor: the function that produced it and its shape, but
+    not its data, so an intermediate activation is freed as soon as no function saved it."""
+
+    __slots__ = ("_ctx", "shape", "requires_grad")
+
+    def __init__(self, ctx: Function, shape: tuple[int, ...]) -> None:
+        self._ctx, self.shape, self.requires_grad = ctx, shape, False
+
+
 class Function:
     """One differentiable op. Subclasses implement ``forward(*arrays, **attrs)`` returning an
     array (saving what backward needs on ``self``) and ``backward(grad)`` returning one gradient
     (or None) per input."""
 
-    def __init__(self, parents: tuple[Tensor, ...]) -> None:
-        self.parents = parents
+    def __init__(self, parents: tuple[Tensor | _Node, ...]) -> None:
+        self.parents = parents  # leaf tensors, or the records of computed ones
 
     @classmethod
     def apply(cls, *inputs: Tensor, **attrs: Any) -> Tensor:
-        fn = cls(inputs)
+        fn = cls(tuple(t._node if t._node is not None else t for t in inputs))
         out = Tensor(fn.forward(*[t.data for t in inputs], **attrs))
         if any(t.requires_grad or t._ctx is not None for t in inputs):
             out._ctx = fn
+            out._node = _Node(fn, out.shape)
         return out
 
     def forward(self, *args: np.ndarray, **attrs: Any) -> np.ndarray:
