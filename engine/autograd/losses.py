@@ -32,7 +32,9 @@ class MSE(Function):
 
 
 def cross_entropy(logits: Tensor, labels: np.ndarray) -> Tensor:
-    """>>> cross_entropy(Tensor(np.zeros((2, 4), np.float32)), np.array([0, 3])).data  # log(4)
+    """Mean cross-entropy of ``logits`` (N, K) against integer ``labels`` (N,).
+
+    >>> cross_entropy(Tensor(np.zeros((2, 4), np.float32)), np.array([0, 3])).data  # log(4)
     array(1.3862944, dtype=float32)
     """
     return SoftmaxCrossEntropy.apply(logits, Tensor(np.asarray(labels)))
