@@ -70,6 +70,8 @@ DEFAULT_STATE_TTL_DAYS = 30
 _REJECTED = OutputTag("rejected", Types.PICKLED_BYTE_ARRAY())
 _EVENTS = OutputTag("events", Types.PICKLED_BYTE_ARRAY())  # accepted app events, for stream tasks
 _PICKLED = Types.PICKLED_BYTE_ARRAY()
+#: Pseudo-table of a user's counts (events, fired, rows, errors per task), sent when the user's input ends.
+_STATS = "__stats__"
 
 
 def python_path_for_workers() -> str:
@@ -154,7 +156,8 @@ class UserTasks(KeyedProcessFunction):
         saved = self.state.value()
         if saved is None:
             ctx.timer_service().register_event_time_timer(0)  # fires with the final watermark
-            saved = {"last_ts": None, "adapter": None, "pending": frozenset(), "sequence": None, "events": 0}
+            saved = {"last_ts": None, "adapter": None, "pending": frozenset(), "sequence": None,
+                     "events": 0, "tasks": {}}
         user_id = self.source.user_of(parsed)
         reason = self.guard.reason(user_id, self.source.ts_of(parsed), saved["last_ts"])
         if reason is not None:
@@ -171,7 +174,7 @@ class UserTasks(KeyedProcessFunction):
             return
         yield from self._run(saved, self.source.end_events(ctx.get_current_key(), saved["adapter"]))
         saved["adapter"] = None
-        yield _STATS, {"events": saved["events"]}
+        yield _STATS, {"events": saved["events"], "tasks": saved["tasks"]}
         self.state.clear()
 
     def _run(self, saved: dict[str, Any], events: list) -> Any:
@@ -183,14 +186,12 @@ class UserTasks(KeyedProcessFunction):
                 yield _EVENTS, event
             for name in execution.step(user, event):
                 table, rows = execution.settle(name, event, execution.run_task(name, event, user.sequence))
-                yield _FIRED, {"task": name, "failed": table == TASK_ERRORS_TABLE, "rows": len(rows)}
+                counts = saved["tasks"].setdefault(name, {"fired": 0, "rows": 0, "errors": 0})
+                counts["fired"] += 1
+                counts["errors" if table == TASK_ERRORS_TABLE else "rows"] += len(rows)
                 for row in rows:
                     yield table, row
         saved["sequence"], saved["pending"] = user.sequence, user.match.pending_nodes
-
-
-_STATS = "__stats__"
-_FIRED = "__fired__"
 
 
 def _dead_letter(source: str, line: int, reason: str, raw: str) -> dict[str, Any]:
@@ -298,13 +299,10 @@ class StorageWriter(ProcessFunction):
         table, row = value
         if table == _STATS:
             self.events += row["events"]
-        elif table == _FIRED:
-            stats = self.tasks.setdefault(row["task"], {"fired": 0, "rows": 0, "errors": 0})
-            stats["fired"] += 1
-            if row["failed"]:
-                stats["errors"] += 1
-            else:
-                stats["rows"] += row["rows"]
+            for name, counts in row["tasks"].items():
+                totals = self.tasks.setdefault(name, {"fired": 0, "rows": 0, "errors": 0})
+                for what, n in counts.items():
+                    totals[what] += n
         else:
             if table == DEAD_LETTER_TABLE:
                 self.rejected[row["reason"].split(":", 1)[0]] += 1
