@@ -62,6 +62,9 @@ class PageVisit:
 
     __getitem__ = field
 
+    def __reduce__(self) -> tuple:
+        return PageVisit, (self.user_id, self.page_id, self.enter_ts, self.exit_ts, self.events)
+
 
 class UserSequence:
     """The recent time-level and page-level sequences of one user.
@@ -80,6 +83,10 @@ class UserSequence:
         self.recent: deque[Event] = deque(maxlen=max_events)
         self.pages: deque[PageVisit] = deque(maxlen=max_pages)
         self._open: list[Event] | None = None
+
+    def __reduce__(self) -> tuple:
+        return _restore_sequence, (self.recent.maxlen, self.pages.maxlen, list(self.recent), list(self.pages),
+                                   self._open)
 
     def resize(self, max_events: int, max_pages: int) -> None:
         """Change the bounds, keeping the most recent events and visits."""
@@ -139,3 +146,12 @@ def _tail(items: Iterable[T], ts_of: Callable[[T], float], since_ts: float | Non
     if since_ts is not None:
         out = [item for item in out if ts_of(item) >= since_ts]
     return out[-limit:] if limit is not None else out
+
+
+def _restore_sequence(max_events: int, max_pages: int, recent: list[Event], pages: list[PageVisit],
+                      open_page: list[Event] | None) -> UserSequence:
+    sequence = UserSequence(max_events, max_pages)
+    sequence.recent.extend(recent)
+    sequence.pages.extend(pages)
+    sequence._open = open_page
+    return sequence

@@ -5,13 +5,12 @@ runner calls)::
 
     events file ─ FileSource (text lines)
       ─ ParseLines        parallelism 1, chained to the source: numbers the lines as the device
-                          runner does; the format's stateless ``parse``; rejects → side output
-      ─ key_by(user)
+                          runner does; the format's stateless ``parse``
+      ─ key_by(user)      (malformed lines under the key "", passed through as dead letters)
       ─ UserTasks         KeyedProcessFunction: the format's per-user adapter, the timestamp check and
                           TaskExecution (trie + task pipelines from ``operators/``), the user's state in
                           Flink keyed state with TTL; an event-time timer fires at the end of the input
                           (the final watermark) to emit what is still owed (the last page exits)
-      ─ union(rejects)
       ─ StorageWriter     parallelism 1: CollectiveStorage, the device runner's DuckDB schema
       ─ discarding sink
 
@@ -67,7 +66,6 @@ except ImportError as exc:  # the `flink` extra is optional
 
 #: Keyed state of a user unseen for this long is dropped (Flink state TTL).
 DEFAULT_STATE_TTL_DAYS = 30
-_REJECTED = OutputTag("rejected", Types.PICKLED_BYTE_ARRAY())
 _EVENTS = OutputTag("events", Types.PICKLED_BYTE_ARRAY())  # accepted app events, for stream tasks
 _PICKLED = Types.PICKLED_BYTE_ARRAY()
 #: Pseudo-table of a user's counts (events, fired, rows, errors per task), sent when the user's input ends.
@@ -124,10 +122,10 @@ class ParseLines(ProcessFunction):
         if self.pace_s:
             time.sleep(self.pace_s)  # paced replay: see run_flink(pace_ms=...)
         parsed = self.source.parse(line)
-        if isinstance(parsed, str):
-            yield _REJECTED, _dead_letter(self.source.name, self.line_no, parsed, line)
+        if isinstance(parsed, str):  # keyed by "" and passed through, so that nothing needs a union
+            yield "", self.line_no, line, parsed
         else:
-            yield self.line_no, line, parsed
+            yield self.source.user_of(parsed), self.line_no, line, parsed
 
 
 class UserTasks(KeyedProcessFunction):
@@ -151,8 +149,11 @@ class UserTasks(KeyedProcessFunction):
         self.execution = TaskExecution(self.job.trigger_tasks)
         self.guard = TimestampGuard()
 
-    def process_element(self, value: tuple[int, str, Any], ctx: KeyedProcessFunction.Context):
-        line_no, raw, parsed = value
+    def process_element(self, value: tuple[str, int, str, Any], ctx: KeyedProcessFunction.Context):
+        _, line_no, raw, parsed = value
+        if isinstance(parsed, str):
+            yield DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw)
+            return
         saved = self.state.value()
         if saved is None:
             ctx.timer_service().register_event_time_timer(0)  # fires with the final watermark
@@ -350,10 +351,8 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
         FileSource.for_record_stream_format(StreamFormat.text_line_format(), str(Path(events).resolve())).build(),
         WatermarkStrategy.no_watermarks(), "events").set_parallelism(1)
     parsed = lines.process(ParseLines(source, pace_ms / 1000), output_type=_PICKLED).set_parallelism(1)
-    per_user = (parsed.key_by(lambda value: source.user_of(value[2]), key_type=Types.STRING())
-                .process(UserTasks(job, source, state_ttl_days), output_type=_PICKLED))
-    outputs = per_user.union(parsed.get_side_output(_REJECTED).map(lambda row: (DEAD_LETTER_TABLE, row),
-                                                                   output_type=_PICKLED))
+    outputs = per_user = (parsed.key_by(lambda value: value[0], key_type=Types.STRING())
+                          .process(UserTasks(job, source, state_ttl_days), output_type=_PICKLED))
     for task in job.stream_tasks:
         outputs = outputs.union(_stream_task(per_user.get_side_output(_EVENTS), task))
     stream_sinks = {task.sink: task.name for task in job.stream_tasks}
