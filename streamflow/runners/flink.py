@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import site
 import sys
 import time
 from collections import Counter
@@ -33,12 +32,12 @@ from typing import Any
 
 import cloudpickle
 
-import streamflow
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, resolve_db_path
 from operators import Filter
 from operators.base import field_reader
 from streamflow.events import TimestampGuard
 from streamflow.execution import TaskExecution
+from streamflow.flink_cluster import python_path, remote_environment, use_worker_python_path
 from streamflow.job import Job
 from streamflow.sources import LineSource, open_source
 from streamflow.summary import LATE_EVENTS_TABLE, TASK_ERRORS_TABLE, RunSummary, TaskStats
@@ -72,15 +71,6 @@ _PICKLED = Types.PICKLED_BYTE_ARRAY()
 _STATS = "__stats__"
 
 
-def python_path_for_workers() -> str:
-    """``PYTHONPATH`` that lets Flink's embedded interpreter import streamflow and its dependencies."""
-    repo_root = str(Path(streamflow.__file__).resolve().parents[1])
-    entries = [repo_root, *site.getsitepackages()]
-    if os.environ.get("PYTHONPATH"):
-        entries.append(os.environ["PYTHONPATH"])
-    return os.pathsep.join(dict.fromkeys(entries))
-
-
 def flink_environment(cluster: str | None = None, parallelism: int = 1,
                       execution_mode: str | None = None) -> StreamExecutionEnvironment:
     """A StreamExecutionEnvironment on the local MiniCluster, or submitting to ``cluster`` (``HOST:PORT``
@@ -91,14 +81,14 @@ def flink_environment(cluster: str | None = None, parallelism: int = 1,
     sets it when it starts them) and a ``python.executable`` that exists on their machine
     (``$STREAMFLOW_FLINK_PYTHON``, default: this interpreter).
     """
-    os.environ["PYTHONPATH"] = python_path_for_workers()
+    use_worker_python_path()
     conf = Configuration()
     conf.set_string("python.execution-mode", execution_mode or os.environ.get(
         "STREAMFLOW_FLINK_EXECUTION_MODE", "thread"))
     conf.set_string("python.executable", os.environ.get("STREAMFLOW_FLINK_PYTHON", sys.executable))
+    # Also as configuration, for when PyFlink's JVM was started earlier without our PYTHONPATH.
+    conf.set_string("python.pythonpath", os.pathsep.join(python_path()))
     if cluster:
-        from streamflow.flink_cluster import remote_environment
-
         return remote_environment(cluster, conf, parallelism=parallelism)
     env = StreamExecutionEnvironment.get_execution_environment(conf)
     env.set_parallelism(parallelism)
