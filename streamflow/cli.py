@@ -117,12 +117,16 @@ def _run(job: Job, args: argparse.Namespace) -> int:
             if summary.task_stats[task.name].rows and args.show > 0:
                 print(f"\nfirst rows of table {task.sink}:")
                 for row in storage.read(task.sink).slice(0, args.show).to_pylist():
-                    print("  " + ", ".join(f"{k}={v}" for k, v in row.items()))
+                    print("  " + ", ".join(f"{k}={_show(v)}" for k, v in row.items()))
     if job.tasks:
         sql = f"SELECT * FROM {job.tasks[0].sink} LIMIT 10"
         print(f"\nquery them: python -c \"import duckdb; print(duckdb.connect('{summary.db_path}', "
               f"read_only=True).sql('{sql}'))\"")
     return 0
+
+
+def _show(value: object) -> str:
+    return f"<{len(value)} bytes>" if isinstance(value, bytes) else str(value)
 
 
 def _run_on_flink(job: Job, args: argparse.Namespace, db: Path) -> RunSummary:

@@ -1,0 +1,160 @@
+"""Models as stateful stream operators, on the embedded tensor engine.
+
+:class:`Infer` runs a model over the rows that reach it (one batched run per firing) and adds its
+output to each row. :class:`Train` trains a model on the rows that reach it, one optimizer step per
+``batch_size`` rows, and emits one row per step (the training log). The model, the inference
+session (plan and arena) and the optimizer state live in the operator; a runner gives every task
+its own copy, so tasks never share weights by accident.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from operators.base import Group, Operator
+
+if TYPE_CHECKING:  # the engine (numba kernels, BLAS set-up) is imported on first use, not with operators
+    from engine import Graph, InferenceSession
+    from engine.autograd import SGD, Adam, GraphModel
+
+Features = Callable[[Any], Sequence[float]]
+
+
+def _rows(groups: list[Group], op: str) -> list[Mapping[str, Any]]:
+    rows = [item for _, items in groups for item in items]
+    for row in rows:
+        if not isinstance(row, Mapping):
+            raise TypeError(f"{op} works on rows (dicts); put it after an Aggregate or a Map, got {row!r}")
+    return rows
+
+
+class Infer(Operator):
+    """Add a model's output for every row: ``row[into] = model(features(row))``.
+
+    ``model`` is an engine :class:`~engine.Graph` or a model file (``engine.save_model``); its
+    first input takes a ``(rows, features)`` float32 batch. ``output`` names the model output
+    (default: the first). ``as_bytes=True`` stores the float32 vector as bytes (a compact encoding).
+
+    Example:
+        >>> import numpy as np
+        >>> from engine import GraphBuilder
+        >>> from operators import run_pipeline
+        >>> b = GraphBuilder()
+        >>> b.output(b.linear(b.input("x", (None, 2)), np.eye(2, dtype="float32"), np.ones(2, "float32")))
+        >>> run_pipeline([Infer(b.build(), features=lambda r: [r["a"], r["b"]], into="y")], [{"a": 1.0, "b": 2.0}])
+        [{'a': 1.0, 'b': 2.0, 'y': [2.0, 3.0]}]
+    """
+
+    def __init__(self, model: Graph | str | os.PathLike[str], features: Features, into: str = "prediction",
+                 output: str | None = None, as_bytes: bool = False, threads: int = 1):
+        self.model = model
+        self.features = features
+        self.into = into
+        self.output = output
+        self.as_bytes = as_bytes
+        self.threads = threads
+        self._session: InferenceSession | None = None  # built on first use: copies stay cheap
+
+    def apply(self, groups: list[Group]) -> list[Group]:
+        rows = _rows(groups, "Infer")
+        if not rows:
+            return groups
+        if self._session is None:
+            from engine import InferenceSession
+
+            self._session = InferenceSession(self.model, threads=self.threads)
+        session = self._session
+        x = np.asarray([self.features(row) for row in rows], dtype=np.float32)
+        y = session.run({session.input_names[0]: x})[self.output or session.output_names[0]]
+        values = iter([v.astype(np.float32).tobytes() if self.as_bytes else v.tolist() for v in y])
+        return [(key, [{**row, self.into: next(values)} for row in items]) for key, items in groups]
+
+
+class Train(Operator):
+    """Train a model on the rows that reach it; emit ``{"step", "loss", "examples"}`` per step.
+
+    Rows are buffered; each time ``batch_size`` rows are in, one step of ``optimizer`` (``"adam"``
+    or ``"sgd"``) runs on them with ``loss`` (``"cross_entropy"`` on integer ``label``s, or
+    ``"mse"`` on vector ones). :meth:`export` gives the trained model as an inference graph, e.g.
+    for :class:`Infer` or ``engine.save_model``.
+
+    Example:
+        >>> import numpy as np
+        >>> from engine import GraphBuilder
+        >>> from operators import run_pipeline
+        >>> b = GraphBuilder()
+        >>> b.output(b.linear(b.input("x", (None, 1)), np.zeros((1, 2), "float32"), np.zeros(2, "float32")))
+        >>> train = Train(b.build(), features=lambda r: [r["x"]], label=lambda r: int(r["x"] > 0), batch_size=2)
+        >>> [round(r["loss"], 3) for r in run_pipeline([train], [{"x": 1.0}, {"x": -1.0}])]
+        [0.693]
+    """
+
+    def __init__(self, model: Graph | str | os.PathLike[str], features: Features, label: Callable[[Any], Any],
+                 loss: str = "cross_entropy", optimizer: str = "adam", lr: float = 0.01, momentum: float = 0.0,
+                 batch_size: int = 32, output: str | None = None):
+        if loss not in ("cross_entropy", "mse"):
+            raise ValueError(f"loss must be 'cross_entropy' or 'mse', got {loss!r}")
+        if optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer must be 'adam' or 'sgd', got {optimizer!r}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.model = model
+        self.features = features
+        self.label = label
+        self.loss = loss
+        self.optimizer = optimizer
+        self.lr = lr
+        self.momentum = momentum
+        self.batch_size = batch_size
+        self.output = output
+        self.steps = 0
+        self._graph_model: GraphModel | None = None
+        self._opt: SGD | Adam | None = None
+        self._x: list[Sequence[float]] = []
+        self._y: list[Any] = []
+
+    def _ensure_model(self) -> GraphModel:
+        if self._graph_model is None:
+            from engine.autograd import SGD, Adam, GraphModel
+            from engine.session import load_graph
+
+            self._graph_model = GraphModel(load_graph(self.model))
+            params = self._graph_model.parameters()
+            self._opt = (Adam(params, lr=self.lr) if self.optimizer == "adam"
+                         else SGD(params, lr=self.lr, momentum=self.momentum))
+        return self._graph_model
+
+    def apply(self, groups: list[Group]) -> list[Group]:
+        log = []
+        for row in _rows(groups, "Train"):
+            self._x.append(self.features(row))
+            self._y.append(self.label(row))
+            if len(self._x) >= self.batch_size:
+                log.append(self._step())
+        return [({}, log)]
+
+    def _step(self) -> dict[str, Any]:
+        model = self._ensure_model()
+        from engine.autograd import cross_entropy, mse
+
+        x = np.asarray(self._x, dtype=np.float32)
+        out = model(x)[self.output or model.graph.outputs[0]]
+        if self.loss == "cross_entropy":
+            loss = cross_entropy(out, np.asarray(self._y, dtype=np.int64))
+        else:
+            loss = mse(out, np.asarray(self._y, dtype=np.float32))
+        assert self._opt is not None
+        self._opt.zero_grad()
+        loss.backward()
+        self._opt.step()
+        self.steps += 1
+        self._x, self._y = [], []
+        return {"step": self.steps, "loss": float(loss.data), "examples": len(x)}
+
+    def export(self) -> Graph:
+        """The model with its trained weights, as an inference graph."""
+        return self._ensure_model().to_graph()
