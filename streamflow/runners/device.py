@@ -9,6 +9,9 @@ tasks) and writes its own table. A task's exception is caught and stored in ``ta
 the triggering event; the other tasks and the stream go on. After ``quarantine_after`` consecutive
 failures the task is quarantined: unregistered from the trie and reported in the summary.
 
+Stream tasks (``input="stream"``) see every event and close event-time windows as the watermark
+passes them (:mod:`streamflow.windowing`); their late events go to ``late_events``.
+
 When several tasks fire on one event they run concurrently on a small worker pool (useful when
 their operators release the GIL, as model inference does); the runner waits for all of them
 before the next event, so every task sees the user's events in order and output order is
@@ -32,6 +35,7 @@ from streamflow.summary import LATE_EVENTS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamTaskRun
 
 log = logging.getLogger("streamflow.device")
+
 
 class DeviceRunner:
     """Runs a job embedded, writing feature rows to collective storage.
@@ -73,6 +77,8 @@ class DeviceRunner:
                 raise ValueError(f"task {task.name!r} is already registered")
             self._streams[task.name] = StreamTaskRun(task)
             self.summary.task_stats[task.name] = TaskStats()
+        elif task.name in self._streams:
+            raise ValueError(f"task {task.name!r} is already registered")
         else:
             self.execution.register(task)
 
