@@ -1,6 +1,15 @@
-"""Suite-wide collection rule."""
+"""Suite-wide collection rule and the property-test profile."""
 
+import os
 from pathlib import Path
+
+from hypothesis import settings
+
+# CI explores the same examples on every run (a red CI then means a change broke something, not that
+# a new random example turned up); locally the examples vary, so edge cases keep being looked for.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
