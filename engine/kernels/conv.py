@@ -80,6 +80,13 @@ class ConvBase(Kernel):
     def epilogue_bytes(self, ctx: NodeCtx) -> int:
         return epilogue.CHUNK_BYTES if epilogue.needs_scratch(ctx.attrs.get("act")) else 0
 
+    def parts(self, g: ConvGeom) -> list[tuple[tuple[int, ...], type]]:
+        """The kernel's scratch views (shape, dtype), carved in this order."""
+        return []
+
+    def scratch_bytes(self, ctx: NodeCtx) -> int:
+        return scratch_size(*self.parts(ConvGeom.of(ctx))) + self.epilogue_bytes(ctx)
+
     def transform(self, ctx: NodeCtx) -> dict[str, np.ndarray]:
         w = ctx.const(1)
         b = ctx.const(2)
@@ -112,9 +119,6 @@ class Conv1x1Gemm(ConvBase):
         g = ConvGeom.of(ctx)
         return Cost(gemm_flops=2 * g.macs, bytes=4 * g.n * (g.c + g.cout) * g.oh * g.ow,
                     calls=g.n) + self.epilogue_cost(g)
-
-    def scratch_bytes(self, ctx):
-        return self.epilogue_bytes(ctx)
 
     def transform(self, ctx):
         p = super().transform(ctx)
@@ -149,9 +153,6 @@ class ConvIm2col(ConvBase):
         # The strided gather runs far below bandwidth: count it as vector work as well as bytes.
         return Cost(gemm_flops=2 * g.macs, vector_flops=2 * cols, bytes=4 * (2 * cols + g.n * g.cout * g.oh * g.ow),
                     calls=g.n * (2 + g.group)) + self.epilogue_cost(g)
-
-    def scratch_bytes(self, ctx):
-        return scratch_size(*self.parts(ConvGeom.of(ctx))) + self.epilogue_bytes(ctx)
 
     def transform(self, ctx):
         p = super().transform(ctx)
@@ -204,9 +205,6 @@ class ConvDirect(ConvBase):
         return Cost(gemm_flops=2 * g.macs, vector_flops=2 * win + acc, bytes=4 * (2 * win + 3 * acc),
                     calls=g.n * taps * 3) + self.epilogue_cost(g)
 
-    def scratch_bytes(self, ctx):
-        return scratch_size(*self.parts(ConvGeom.of(ctx))) + self.epilogue_bytes(ctx)
-
     def transform(self, ctx):
         p = super().transform(ctx)
         w = p["w"]
@@ -245,19 +243,33 @@ class ConvDirect(ConvBase):
 _G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], dtype=np.float64)
 
 
-class ConvWinograd23(ConvBase):
-    """Winograd F(2,3) for 3x3 stride-1 convs: 16 batched GEMMs on transformed 4x4 tiles, 2.25x
-    fewer multiplies than im2col; the weights are kept transformed (16/9 of their size)."""
+class WinogradConv(ConvBase):
+    """Winograd F(m,3) for 3x3 stride-1 convs: ``(m+2)^2`` batched GEMMs on transformed tiles; the
+    weights are kept transformed (``U = G w G^T``, ``(m+2)^2/9`` of their size)."""
 
-    name = "conv_winograd_f23"
+    m = 2  # output tile size
+    g_matrix = _G
 
     def applies(self, ctx):
         g = ConvGeom.of(ctx)
         return (g.kh, g.kw, g.stride, g.dil, g.group) == (3, 3, (1, 1), (1, 1), 1)
 
-    @staticmethod
-    def tiles(g: ConvGeom) -> tuple[int, int]:
-        return -(-g.oh // 2), -(-g.ow // 2)
+    def tiles(self, g: ConvGeom) -> tuple[int, int]:
+        return -(-g.oh // self.m), -(-g.ow // self.m)
+
+    def transform(self, ctx):
+        p = super().transform(ctx)
+        w = p.pop("w").astype(np.float64)
+        u = np.einsum("ij,ocjk,lk->iloc", self.g_matrix, w, self.g_matrix)  # (m+2, m+2, Cout, Cin)
+        p["u"] = np.ascontiguousarray(u.reshape(-1, w.shape[0], w.shape[1]), dtype=np.float32)
+        return p
+
+
+class ConvWinograd23(WinogradConv):
+    """Winograd F(2,3): 16 batched GEMMs on transformed 4x4 tiles, 2.25x fewer multiplies than
+    im2col."""
+
+    name = "conv_winograd_f23"
 
     def parts(self, g: ConvGeom):
         th, tw = self.tiles(g)
@@ -277,16 +289,6 @@ class ConvWinograd23(ConvBase):
         transforms = p * (g.c * (16 + 32) + g.cout * (24 + 8))
         return Cost(gemm_flops=2 * 16 * g.cout * g.c * p, vector_flops=transforms, bytes=4 * 2 * transforms,
                     calls=g.n * 30) + self.epilogue_cost(g)
-
-    def scratch_bytes(self, ctx):
-        return scratch_size(*self.parts(ConvGeom.of(ctx))) + self.epilogue_bytes(ctx)
-
-    def transform(self, ctx):
-        p = super().transform(ctx)
-        w = p.pop("w").astype(np.float64)
-        u = np.einsum("ij,ocjk,lk->iloc", _G, w, _G)  # (4, 4, Cout, Cin)
-        p["u"] = np.ascontiguousarray(u.reshape(16, w.shape[0], w.shape[1]), dtype=np.float32)
-        return p
 
     def bind(self, ctx, params, ins, outs, scratch) -> Step:
         g = ConvGeom.of(ctx)
@@ -344,20 +346,14 @@ _AT4 = np.array([[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [
                 dtype=np.float32)
 
 
-class ConvWinograd43(ConvBase):
-    """Winograd F(4,3) for 3x3 stride-1 convs: 36 batched GEMMs on transformed 6x6 tiles, 4x fewer
-    multiplies than im2col (F(2,3): 2.25x) at the price of bigger transforms and slightly larger
-    rounding error; the weights are kept transformed (36/9 of their size). The tile transforms are
-    small batched matrix products written into scratch (``B^T d B``, ``A^T M A``)."""
+class ConvWinograd43(WinogradConv):
+    """Winograd F(4,3): 36 batched GEMMs on transformed 6x6 tiles, 4x fewer multiplies than im2col
+    (F(2,3): 2.25x) at the price of bigger transforms and slightly larger rounding error. The tile
+    transforms are small batched matrix products written into scratch (``B^T d B``, ``A^T M A``)."""
 
     name = "conv_winograd_f43"
-
-    def applies(self, ctx):
-        return ConvWinograd23().applies(ctx)
-
-    @staticmethod
-    def tiles(g: ConvGeom) -> tuple[int, int]:
-        return -(-g.oh // 4), -(-g.ow // 4)
+    m = 4
+    g_matrix = _G4
 
     def parts(self, g: ConvGeom):
         th, tw = self.tiles(g)
@@ -379,16 +375,6 @@ class ConvWinograd43(ConvBase):
         copies = p * (g.c * 36 * 2 + g.cout * (36 + 16 * 2))
         return Cost(gemm_flops=2 * 36 * g.cout * g.c * p, vector_flops=transforms, bytes=4 * (transforms + copies),
                     calls=g.n * 10) + self.epilogue_cost(g)
-
-    def scratch_bytes(self, ctx):
-        return scratch_size(*self.parts(ConvGeom.of(ctx))) + self.epilogue_bytes(ctx)
-
-    def transform(self, ctx):
-        p = super().transform(ctx)
-        w = p.pop("w").astype(np.float64)
-        u = np.einsum("ij,ocjk,lk->iloc", _G4, w, _G4)  # (6, 6, Cout, Cin)
-        p["u"] = np.ascontiguousarray(u.reshape(36, w.shape[0], w.shape[1]), dtype=np.float32)
-        return p
 
     def bind(self, ctx, params, ins, outs, scratch) -> Step:
         g = ConvGeom.of(ctx)
@@ -440,9 +426,6 @@ class DepthwiseNumpy(ConvBase):
         g = ConvGeom.of(ctx)
         taps = g.n * g.c * g.oh * g.ow * g.kh * g.kw
         return Cost(vector_flops=2 * taps, bytes=4 * 3 * taps, calls=2 * g.n * g.kh * g.kw) + self.epilogue_cost(g)
-
-    def scratch_bytes(self, ctx):
-        return scratch_size(*self.parts(ConvGeom.of(ctx))) + self.epilogue_bytes(ctx)
 
     def transform(self, ctx):
         p = super().transform(ctx)
