@@ -160,12 +160,6 @@ def python_path() -> list[str]:
     return unique
 
 
-def use_worker_python_path() -> None:
-    """Put :func:`python_path` in this process's ``PYTHONPATH`` before PyFlink starts its JVM: a local
-    MiniCluster's embedded interpreters inherit it (and nothing else tells them where our code is)."""
-    os.environ["PYTHONPATH"] = os.pathsep.join(python_path())
-
-
 def render_config(layout: ClusterLayout, port: int, rpc_port: int, *, slots: int = 2,
                   jobmanager_memory: str = "1024m", taskmanager_memory: str = "1536m",
                   python_executable: str | None = None, java_opts: str = _FALLBACK_JAVA_OPTS) -> str:
@@ -360,7 +354,6 @@ def remote_environment(address: str, configuration: Any = None, *, parallelism: 
         config.set_string("python.execution-mode", "thread")
     if not config.contains_key("python.executable"):
         config.set_string("python.executable", sys.executable)
-    use_worker_python_path()  # in case this call starts the JVM, which may also host a local MiniCluster later
     j_env_class = get_gateway().jvm.org.apache.flink.streaming.api.environment.StreamExecutionEnvironment
     env = StreamExecutionEnvironment(j_env_class(config._j_configuration))
     if parallelism is not None:

@@ -16,8 +16,8 @@ runner calls)::
 
 PyFlink pitfalls handled here, not in jobs: ``python.executable`` is the running interpreter;
 ``python.execution-mode`` defaults to ``thread``; the embedded interpreter of thread mode does not
-read the virtualenv's ``.pth`` files, so its ``PYTHONPATH`` gets site-packages and the repository
-root; Python functions return iterables; results go through a sink, not ``execute_and_collect``.
+read the virtualenv's ``.pth`` files, so ``python.pythonpath`` gives it site-packages and the
+repository root; Python functions return iterables; results go through a sink, not ``execute_and_collect``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from operators import Filter
 from operators.base import field_reader
 from streamflow.events import TimestampGuard
 from streamflow.execution import TaskExecution
-from streamflow.flink_cluster import python_path, remote_environment, use_worker_python_path
+from streamflow.flink_cluster import python_path, remote_environment
 from streamflow.job import Job
 from streamflow.sources import LineSource, open_source
 from streamflow.summary import LATE_EVENTS_TABLE, TASK_ERRORS_TABLE, RunSummary, TaskStats
@@ -76,17 +76,15 @@ def flink_environment(cluster: str | None = None, parallelism: int = 1,
     """A StreamExecutionEnvironment on the local MiniCluster, or submitting to ``cluster`` (``HOST:PORT``
     of a JobManager's REST endpoint, e.g. one started by ``streamflow flink-cluster start``).
 
-    Must be the first PyFlink call of the process: the JVM it starts inherits ``PYTHONPATH``. A remote
-    cluster's TaskManagers need the same ``PYTHONPATH`` in their own environment (``flink_cluster``
-    sets it when it starts them) and a ``python.executable`` that exists on their machine
-    (``$STREAMFLOW_FLINK_PYTHON``, default: this interpreter).
+    The job's ``python.pythonpath`` lets thread mode's embedded interpreter import our code. A remote
+    cluster's TaskManagers also need it in their own environment (``flink_cluster`` sets it when it
+    starts them) and a ``python.executable`` that exists on their machine (``$STREAMFLOW_FLINK_PYTHON``,
+    default: this interpreter).
     """
-    use_worker_python_path()
     conf = Configuration()
     conf.set_string("python.execution-mode", execution_mode or os.environ.get(
         "STREAMFLOW_FLINK_EXECUTION_MODE", "thread"))
     conf.set_string("python.executable", os.environ.get("STREAMFLOW_FLINK_PYTHON", sys.executable))
-    # Also as configuration, for when PyFlink's JVM was started earlier without our PYTHONPATH.
     conf.set_string("python.pythonpath", os.pathsep.join(python_path()))
     if cluster:
         return remote_environment(cluster, conf, parallelism=parallelism)
