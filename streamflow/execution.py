@@ -41,7 +41,7 @@ class TaskExecution:
     Example:
         >>> from operators import Aggregate, Count
         >>> execution = TaskExecution([Task("favs", ["fav"], [Aggregate(n=Count())], input="recent")])
-        >>> user = execution.new_user()
+        >>> user = execution.user("u")
         >>> event = Event("u", "fav", "item", 1.6e9)
         >>> fired = execution.step(user, event)
         >>> fired, execution.run_task(fired[0], event, user.sequence)
@@ -58,7 +58,9 @@ class TaskExecution:
         self._pipelines: dict[str, list[Operator]] = {}
         self._max_events = 1
         self._max_pages = 1
-        self._users: list[UserState] = []  # only to resize sequences when bounds grow
+        #: Users this execution keeps in memory (the device runner's); runners that persist user
+        #: state elsewhere (Flink keyed state) restore it with :meth:`new_user` instead.
+        self.users: dict[str, UserState] = {}
         for task in tasks:
             self.register(task)
 
@@ -77,7 +79,7 @@ class TaskExecution:
         if events > self._max_events or pages > self._max_pages:
             self._max_events = max(self._max_events, events)
             self._max_pages = max(self._max_pages, pages)
-            for user in self._users:
+            for user in self.users.values():
                 user.sequence.resize(self._max_events, self._max_pages)
 
     def unregister(self, name: str) -> None:
@@ -86,16 +88,19 @@ class TaskExecution:
         del self.tasks[name]
         del self._pipelines[name]
 
-    def new_user(self, sequence: UserSequence | None = None, pending_nodes: frozenset[int] = frozenset(),
-                 track: bool = True) -> UserState:
+    def user(self, user_id: str) -> UserState:
+        """The in-memory state of ``user_id`` (new if unseen)."""
+        user = self.users.get(user_id)
+        if user is None:
+            user = self.users[user_id] = self.new_user()
+        return user
+
+    def new_user(self, sequence: UserSequence | None = None, pending_nodes: frozenset[int] = frozenset()) -> UserState:
         """State for a user seen for the first time, or restored from a persisted sequence and
-        dynamic pending list (``track=False`` for states the caller persists elsewhere)."""
+        dynamic pending list. Not kept: see :meth:`user`."""
         if sequence is None:
             sequence = UserSequence(self._max_events, self._max_pages)
-        user = UserState(self.trie.restore(pending_nodes), sequence)
-        if track:
-            self._users.append(user)
-        return user
+        return UserState(self.trie.restore(pending_nodes), sequence)
 
     def step(self, user: UserState, event: Event) -> tuple[str, ...]:
         """Append ``event`` to the user's sequences and advance the trie; the tasks that fire."""

@@ -29,7 +29,7 @@ from typing import Any
 
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
 from streamflow.events import Event, Rejected, TimestampGuard
-from streamflow.execution import TaskExecution, UserState
+from streamflow.execution import TaskExecution
 from streamflow.job import Job, Task
 from streamflow.summary import LATE_EVENTS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamTaskRun
@@ -63,7 +63,6 @@ class DeviceRunner:
         self.summary = RunSummary(db_path=str(storage.path), task_stats=self.execution.stats)
         self.latencies_s: list[float] | None = [] if record_latency else None
         self._guard = guard or TimestampGuard()
-        self._users: dict[str, UserState] = {}
         self._streams: dict[str, StreamTaskRun] = {}
         self._pool: ThreadPoolExecutor | None = None
         for task in job.tasks:
@@ -124,9 +123,7 @@ class DeviceRunner:
         summary.events_in += 1
         for stream in self._streams.values():
             self._write_stream(stream, *stream.process(event))
-        user = self._users.get(event.user_id)
-        if user is None:
-            user = self._users[event.user_id] = self.execution.new_user()
+        user = self.execution.user(event.user_id)
         fired = self.execution.step(user, event)
         if not fired:
             return

@@ -168,7 +168,7 @@ class UserTasks(KeyedProcessFunction):
 
     def _run(self, saved: dict[str, Any], events: list) -> Any:
         execution = self.execution
-        user = execution.new_user(saved["sequence"], saved["pending"], track=False)
+        user = execution.new_user(saved["sequence"], saved["pending"])
         for event in events:
             saved["events"] += 1
             if self.emit_events:
