@@ -1,0 +1,94 @@
+"""Per-device signing keys: a registry file the cloud side reads and each device reads its own entry of.
+
+The registry is a JSON file ``{"devices": {"<device id>": "<hex key>"}}`` written with mode 0600;
+keys are 32 random bytes (HMAC-SHA256). A device needs only its own key; in production the cloud's
+registry would hold all of them and each device would be provisioned with one (``export``).
+
+Example:
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "keys.json")
+    >>> registry = KeyRegistry(path)
+    >>> key = registry.add("phone-1")
+    >>> KeyRegistry(path).key_for("phone-1") == key, len(key)
+    (True, 32)
+    >>> KeyRegistry(path).key_for("phone-2") is None
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from pathlib import Path
+
+#: The registry path when none is given: ``$STREAMFLOW_KEY_REGISTRY`` or ``./.streamflow/keys.json``.
+DEFAULT_REGISTRY = Path(".streamflow") / "keys.json"
+_DEVICE_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+
+
+def check_device_id(device: str) -> str:
+    """``device`` if it is a usable device id (1-128 letters, digits and ``_.:@-``), else ``ValueError``."""
+    if not isinstance(device, str) or not _DEVICE_ID.match(device):
+        raise ValueError(f"device id {device!r} must be 1-128 characters of letters, digits and _.:@-")
+    return device
+
+
+def resolve_registry_path(path: str | os.PathLike[str] | None = None) -> Path:
+    """Explicit path first, then ``STREAMFLOW_KEY_REGISTRY``, then ``./.streamflow/keys.json``."""
+    return Path(path or os.environ.get("STREAMFLOW_KEY_REGISTRY") or DEFAULT_REGISTRY)
+
+
+class KeyRegistry:
+    """Device id → HMAC key, kept in a JSON file (read once; :meth:`reload` re-reads it)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None):
+        self.path = resolve_registry_path(path)
+        self._keys: dict[str, bytes] = {}
+        self.reload()
+
+    def reload(self) -> None:
+        """Re-read the file (a missing file is an empty registry)."""
+        if not self.path.exists():
+            self._keys = {}
+            return
+        try:
+            devices = json.loads(self.path.read_text())["devices"]
+            self._keys = {check_device_id(d): bytes.fromhex(k) for d, k in devices.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"key registry {self.path} is not valid: {exc}") from exc
+
+    def key_for(self, device: str) -> bytes | None:
+        """The device's key, or None for a device the registry does not know."""
+        return self._keys.get(device)
+
+    def devices(self) -> list[str]:
+        return sorted(self._keys)
+
+    def add(self, device: str, key: bytes | None = None) -> bytes:
+        """Register ``device`` with ``key`` (default: 32 fresh random bytes) and save; returns the key."""
+        check_device_id(device)
+        if device in self._keys and key is None:
+            raise ValueError(f"device {device!r} is already registered in {self.path}")
+        key = key if key is not None else secrets.token_bytes(32)
+        if len(key) < 16:
+            raise ValueError("an HMAC key must be at least 16 bytes")
+        self._keys[device] = key
+        self._save()
+        return key
+
+    def remove(self, device: str) -> bool:
+        """Forget ``device`` (its batches become unknown-device dead letters); False if it was not there."""
+        if self._keys.pop(device, None) is None:
+            return False
+        self._save()
+        return True
+
+    def _save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump({"devices": {d: k.hex() for d, k in sorted(self._keys.items())}}, out, indent=1)
+        os.replace(tmp, self.path)
