@@ -90,6 +90,23 @@ class RowBuffer:
         return [dict(zip(names, row, strict=True)) for names, values in self.segments for row in values]
 
 
+def ensure_columns(con: duckdb.DuckDBPyConnection, table: str, relation: str, columns: Iterable[str],
+                   known: set[str]) -> None:
+    """Create ``table`` shaped like the registered ``relation`` or add the ``columns`` it lacks.
+
+    ``known`` caches the table's columns between calls (pass an empty set the first time).
+    """
+    if not known:
+        con.execute(f'CREATE TABLE IF NOT EXISTS "{table}" AS SELECT * FROM {relation} WHERE false')
+        known.update(row[0] for row in con.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [table]).fetchall())
+    for name in columns:
+        if name not in known:
+            sql_type = con.execute(f'SELECT typeof("{name}") FROM {relation} LIMIT 1').fetchone()[0]
+            con.execute(f'ALTER TABLE "{table}" ADD COLUMN "{name}" {sql_type}')
+            known.add(name)
+
+
 class CollectiveStorage:
     """Buffered DuckDB tables for feature rows (see the module docstring for durability).
 
@@ -173,7 +190,8 @@ class CollectiveStorage:
             for batch in batches:
                 self._con.register("_sf_batch", batch)
                 try:
-                    self._ensure_columns(table, batch)
+                    ensure_columns(self._con, table, "_sf_batch", batch.column_names,
+                                   self._columns.setdefault(table, set()))
                     names = ", ".join(f'"{c}"' for c in batch.column_names)
                     self._con.execute(f'INSERT INTO "{table}" ({names}) SELECT {names} FROM _sf_batch')
                 finally:
@@ -183,21 +201,6 @@ class CollectiveStorage:
             self._con.execute("ROLLBACK")
             self._columns.pop(table, None)  # re-read after a rolled-back ALTER
             raise
-
-    def _ensure_columns(self, table: str, batch: pa.Table) -> None:
-        known = self._columns.get(table)
-        if known is None:
-            self._con.execute(f'CREATE TABLE IF NOT EXISTS "{table}" AS SELECT * FROM _sf_batch WHERE false')
-            known = self._columns[table] = {
-                row[0] for row in self._con.execute(
-                    "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [table]
-                ).fetchall()
-            }
-        for name in batch.column_names:
-            if name not in known:
-                sql_type = self._con.execute(f'SELECT typeof("{name}") FROM _sf_batch LIMIT 1').fetchone()[0]
-                self._con.execute(f'ALTER TABLE "{table}" ADD COLUMN "{name}" {sql_type}')
-                known.add(name)
 
     def _insert_row_by_row(self, table: str, rows: list[Mapping[str, Any]]) -> None:
         refused = []

@@ -1,0 +1,267 @@
+"""The device side of the tunnel: a sink any task can write feature rows to, shipped to Kafka.
+
+    rows ─ write(table, rows) ─ batch (≤ batch_rows rows, ≤ linger_s old)
+         ─ seal: sequence numbers, Arrow IPC, HMAC ─ spool (durable, bounded)
+         ─ sender thread: one persistent idempotent producer, key = device id, zstd
+         ─ broker ack ─ batch leaves the spool
+
+Guarantees:
+
+- **Ordered.** Every message is keyed by the device id, so one device's batches share a partition;
+  the sender has one batch in flight and sends the spool oldest first, so the topic holds them in
+  sequence order (a resend after an unanswered request can repeat a batch; the cloud drops the
+  repeat by (device, seq)).
+- **Never lost once sealed.** A batch is on disk before it is sent and leaves the spool only after
+  the broker acknowledged it (``acks=all``). While the broker is unreachable, batches pile up in the
+  spool and are resent in order when it answers again; a restarted device resends what its spool
+  still holds. Rows not yet sealed (younger than ``linger_s``, fewer than ``batch_rows``) are in
+  memory only: that is the durability window, as in the storage's.
+- **Bounded.** The spool holds at most ``spool_max_bytes``; rows that would pass it are refused,
+  logged at WARNING (the first time and at every doubling) and handed to ``on_refused`` (the device
+  runner's ``dead_letter`` table) with the reason. Nothing is silently dropped.
+
+Example (needs a broker; see the README's tunnel section)::
+
+    sink = TunnelSink("phone-1", key, spool_path="out/tunnel.spool")
+    sink.write("ipv", [{"user_id": "u1", "item_id": 7, "dwell_s": 12.0}])
+    sink.close(timeout_s=10)   # waits until the broker has every sealed row, or until the timeout
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from connectors.storage import RowBuffer, check_table_name
+from connectors.tunnel.envelope import encode
+from connectors.tunnel.kafka import COMPRESSION, DEFAULT_TOPIC, bootstrap_servers, ensure_topic
+from connectors.tunnel.keys import check_device_id
+from connectors.tunnel.spool import Spool, SpoolEntry, SpoolFull
+
+log = logging.getLogger("streamflow.tunnel")
+
+#: Envelopes stay under Kafka's default 1 MB message limit; a bigger batch is split in halves.
+MAX_ENVELOPE_BYTES = 900_000
+
+Refused = Callable[[str, list[dict[str, Any]], str], None]
+
+
+@dataclass
+class TunnelStats:
+    """What the sink did so far; ``rows_acked`` counts rows the broker acknowledged."""
+
+    rows_written: int = 0
+    rows_sealed: int = 0
+    rows_acked: int = 0
+    batches_acked: int = 0
+    bytes_acked: int = 0  # envelope bytes (before Kafka's compression)
+    rows_refused: int = 0
+    send_failures: int = 0
+    #: seconds from sealing to the broker's ack, per batch (the last 10,000)
+    ack_latencies_s: list[float] = field(default_factory=list)
+
+
+class TunnelSink:
+    """Batches, signs, spools and sends feature rows of one device (see the module docstring)."""
+
+    def __init__(self, device: str, key: bytes, spool_path: str | os.PathLike[str], *,
+                 topic: str = DEFAULT_TOPIC, bootstrap: str | None = None, compression: str = "zstd",
+                 batch_rows: int = 1000, linger_s: float = 0.02, spool_max_bytes: int = 256 << 20,
+                 on_refused: Refused | None = None, on_ack: Callable[[SpoolEntry], None] | None = None,
+                 send_timeout_s: float = 30.0, partitions: int = 4):
+        if compression not in COMPRESSION:
+            raise ValueError(f"compression must be one of {', '.join(COMPRESSION)}, got {compression!r}")
+        if batch_rows < 1 or linger_s < 0:
+            raise ValueError("batch_rows must be >= 1 and linger_s >= 0")
+        self.device = check_device_id(device)
+        self.topic = topic
+        self.bootstrap = bootstrap_servers(bootstrap)
+        self.compression = compression
+        self.batch_rows = batch_rows
+        self.linger_s = linger_s
+        self.send_timeout_s = send_timeout_s
+        self.partitions = partitions
+        self.stats = TunnelStats()
+        self.spool = Spool(spool_path, max_bytes=spool_max_bytes)
+        self._key = key
+        self._device_key = device.encode()
+        self._on_refused = on_refused
+        self._on_ack = on_ack
+        self._pending: list[tuple[str, RowBuffer]] = []  # open batch, per table in write order
+        self._pending_rows = 0
+        self._pending_since = 0.0
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._closing = False
+        self._producer: Any = None
+        self._refused_warned_at = 0
+        if self.spool.batches_pending:
+            log.info("tunnel spool %s holds %d rows in %d batches from an earlier run; resending them first",
+                     self.spool.path, self.spool.rows_pending, self.spool.batches_pending)
+        self._sender = threading.Thread(target=self._send_loop, name=f"tunnel-{device}", daemon=True)
+        self._sender.start()
+
+    # -- the device side -------------------------------------------------------------------------
+    def write(self, table: str, rows: Iterable[Mapping[str, Any]]) -> None:
+        """Queue ``rows`` of ``table``; they are sealed within ``linger_s`` or when ``batch_rows`` are queued."""
+        check_table_name(table)
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("tunnel sink is closed")
+            if not self._pending or self._pending[-1][0] != table:
+                self._pending.append((table, RowBuffer()))
+            buffer = self._pending[-1][1]
+            before = buffer.n
+            buffer.extend(rows)
+            added = buffer.n - before
+            if not added:
+                return
+            if not self._pending_rows:
+                self._pending_since = time.monotonic()
+            self._pending_rows += added
+            self.stats.rows_written += added
+            if self._pending_rows >= self.batch_rows:
+                self._seal_locked()
+            self._wake.notify()
+
+    def flush(self) -> None:
+        """Seal what is queued now (it is then durable in the spool)."""
+        with self._lock:
+            self._seal_locked()
+            self._wake.notify()
+
+    def wait_delivered(self, timeout_s: float) -> bool:
+        """Seal, then wait until the broker acknowledged every spooled row; False on timeout."""
+        self.flush()
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self.spool.batches_pending and time.monotonic() < deadline:
+                self._wake.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            return not self.spool.batches_pending
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Seal, wait up to ``timeout_s`` for delivery, stop; returns True if nothing is left in the spool.
+
+        Batches still unacknowledged stay in the spool and are sent by the next sink on the same spool.
+        """
+        delivered = self.wait_delivered(timeout_s)
+        with self._lock:
+            self._closing = True
+            self._wake.notify_all()
+        self._sender.join(timeout=self.send_timeout_s + 5)
+        if self._producer is not None:
+            self._producer.close(timeout=1)
+        if not delivered:
+            log.warning("tunnel: %d rows in %d batches not yet acknowledged by %s; they stay in %s for the next run",
+                        self.spool.rows_pending, self.spool.batches_pending, self.bootstrap, self.spool.path)
+        self.spool.close()
+        return delivered
+
+    # -- sealing ---------------------------------------------------------------------------------
+    def _seal_locked(self) -> None:
+        pending, self._pending, self._pending_rows = self._pending, [], 0
+        for table, buffer in pending:
+            for rows in buffer.to_arrow():
+                self._seal_table(table, rows, buffer)
+
+    def _seal_table(self, table: str, rows: pa.Table, buffer: RowBuffer) -> None:
+        sealed_at = time.time()
+        try:
+            self.spool.seal(table, rows.num_rows, lambda seq: self._envelope(table, seq, rows), sealed_at=sealed_at)
+        except _TooBig:
+            if rows.num_rows > 1:
+                half = rows.num_rows // 2
+                self._seal_table(table, rows.slice(0, half), buffer)
+                self._seal_table(table, rows.slice(half), buffer)
+            else:
+                self._refuse(table, rows, f"row is larger than the {MAX_ENVELOPE_BYTES}-byte message limit")
+            return
+        except SpoolFull as exc:
+            self._refuse(table, rows, f"tunnel spool full: {exc}")
+            return
+        self.stats.rows_sealed += rows.num_rows
+
+    def _envelope(self, table: str, first_seq: int, rows: pa.Table) -> bytes:
+        value = encode(self.device, table, first_seq, rows, self._key)
+        if len(value) > MAX_ENVELOPE_BYTES:
+            raise _TooBig
+        return value
+
+    def _refuse(self, table: str, rows: pa.Table, reason: str) -> None:
+        self.stats.rows_refused += rows.num_rows
+        if self.stats.rows_refused >= 2 * self._refused_warned_at:
+            self._refused_warned_at = self.stats.rows_refused
+            log.warning("TUNNEL IS REFUSING ROWS (%d so far): %s; they go to the dead-letter place, not to the cloud",
+                        self.stats.rows_refused, reason)
+        if self._on_refused is None:
+            raise RuntimeError(f"tunnel refused {rows.num_rows} rows of {table}: {reason}")
+        self._on_refused(table, rows.to_pylist(), reason)
+
+    # -- sending ---------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        backoff = 0.1
+        while True:
+            with self._lock:
+                if self._pending_rows and time.monotonic() - self._pending_since >= self.linger_s:
+                    self._seal_locked()
+                if self._closing:
+                    return  # close() waited for delivery; what is left stays spooled for the next run
+                if not self.spool.batches_pending:
+                    self._wake.wait(self.linger_s if self._pending_rows else 0.5)
+                    continue
+            entry = self.spool.oldest(1)[0]
+            try:
+                self._deliver(entry)
+                backoff = 0.1
+            except Exception as exc:  # noqa: BLE001 - any failure: keep the batch, back off, retry in order
+                self.stats.send_failures += 1
+                if self.stats.send_failures == 1 or backoff >= 2.0:
+                    log.warning("tunnel: broker %s did not take batch %d (%s); %d rows wait in the spool, retrying",
+                                self.bootstrap, entry.first_seq, exc, self.spool.rows_pending)
+                with self._lock:
+                    if self._closing:
+                        return
+                    self._wake.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def _deliver(self, entry: SpoolEntry) -> None:
+        producer = self._connect()
+        future = producer.send(self.topic, key=self._device_key, value=entry.value)
+        future.get(timeout=self.send_timeout_s)
+        self.spool.ack(entry.first_seq)
+        stats = self.stats
+        stats.rows_acked += entry.n_rows
+        stats.batches_acked += 1
+        stats.bytes_acked += len(entry.value)
+        if len(stats.ack_latencies_s) < 10_000:
+            stats.ack_latencies_s.append(time.time() - entry.sealed_at)
+        if self._on_ack is not None:
+            self._on_ack(entry)
+        with self._lock:
+            self._wake.notify_all()
+
+    def _connect(self) -> Any:
+        if self._producer is None:
+            from kafka import KafkaProducer
+
+            ensure_topic(self.bootstrap, self.topic, self.partitions)
+            self._producer = KafkaProducer(
+                bootstrap_servers=self.bootstrap, client_id=f"streamflow-{self.device}",
+                enable_idempotence=True, acks="all",
+                compression_type=None if self.compression == "none" else self.compression,
+                linger_ms=0, max_in_flight_requests_per_connection=1,
+                request_timeout_ms=5000, delivery_timeout_ms=int(self.send_timeout_s * 1000),
+                max_request_size=MAX_ENVELOPE_BYTES + 100_000, reconnect_backoff_max_ms=2000)
+            log.info("tunnel: connected to %s, topic %s, %s compression", self.bootstrap, self.topic, self.compression)
+        return self._producer
+
+
+class _TooBig(Exception):
+    """An envelope over MAX_ENVELOPE_BYTES (raised before anything is numbered or stored)."""

@@ -1,0 +1,117 @@
+"""The device's durable send queue: sealed, signed batches waiting for the broker's acknowledgement.
+
+A batch is *sealed* when its rows get their sequence numbers and its envelope is written to the
+spool; the sequence counter moves in the same transaction, so after a crash the device neither
+reuses nor skips a number. A batch leaves the spool only when the broker has acknowledged it
+(:meth:`Spool.ack`). Batches are sent oldest first, so a device's rows reach the topic in order.
+
+The spool is a SQLite database in WAL mode with ``synchronous=FULL``: every seal is on disk before
+:meth:`Spool.seal` returns, and SIGKILL or power loss cannot tear a batch. SQLite, not DuckDB, because
+this is a small transactional queue with one insert and one delete per batch, SQLite's home ground.
+
+Bound: at most ``max_bytes`` of envelopes. Policy when full: a seal that would pass the bound is
+refused with :class:`SpoolFull` and the caller stores the rows elsewhere (the tunnel sink puts them
+in the device's ``dead_letter`` table with the reason and counts them); nothing already spooled is
+ever dropped to make room, because those rows may be the only copy.
+
+Example:
+    >>> import os, tempfile
+    >>> spool = Spool(os.path.join(tempfile.mkdtemp(), "spool.sqlite"), max_bytes=1 << 20)
+    >>> spool.seal("ipv", 2, lambda first_seq: b"envelope of rows %d..%d" % (first_seq, first_seq + 1))
+    0
+    >>> spool.seal("ipv", 3, lambda first_seq: b"three more rows")
+    2
+    >>> [(e.first_seq, e.n_rows) for e in spool.oldest(10)], spool.next_seq
+    ([(0, 2), (2, 3)], 5)
+    >>> spool.ack(0); [e.first_seq for e in spool.oldest(10)], spool.rows_pending
+    ([2], 3)
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class SpoolFull(Exception):
+    """Sealing these rows would pass the spool's byte bound."""
+
+
+@dataclass(frozen=True)
+class SpoolEntry:
+    first_seq: int
+    n_rows: int
+    table: str
+    value: bytes
+    sealed_at: float  # time.time() when sealed
+
+
+class Spool:
+    """A bounded, durable FIFO of envelopes keyed by their first sequence number (thread-safe)."""
+
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int = 256 << 20):
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS batches (first_seq INTEGER PRIMARY KEY, n_rows INTEGER NOT NULL,"
+                         " table_name TEXT NOT NULL, value BLOB NOT NULL, sealed_at REAL NOT NULL)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS counter (id INTEGER PRIMARY KEY CHECK (id = 0), next_seq INTEGER)")
+        self._db.execute("INSERT OR IGNORE INTO counter VALUES (0, 0)")
+        self.next_seq, = self._db.execute("SELECT next_seq FROM counter").fetchone()
+        self.bytes_pending, self.rows_pending, self.batches_pending = self._db.execute(
+            "SELECT coalesce(sum(length(value)), 0), coalesce(sum(n_rows), 0), count(*) FROM batches").fetchone()
+
+    def seal(self, table: str, n_rows: int, envelope: Callable[[int], bytes], sealed_at: float = 0.0) -> int:
+        """Number ``n_rows`` rows from the next sequence number, store ``envelope(first_seq)``, return first_seq.
+
+        Raises :class:`SpoolFull` (and numbers nothing) if the envelope does not fit under ``max_bytes``.
+        """
+        with self._lock:
+            first_seq = self.next_seq
+            value = envelope(first_seq)
+            if self.bytes_pending + len(value) > self.max_bytes:
+                raise SpoolFull(f"spool {self.path} holds {self.bytes_pending} bytes; {len(value)} more would pass "
+                                f"its bound of {self.max_bytes} bytes")
+            with self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?)",
+                                 (first_seq, n_rows, table, value, sealed_at))
+                self._db.execute("UPDATE counter SET next_seq = ?", (first_seq + n_rows,))
+            self.next_seq = first_seq + n_rows
+            self.bytes_pending += len(value)
+            self.rows_pending += n_rows
+            self.batches_pending += 1
+            return first_seq
+
+    def oldest(self, limit: int = 1) -> list[SpoolEntry]:
+        """Up to ``limit`` batches in sequence order, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT first_seq, n_rows, table_name, value, sealed_at FROM batches "
+                                    "ORDER BY first_seq LIMIT ?", (limit,)).fetchall()
+        return [SpoolEntry(*row) for row in rows]
+
+    def ack(self, first_seq: int) -> None:
+        """The broker has the batch starting at ``first_seq``: forget it."""
+        with self._lock:
+            row = self._db.execute("SELECT n_rows, length(value) FROM batches WHERE first_seq = ?",
+                                   (first_seq,)).fetchone()
+            if row is None:
+                return
+            self._db.execute("DELETE FROM batches WHERE first_seq = ?", (first_seq,))
+            self.rows_pending -= row[0]
+            self.bytes_pending -= row[1]
+            self.batches_pending -= 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
