@@ -15,6 +15,9 @@ DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 DEFAULT_TOPIC = "streamflow.features"
 #: Kafka record-batch codecs the sink offers (``none`` is for measuring what compression saves).
 COMPRESSION = ("zstd", "gzip", "lz4", "none")
+#: kafka-python settings for every client: give up on an unreachable broker within seconds (the sink's
+#: spool and the consumer's retry loop wait for it), reconnect at least every second once it is back.
+CLIENT_TIMEOUTS = {"bootstrap_timeout_ms": 3000, "reconnect_backoff_max_ms": 1000, "request_timeout_ms": 5000}
 _known_topics: set[tuple[str, str]] = set()
 
 
@@ -35,7 +38,7 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int = 4) -> None:
     from kafka.admin import KafkaAdminClient, NewTopic
     from kafka.errors import TopicAlreadyExistsError
 
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="streamflow-admin", request_timeout_ms=5000)
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="streamflow-admin", **CLIENT_TIMEOUTS)
     try:
         if topic not in admin.list_topics():
             try:

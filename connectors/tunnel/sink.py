@@ -41,7 +41,7 @@ import pyarrow as pa
 
 from connectors.storage import RowBuffer, check_table_name
 from connectors.tunnel.envelope import encode
-from connectors.tunnel.kafka import COMPRESSION, DEFAULT_TOPIC, bootstrap_servers, ensure_topic
+from connectors.tunnel.kafka import CLIENT_TIMEOUTS, COMPRESSION, DEFAULT_TOPIC, bootstrap_servers, ensure_topic
 from connectors.tunnel.keys import check_device_id
 from connectors.tunnel.spool import Spool, SpoolEntry, SpoolFull
 
@@ -257,8 +257,8 @@ class TunnelSink:
                 enable_idempotence=True, acks="all",
                 compression_type=None if self.compression == "none" else self.compression,
                 linger_ms=0, max_in_flight_requests_per_connection=1,
-                request_timeout_ms=5000, delivery_timeout_ms=int(self.send_timeout_s * 1000),
-                max_request_size=MAX_ENVELOPE_BYTES + 100_000, reconnect_backoff_max_ms=2000)
+                delivery_timeout_ms=int(self.send_timeout_s * 1000),
+                max_request_size=MAX_ENVELOPE_BYTES + 100_000, **CLIENT_TIMEOUTS)
             log.info("tunnel: connected to %s, topic %s, %s compression", self.bootstrap, self.topic, self.compression)
         return self._producer
 
