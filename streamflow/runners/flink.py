@@ -3,7 +3,7 @@
 Translation of a job's trigger tasks (no feature logic here; every step calls the code the device
 runner calls)::
 
-    events file ─ FileSource (text lines)
+    events file ─ FileSource (text lines), or kafka://TOPIC ─ KafkaSource (one line per record value)
       ─ ParseLines        parallelism 1, chained to the source: numbers the lines as the device
                           runner does; the format's stateless ``parse``
       ─ key_by(user)      (malformed lines under the key "", passed through as dead letters)
@@ -39,7 +39,8 @@ from streamflow.events import TimestampGuard
 from streamflow.execution import TaskExecution
 from streamflow.flink_cluster import python_path, remote_environment
 from streamflow.job import Job
-from streamflow.sources import LineSource, open_source
+from streamflow.runners.flink_kafka_source import kafka_lines, kafka_topic
+from streamflow.sources import FORMATS, LineSource, open_source
 from streamflow.summary import LATE_EVENTS_TABLE, TASK_ERRORS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamPlan, late_row, to_millis, window_row
 
@@ -314,6 +315,10 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
               state_ttl_days: int = DEFAULT_STATE_TTL_DAYS, pace_ms: float = 0.0) -> RunSummary:
     """Run ``job`` over an events file on Flink and write its rows to DuckDB ``db``.
 
+    ``events`` may also be ``kafka://TOPIC`` (broker: ``$STREAMFLOW_KAFKA_BOOTSTRAP``, default
+    ``127.0.0.1:9092``): each record's value is one line of the format ``fmt`` (required then), read from
+    the earliest offset up to the latest at job start; with one partition, numbered as a file's lines.
+
     ``pace_ms`` replays the file at one record per ``pace_ms`` milliseconds. Flink emits
     watermarks periodically, so which events are late depends on how fast they arrive; paced, the
     watermark catches up after every record (the watermark interval is set to a tenth of the pace),
@@ -324,7 +329,7 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
         summary = run_flink(load_job("jobs/ipv.py"), "jobs/data/taobao_user_behavior_10k.csv",
                             db="out/ipv_flink.duckdb")
     """
-    source = open_source(events, fmt)
+    source = _open_events(events, fmt)
     db_path = resolve_db_path(db).resolve()
     report = db_path.with_suffix(".flink-run.json")
     report.unlink(missing_ok=True)
@@ -335,9 +340,7 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
     if pace_ms:
         env.get_config().set_auto_watermark_interval(max(1, int(pace_ms / 10)))
         env.set_buffer_timeout(1)
-    lines = env.from_source(
-        FileSource.for_record_stream_format(StreamFormat.text_line_format(), str(Path(events).resolve())).build(),
-        WatermarkStrategy.no_watermarks(), "events").set_parallelism(1)
+    lines = _event_lines(env, events)
     parsed = lines.process(ParseLines(source, pace_ms / 1000), output_type=_PICKLED).set_parallelism(1)
     outputs = per_user = (parsed.key_by(lambda value: value[0], key_type=Types.STRING())
                           .process(UserTasks(job, source, state_ttl_days), output_type=_PICKLED))
@@ -349,6 +352,28 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
      .sink_to(Sink(get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink())))
     env.execute(f"streamflow {job.name}")
     return _summary(job, db_path, report, time.perf_counter() - started)
+
+
+def _open_events(events: str | os.PathLike[str], fmt: str | None) -> LineSource:
+    """The format of ``events``: a file's (:func:`open_source`), or ``fmt`` for a ``kafka://TOPIC``."""
+    if kafka_topic(events) is None:
+        return open_source(events, fmt)
+    if fmt is None:
+        raise ValueError(f"the format of {events} cannot be told from a file extension; "
+                         f"pass the format (--format) explicitly: one of {', '.join(FORMATS)}")
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown event format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    return FORMATS[fmt](os.fspath(events))
+
+
+def _event_lines(env: StreamExecutionEnvironment, events: str | os.PathLike[str]) -> DataStream:
+    """The raw lines of ``events``, read by one reader (``ParseLines`` numbers them in that order)."""
+    topic = kafka_topic(events)
+    if topic is not None:
+        return kafka_lines(env, topic)
+    return env.from_source(
+        FileSource.for_record_stream_format(StreamFormat.text_line_format(), str(Path(events).resolve())).build(),
+        WatermarkStrategy.no_watermarks(), "events").set_parallelism(1)
 
 
 def _summary(job: Job, db_path: Path, report_path: Path, elapsed_s: float) -> RunSummary:
