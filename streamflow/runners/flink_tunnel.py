@@ -1,0 +1,219 @@
+"""The cloud side of the tunnel as a Flink job: the features topic into DuckDB, verified and de-duplicated.
+
+::
+
+    features topic ─ kafka_records      (topic, partition, offset, key, value); parallelism N, each
+                                        partition read by one reader in offset order
+      ─ OpenEnvelopes    parallelism N, chained: verify and decode (``open_message``, the same checks as
+                         the Kafka consumer), a refused message becomes a DeadLetter
+      ─ TunnelWriter     parallelism 1: ``CloudStore.apply`` per group of messages, one transaction each
+      ─ discarding sink
+
+De-duplication by (device, seq) is done against what is stored, so it needs one writer that sees every
+batch: the decoding (HMAC, Arrow) runs in parallel, the storing in one place. A device's messages share
+a partition (the device id is the message key), so they reach the writer in the order it sent them.
+
+The job reads up to the offsets that are the latest when it starts, then ends. It starts where the rows
+stored in ``db_path`` end (``tunnel_offsets``, written in the same transaction as the rows, as the Kafka
+consumer does), or at the earliest offset: running it again reads only what arrived since, and a batch a
+device sent twice is stored once (de-duplication by (device, seq) covers what offsets cannot).
+
+Example (starts a JVM, so not run as a doctest)::
+
+    summary = run_flink_features("streamflow.features", "out/cloud.duckdb", ".streamflow/keys.json")
+    summary.stored, summary.duplicates, summary.dead
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+from pyflink.common import Types
+from pyflink.datastream.connectors.base import Sink
+from pyflink.datastream.functions import FlatMapFunction, ProcessFunction, RuntimeContext
+from pyflink.java_gateway import get_gateway
+
+from connectors.tunnel.cloud import ApplyResult, CloudStore, DeadLetter, open_message
+from connectors.tunnel.envelope import Batch
+from connectors.tunnel.kafka import bootstrap_servers
+from connectors.tunnel.keys import KeyRegistry, resolve_registry_path
+from streamflow.runners.flink import flink_environment
+from streamflow.runners.flink_kafka_source import kafka_records
+
+log = logging.getLogger("streamflow.flink_tunnel")
+
+_PICKLED = Types.PICKLED_BYTE_ARRAY()
+#: Messages stored per ``CloudStore.apply`` (one transaction); the last group is stored when the input ends.
+DEFAULT_GROUP_SIZE = 100
+_PROGRESS_EVERY_S = 10.0
+_REGISTRY_RELOAD_S = 5.0  # an unknown device re-reads the key registry at most this often (a device just added)
+# What CloudStore.apply raises for a group it cannot store (e.g. a column whose type changed).
+_STORE_ERRORS = (duckdb.Error, pa.ArrowException, ValueError, TypeError)
+
+
+@dataclass
+class FeaturesSummary:
+    """What a features job did: messages read, rows stored and skipped as duplicates, dead letters by reason."""
+
+    db_path: str
+    topic: str
+    messages: int = 0
+    stored: int = 0
+    duplicates: int = 0
+    dead_reasons: dict[str, int] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    @property
+    def dead(self) -> int:
+        return sum(self.dead_reasons.values())
+
+
+class OpenEnvelopes(FlatMapFunction):
+    """A Kafka record as ``((topic, partition), offset, Batch | DeadLetter, raw bytes of a Batch)``; nothing is
+    trusted before it is verified."""
+
+    def __init__(self, registry_path: str):
+        self.registry_path = registry_path
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        self.registry = KeyRegistry(self.registry_path)
+        self.reloaded = time.monotonic()
+
+    def key_for(self, device: str) -> bytes | None:
+        key = self.registry.key_for(device)
+        if key is None and time.monotonic() - self.reloaded > _REGISTRY_RELOAD_S:
+            self.registry.reload()
+            self.reloaded = time.monotonic()
+            key = self.registry.key_for(device)
+        return key
+
+    def flat_map(self, record: Any):
+        topic, partition, offset, key, value = record[0], record[1], record[2], record[3], record[4]
+        opened = open_message(topic, partition, offset, value, self.key_for, key)
+        # a batch keeps its raw bytes: it becomes a dead letter if the store cannot take it
+        yield (topic, partition), offset, opened, value if isinstance(opened, Batch) else None
+
+
+class TunnelWriter(ProcessFunction):
+    """Stores opened messages with ``CloudStore.apply``, ``group_size`` messages per transaction, with the next
+    offset of every partition they came from; writes the run's counts to ``report_path`` when the input ends."""
+
+    def __init__(self, db_path: str, report_path: str, online_key: Sequence[str], group_size: int):
+        self.db_path = db_path
+        self.report_path = report_path
+        self.online_key = tuple(online_key)
+        self.group_size = group_size
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        self.store = CloudStore(self.db_path, online_key=self.online_key)
+        self.batches: list[tuple[Batch, DeadLetter]] = []
+        self.dead: list[DeadLetter] = []
+        self.offsets: dict[tuple[str, int], int] = {}
+        self.messages = self.stored = self.duplicates = 0
+        self.dead_reasons: Counter[str] = Counter()
+        self.logged = time.monotonic()
+
+    def process_element(self, value: tuple[tuple[str, int], int, Batch | DeadLetter, bytes | None],
+                        ctx: ProcessFunction.Context):
+        where, offset, opened, raw = value
+        self.messages += 1
+        if isinstance(opened, Batch):  # with what it becomes if the store refuses it (see _apply_one_by_one)
+            self.batches.append((opened, DeadLetter(where[0], where[1], offset, "unstorable", "", opened.device,
+                                                    raw or b"")))
+        else:
+            self.dead.append(opened)
+        self.offsets[where] = max(self.offsets.get(where, 0), offset + 1)
+        if len(self.batches) + len(self.dead) >= self.group_size:
+            self._flush()
+        return []
+
+    def _flush(self) -> None:
+        if not (self.batches or self.dead or self.offsets):
+            return
+        try:
+            result = self.store.apply([b for b, _ in self.batches], self.dead, self.offsets)
+        except _STORE_ERRORS:
+            result = self._apply_one_by_one()
+        self.stored += result.stored
+        self.duplicates += result.duplicates
+        for dead in self.dead:
+            self.dead_reasons[dead.reason] += 1
+            log.warning("dead letter %s[%d]@%d from %s: %s", dead.topic, dead.partition, dead.offset,
+                        dead.device or "?", dead.detail)
+        self.batches, self.dead, self.offsets = [], [], {}
+        if time.monotonic() - self.logged >= _PROGRESS_EVERY_S:
+            self.logged = time.monotonic()
+            log.info("flink tunnel: %d messages, %d rows stored, %d duplicates, %d dead letters", self.messages,
+                     self.stored, self.duplicates, sum(self.dead_reasons.values()))
+
+    def _apply_one_by_one(self) -> ApplyResult:
+        """A group the store refused as a whole: each batch alone; the ones it refuses become dead letters."""
+        total = ApplyResult()
+        for batch, as_dead in self.batches:
+            try:
+                result = self.store.apply([batch], [])
+            except _STORE_ERRORS as exc:
+                self.dead.append(replace(as_dead, detail=f"table {batch.table} refused the batch: "
+                                                         f"{type(exc).__name__}: {exc}"))
+                continue
+            total.stored += result.stored
+            total.duplicates += result.duplicates
+        self.store.apply([], self.dead, self.offsets)
+        total.dead = len(self.dead)
+        return total
+
+    def close(self) -> None:
+        self._flush()
+        self.store.close()
+        report = {"messages": self.messages, "stored": self.stored, "duplicates": self.duplicates,
+                  "dead_reasons": dict(self.dead_reasons)}
+        Path(self.report_path).write_text(json.dumps(report), encoding="utf-8")
+
+
+def run_flink_features(topic: str, db_path: str | os.PathLike[str],
+                       registry_path: str | os.PathLike[str] | None = None, bootstrap: str | None = None,
+                       group_id: str = "streamflow-flink-features", *, cluster: str | None = None,
+                       parallelism: int = 1, online_key: Sequence[str] = ("user_id",),
+                       group_size: int = DEFAULT_GROUP_SIZE) -> FeaturesSummary:
+    """Consume ``topic`` on Flink into the DuckDB ``db_path``: from where the rows stored there end (else the
+    earliest offset) to the latest offsets at job start. The tunnel's topic is
+    ``connectors.tunnel.kafka.DEFAULT_TOPIC``.
+
+    ``registry_path``: the device key registry (default ``$STREAMFLOW_KEY_REGISTRY`` or
+    ``.streamflow/keys.json``); ``bootstrap``: default ``$STREAMFLOW_KAFKA_BOOTSTRAP`` or
+    ``127.0.0.1:9092``; ``cluster``: ``HOST:PORT`` of a JobManager (default: a local MiniCluster);
+    ``parallelism``: readers and decoders (the writer is always one). Rows go to ``<table>`` and
+    ``<table>_online`` (keyed by device and ``online_key``), refused messages to ``tunnel_dead_letter``.
+    """
+    started = time.perf_counter()
+    db = Path(db_path).resolve()
+    registry = resolve_registry_path(registry_path).resolve()
+    if not registry.is_file():
+        raise FileNotFoundError(f"key registry not found: {registry} (every message would be an unknown device)")
+    if group_size < 1:
+        raise ValueError(f"group_size must be at least 1, got {group_size}")
+    report = db.with_name(db.name + ".flink-tunnel.json")
+    report.unlink(missing_ok=True)
+    with CloudStore(db, online_key=online_key) as store:  # also creates the tables before the job starts
+        start_offsets = store.offsets(topic)
+    env = flink_environment(cluster, parallelism)
+    (kafka_records(env, topic, bootstrap_servers(bootstrap), group_id, start_offsets)
+     .flat_map(OpenEnvelopes(str(registry)), output_type=_PICKLED)
+     .process(TunnelWriter(str(db), str(report), online_key, group_size), output_type=_PICKLED)
+     .set_parallelism(1)
+     .sink_to(Sink(get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink())))
+    env.execute(f"streamflow tunnel {topic}")
+    counts = json.loads(report.read_text(encoding="utf-8"))
+    return FeaturesSummary(db_path=str(db), topic=topic, messages=counts["messages"], stored=counts["stored"],
+                           duplicates=counts["duplicates"], dead_reasons=counts["dead_reasons"],
+                           elapsed_s=time.perf_counter() - started)
