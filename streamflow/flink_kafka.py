@@ -13,6 +13,9 @@ From the shell (``make test`` runs it)::
     python -m streamflow.flink_kafka fetch      # no-op when the verified jars are there
     python -m streamflow.flink_kafka path       # the jars' file:// URLs
 
+It also reads ``kafka://TOPIC`` event arguments (:func:`kafka_topic`) without importing PyFlink, so a
+command line can tell a topic from a file before it starts a JVM.
+
 Example:
     >>> sorted(JARS)
     ['flink-connector-kafka.jar', 'kafka-clients.jar']
@@ -22,11 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from urllib.parse import unquote
 
 WHEEL = "shigawire-apache-flink-libraries==2.0.0.post1"
 WHEEL_SHA256 = "aaa65537d3f0c0ff279185d8243024f0efd95788ba044bf249ba0f40b69289cd"
@@ -38,6 +43,8 @@ JARS = {
                           "7568b998572d256f0b7bc0afdc1b7a2588b8b08415c62ce314c864a6851ae9d9"),
 }
 JARS_DIR_ENV = "STREAMFLOW_FLINK_JARS_DIR"
+KAFKA_SCHEME = "kafka://"
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")  # Kafka's own rule for topic names
 FETCH_HINT = "run `make test` or `python -m streamflow.flink_kafka fetch` to download and verify them"
 
 
@@ -132,6 +139,25 @@ def _download(into: Path) -> Path:
     if result.returncode != 0 or len(wheels) != 1:
         raise JarError(f"`{' '.join(cmd)}` failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
     return wheels[0]
+
+
+def kafka_topic(events: str | os.PathLike[str]) -> str | None:
+    """The topic of an ``events`` argument of the form ``kafka://TOPIC``, else None (a file path).
+
+    >>> kafka_topic("kafka://app.events"), kafka_topic("jobs/data/sample.csv")
+    ('app.events', None)
+    >>> kafka_topic("kafka://no topic")
+    Traceback (most recent call last):
+    ...
+    ValueError: 'kafka://no topic' does not name a Kafka topic (letters, digits, '.', '_', '-')
+    """
+    text = os.fspath(events)
+    if not isinstance(text, str) or not text.startswith(KAFKA_SCHEME):
+        return None
+    topic = unquote(text[len(KAFKA_SCHEME):])
+    if not _TOPIC.match(topic):
+        raise ValueError(f"{text!r} does not name a Kafka topic (letters, digits, '.', '_', '-')")
+    return topic
 
 
 def main(argv: list[str] | None = None) -> int:

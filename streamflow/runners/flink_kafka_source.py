@@ -23,10 +23,9 @@ Example (starts a JVM, so not run as a doctest)::
 
 from __future__ import annotations
 
-import os
 import re
 import uuid
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
 from pyflink.common import WatermarkStrategy
 from pyflink.common.serialization import ByteArraySchema, DeserializationSchema, SimpleStringSchema
@@ -35,29 +34,9 @@ from pyflink.datastream.connectors.kafka import KafkaOffsetsInitializer, KafkaSo
 from pyflink.java_gateway import get_gateway
 
 from connectors.tunnel.kafka import bootstrap_servers
-from streamflow.flink_kafka import kafka_jar_urls
+from streamflow.flink_kafka import kafka_jar_urls, kafka_topic
 
-KAFKA_SCHEME = "kafka://"
-_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")  # Kafka's own rule for topic names
-
-
-def kafka_topic(events: str | os.PathLike[str]) -> str | None:
-    """The topic of an ``events`` argument of the form ``kafka://TOPIC``, else None (a file path).
-
-    >>> kafka_topic("kafka://app.events"), kafka_topic("jobs/data/sample.csv")
-    ('app.events', None)
-    >>> kafka_topic("kafka://no topic")
-    Traceback (most recent call last):
-    ...
-    ValueError: 'kafka://no topic' does not name a Kafka topic (letters, digits, '.', '_', '-')
-    """
-    text = os.fspath(events)
-    if not isinstance(text, str) or not text.startswith(KAFKA_SCHEME):
-        return None
-    topic = unquote(text[len(KAFKA_SCHEME):])
-    if not _TOPIC.match(topic):
-        raise ValueError(f"{text!r} does not name a Kafka topic (letters, digits, '.', '_', '-')")
-    return topic
+__all__ = ["add_kafka_jars", "kafka_lines", "kafka_records", "kafka_source", "kafka_topic"]
 
 
 def add_kafka_jars(env: StreamExecutionEnvironment) -> list[str]:
