@@ -6,7 +6,12 @@ PY     := $(VENV)/bin/python
 CORE   := $(VENV)/.installed-core
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: run test lint java bench clean
+.PHONY: run test lint java bench clean broker-up broker-down
+
+# A Kafka-protocol broker on 127.0.0.1 for the tunnel (noida-db; any Kafka broker works, see docker/).
+BROKER_DIR  ?= .broker
+BROKER_PORT ?= 19092
+BROKER      := $(VENV)/.installed-broker
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +34,18 @@ $(STAMP): pyproject.toml | $(PY)
 flink-kafka-jars: $(STAMP)
 	$(PY) -m streamflow.flink_kafka fetch
 
+$(BROKER): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[kafka,broker]'
+	touch $(BROKER)
+
+broker-up: $(BROKER)
+	$(VENV)/bin/noida-db up --data-dir $(BROKER_DIR) --only kafka --kafka-port $(BROKER_PORT) --host 127.0.0.1 2>/dev/null \
+	  | grep -E "kafka|running"
+	@echo "export STREAMFLOW_KAFKA_BOOTSTRAP=127.0.0.1:$(BROKER_PORT)"
+
+broker-down:
+	-$(VENV)/bin/noida-db down --data-dir $(BROKER_DIR) 2>/dev/null
+
 # PyFlink runs on a JVM: install a Java 17 runtime only if the machine has no java.
 java:
 	@command -v java >/dev/null || { apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless; }
@@ -39,8 +56,15 @@ run: $(CORE)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
+# The tests get a broker of their own (a free port, a fresh data dir), stopped whatever pytest's outcome.
 test: lint java flink-kafka-jars
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
+	@dir=$$(mktemp -d); port=$$($(PY) -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'); \
+	$(VENV)/bin/noida-db up --data-dir $$dir --only kafka --kafka-port $$port --host 127.0.0.1 >/dev/null 2>&1 \
+	  || { echo "could not start the test broker (noida-db)"; exit 1; }; \
+	echo "test broker: noida-db on 127.0.0.1:$$port"; \
+	STREAMFLOW_KAFKA_BOOTSTRAP=127.0.0.1:$$port $(PY) -m pytest -q; rc=$$?; \
+	$(VENV)/bin/noida-db down --data-dir $$dir >/dev/null 2>&1; rm -rf $$dir; \
+	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
 
 bench: $(STAMP)
 	$(PY) -m bench.triggers --quick

@@ -3,6 +3,7 @@
     streamflow run JOB --events FILE [--runner device|flink] [--cluster HOST:PORT] [--db PATH]
     streamflow describe JOB
     streamflow flink-cluster start|stop|status
+    streamflow tunnel keys|consume   (see streamflow.tunnel_commands)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from connectors.storage import CollectiveStorage, flush_on_signals
+from streamflow import tunnel_commands
 from streamflow.job import Job, JobLoadError, load_job
 from streamflow.progress import track
 from streamflow.runners.device import DeviceRunner
@@ -49,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--replace", action="store_true",
                      help="drop the job's tables (and dead_letter, task_errors) before running")
     run.add_argument("--show", type=int, default=3, help="sample rows to print per table")
+    tunnel_commands.add_run_arguments(run)
 
     describe = commands.add_parser("describe", help="show a job's tasks and the trie of their triggers")
     describe.add_argument("job")
@@ -58,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     cluster.add_argument("--port", type=int, default=None, help="REST port (default: 8081; status/stop: as started)")
     cluster.add_argument("--dir", default=None,
                          help="state dir (default: $STREAMFLOW_FLINK_HOME_DIR or ./.flink-cluster)")
+    tunnel_commands.add_commands(commands)
     return parser
 
 
@@ -65,9 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    tunnel_commands.quiet_kafka_logs(args.verbose)
     if args.command == "flink-cluster":
         return _flink_cluster(args)
     try:
+        if args.command == "tunnel":
+            return tunnel_commands.run_command(args)
         job = load_job(args.job)
         if args.command == "describe":
             print(describe(job))
@@ -97,6 +104,7 @@ def describe(job: Job) -> str:
 def _run(job: Job, args: argparse.Namespace) -> int:
     source = open_source(args.events, args.format)
     flush_on_signals()
+    tunnel_line = ""
     with CollectiveStorage(args.db) as storage:
         if args.replace:
             storage.drop([task.sink for task in job.tasks] + list(SYSTEM_TABLES))
@@ -104,14 +112,20 @@ def _run(job: Job, args: argparse.Namespace) -> int:
             storage.close()  # the Flink job's writer opens the file itself
             summary = _run_on_flink(job, args, storage.path)
         else:
-            runner = DeviceRunner(job, storage, workers=args.workers, quarantine_after=args.quarantine_after)
+            tunnel = tunnel_commands.open_tunnel(args, storage)
+            runner = DeviceRunner(job, storage, workers=args.workers, quarantine_after=args.quarantine_after,
+                                  tunnel=tunnel)
             try:
                 summary = runner.run(track(source, desc=f"{job.name} on {args.runner}"))
             finally:
                 runner.close()
+                if tunnel is not None:
+                    tunnel_line = tunnel_commands.close_tunnel(tunnel, args.tunnel_wait)
     where = f" (cluster {args.cluster})" if args.runner == "flink" and args.cluster else ""
     print(f"job {job.name} ran on the {args.runner} runner{where} over {args.events}")
     print(summary)
+    if tunnel_line:
+        print(tunnel_line)
     with CollectiveStorage(summary.db_path) as storage:
         for task in job.tasks:
             if summary.task_stats[task.name].rows and args.show > 0:

@@ -9,6 +9,9 @@ tasks) and writes its own table. A task's exception is caught and stored in ``ta
 the triggering event; the other tasks and the stream go on. After ``quarantine_after`` consecutive
 failures the task is quarantined: unregistered from the trie and reported in the summary.
 
+With a ``tunnel`` (a :class:`~connectors.tunnel.sink.TunnelSink`), every task's feature rows are
+also shipped to the cloud over Kafka; dead letters, task errors and late events stay on the device.
+
 Stream tasks (``input="stream"``) see every event and close event-time windows as the watermark
 passes them (:mod:`streamflow.windowing`); their late events go to ``late_events``.
 
@@ -25,7 +28,7 @@ import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
 from streamflow.events import Event, Rejected, TimestampGuard
@@ -33,6 +36,9 @@ from streamflow.execution import TaskExecution
 from streamflow.job import Job, Task
 from streamflow.summary import LATE_EVENTS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamTaskRun
+
+if TYPE_CHECKING:
+    from connectors.tunnel.sink import TunnelSink
 
 log = logging.getLogger("streamflow.device")
 
@@ -54,9 +60,10 @@ class DeviceRunner:
     """
 
     def __init__(self, job: Job, storage: CollectiveStorage, workers: int = 2, quarantine_after: int = 5,
-                 guard: TimestampGuard | None = None, record_latency: bool = False):
+                 guard: TimestampGuard | None = None, record_latency: bool = False, tunnel: TunnelSink | None = None):
         self.job = job
         self.storage = storage
+        self.tunnel = tunnel
         self.workers = workers
         self.execution = TaskExecution(quarantine_after=quarantine_after)
         self.trie = self.execution.trie
@@ -150,7 +157,7 @@ class DeviceRunner:
             stats.fired += len(rows)
             stats.rows += len(rows)
             self.summary.tasks_fired += len(rows)
-            self.storage.write(stream.sink, rows)
+            self._write(stream.sink, rows)
         if late:
             self.storage.write(LATE_EVENTS_TABLE, late)
 
@@ -158,12 +165,19 @@ class DeviceRunner:
         self.summary.tasks_fired += 1
         table, rows = self.execution.settle(name, event, outcome)
         if rows:
-            self.storage.write(table, rows)
+            self._write(table, rows)
+
+    def _write(self, table: str, rows: list[dict[str, Any]]) -> None:
+        self.storage.write(table, rows)
+        if self.tunnel is not None:
+            self.tunnel.write(table, rows)
 
     def close(self) -> None:
-        """Flush storage and stop the worker pool (storage stays open for reading)."""
+        """Flush storage, seal the tunnel's open batch, stop the worker pool (storage stays open for reading)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self.tunnel is not None:
+            self.tunnel.flush()
         self.storage.flush()
         self.summary.rows_written = dict(self.storage.rows_written)

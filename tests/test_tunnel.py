@@ -1,0 +1,206 @@
+"""The Kafka tunnel's parts and its happy path, on a real broker: envelope, keys, spool, cloud store, sink → consumer,
+and ``streamflow run --tunnel kafka`` → ``streamflow tunnel consume`` end to end. Faults: test_tunnel_faults.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import uuid
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from connectors.tunnel.cloud import CloudConsumer, CloudStore, DeadLetter, open_message
+from connectors.tunnel.envelope import FORMAT_VERSION, Batch, EnvelopeError, decode, encode
+from connectors.tunnel.keys import KeyRegistry
+from connectors.tunnel.sink import MAX_ENVELOPE_BYTES, TunnelSink
+from connectors.tunnel.spool import Spool, SpoolFull
+from streamflow.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = bytes(range(32))
+KEYS = {"phone-1": KEY, "phone-2": bytes(reversed(range(32)))}.get
+ROWS = pa.table({"user_id": ["u1", "u2", "u1"], "item_id": [7, 8, 9], "dwell_s": [1.5, None, 3.0]})
+
+
+def _topic() -> str:
+    return f"test.{uuid.uuid4().hex[:12]}"
+
+
+# -- envelope --------------------------------------------------------------------------------------
+def test_envelope_round_trip_keeps_rows_types_and_sequence_numbers():
+    batch = decode(encode("phone-1", "ipv", 41, ROWS, KEY), KEYS)
+    assert (batch.device, batch.table, batch.first_seq, batch.last_seq) == ("phone-1", "ipv", 41, 43)
+    assert batch.rows.equals(ROWS)
+
+
+@pytest.mark.parametrize(("mutate", "reason"), [
+    (lambda v: b"", "garbage"),
+    (lambda v: b"not an envelope at all, just some bytes that are long enough to parse" * 2, "garbage"),
+    (lambda v: v[:3] + bytes([FORMAT_VERSION + 1]) + v[4:], "bad_version"),
+    (lambda v: v[:-40] + bytes([v[-40] ^ 0xFF]) + v[-39:], "bad_signature"),  # a payload byte flipped
+    (lambda v: v[:-1] + bytes([v[-1] ^ 1]), "bad_signature"),                   # the MAC flipped
+    (lambda v: encode("phone-1", "ipv", 0, ROWS, KEYS("phone-2")), "bad_signature"),  # signed with another key
+    (lambda v: encode("phone-9", "ipv", 0, ROWS, KEY), "unknown_device"),
+])
+def test_envelope_refusals_name_the_reason(mutate, reason):
+    with pytest.raises(EnvelopeError) as refused:
+        decode(mutate(encode("phone-1", "ipv", 0, ROWS, KEY)), KEYS)
+    assert refused.value.reason == reason
+
+
+def test_a_signed_envelope_whose_payload_is_not_arrow_is_bad_payload():
+    import hashlib
+    import hmac
+
+    good = encode("phone-1", "ipv", 0, ROWS, KEY)
+    head_len = 3 + 1 + 2 + len("phone-1") + 2 + len("ipv") + 12
+    body = good[:head_len] + b"\x00" * 64
+    with pytest.raises(EnvelopeError) as refused:
+        decode(body + hmac.digest(KEY, body, hashlib.sha256), KEYS)
+    assert refused.value.reason == "bad_payload"
+
+
+@given(st.binary(max_size=400))
+def test_any_bytes_decode_or_are_refused_never_crash(value):
+    try:
+        decode(value, KEYS)
+    except EnvelopeError as exc:
+        assert exc.reason in ("garbage", "bad_version", "unknown_device", "bad_signature", "bad_payload")
+
+
+# -- keys ------------------------------------------------------------------------------------------
+def test_key_registry_file_is_private_and_validated(tmp_path):
+    registry = KeyRegistry(tmp_path / "keys.json")
+    key = registry.add("phone-1")
+    assert stat.S_IMODE(os.stat(registry.path).st_mode) == 0o600
+    assert KeyRegistry(registry.path).key_for("phone-1") == key
+    with pytest.raises(ValueError, match="already registered"):
+        registry.add("phone-1")
+    with pytest.raises(ValueError, match="device id"):
+        registry.add("no spaces please")
+    (tmp_path / "broken.json").write_text('{"devices": {"phone-1": "not hex"}}')
+    with pytest.raises(ValueError, match="not valid"):
+        KeyRegistry(tmp_path / "broken.json")
+
+
+# -- spool -----------------------------------------------------------------------------------------
+def test_spool_keeps_batches_and_the_counter_across_reopen_and_refuses_past_its_bound(tmp_path):
+    spool = Spool(tmp_path / "s.sqlite", max_bytes=100)
+    assert spool.seal("t", 3, lambda seq: b"a" * 60) == 0
+    with pytest.raises(SpoolFull):
+        spool.seal("t", 2, lambda seq: b"b" * 60)
+    assert spool.seal("t", 2, lambda seq: b"c" * 40) == 3  # the refused seal numbered nothing
+    spool.ack(0)
+    spool.close()
+    again = Spool(tmp_path / "s.sqlite", max_bytes=100)
+    assert [(e.first_seq, e.n_rows, e.value) for e in again.oldest(5)] == [(3, 2, b"c" * 40)]
+    assert (again.next_seq, again.rows_pending, again.bytes_pending) == (5, 2, 40)
+
+
+# -- cloud store -----------------------------------------------------------------------------------
+def test_store_dedupes_rows_by_device_and_seq_even_in_overlapping_batches(tmp_path):
+    with CloudStore(tmp_path / "c.duckdb") as store:
+        assert store.apply([Batch("phone-1", "ipv", 0, ROWS)], []).stored == 3
+        overlapping = pa.table({"user_id": ["u1", "u3", "u3"], "item_id": [9, 10, 11], "dwell_s": [3.0, 4.0, 5.0]})
+        result = store.apply([Batch("phone-1", "ipv", 2, overlapping), Batch("phone-1", "ipv", 2, overlapping),
+                              Batch("phone-2", "ipv", 0, ROWS)], [])
+        assert (result.stored, result.duplicates) == (2 + 3, 1 + 3)
+        assert store.query("SELECT device_id, seq, item_id FROM ipv ORDER BY device_id, seq") == [
+            ("phone-1", 0, 7), ("phone-1", 1, 8), ("phone-1", 2, 9), ("phone-1", 3, 10), ("phone-1", 4, 11),
+            ("phone-2", 0, 7), ("phone-2", 1, 8), ("phone-2", 2, 9)]
+
+
+def test_online_table_keeps_the_newest_row_per_key_whatever_the_arrival_order(tmp_path):
+    with CloudStore(tmp_path / "c.duckdb") as store:
+        store.apply([Batch("phone-1", "ipv", 10, pa.table({"user_id": ["u1"], "item_id": [99]}))], [])
+        store.apply([Batch("phone-1", "ipv", 0, ROWS)], [])  # older rows arriving later
+        assert store.query("SELECT user_id, seq, item_id FROM ipv_online ORDER BY user_id") == [
+            ("u1", 10, 99), ("u2", 1, 8)]
+        # a new column appears: both tables grow it
+        store.apply([Batch("phone-1", "ipv", 11, pa.table({"user_id": ["u2"], "item_id": [5], "n_buy": [1]}))], [])
+        assert store.query("SELECT user_id, item_id, n_buy FROM ipv_online ORDER BY user_id") == [
+            ("u1", 99, None), ("u2", 5, 1)]
+        assert store.query("SELECT count(*), count(n_buy) FROM ipv") == [(5, 1)]
+
+
+def test_dead_letters_and_offsets_are_stored_with_the_rows(tmp_path):
+    with CloudStore(tmp_path / "c.duckdb") as store:
+        dead = open_message("t", 0, 5, b"garbage", KEYS)
+        reserved = open_message("t", 0, 6, encode("phone-1", "tunnel_offsets", 0, ROWS, KEY), KEYS)
+        spoofed = open_message("t", 1, 0, encode("phone-1", "ipv", 0, ROWS, KEY), KEYS, message_key=b"phone-2")
+        assert all(isinstance(d, DeadLetter) for d in (dead, reserved, spoofed))
+        assert store.apply([], [dead, reserved, spoofed], {("t", 0): 7, ("t", 1): 1}).dead == 3
+        assert store.query("SELECT kafka_offset, reason FROM tunnel_dead_letter ORDER BY kafka_partition, 1") == [
+            (5, "garbage"), (6, "bad_payload"), (0, "bad_key")]
+        assert store.offsets("t") == {0: 7, 1: 1}
+
+
+# -- sink → broker → consumer ----------------------------------------------------------------------
+@pytest.mark.parametrize("compression", ["zstd", "gzip", "lz4"])
+def test_rows_travel_device_to_cloud_once_and_in_order(tmp_path, kafka_bootstrap, compression):
+    topic = _topic()
+    registry = KeyRegistry(tmp_path / "keys.json")
+    sink = TunnelSink("phone-1", registry.add("phone-1"), tmp_path / "spool", topic=topic, bootstrap=kafka_bootstrap,
+                      compression=compression, batch_rows=100)
+    for i in range(1000):
+        sink.write("ipv" if i % 3 else "favs", [{"user_id": f"u{i % 7}", "i": i}])
+    assert sink.close(timeout_s=30)
+    assert (sink.stats.rows_acked, sink.spool.rows_pending) == (1000, 0)
+    consumer = CloudConsumer(tmp_path / "cloud.duckdb", registry, topic=topic, bootstrap=kafka_bootstrap)
+    try:
+        stats = consumer.run(idle_timeout_s=2, max_s=60)
+        assert (stats.stored, stats.duplicates, stats.dead_total) == (1000, 0, 0)
+        rows = consumer.store.query("SELECT seq, i FROM ipv UNION ALL SELECT seq, i FROM favs ORDER BY seq")
+        assert rows == [(i, i) for i in range(1000)]  # seq follows write order across tables
+        assert consumer.store.query("SELECT count(*) FROM ipv_online") == [(7,)]
+    finally:
+        consumer.close()
+
+
+def test_oversized_batches_are_split_and_an_oversized_row_is_refused_with_its_reason(tmp_path, kafka_bootstrap,
+                                                                                    caplog):
+    refused = []
+    sink = TunnelSink("phone-1", KEY, tmp_path / "spool", topic=_topic(), bootstrap=kafka_bootstrap,
+                      on_refused=lambda table, rows, reason: refused.append((table, len(rows), reason)))
+    blob = os.urandom(200_000)
+    with caplog.at_level(logging.WARNING, logger="streamflow.tunnel"):
+        sink.write("emb", [{"user_id": "u", "blob": blob} for _ in range(10)])  # ~2 MB: split into envelopes
+        sink.write("emb", [{"user_id": "u", "blob": os.urandom(MAX_ENVELOPE_BYTES)}])
+        assert sink.close(timeout_s=30)
+    assert sink.stats.rows_acked == 10 and sink.stats.batches_acked >= 3
+    assert refused == [("emb", 1, f"row is larger than the {MAX_ENVELOPE_BYTES}-byte message limit")]
+    assert sink.stats.rows_refused == 1 and "REFUSING ROWS" in caplog.text
+
+
+def test_run_with_kafka_tunnel_and_consume_end_to_end(tmp_path, kafka_bootstrap, monkeypatch, capsys):
+    monkeypatch.setenv("STREAMFLOW_KAFKA_BOOTSTRAP", kafka_bootstrap)
+    monkeypatch.setenv("STREAMFLOW_KEY_REGISTRY", str(tmp_path / "keys.json"))
+    topic = _topic()
+    assert main(["tunnel", "keys", "add", "phone-1"]) == 0
+    device_db, cloud_db = tmp_path / "device.duckdb", tmp_path / "cloud.duckdb"
+    events = ROOT / "jobs" / "data" / "taobao_user_behavior_10k.csv"
+    assert main(["run", str(ROOT / "jobs" / "ipv.py"), "--events", str(events), "--db", str(device_db),
+                 "--tunnel", "kafka", "--device-id", "phone-1", "--topic", topic, "--show", "0"]) == 0
+    assert "tunnel: 10000 rows in" in capsys.readouterr().out
+    assert main(["tunnel", "consume", "--db", str(cloud_db), "--topic", topic, "--idle-timeout", "2"]) == 0
+    assert "10000 rows stored, 0 duplicates dropped, 0 dead letters" in capsys.readouterr().out
+    columns = "user_id, trigger_ts, item_id, category_id, enter_ts, dwell_s, n_reload, n_fav, n_cart, n_buy"
+    device = duckdb.connect(str(device_db), read_only=True).execute(f"SELECT {columns} FROM ipv").fetchall()
+    cloud = duckdb.connect(str(cloud_db), read_only=True)
+    assert cloud.execute(f"SELECT {columns} FROM ipv ORDER BY seq").fetchall() == device
+    assert cloud.execute("SELECT count(DISTINCT user_id) FROM ipv_online").fetchall() == \
+        [(len({row[0] for row in device}),)]
+
+
+def test_run_with_tunnel_for_an_unregistered_device_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("STREAMFLOW_KEY_REGISTRY", str(tmp_path / "keys.json"))
+    events = ROOT / "jobs" / "data" / "taobao_user_behavior_10k.csv"
+    assert main(["run", str(ROOT / "jobs" / "ipv.py"), "--events", str(events), "--db", str(tmp_path / "d.duckdb"),
+                 "--tunnel", "kafka", "--device-id", "phone-7"]) == 2
+    assert "device 'phone-7' has no key" in capsys.readouterr().err
