@@ -39,8 +39,7 @@ $(BROKER): pyproject.toml | $(PY)
 	touch $(BROKER)
 
 broker-up: $(BROKER)
-	$(VENV)/bin/noida-db up --data-dir $(BROKER_DIR) --only kafka --kafka-port $(BROKER_PORT) --host 127.0.0.1 2>/dev/null \
-	  | grep -E "kafka|running"
+	$(VENV)/bin/noida-db up --data-dir $(BROKER_DIR) --only kafka --kafka-port $(BROKER_PORT) --host 127.0.0.1 2>/dev/null
 	@echo "export STREAMFLOW_KAFKA_BOOTSTRAP=127.0.0.1:$(BROKER_PORT)"
 
 broker-down:
