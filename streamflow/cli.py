@@ -17,6 +17,7 @@ from pathlib import Path
 
 from connectors.storage import CollectiveStorage, flush_on_signals
 from streamflow import tunnel_commands
+from streamflow.flink_kafka import kafka_topic
 from streamflow.job import Job, JobLoadError, load_job
 from streamflow.progress import track
 from streamflow.runners.device import DeviceRunner
@@ -34,7 +35,9 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run a job over an events file")
     run.add_argument("job", help="job file (a Python module defining `job = Job(...)`)")
-    run.add_argument("--events", required=True, help="events file: Taobao CSV (.csv) or JSON lines (.jsonl)")
+    run.add_argument("--events", required=True, help="events file: Taobao CSV (.csv) or JSON lines (.jsonl); "
+                                                     "flink runner: also kafka://TOPIC (one raw line per record, "
+                                                     "--format required)")
     run.add_argument("--format", choices=sorted(FORMATS), help="events format (default: from the extension)")
     run.add_argument("--runner", choices=RUNNERS, default=os.environ.get("STREAMFLOW_RUNNER", "device"),
                      help="where to run (default: device, or $STREAMFLOW_RUNNER)")
@@ -102,7 +105,10 @@ def describe(job: Job) -> str:
 
 
 def _run(job: Job, args: argparse.Namespace) -> int:
-    source = open_source(args.events, args.format)
+    from_kafka = kafka_topic(args.events) is not None
+    if from_kafka and args.runner != "flink":
+        raise ValueError(f"{args.events}: the device runner reads files; events from Kafka need --runner flink")
+    source = None if from_kafka else open_source(args.events, args.format)  # a missing file fails before any JVM
     flush_on_signals()
     tunnel_line = ""
     with CollectiveStorage(args.db) as storage:

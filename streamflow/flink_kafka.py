@@ -4,7 +4,8 @@ PyFlink 2.3 ships no Kafka connector, and Maven Central's ``flink-connector-kafk
 on PyPI. The wheel ``shigawire-apache-flink-libraries==2.0.0.post1`` carries ``flink-connector-kafka``
 4.0.1-2.0 and ``kafka-clients`` 3.9.1, which load in PyFlink 2.3. The wheel is *never installed* (it
 would overwrite PyFlink's own ``pyflink/lib``): ``fetch()`` downloads it with pip into a temporary
-directory, checks its sha256, extracts only the two jars, checks theirs, and moves them into the cache
+directory, checks its sha256, extracts only those jars (plus ``zstd-jni``, the zstd codec kafka-clients
+needs), checks theirs, and moves them into the cache
 (``$STREAMFLOW_FLINK_JARS_DIR``, default ``~/.cache/streamflow/flink-kafka-2.0/``). Every later use
 (:func:`kafka_jar_urls`) checks the jars' hashes again, so a tampered or truncated cache is refused.
 
@@ -18,7 +19,7 @@ command line can tell a topic from a file before it starts a JVM.
 
 Example:
     >>> sorted(JARS)
-    ['flink-connector-kafka.jar', 'kafka-clients.jar']
+    ['flink-connector-kafka.jar', 'kafka-clients.jar', 'zstd-jni.jar']
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ JARS = {
                                   "842885a51c768b2f31c946a2071656c166ee8cc6d3c02fe6c557e134e03bf228"),
     "kafka-clients.jar": ("pyflink/lib/kafka-clients.jar",
                           "7568b998572d256f0b7bc0afdc1b7a2588b8b08415c62ce314c864a6851ae9d9"),
+    # kafka-clients decompresses zstd record batches (the tunnel's default codec) with zstd-jni, which
+    # PyFlink's own lib/ lacks (it has lz4 and snappy): without it the job fails with NoClassDefFoundError.
+    "zstd-jni.jar": ("pyflink/lib/zstd-jni.jar",
+                     "793ca8734aa15687e7e64564eab8b6ae9ee2720eae27aa663074682144b1c386"),
 }
 JARS_DIR_ENV = "STREAMFLOW_FLINK_JARS_DIR"
 KAFKA_SCHEME = "kafka://"

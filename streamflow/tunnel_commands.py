@@ -2,6 +2,7 @@
 
     streamflow tunnel keys add DEVICE | list | remove DEVICE     the per-device HMAC key registry
     streamflow tunnel consume --db CLOUD.duckdb [--idle-timeout S]  the cloud consumer group
+    streamflow tunnel consume --db CLOUD.duckdb --runner flink      the same topic read by a Flink job
 """
 
 from __future__ import annotations
@@ -60,7 +61,12 @@ def add_commands(commands: Any) -> None:
     consume.add_argument("--group", default="streamflow-cloud", help="consumer group id")
     consume.add_argument("--online-key", default="user_id", help="comma-separated columns keying the online tables")
     consume.add_argument("--idle-timeout", type=float, default=None,
-                         help="stop when nothing arrived for this many seconds (default: run until Ctrl-C)")
+                         help="python: stop when nothing arrived for this many seconds (default: run until Ctrl-C)")
+    consume.add_argument("--runner", choices=("python", "flink"), default="python",
+                         help="python: a kafka-python consumer group member (runs until stopped); flink: a PyFlink "
+                              "job from the stored offsets to the offsets latest at its start")
+    consume.add_argument("--cluster", metavar="HOST:PORT", help="flink: submit to this JobManager")
+    consume.add_argument("--parallelism", type=int, default=1, help="flink: readers and decoders")
     _registry_argument(consume)
 
 
@@ -127,13 +133,15 @@ def run_command(args: argparse.Namespace) -> int:
         elif not registry.remove(args.device):
             raise ValueError(f"device {args.device!r} is not in {registry.path}")
         return 0
+    online_key = [c for c in args.online_key.split(",") if c]
+    if args.runner == "flink":
+        return _consume_on_flink(args, online_key)
     from connectors.tunnel.cloud import CloudConsumer
 
     if not registry.devices():
         print(f"streamflow: warning: the key registry {registry.path} is empty; every batch will be dead-lettered",
               file=sys.stderr)
-    consumer = CloudConsumer(Path(args.db), registry, topic=args.topic, group_id=args.group,
-                             online_key=[c for c in args.online_key.split(",") if c])
+    consumer = CloudConsumer(Path(args.db), registry, topic=args.topic, group_id=args.group, online_key=online_key)
     print(f"consuming {args.topic} from {bootstrap_servers()} into {args.db} (group {args.group})", file=sys.stderr)
     try:
         stats = consumer.run(idle_timeout_s=args.idle_timeout)
@@ -143,6 +151,18 @@ def run_command(args: argparse.Namespace) -> int:
         consumer.close()
     print(f"cloud: {stats.messages} messages, {stats.stored} rows stored, {stats.duplicates} duplicates dropped, "
           f"{stats.dead_total} dead letters {dict(stats.dead)}")
+    return 0
+
+
+def _consume_on_flink(args: argparse.Namespace, online_key: list[str]) -> int:
+    try:
+        from streamflow.runners.flink_tunnel import run_flink_features
+    except ImportError as exc:
+        raise ValueError(str(exc)) from exc
+    summary = run_flink_features(args.topic, args.db, args.key_registry, group_id=args.group, cluster=args.cluster,
+                                 parallelism=args.parallelism, online_key=online_key)
+    print(f"cloud (flink): {summary.messages} messages, {summary.stored} rows stored, {summary.duplicates} "
+          f"duplicates dropped, {summary.dead} dead letters {dict(summary.dead_reasons)}")
     return 0
 
 

@@ -224,3 +224,29 @@ def test_kafka_events_need_an_explicit_format():
     with pytest.raises(ValueError, match="pass the format"):
         run_flink(load_job(ROOT / "jobs" / "ipv.py"), "kafka://app.events")
 
+
+
+def test_the_ipv_features_device_to_cloud_on_flink_match_the_python_consumer(kafka_bootstrap, cached_jars, tmp_path,
+                                                                             monkeypatch, capsys):
+    """`streamflow run --tunnel kafka`, then the same topic stored by both cloud consumers: the same tables."""
+    from streamflow.cli import main
+
+    monkeypatch.setenv("STREAMFLOW_KAFKA_BOOTSTRAP", kafka_bootstrap)
+    monkeypatch.setenv("STREAMFLOW_KEY_REGISTRY", str(tmp_path / "keys.json"))
+    topic = unique("features")
+    assert main(["tunnel", "keys", "add", "phone-1"]) == 0
+    assert main(["run", str(ROOT / "jobs" / "ipv.py"), "--events", str(SAMPLE), "--db", str(tmp_path / "d.duckdb"),
+                 "--tunnel", "kafka", "--device-id", "phone-1", "--topic", topic, "--show", "0"]) == 0
+    assert main(["tunnel", "consume", "--db", str(tmp_path / "py.duckdb"), "--topic", topic,
+                 "--idle-timeout", "2"]) == 0
+    assert main(["tunnel", "consume", "--db", str(tmp_path / "flink.duckdb"), "--topic", topic,
+                 "--runner", "flink", "--parallelism", "2"]) == 0
+    out = capsys.readouterr().out
+    assert " messages, 10000 rows stored, 0 duplicates dropped, 0 dead letters" in out.split("cloud (flink): ")[1]
+    query = {"ipv": "SELECT * EXCLUDE (ingested_at) FROM ipv ORDER BY seq",
+             "ipv_online": "SELECT * EXCLUDE (ingested_at) FROM ipv_online ORDER BY device_id, user_id"}
+    for table, sql in query.items():
+        python = duckdb.connect(str(tmp_path / "py.duckdb"), read_only=True).execute(sql).fetchall()
+        flink = duckdb.connect(str(tmp_path / "flink.duckdb"), read_only=True).execute(sql).fetchall()
+        assert len(python) == (10_000 if table == "ipv" else len({row[3] for row in python}))
+        assert flink == python, table
