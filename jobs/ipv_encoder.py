@@ -70,6 +70,7 @@ purchase_model = Task(
     pipeline=[*IPV.pipeline,
               Train(purchase_mlp(), features=ipv_features, label=lambda row: int(row["n_buy"] > 0),
                     batch_size=64, lr=0.01)],
+    tunnel=False,  # with --tunnel kafka the 128-byte encodings go to the cloud; the training log stays here
 )
 
 job = Job("ipv_encoder", [ipv_encoded, purchase_model],

@@ -48,7 +48,9 @@ class Task:
       semantics).
 
     The rows the pipeline returns are written to table ``sink`` (default: the task's name), each
-    with the ``user_id`` and the triggering event's ``trigger_ts`` in front.
+    with the ``user_id`` and the triggering event's ``trigger_ts`` in front. When the runner has a
+    tunnel (``streamflow run --tunnel kafka``) they are also shipped to the cloud, unless
+    ``tunnel=False`` keeps them on the device.
     """
 
     name: str
@@ -58,6 +60,7 @@ class Task:
     history_s: float | None = None
     history_events: int = 256
     sink: str | None = None
+    tunnel: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):

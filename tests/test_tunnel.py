@@ -204,3 +204,29 @@ def test_run_with_tunnel_for_an_unregistered_device_is_a_clear_error(tmp_path, m
     assert main(["run", str(ROOT / "jobs" / "ipv.py"), "--events", str(events), "--db", str(tmp_path / "d.duckdb"),
                  "--tunnel", "kafka", "--device-id", "phone-7"]) == 2
     assert "device 'phone-7' has no key" in capsys.readouterr().err
+
+
+def test_a_task_with_tunnel_false_keeps_its_rows_on_the_device(tmp_path, kafka_bootstrap):
+    from connectors.storage import CollectiveStorage
+    from operators import Aggregate, Count
+    from streamflow import Job, Task
+    from streamflow.events import Event
+    from streamflow.runners.device import DeviceRunner
+
+    job = Job("two", [Task("shipped", ["fav"], [Aggregate(n=Count())], input="recent"),
+                      Task("local", ["fav"], [Aggregate(n=Count())], input="recent", tunnel=False)])
+    topic, registry = _topic(), KeyRegistry(tmp_path / "keys.json")
+    sink = TunnelSink("phone-1", registry.add("phone-1"), tmp_path / "spool", topic=topic, bootstrap=kafka_bootstrap)
+    with CollectiveStorage(tmp_path / "device.duckdb") as storage:
+        runner = DeviceRunner(job, storage, tunnel=sink)
+        runner.run([Event("u", "fav", "item", 1.6e9 + i) for i in range(5)])
+        runner.close()
+        assert storage.query("SELECT count(*) FROM local") == [(5,)]
+    assert sink.close(timeout_s=30) and sink.stats.rows_acked == 5
+    consumer = CloudConsumer(tmp_path / "cloud.duckdb", registry, topic=topic, bootstrap=kafka_bootstrap)
+    try:
+        assert consumer.run(idle_timeout_s=2, max_s=60).stored == 5
+        tables = {row[0] for row in consumer.store.query("SELECT table_name FROM information_schema.tables")}
+        assert {"shipped", "shipped_online"} <= tables and not {"local", "local_online"} & tables
+    finally:
+        consumer.close()

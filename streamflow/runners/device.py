@@ -9,8 +9,9 @@ tasks) and writes its own table. A task's exception is caught and stored in ``ta
 the triggering event; the other tasks and the stream go on. After ``quarantine_after`` consecutive
 failures the task is quarantined: unregistered from the trie and reported in the summary.
 
-With a ``tunnel`` (a :class:`~connectors.tunnel.sink.TunnelSink`), every task's feature rows are
-also shipped to the cloud over Kafka; dead letters, task errors and late events stay on the device.
+With a ``tunnel`` (a :class:`~connectors.tunnel.sink.TunnelSink`), the feature rows of every task
+(but those with ``tunnel=False``) are also shipped to the cloud over Kafka; dead letters, task
+errors and late events stay on the device.
 
 Stream tasks (``input="stream"``) see every event and close event-time windows as the watermark
 passes them (:mod:`streamflow.windowing`); their late events go to ``late_events``.
@@ -71,6 +72,7 @@ class DeviceRunner:
         self.latencies_s: list[float] | None = [] if record_latency else None
         self._guard = guard or TimestampGuard()
         self._streams: dict[str, StreamTaskRun] = {}
+        self._shipped: set[str] = set()  # sink tables whose rows also go to the tunnel
         self._pool: ThreadPoolExecutor | None = None
         for task in job.tasks:
             self.register(task)
@@ -87,6 +89,8 @@ class DeviceRunner:
             raise ValueError(f"task {task.name!r} is already registered")
         else:
             self.execution.register(task)
+        if task.tunnel:
+            self._shipped.add(task.sink)
 
     def unregister(self, name: str) -> None:
         """Stop running task ``name``."""
@@ -169,7 +173,7 @@ class DeviceRunner:
 
     def _write(self, table: str, rows: list[dict[str, Any]]) -> None:
         self.storage.write(table, rows)
-        if self.tunnel is not None:
+        if self.tunnel is not None and table in self._shipped:
             self.tunnel.write(table, rows)
 
     def close(self) -> None:
