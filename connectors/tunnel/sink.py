@@ -156,8 +156,7 @@ class TunnelSink:
             self._closing = True
             self._wake.notify_all()
         self._sender.join(timeout=self.send_timeout_s + 5)
-        if self._producer is not None:
-            self._producer.close(timeout=1)
+        self._drop_producer()
         if not delivered:
             log.warning("tunnel: %d rows in %d batches not yet acknowledged by %s; they stay in %s for the next run",
                         self.spool.rows_pending, self.spool.batches_pending, self.bootstrap, self.spool.path)
@@ -222,6 +221,7 @@ class TunnelSink:
                 backoff = 0.1
             except Exception as exc:  # noqa: BLE001 - any failure: keep the batch, back off, retry in order
                 self.stats.send_failures += 1
+                self._drop_producer()  # the retry gets a fresh producer (see _drop_producer)
                 if self.stats.send_failures == 1 or backoff >= 2.0:
                     log.warning("tunnel: broker %s did not take batch %d (%s); %d rows wait in the spool, retrying",
                                 self.bootstrap, entry.first_seq, exc, self.spool.rows_pending)
@@ -252,15 +252,38 @@ class TunnelSink:
             from kafka import KafkaProducer
 
             ensure_topic(self.bootstrap, self.topic, self.partitions)
+            # kafka-python refuses delivery_timeout_ms <= linger_ms + request_timeout_ms (a config error the
+            # send loop would retry forever): a send timeout under 5 s shortens the request timeout instead.
+            delivery_ms = max(2, int(self.send_timeout_s * 1000))
+            timeouts = {**CLIENT_TIMEOUTS, "request_timeout_ms": min(CLIENT_TIMEOUTS["request_timeout_ms"],
+                                                                     delivery_ms - 1)}
             self._producer = KafkaProducer(
                 bootstrap_servers=self.bootstrap, client_id=f"streamflow-{self.device}",
                 enable_idempotence=True, acks="all",
                 compression_type=None if self.compression == "none" else self.compression,
-                linger_ms=0, max_in_flight_requests_per_connection=1,
-                delivery_timeout_ms=int(self.send_timeout_s * 1000),
-                max_request_size=MAX_ENVELOPE_BYTES + 100_000, **CLIENT_TIMEOUTS)
+                linger_ms=0, max_in_flight_requests_per_connection=1, delivery_timeout_ms=delivery_ms,
+                max_request_size=MAX_ENVELOPE_BYTES + 100_000, **timeouts)
             log.info("tunnel: connected to %s, topic %s, %s compression", self.bootstrap, self.topic, self.compression)
         return self._producer
+
+    def _drop_producer(self) -> None:
+        """Close the producer (the next send makes a new one) without ever raising or leaking its I/O thread.
+
+        After a failed delivery the producer may be wedged: when a batch it had already sent expires, kafka-python
+        (3.0) resets its idempotent producer id but never asks for a new one, so it sends nothing again, even once
+        the broker is back. And its ``close()`` raises from ``flush()`` while records are pending, before it stops
+        its I/O thread. The records it still holds are in the spool, so dropping them is safe.
+        """
+        producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        try:
+            producer.close(timeout=1)
+        except Exception as exc:  # noqa: BLE001 - a producer we throw away must not stop the sink
+            log.debug("tunnel: closing the old producer: %s; stopping its I/O thread", exc)
+            sender = getattr(producer, "_sender", None)
+            if sender is not None:
+                sender.force_close()
 
 
 class _TooBig(Exception):
