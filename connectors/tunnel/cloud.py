@@ -351,7 +351,9 @@ class CloudConsumer:
         for d in dead:
             stats.dead[d.reason] += 1
             log.warning("dead letter %s[%d]@%d from %s: %s", d.topic, d.partition, d.offset, d.device or "?", d.detail)
-            self._dlq_producer.send(self.dlq_topic, value=d.raw or None, headers=[
+            # d.raw, never None: an empty or null message has no key either, and kafka-python refuses to send
+            # a record with neither (the ValueError escaped poll_once after the rows and offsets were stored)
+            self._dlq_producer.send(self.dlq_topic, value=d.raw, headers=[
                 ("reason", d.reason.encode()), ("detail", d.detail[:1000].encode()),
                 ("source", f"{d.topic}/{d.partition}/{d.offset}".encode())])
         if dead:
