@@ -1,0 +1,623 @@
+"""The Kafka tunnel on loopback: device sink → broker → cloud consumer → DuckDB, vs a naive per-row JSON producer.
+
+``python -m bench.tunnel [--quick]``
+
+Broker: ``STREAMFLOW_KAFKA_BOOTSTRAP`` if set, else a noida-db :class:`LocalBroker` on 127.0.0.1 in a
+temp dir, stopped at the end. The device side (:class:`TunnelSink`, default settings: zstd,
+``batch_rows=1000``, ``linger_s=0.02``, SQLite spool in the temp dir) runs in this process; each
+cloud side runs in a process of its own (``multiprocessing`` spawn), so device and cloud never share
+a GIL, as on a real device and cloud. Both sides read the same wall clock. A cloud process polls only
+while its rows are being measured: noida-db answers an empty fetch at once (a real broker holds it
+for ``fetch_max_wait_ms``), so an idle kafka-python consumer spins at ~100 fetches/s and half a core,
+which on 2 cores would slow the side being measured.
+
+Measured side by side in one run:
+
+- **Latency** (``p50_ms_3kb`` … ``p99_ms_30kb``): rows paced at 100 rows/s (absolute schedule, one
+  ``sink.write`` per row) carrying a float32 vector of 768 (3,072 B) or 7,680 (30,720 B) random
+  normal values (embedding-like: zstd cannot shrink it much, unlike zero padding) and a
+  ``produced_at = time.time()`` taken just before ``write``. Per row, latency = the moment the
+  cloud's DuckDB ``COMMIT`` returned for the transaction holding the row, minus ``produced_at``. The
+  consumer process wraps its :meth:`CloudStore.apply` to record ``time.time()`` right after each
+  commit (nothing else is added to its loop); at the end the i-th commit is paired with the i-th
+  distinct ``ingested_at`` of ``tunnel_batches`` (each transaction stamps its own) and rows are
+  matched through their stored ``ingested_at``. So the figure includes: the sink's linger (the open
+  batch is sealed once its oldest row is ``linger_s`` old, by the sender thread), sealing (Arrow
+  IPC, HMAC, the spool's SQLite insert with ``synchronous=FULL``, i.e. an fsync), the one-in-flight
+  produce (zstd, ``acks=all``) and its ack, the consumer's fetch, HMAC and Arrow decode, and the
+  whole DuckDB transaction (de-duplication, offline append, online upsert, offsets). It excludes the
+  consumer's later Kafka offset commit (lag monitoring only). ``p*_ms_*_ingested_at`` report the
+  same rows up to the stored ``ingested_at`` (naive UTC, taken at the *start* of the transaction).
+  ``stages_ms_*`` splits each row's time ([p50, p99] per stage) with the sink's ``on_ack`` (the
+  batch's ``sealed_at`` and the moment the ack was processed, after the spool's delete): produced →
+  sealed (linger, lock), sealed → acked (spool insert, zstd, produce, ``acks=all``, spool delete),
+  acked → transaction start (fetch, verify, decode, waiting for the consumer's previous transaction;
+  can be slightly negative, the consumer may fetch before the sink has processed the ack),
+  transaction start → commit. Each round is one continuous paced run; percentiles are over all rows
+  of all rounds (``p99_ms_*_rounds`` lists each round's p99). Before the first round each sink sends
+  untimed warm-up rows (producer connect, topic metadata). The latency rounds run after the
+  throughput rounds, all 3 KB rounds before the 30 KB ones: noida-db rewrites its whole state
+  (every stored record batch, as JSON) to ``kafka.json`` every ~2-3 s, so its CPU and disk load
+  grows with what the topic holds; 30 KB rows add ~3 MB/s, which would slow any 3 KB round after
+  them. The p99 still rises from round to round within one size (``p99_ms_*_rounds``): the topic
+  and the cloud's DuckDB file keep growing, and the machine is shared; read the rounds, not only
+  the pooled figure.
+- **Throughput** (``rows_per_s``): IPV rows from the job (~100 B each) written one per
+  ``sink.write`` as fast as possible, from the first write until the consumer's commit that makes
+  the cloud hold all of them; median over rounds. ``device_acked_rows_per_s`` stops the clock at the
+  broker's last ack instead. Naive baseline in the same rounds: the same rows, one Kafka message per
+  row, unsigned JSON, uncompressed, each row its own record batch (``batch_size=1``, so the client
+  cannot batch rows), ``acks=all``, async sends then ``flush``; a naive consumer process stores each
+  poll in one DuckDB transaction (no signature check, no de-duplication, no online table).
+- **Bytes** (``bytes_saved_fraction``): the IPV job (``jobs/ipv.py``) on the device runner over
+  the sample, its feature rows through a TunnelSink (the runner's ``tunnel=`` when it has one,
+  else the rows copied into the sink one per write as the runner would). Wire bytes = the Kafka
+  record batches (v2 header, compressed records) of the topic. With our own broker they are read
+  from the broker's log (a second, private noida-db used only for this phase, so its log is small;
+  its state file lists every stored record batch): ``wire_bytes_method = "broker_log"``. They are
+  also rebuilt from every acknowledged envelope with kafka-python's own record-batch builder (the
+  sink sends one envelope per produce request, so one envelope per record batch), which is the only
+  method on an external broker (``"rebuilt"``) and a cross-check otherwise (``rebuilt_vs_broker_log``).
+  Produce-request framing (~100 B per request) and TCP/IP headers are in neither figure. Baseline:
+  the raw CSV lines (with newline) of the events the job consumed, uncompressed, as shipping every
+  raw event would; ``bytes_saved_fraction = 1 - feature_wire_bytes / raw_bytes``. For context: the
+  naive producer's wire bytes for the same rows, the same envelopes rebuilt with gzip, lz4 and no
+  compression, the raw CSV zstd-compressed in one piece, and every row in an envelope of its own
+  (what a device producing a row less often than every ``linger_s`` ships: schema, header and HMAC
+  per row).
+
+Timings are reported, never asserted; ``loadavg_1m_start_end`` says how busy the (shared) machine
+was. ``--quick`` (under 60 s): 3 latency rounds of 2.5 s per size, 10,000-row tunnel and 1,000-row
+naive throughput rounds, and the naive bytes rebuilt instead of sent (the full run sends them and
+finds the rebuilt sizes equal to the broker's log, byte for byte).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from bench.common import TAOBAO_SAMPLE, cpu_count, finish, log, median, parse_args, percentile, progress
+from connectors.storage import CollectiveStorage
+from connectors.tunnel.envelope import encode
+from connectors.tunnel.kafka import CLIENT_TIMEOUTS, ensure_topic
+from connectors.tunnel.keys import KeyRegistry
+from connectors.tunnel.sink import TunnelSink
+from streamflow import Event, load_job
+from streamflow.runners.device import DeviceRunner
+from streamflow.sources import TaobaoBehaviorSource
+
+REPO = Path(__file__).resolve().parent.parent
+JOB_FILE = REPO / "jobs" / "ipv.py"
+RATE = 100.0  # rows/s for the latency runs
+DIMS = {"3kb": 768, "30kb": 7680}  # float32 values per row: 3,072 B and 30,720 B
+LATENCY_SECONDS = {False: 10.0, True: 2.5}  # per round and size
+WARMUP_ROWS = 30
+THROUGHPUT_ROWS = {False: 50_000, True: 10_000}
+NAIVE_ROWS = {False: 3_000, True: 1_000}
+SINGLE_ROW_SAMPLE = 1_000  # rows put each in an envelope of its own (the per-row size barely varies)
+WAIT_S = 120.0
+CODECS = {"none": 0, "gzip": 1, "lz4": 3, "zstd": 4}  # Kafka record-batch compression attribute
+
+
+# -- the cloud side (child processes) -----------------------------------------------------------------
+def cloud_process(mode: str, db: str, registry: str, bootstrap: str, topic: str, group: str,
+                  out: Any, stop: Any, active: Any) -> None:
+    """A cloud consumer process; reports ("stored", commit time, rows stored so far) after every commit.
+
+    It polls only while ``active`` is set: noida-db answers an empty fetch at once instead of holding
+    it for ``fetch_max_wait_ms``, so an idle kafka-python consumer spins (~0.5-0.75 of a core here),
+    which on 2 cores would slow whatever is being measured next to it.
+    """
+    logging.basicConfig(level=logging.WARNING, format="cloud %(levelname)s %(name)s: %(message)s")
+    try:
+        if mode == "tunnel":
+            _tunnel_cloud(db, registry, bootstrap, topic, group, out, stop, active)
+        else:
+            _naive_cloud(db, bootstrap, topic, group, out, stop, active)
+    except BaseException as exc:
+        out.put(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def _tunnel_cloud(db: str, registry: str, bootstrap: str, topic: str, group: str, out: Any, stop: Any,
+                  active: Any) -> None:
+    from connectors.tunnel.cloud import CloudConsumer
+
+    consumer = CloudConsumer(db, KeyRegistry(registry), topic=topic, bootstrap=bootstrap, group_id=group)
+    store, apply = consumer.store, consumer.store.apply
+    committed_at: list[float] = []  # when COMMIT returned, per transaction that stored batches, in order
+    stored = 0
+
+    def timed_apply(batches: Any, dead: Any, offsets: Any = None) -> Any:
+        nonlocal stored
+        result = apply(batches, dead, offsets)
+        committed = time.time()
+        if batches:
+            committed_at.append(committed)
+        if result.stored:
+            stored += result.stored
+            out.put(("stored", committed, stored))
+        return result
+
+    store.apply = timed_apply  # type: ignore[method-assign]
+    try:
+        while not stop.is_set():
+            if active.wait(0.2):
+                consumer.poll_once()
+        stats = consumer.stats
+        # Every transaction with batches writes tunnel_batches rows stamped with its own ingested_at, and
+        # transactions run one after the other: the i-th distinct ingested_at is the i-th commit.
+        ingested = [row[0] for row in store.query("SELECT DISTINCT ingested_at FROM tunnel_batches ORDER BY 1")]
+    finally:
+        consumer.close()
+    if len(ingested) != len(committed_at):
+        raise RuntimeError(f"{len(ingested)} ingested_at stamps for {len(committed_at)} recorded commits")
+    out.put(("done", list(zip(ingested, committed_at, strict=True)), {
+        "messages": stats.messages, "stored": stats.stored, "duplicates": stats.duplicates, "dead": dict(stats.dead)}))
+
+
+def _naive_cloud(db: str, bootstrap: str, topic: str, group: str, out: Any, stop: Any, active: Any) -> None:
+    from kafka import KafkaConsumer
+
+    ensure_topic(bootstrap, topic)
+    con = duckdb.connect(db)
+    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
+                             auto_offset_reset="earliest", max_poll_records=500, **CLIENT_TIMEOUTS)
+    stored, created = 0, False
+    try:
+        while not stop.is_set():
+            if not active.wait(0.2):
+                continue
+            records = consumer.poll(timeout_ms=200)
+            rows = [json.loads(m.value) for messages in records.values() for m in messages]
+            if not rows:
+                continue
+            table = pa.Table.from_pylist(rows)
+            con.register("_rows", table)
+            con.execute("BEGIN")
+            if not created:
+                con.execute("CREATE TABLE IF NOT EXISTS rows AS SELECT * FROM _rows WHERE false")
+                created = True
+            con.execute("INSERT INTO rows SELECT * FROM _rows")
+            con.execute("COMMIT")
+            con.unregister("_rows")
+            stored += len(rows)
+            out.put(("stored", time.time(), stored))
+            consumer.commit()
+    finally:
+        consumer.close()
+        con.close()
+    out.put(("done", [], {"stored": stored}))
+
+
+class Cloud:
+    """A cloud consumer process and what it reported."""
+
+    def __init__(self, mode: str, db: Path, registry: Path, bootstrap: str, topic: str, group: str):
+        ctx = mp.get_context("spawn")
+        self.mode, self.db = mode, db
+        self.out, self.stop_event, self.active = ctx.Queue(), ctx.Event(), ctx.Event()
+        self.process = ctx.Process(target=cloud_process, name=f"cloud-{mode}", daemon=True, args=(
+            mode, str(db), str(registry), bootstrap, topic, group, self.out, self.stop_event, self.active))
+        self.process.start()
+        self.stored = 0  # rows stored so far, as last reported
+        self.expected = 0  # rows sent to it so far
+        self.commits: dict[datetime, float] = {}
+        self.stats: dict[str, Any] = {}
+
+    def _take(self, timeout_s: float) -> tuple[Any, ...] | None:
+        try:
+            message = self.out.get(timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            return None
+        if message[0] == "error":
+            raise RuntimeError(f"cloud {self.mode} process failed: {message[1]}")
+        return message
+
+    def wait_stored(self, n: int) -> float:
+        """Count ``n`` more rows as sent; wait until the cloud stored all rows sent; the commit time it did.
+
+        The consumer polls from here on (if :meth:`resume` did not already start it) and stops polling
+        once it has them.
+        """
+        self.resume()
+        self.expected += n
+        try:
+            return self._wait()
+        finally:
+            self.active.clear()
+
+    def resume(self) -> None:
+        self.active.set()
+
+    def _wait(self) -> float:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            message = self._take(0.5)
+            if message is None:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"cloud {self.mode} process died (exit code {self.process.exitcode})")
+                continue
+            if message[0] == "stored":
+                self.stored = message[2]
+                if self.stored >= self.expected:
+                    return message[1]
+        raise RuntimeError(f"cloud {self.mode} stored {self.stored} of {self.expected} rows within {WAIT_S:.0f} s")
+
+    def close(self) -> None:
+        self.stop_event.set()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            message = self._take(0.5)
+            if message is not None and message[0] == "done":
+                self.commits = dict(message[1])
+                self.stats = message[2]
+                break
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            log(f"cloud {self.mode} process did not stop; terminating it")
+            self.process.terminate()
+            self.process.join(timeout=5)
+
+
+# -- bytes on the wire --------------------------------------------------------------------------------
+def record_batch_bytes(value: bytes, key: bytes | None, codec: str) -> int:
+    """Size of a Kafka v2 record batch holding one record, as kafka-python's producer builds it."""
+    from kafka.record.memory_records import MemoryRecordsBuilder
+
+    builder = MemoryRecordsBuilder(2, CODECS[codec], batch_size=1 << 30)
+    builder.append(int(time.time() * 1000), key, value)
+    builder.close()
+    return builder.size_in_bytes()
+
+
+def broker_log_bytes(data_dir: Path, topics: list[str]) -> dict[str, tuple[int, int]]:
+    """(record batches, bytes) per topic from a stopped noida-db's state file (its stored record batches)."""
+    state = json.loads((data_dir / "kafka.json").read_text())
+    out = {}
+    for name, topic in state["topics"]:
+        if name in topics:
+            batches = [b for _, part in topic["partitions"] for b in part["record_batches"]]
+            out[name] = (len(batches), sum(len(raw) for _, raw in batches))
+    return out
+
+
+def ipv_features(job: Any, sink: TunnelSink, db: Path) -> tuple[list[dict[str, Any]], str]:
+    """Run the IPV job over the sample on the device runner, feature rows through ``sink``; the rows and how."""
+    storage = CollectiveStorage(db)
+    via_runner = "tunnel" in inspect.signature(DeviceRunner).parameters
+    runner = DeviceRunner(job, storage, tunnel=sink) if via_runner else DeviceRunner(job, storage)
+    try:
+        runner.run(TaobaoBehaviorSource(TAOBAO_SAMPLE))
+    finally:
+        runner.close()
+    rows = storage.read("ipv").to_pylist()
+    storage.close()
+    if not via_runner:
+        for row in rows:
+            sink.write("ipv", [row])
+    return rows, "DeviceRunner(tunnel=sink)" if via_runner else "rows copied from the device runner's storage"
+
+
+def naive_producer(bootstrap: str) -> Any:
+    """One message per row, no compression, each row its own record batch, acks=all."""
+    from kafka import KafkaProducer
+
+    return KafkaProducer(bootstrap_servers=bootstrap, acks="all", compression_type=None, linger_ms=0, batch_size=1,
+                         **CLIENT_TIMEOUTS)
+
+
+def send_naive(producer: Any, topic: str, key: bytes, rows: list[dict[str, Any]]) -> list[bytes]:
+    values = [json.dumps(row, separators=(",", ":")).encode() for row in rows]
+    for value in values:
+        producer.send(topic, key=key, value=value)
+    producer.flush(timeout=WAIT_S)
+    return values
+
+
+def measure_bytes(job: Any, bootstrap: str, broker_dir: Path | None, stop_broker: Any, tmp: Path, key: bytes,
+                  run_id: str, send_naive_rows: bool) -> dict[str, Any]:
+    """The IPV job's features through the tunnel and through the naive producer, against the raw CSV."""
+    feature_topic, naive_topic = f"bench.tunnel.bytes.{run_id}", f"bench.naive.bytes.{run_id}"
+    acked: list[tuple[bytes, int]] = []
+    sink = TunnelSink("bench-bytes", key, tmp / "bytes.spool", topic=feature_topic, bootstrap=bootstrap,
+                      on_ack=lambda entry: acked.append((entry.value, entry.n_rows)))
+    rows, how = ipv_features(job, sink, tmp / "bytes_device.duckdb")
+    if not sink.close(timeout_s=WAIT_S):
+        raise RuntimeError("the tunnel sink did not deliver the IPV rows")
+    if sum(n for _, n in acked) != len(rows):
+        raise RuntimeError(f"the broker acknowledged {sum(n for _, n in acked)} of {len(rows)} IPV rows")
+    if send_naive_rows:
+        ensure_topic(bootstrap, naive_topic)
+        producer = naive_producer(bootstrap)
+        naive_values = send_naive(producer, naive_topic, b"bench-bytes", rows)
+        producer.close(timeout=5)
+    else:
+        naive_values = [json.dumps(row, separators=(",", ":")).encode() for row in rows]
+
+    device_key = b"bench-bytes"
+    rebuilt = {codec: sum(record_batch_bytes(v, device_key, codec) for v, _ in acked) for codec in CODECS}
+    naive_rebuilt = sum(record_batch_bytes(v, device_key, "none") for v in naive_values)
+    sample = rows[:SINGLE_ROW_SAMPLE]
+    single = sum(record_batch_bytes(encode("bench-bytes", "ipv", i, pa.Table.from_pylist([row]), key), device_key,
+                                    "zstd") for i, row in enumerate(sample)) / len(sample)
+    logged = None
+    if broker_dir is not None:
+        stop_broker()
+        try:
+            logged = broker_log_bytes(broker_dir, [feature_topic, naive_topic])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log(f"could not read the broker's log ({type(exc).__name__}: {exc}); using rebuilt batch sizes")
+    method, wire, naive_method, naive_wire, cross_check = "rebuilt", rebuilt["zstd"], "rebuilt", naive_rebuilt, None
+    if logged and feature_topic in logged:
+        method, wire = "broker_log", logged[feature_topic][1]
+        cross_check = {"feature_rebuilt_bytes": rebuilt["zstd"], "feature_broker_log_bytes": wire,
+                       "feature_broker_log_batches": logged[feature_topic][0]}
+        if naive_topic in logged:
+            naive_method, naive_wire = "broker_log", logged[naive_topic][1]
+            cross_check.update({"naive_rebuilt_bytes": naive_rebuilt, "naive_broker_log_bytes": naive_wire,
+                                "naive_broker_log_batches": logged[naive_topic][0]})
+
+    records = list(TaobaoBehaviorSource(TAOBAO_SAMPLE))
+    rejected_lines = {r.line for r in records if not isinstance(r, Event)}
+    with open(TAOBAO_SAMPLE, "rb") as f:
+        raw_lines = [line.rstrip(b"\r\n") for line in f if line.strip()]
+    consumed = [line for n, line in enumerate(raw_lines, start=1) if n not in rejected_lines]
+    raw = sum(len(line) + 1 for line in consumed)
+    import zstandard
+
+    raw_zstd = len(zstandard.ZstdCompressor().compress(b"\n".join(consumed) + b"\n"))
+    return {
+        "bytes_saved_fraction": round(1 - wire / raw, 4),
+        "raw_csv_bytes": raw,
+        "raw_csv_lines": len(consumed),
+        "feature_rows": len(rows),
+        "feature_wire_bytes": wire,
+        "wire_bytes_method": method,
+        "feature_batches": len(acked),
+        "feature_envelope_bytes": sum(len(v) for v, _ in acked),
+        "feature_wire_bytes_by_codec": rebuilt,
+        "naive_json_wire_bytes": naive_wire,
+        "naive_wire_bytes_method": naive_method,
+        "bytes_saved_fraction_naive_json": round(1 - naive_wire / raw, 4),
+        "tunnel_vs_naive_bytes_ratio": round(wire / naive_wire, 4),
+        "raw_csv_zstd_bytes": raw_zstd,
+        "bytes_saved_fraction_vs_raw_zstd": round(1 - wire / raw_zstd, 4),
+        "one_row_per_envelope_wire_bytes_per_row": round(single, 1),
+        "bytes_saved_fraction_one_row_per_envelope": round(1 - single * len(rows) / raw, 4),
+        "feature_rows_via": how,
+        "rebuilt_vs_broker_log": cross_check,
+    }
+
+
+# -- latency and throughput ---------------------------------------------------------------------------
+def paced(sink: TunnelSink, table: str, vectors: np.ndarray, rnd: int) -> float:
+    """Write one row per 1/RATE s (absolute schedule); the achieved rows/s."""
+    period = 1.0 / RATE
+    start = time.perf_counter() + period
+    for i, vec in enumerate(vectors):
+        delay = start + i * period - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        sink.write(table, [{"user_id": f"u{i % 64}", "rnd": rnd, "i": i, "produced_at": time.time(), "vec": vec}])
+    return (len(vectors) - 1) / max(1e-9, time.perf_counter() - start)
+
+
+def row_times(db: Path, table: str, commits: dict[datetime, float],
+              acks: list[tuple[int, int, float, float]]) -> list[tuple[int, float, float, float, float, float]]:
+    """Per stored row: (round, produced, sealed, acked, transaction start = ingested_at, committed), epoch seconds."""
+    batch_of = {seq: (sealed, acked) for first, n, sealed, acked in acks for seq in range(first, first + n)}
+    with duckdb.connect(str(db), read_only=True) as con:
+        rows = con.execute(f'SELECT seq, rnd, produced_at, ingested_at FROM "{table}"').fetchall()
+    out = []
+    for seq, rnd, produced_at, ingested_at in rows:
+        if ingested_at not in commits or seq not in batch_of:
+            raise RuntimeError(f"row {seq} of {table} has no recorded commit or ack time")
+        sealed, acked = batch_of[seq]
+        out.append((rnd, produced_at, sealed, acked, ingested_at.replace(tzinfo=UTC).timestamp(), commits[ingested_at]))
+    return out
+
+
+def ms(values: list[float], q: float) -> float:
+    return round(percentile(sorted(values), q) * 1e3, 2)
+
+
+def ipv_like_rows(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    return [rows[i % len(rows)] for i in range(n)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args("The Kafka tunnel on loopback: latency, throughput, bytes on the wire vs raw events.", argv)
+    quick = args.quick
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    run_id = uuid.uuid4().hex[:8]
+    load_start = os.getloadavg()[0]
+    tmp = Path(tempfile.mkdtemp(prefix="streamflow-bench-tunnel-"))
+    brokers: list[Any] = []
+    clouds: list[Cloud] = []
+    sinks: list[TunnelSink] = []
+    try:
+        bootstrap = os.environ.get("STREAMFLOW_KAFKA_BOOTSTRAP")
+        bytes_broker_dir = None
+        if bootstrap:
+            log(f"broker: {bootstrap} (STREAMFLOW_KAFKA_BOOTSTRAP)")
+            bytes_bootstrap = bootstrap
+        else:
+            from tests.kafka_broker import LocalBroker
+
+            brokers.append(LocalBroker(tmp / "broker").up())
+            bytes_broker_dir = tmp / "bytes_broker"
+            brokers.append(LocalBroker(bytes_broker_dir).up())
+            bootstrap, bytes_bootstrap = brokers[0].bootstrap, brokers[1].bootstrap
+            log(f"broker: noida-db on {bootstrap}; bytes phase on a private one at {bytes_bootstrap}")
+        registry = KeyRegistry(tmp / "keys.json")
+        keys = {d: registry.add(d) for d in ("bench-lat-3kb", "bench-lat-30kb", "bench-tput", "bench-bytes")}
+        tunnel_topic, naive_topic = f"bench.tunnel.{run_id}", f"bench.naive.{run_id}"
+        for topic in (tunnel_topic, naive_topic):
+            ensure_topic(bootstrap, topic)
+        cloud = Cloud("tunnel", tmp / "cloud.duckdb", registry.path, bootstrap, tunnel_topic, f"bench-cloud-{run_id}")
+        naive_cloud = Cloud("naive", tmp / "naive.duckdb", registry.path, bootstrap, naive_topic,
+                            f"bench-naive-{run_id}")
+        clouds += [cloud, naive_cloud]
+
+        # bytes (while the cloud processes start)
+        job = load_job(JOB_FILE)
+        log("bytes: the IPV job over the sample through a tunnel sink and through the naive producer")
+        stop_bytes_broker = (lambda: brokers[1].down()) if bytes_broker_dir is not None else None
+        byte_metrics = measure_bytes(job, bytes_bootstrap, bytes_broker_dir, stop_bytes_broker, tmp,
+                                     keys["bench-bytes"], run_id, send_naive_rows=not quick)
+        b = byte_metrics
+        log(f"  raw CSV {b['raw_csv_bytes']:,} B, features on the wire {b['feature_wire_bytes']:,} B "
+            f"({b['wire_bytes_method']}), naive JSON {b['naive_json_wire_bytes']:,} B: "
+            f"saved {b['bytes_saved_fraction']:.1%}")
+        with duckdb.connect(str(tmp / "bytes_device.duckdb"), read_only=True) as con:
+            ipv_rows = con.sql("SELECT * FROM ipv").to_arrow_table().to_pylist()
+
+        # sinks and warm-up
+        acks: dict[str, list[tuple[int, int, float, float]]] = {kind: [] for kind in DIMS}
+        lat_sinks = {kind: TunnelSink(f"bench-lat-{kind}", keys[f"bench-lat-{kind}"], tmp / f"lat_{kind}.spool",
+                                      topic=tunnel_topic, bootstrap=bootstrap,
+                                      on_ack=lambda e, k=kind: acks[k].append((e.first_seq, e.n_rows, e.sealed_at,
+                                                                               time.time())))
+                     for kind in DIMS}
+        tput = TunnelSink("bench-tput", keys["bench-tput"], tmp / "tput.spool", topic=tunnel_topic,
+                          bootstrap=bootstrap)
+        sinks += [*lat_sinks.values(), tput]
+        linger_s, batch_rows = tput.linger_s, tput.batch_rows
+        rng = np.random.default_rng(args.seed)
+        cloud.resume()
+        for kind, sink in lat_sinks.items():
+            paced(sink, "warmup", rng.standard_normal((WARMUP_ROWS, DIMS[kind]), dtype=np.float32), -1)
+        for row in ipv_like_rows(ipv_rows, 1000):
+            tput.write("warmup_tput", [row])
+        tput.flush()
+        cloud.wait_stored(2 * WARMUP_ROWS + 1000)
+        producer = naive_producer(bootstrap)
+        naive_cloud.resume()
+        send_naive(producer, naive_topic, b"bench-tput", ipv_like_rows(ipv_rows, 1000))
+        naive_cloud.wait_stored(1000)
+        log(f"warm-up done; sink linger_s={linger_s}, batch_rows={batch_rows}")
+
+        # throughput rounds (tunnel, naive alternating)
+        n_rows, n_naive = THROUGHPUT_ROWS[quick], NAIVE_ROWS[quick]
+        rows, naive_rows = ipv_like_rows(ipv_rows, n_rows), ipv_like_rows(ipv_rows, n_naive)
+        rates, acked_rates, naive_rates = [], [], []
+        for _ in progress(range(args.rounds), f"throughput rounds ({n_rows:,} tunnel / {n_naive:,} naive rows)",
+                          total=args.rounds):
+            cloud.resume()
+            started = time.time()
+            for row in rows:
+                tput.write("ipv", [row])
+            tput.flush()
+            if not tput.wait_delivered(WAIT_S):
+                raise RuntimeError("the tunnel sink did not deliver the throughput rows")
+            acked = time.time()
+            stored = cloud.wait_stored(n_rows)
+            rates.append(n_rows / (stored - started))
+            acked_rates.append(n_rows / (acked - started))
+            naive_cloud.resume()
+            started = time.time()
+            send_naive(producer, naive_topic, b"bench-tput", naive_rows)
+            naive_rates.append(n_naive / (naive_cloud.wait_stored(n_naive) - started))
+            log(f"  tunnel {rates[-1]:,.0f} rows/s stored ({acked_rates[-1]:,.0f} acked), "
+                f"naive {naive_rates[-1]:,.0f} rows/s stored")
+
+        # latency rounds: every 3 KB round, then every 30 KB round (see the module docstring for why)
+        n_paced = int(LATENCY_SECONDS[quick] * RATE)
+        achieved: dict[str, list[float]] = {kind: [] for kind in DIMS}
+        for kind, sink in lat_sinks.items():
+            for rnd in progress(range(args.rounds), f"{kind} latency rounds ({n_paced} rows at {RATE:.0f}/s)",
+                                total=args.rounds):
+                vectors = rng.standard_normal((n_paced, DIMS[kind]), dtype=np.float32)
+                cloud.resume()
+                achieved[kind].append(paced(sink, f"lat_{kind}", vectors, rnd))
+                cloud.wait_stored(n_paced)
+        producer.close(timeout=5)
+        tput_batches = tput.stats.batches_acked
+        for sink in sinks:
+            sink.close(timeout_s=10)
+        sinks.clear()
+        for c in clouds:
+            c.close()
+        if cloud.stats.get("duplicates") or cloud.stats.get("dead"):
+            log(f"cloud consumer: {cloud.stats}")
+        lat = {kind: row_times(cloud.db, f"lat_{kind}", cloud.commits, acks[kind]) for kind in DIMS}
+    finally:
+        for sink in sinks:
+            sink.close(timeout_s=2)
+        for c in clouds:
+            if c.process.is_alive():
+                c.close()
+        for broker in brokers:
+            if broker.listening():
+                broker.down()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    metrics: dict[str, Any] = {}
+    for kind in DIMS:
+        total = [committed - produced for _, produced, _, _, _, committed in lat[kind]]
+        metrics[f"p50_ms_{kind}"] = ms(total, 50)
+        metrics[f"p99_ms_{kind}"] = ms(total, 99)
+    metrics["rows_per_s"] = round(median(rates))
+    metrics["bytes_saved_fraction"] = byte_metrics.pop("bytes_saved_fraction")
+    metrics["target_p99_3kb_50ms_met"] = metrics["p99_ms_3kb"] <= 50.0
+    metrics["target_bytes_saved_95_met"] = metrics["bytes_saved_fraction"] >= 0.95
+    for kind in DIMS:
+        rows_ = lat[kind]
+        total = [committed - produced for _, produced, _, _, _, committed in rows_]
+        by_round: dict[int, list[float]] = {}
+        for (rnd, *_), seconds in zip(rows_, total, strict=True):
+            by_round.setdefault(rnd, []).append(seconds)
+        metrics[f"p999_ms_{kind}"] = ms(total, 99.9)
+        metrics[f"max_ms_{kind}"] = round(max(total) * 1e3, 2)
+        metrics[f"p99_ms_{kind}_rounds"] = [ms(by_round[r], 99) for r in sorted(by_round)]
+        ingested = [start - produced for _, produced, _, _, start, _ in rows_]
+        metrics[f"p50_ms_{kind}_ingested_at"] = ms(ingested, 50)
+        metrics[f"p99_ms_{kind}_ingested_at"] = ms(ingested, 99)
+        # where the time goes, per row: [p50, p99] of each stage
+        stages = {"produced_to_sealed": [s - p for _, p, s, _, _, _ in rows_],
+                  "sealed_to_acked": [a - s for _, _, s, a, _, _ in rows_],
+                  "acked_to_txn_start": [t - a for _, _, _, a, t, _ in rows_],
+                  "txn_start_to_commit": [c - t for _, _, _, _, t, c in rows_]}
+        metrics[f"stages_ms_{kind}"] = {name: [ms(v, 50), ms(v, 99)] for name, v in stages.items()}
+        metrics[f"latency_samples_{kind}"] = len(total)
+        metrics[f"rows_per_batch_{kind}"] = round(len(total) / max(1, len({s for _, _, s, _, _, _ in rows_})), 2)
+        metrics[f"paced_rows_per_s_{kind}"] = round(median(achieved[kind]), 1)
+    metrics.update({
+        "payload_bytes": {kind: dims * 4 for kind, dims in DIMS.items()},
+        "device_acked_rows_per_s": round(median(acked_rates)),
+        "naive_json_rows_per_s": round(median(naive_rates)),
+        "tunnel_vs_naive_rows_per_s": round(median(rates) / median(naive_rates), 2),
+        "throughput_rows": n_rows,
+        "naive_rows": n_naive,
+        "throughput_batches": tput_batches,
+        **byte_metrics,
+        "linger_s": linger_s,
+        "batch_rows": batch_rows,
+        "compression": "zstd",
+        "broker": "STREAMFLOW_KAFKA_BOOTSTRAP" if os.environ.get("STREAMFLOW_KAFKA_BOOTSTRAP") else "noida-db",
+        "rounds": args.rounds,
+        "loadavg_1m_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
+        "cpu_count": cpu_count(),
+        "quick": quick,
+    })
+    finish("tunnel", metrics)
+
+
+if __name__ == "__main__":
+    main()
