@@ -7,9 +7,10 @@
 
 Guarantees:
 
-- **Ordered.** Every message is keyed by the device id, so one device's batches share a partition;
-  the sender has one batch in flight and sends the spool oldest first, so the topic holds them in
-  sequence order (a resend after an unanswered request can repeat a batch; the cloud drops the
+- **Ordered.** Sequence numbers are per device, across its tables; a table's rows are numbered in
+  the order they were written. Every message is keyed by the device id, so one device's batches
+  share a partition; the sender has one batch in flight and sends the spool oldest first, so the
+  topic holds them in sequence order (a resend after an unanswered request can repeat a batch; the cloud drops the
   repeat by (device, seq)).
 - **Never lost once sealed.** A batch is on disk before it is sent and leaves the spool only after
   the broker acknowledged it (``acks=all``). While the broker is unreachable, batches pile up in the
@@ -94,7 +95,7 @@ class TunnelSink:
         self._device_key = device.encode()
         self._on_refused = on_refused
         self._on_ack = on_ack
-        self._pending: list[tuple[str, RowBuffer]] = []  # open batch, per table in write order
+        self._pending: dict[str, RowBuffer] = {}  # the open batch, per table
         self._pending_rows = 0
         self._pending_since = 0.0
         self._lock = threading.Lock()
@@ -111,25 +112,26 @@ class TunnelSink:
     # -- the device side -------------------------------------------------------------------------
     def write(self, table: str, rows: Iterable[Mapping[str, Any]]) -> None:
         """Queue ``rows`` of ``table``; they are sealed within ``linger_s`` or when ``batch_rows`` are queued."""
-        check_table_name(table)
         with self._lock:
             if self._closing:
                 raise RuntimeError("tunnel sink is closed")
-            if not self._pending or self._pending[-1][0] != table:
-                self._pending.append((table, RowBuffer()))
-            buffer = self._pending[-1][1]
+            buffer = self._pending.get(table)
+            if buffer is None:
+                buffer = self._pending[check_table_name(table)] = RowBuffer()
             before = buffer.n
             buffer.extend(rows)
             added = buffer.n - before
             if not added:
                 return
-            if not self._pending_rows:
-                self._pending_since = time.monotonic()
-            self._pending_rows += added
             self.stats.rows_written += added
+            first = not self._pending_rows
+            self._pending_rows += added
             if self._pending_rows >= self.batch_rows:
                 self._seal_locked()
-            self._wake.notify()
+                self._wake.notify()
+            elif first:  # the sender times the linger from now on
+                self._pending_since = time.monotonic()
+                self._wake.notify()
 
     def flush(self) -> None:
         """Seal what is queued now (it is then durable in the spool)."""
@@ -165,25 +167,41 @@ class TunnelSink:
 
     # -- sealing ---------------------------------------------------------------------------------
     def _seal_locked(self) -> None:
-        pending, self._pending, self._pending_rows = self._pending, [], 0
-        for table, buffer in pending:
-            for rows in buffer.to_arrow():
-                self._seal_table(table, rows, buffer)
+        pending, self._pending, self._pending_rows = self._pending, {}, 0
+        for table, buffer in pending.items():
+            try:
+                tables = buffer.to_arrow()
+            except (pa.ArrowException, TypeError, ValueError):
+                tables = self._rows_one_by_one(table, buffer)  # values whose types clash within a column
+            for rows in tables:
+                self._seal_table(table, rows)
 
-    def _seal_table(self, table: str, rows: pa.Table, buffer: RowBuffer) -> None:
+    def _rows_one_by_one(self, table: str, buffer: RowBuffer) -> list[pa.Table]:
+        """Each row as a table of its own; a row Arrow cannot take at all is refused with the reason."""
+        tables = []
+        for row in buffer.rows():
+            single = RowBuffer()
+            single.extend([row])
+            try:
+                tables += single.to_arrow()
+            except (pa.ArrowException, TypeError, ValueError) as exc:
+                self._refuse(table, [row], f"row cannot be encoded: {type(exc).__name__}: {exc}")
+        return tables
+
+    def _seal_table(self, table: str, rows: pa.Table) -> None:
         sealed_at = time.time()
         try:
             self.spool.seal(table, rows.num_rows, lambda seq: self._envelope(table, seq, rows), sealed_at=sealed_at)
         except _TooBig:
             if rows.num_rows > 1:
                 half = rows.num_rows // 2
-                self._seal_table(table, rows.slice(0, half), buffer)
-                self._seal_table(table, rows.slice(half), buffer)
+                self._seal_table(table, rows.slice(0, half))
+                self._seal_table(table, rows.slice(half))
             else:
-                self._refuse(table, rows, f"row is larger than the {MAX_ENVELOPE_BYTES}-byte message limit")
+                self._refuse(table, rows.to_pylist(), f"row is larger than the {MAX_ENVELOPE_BYTES}-byte message limit")
             return
         except SpoolFull as exc:
-            self._refuse(table, rows, f"tunnel spool full: {exc}")
+            self._refuse(table, rows.to_pylist(), f"tunnel spool full: {exc}")
             return
         self.stats.rows_sealed += rows.num_rows
 
@@ -193,15 +211,15 @@ class TunnelSink:
             raise _TooBig
         return value
 
-    def _refuse(self, table: str, rows: pa.Table, reason: str) -> None:
-        self.stats.rows_refused += rows.num_rows
+    def _refuse(self, table: str, rows: list[dict[str, Any]], reason: str) -> None:
+        self.stats.rows_refused += len(rows)
         if self.stats.rows_refused >= 2 * self._refused_warned_at:
             self._refused_warned_at = self.stats.rows_refused
             log.warning("TUNNEL IS REFUSING ROWS (%d so far): %s; they go to the dead-letter place, not to the cloud",
                         self.stats.rows_refused, reason)
         if self._on_refused is None:
-            raise RuntimeError(f"tunnel refused {rows.num_rows} rows of {table}: {reason}")
-        self._on_refused(table, rows.to_pylist(), reason)
+            raise RuntimeError(f"tunnel refused {len(rows)} rows of {table}: {reason}")
+        self._on_refused(table, rows, reason)
 
     # -- sending ---------------------------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -213,7 +231,8 @@ class TunnelSink:
                 if self._closing:
                     return  # close() waited for delivery; what is left stays spooled for the next run
                 if not self.spool.batches_pending:
-                    self._wake.wait(self.linger_s if self._pending_rows else 0.5)
+                    due = self._pending_since + self.linger_s - time.monotonic() if self._pending_rows else 0.5
+                    self._wake.wait(max(0.0, due))
                     continue
             entry = self.spool.oldest(1)[0]
             try:
