@@ -104,16 +104,35 @@ def test_spool_keeps_batches_and_the_counter_across_reopen_and_refuses_past_its_
 
 
 # -- cloud store -----------------------------------------------------------------------------------
-def test_store_dedupes_rows_by_device_and_seq_even_in_overlapping_batches(tmp_path):
+def test_store_drops_exact_repeats_and_dead_letters_other_rows_under_stored_numbers(tmp_path):
+    signed = decode(encode("phone-1", "ipv", 0, ROWS, KEY), KEYS)
     with CloudStore(tmp_path / "c.duckdb") as store:
-        assert store.apply([Batch("phone-1", "ipv", 0, ROWS)], []).stored == 3
-        overlapping = pa.table({"user_id": ["u1", "u3", "u3"], "item_id": [9, 10, 11], "dwell_s": [3.0, 4.0, 5.0]})
-        result = store.apply([Batch("phone-1", "ipv", 2, overlapping), Batch("phone-1", "ipv", 2, overlapping),
-                              Batch("phone-2", "ipv", 0, ROWS)], [])
-        assert (result.stored, result.duplicates) == (2 + 3, 1 + 3)
+        assert store.apply([signed], []).stored == 3
+        assert (store.apply([signed]).duplicates, store.apply([signed]).stored) == (3, 0)  # a resend
+        other = pa.table({"user_id": ["u1", "u3", "u3"], "item_id": [9, 10, 11], "dwell_s": [3.0, 4.0, 5.0]})
+        overlapping = decode(encode("phone-1", "ipv", 2, other, KEY), KEYS)   # seq 2 is taken
+        same_numbers = decode(encode("phone-1", "ipv", 0, other, KEY), KEYS)  # a wiped device starting over
+        next_ok = decode(encode("phone-1", "ipv", 3, other, KEY), KEYS)
+        result = store.apply([overlapping, same_numbers, next_ok, next_ok, Batch("phone-2", "ipv", 0, ROWS)])
+        assert (result.stored, result.duplicates) == (3 + 3, 3)
+        assert [(d.reason, d.device) for d in result.dead_letters] == [("seq_reused", "phone-1")] * 2
         assert store.query("SELECT device_id, seq, item_id FROM ipv ORDER BY device_id, seq") == [
-            ("phone-1", 0, 7), ("phone-1", 1, 8), ("phone-1", 2, 9), ("phone-1", 3, 10), ("phone-1", 4, 11),
-            ("phone-2", 0, 7), ("phone-2", 1, 8), ("phone-2", 2, 9)]
+            ("phone-1", 0, 7), ("phone-1", 1, 8), ("phone-1", 2, 9), ("phone-1", 3, 9), ("phone-1", 4, 10),
+            ("phone-1", 5, 11), ("phone-2", 0, 7), ("phone-2", 1, 8), ("phone-2", 2, 9)]
+        assert store.query("SELECT count(*) FROM tunnel_dead_letter WHERE reason = 'seq_reused'") == [(2,)]
+
+
+def test_a_batch_the_tables_refuse_becomes_a_dead_letter_and_the_others_are_stored(tmp_path):
+    with CloudStore(tmp_path / "c.duckdb") as store:
+        store.apply([Batch("phone-1", "t", 0, pa.table({"user_id": ["u"], "n": [1]}))])
+        clash = open_message("topic", 0, 7, encode("phone-1", "t", 1, pa.table({"user_id": ["u"], "n": ["x"]}), KEY),
+                             KEYS)
+        fine = Batch("phone-1", "t", 2, pa.table({"user_id": ["v"], "n": [2]}))
+        result = store.apply([clash, fine], [], {("topic", 0): 8})
+        assert result.stored == 1 and [(d.reason, d.offset) for d in result.dead_letters] == [("unstorable", 7)]
+        assert "refused the batch" in result.dead_letters[0].detail and result.dead_letters[0].raw
+        assert store.query("SELECT seq, n FROM t ORDER BY seq") == [(0, 1), (2, 2)]
+        assert store.offsets("topic") == {0: 8}
 
 
 def test_online_table_keeps_the_newest_row_per_key_whatever_the_arrival_order(tmp_path):

@@ -332,8 +332,8 @@ def test_garbage_old_versions_forgeries_and_strangers_are_dead_lettered_and_cons
     with duckdb.connect(str(tmp_path / "cloud.duckdb"), read_only=True) as con:
         stored_dead = con.execute("SELECT kafka_offset, reason, device_id FROM tunnel_dead_letter "
                                   "ORDER BY kafka_offset").fetchall()
-        assert con.execute("SELECT kafka_partition, next_offset FROM tunnel_offsets WHERE topic = ?",
-                           [topic]).fetchall() == [(0, 9)]
+        assert con.execute("SELECT kafka_partition, max(next_offset) FROM tunnel_offsets WHERE topic = ? "
+                           "GROUP BY ALL", [topic]).fetchall() == [(0, 9)]
     assert stored_dead == [(1, "garbage", None), (2, "garbage", None), (3, "bad_version", None),
                            (4, "bad_signature", "phone-1"), (5, "unknown_device", "phone-9"), (7, "garbage", None)]
 

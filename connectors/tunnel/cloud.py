@@ -50,7 +50,7 @@ import duckdb
 import pyarrow as pa
 
 from connectors.storage import check_table_name, ensure_columns
-from connectors.tunnel.envelope import Batch, EnvelopeError, decode
+from connectors.tunnel.envelope import Batch, EnvelopeError, Origin, decode
 from connectors.tunnel.kafka import CLIENT_TIMEOUTS, DEFAULT_TOPIC, bootstrap_servers, dead_letter_topic, ensure_topic
 from connectors.tunnel.keys import KeyRegistry
 
@@ -58,11 +58,13 @@ log = logging.getLogger("streamflow.cloud")
 
 DEAD_LETTER_TABLE = "tunnel_dead_letter"
 _META_COLUMNS = ("device_id", "seq", "ingested_at")
+#: What the tables can refuse a batch with (e.g. a value whose type clashes with its column's).
+_STORE_ERRORS = (duckdb.Error, pa.ArrowException, ValueError, TypeError)
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS tunnel_batches (device_id VARCHAR, first_seq BIGINT, n_rows INTEGER, table_name VARCHAR,
-                                           ingested_at TIMESTAMP);
-CREATE TABLE IF NOT EXISTS tunnel_offsets (topic VARCHAR, kafka_partition INTEGER, next_offset BIGINT,
-                                           PRIMARY KEY (topic, kafka_partition));
+CREATE TABLE IF NOT EXISTS tunnel_batches (device_id VARCHAR, first_seq BIGINT, n_rows BIGINT, mac BLOB,
+                                           table_name VARCHAR, ingested_at TIMESTAMP);
+-- append-only: one row per partition per transaction (cheaper than an upsert); the next offset is the max
+CREATE TABLE IF NOT EXISTS tunnel_offsets (topic VARCHAR, kafka_partition INTEGER, next_offset BIGINT);
 CREATE TABLE IF NOT EXISTS tunnel_dead_letter (topic VARCHAR, kafka_partition INTEGER, kafka_offset BIGINT,
                                                device_id VARCHAR, reason VARCHAR, detail VARCHAR, raw BLOB,
                                                refused_at TIMESTAMP);
@@ -84,9 +86,15 @@ class DeadLetter:
 
 @dataclass
 class ApplyResult:
+    """What one :meth:`CloudStore.apply` stored: rows, repeated rows dropped, and every dead letter it stored."""
+
     stored: int = 0
     duplicates: int = 0
-    dead: int = 0
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+
+    @property
+    def dead(self) -> int:
+        return len(self.dead_letters)
 
 
 @dataclass
@@ -114,102 +122,167 @@ class CloudStore:
         self._con = duckdb.connect(str(self.path))
         self._con.execute(_SCHEMA)
         self._columns: dict[str, set[str]] = {}
+        self._online_keys: dict[str, list[str]] = {}
         self._lock = threading.Lock()
 
-    def apply(self, batches: Sequence[Batch], dead: Sequence[DeadLetter],
+    def apply(self, batches: Sequence[Batch], dead: Sequence[DeadLetter] = (),
               offsets: dict[tuple[str, int], int] | None = None) -> ApplyResult:
-        """Store ``batches`` (minus rows already stored), ``dead`` and ``offsets`` in one transaction."""
-        result = ApplyResult(dead=len(dead))
-        now = datetime.now(UTC).replace(tzinfo=None)
+        """Store ``batches`` (but repeats), ``dead`` and ``offsets`` in one transaction.
+
+        If the tables refuse the batches together (a column whose type changed, say), each batch is
+        stored alone and those still refused become ``unstorable`` dead letters.
+        """
         with self._lock:
-            con = self._con
-            con.execute("BEGIN")
             try:
-                for batch, keep in self._new_rows(batches):
-                    rows = batch.rows if keep is None else batch.rows.filter(keep)
-                    result.duplicates += batch.rows.num_rows - rows.num_rows
-                    if rows.num_rows:
-                        seqs = batch.seqs if keep is None else [s for s, k in zip(batch.seqs, keep, strict=True) if k]
-                        self._store(batch, rows, seqs, now)
-                        result.stored += rows.num_rows
-                    con.execute("INSERT INTO tunnel_batches VALUES (?, ?, ?, ?, ?)",
-                                [batch.device, batch.first_seq, batch.rows.num_rows, batch.table, now])
-                if dead:
-                    con.executemany("INSERT INTO tunnel_dead_letter VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [
-                        [d.topic, d.partition, d.offset, d.device, d.reason, d.detail[:2000], d.raw, now]
-                        for d in dead])
-                if offsets:
-                    con.executemany("INSERT OR REPLACE INTO tunnel_offsets VALUES (?, ?, ?)",
-                                    [[t, p, o] for (t, p), o in offsets.items()])
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                self._columns.clear()  # a rolled-back CREATE/ALTER: re-read the tables next time
-                raise
+                return self._transaction(batches, dead, offsets)
+            except _STORE_ERRORS:
+                result = ApplyResult()
+                refused = []
+                for batch in batches:
+                    try:
+                        one = self._transaction([batch], (), None)
+                    except _STORE_ERRORS as exc:
+                        refused.append(_dead_letter(batch, "unstorable", f"table {batch.table} refused the batch: "
+                                                                         f"{type(exc).__name__}: {exc}"))
+                        continue
+                    result.stored += one.stored
+                    result.duplicates += one.duplicates
+                    result.dead_letters += one.dead_letters
+                result.dead_letters += self._transaction((), [*dead, *refused], offsets).dead_letters
+                return result
+
+    def _transaction(self, batches: Sequence[Batch], dead: Sequence[DeadLetter],
+                     offsets: dict[tuple[str, int], int] | None) -> ApplyResult:
+        con = self._con
+        now = datetime.now(UTC).replace(tzinfo=None)
+        con.execute("BEGIN")
+        try:
+            fresh, repeats, reused = self._classify(batches, now)
+            result = ApplyResult(duplicates=sum(b.rows.num_rows for b in repeats), dead_letters=[*dead, *reused])
+            by_table: dict[str, list[Batch]] = {}
+            for batch in fresh:
+                by_table.setdefault(batch.table, []).append(batch)
+            for table, group in by_table.items():
+                result.stored += self._store(table, group, now)
+            if result.dead_letters:
+                con.executemany("INSERT INTO tunnel_dead_letter VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [
+                    [d.topic, d.partition, d.offset, d.device, d.reason, d.detail[:2000], d.raw, now]
+                    for d in result.dead_letters])
+            if offsets:
+                con.execute("INSERT INTO tunnel_offsets VALUES " + ", ".join(["(?, ?, ?)"] * len(offsets)),
+                            [v for (t, p), o in offsets.items() for v in (t, p, o)])
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            self._columns.clear()  # a rolled-back CREATE/ALTER: re-read the tables next time
+            self._online_keys.clear()
+            raise
         return result
 
-    def _new_rows(self, batches: Sequence[Batch]) -> list[tuple[Batch, list[bool] | None]]:
-        """Each batch with a keep-mask of the rows not stored yet (None: keep all)."""
-        if not batches:
-            return []
-        ranges = pa.table({"i": list(range(len(batches))), "device_id": [b.device for b in batches],
-                           "f": [b.first_seq for b in batches], "l": [b.last_seq for b in batches]})
-        self._con.register("_sf_ranges", ranges)
-        try:
-            overlaps = self._con.execute(
-                "SELECT r.i, b.first_seq, b.n_rows FROM _sf_ranges r JOIN tunnel_batches b "
-                "ON b.device_id = r.device_id AND b.first_seq <= r.l AND b.first_seq + b.n_rows - 1 >= r.f").fetchall()
-        finally:
-            self._con.unregister("_sf_ranges")
-        stored: dict[int, list[tuple[int, int]]] = {}
-        for i, first, n in overlaps:
-            stored.setdefault(i, []).append((first, first + n - 1))
-        seen: dict[str, list[tuple[int, int]]] = {}  # within this call: a batch repeated in one poll
-        out = []
-        for i, batch in enumerate(batches):
-            taken = stored.get(i, []) + seen.setdefault(batch.device, [])
-            if taken:
-                keep = [not any(a <= s <= b for a, b in taken) for s in batch.seqs]
-                out.append((batch, None if all(keep) else keep))
-            else:
-                out.append((batch, None))
-            seen[batch.device].append((batch.first_seq, batch.last_seq))
-        return out
+    def _classify(self, batches: Sequence[Batch], now: datetime) -> tuple[list[Batch], list[Batch], list[DeadLetter]]:
+        """New batches (recorded in ``tunnel_batches`` here), exact repeats, and batches reusing stored numbers.
 
-    def _store(self, batch: Batch, rows: pa.Table, seqs: Sequence[int], now: datetime) -> None:
-        table = check_table_name(batch.table)
-        if table.startswith("tunnel_") or table.endswith("_online"):
-            raise ValueError(f"table name {table!r} is reserved for the tunnel's own tables")
-        rows = rows.drop_columns([c for c in _META_COLUMNS if c in rows.column_names])
-        n = rows.num_rows
-        meta = pa.table({"device_id": pa.array([batch.device] * n, pa.string()), "seq": pa.array(seqs, pa.int64()),
-                         "ingested_at": pa.array([now] * n, pa.timestamp("us"))})
-        full = pa.Table.from_arrays(meta.columns + rows.columns, names=meta.column_names + rows.column_names)
+        A device resends a batch byte for byte (same first seq, rows and signature): that is a repeat,
+        dropped. Any other overlap with stored numbers means the device numbered different rows the
+        same (its spool was wiped, say): those rows are dead-lettered as ``seq_reused``, never dropped
+        as if they were repeats.
+        """
+        if not batches:
+            return [], [], []
+        ranges = pa.table({"i": pa.array(range(len(batches)), pa.int64()),
+                           "device_id": pa.array([b.device for b in batches], pa.string()),
+                           "first_seq": pa.array([b.first_seq for b in batches], pa.int64()),
+                           "n_rows": pa.array([b.rows.num_rows for b in batches], pa.int64()),
+                           "mac": pa.array([b.mac for b in batches], pa.binary()),
+                           "table_name": pa.array([b.table for b in batches], pa.string())})
+        con = self._con
+        con.register("_sf_ranges", ranges)
+        try:
+            overlaps = con.execute(
+                "SELECT r.i, b.first_seq = r.first_seq AND b.n_rows = r.n_rows AND b.mac = r.mac FROM _sf_ranges r "
+                "JOIN tunnel_batches b ON b.device_id = r.device_id AND b.first_seq < r.first_seq + r.n_rows "
+                "AND b.first_seq + b.n_rows > r.first_seq").fetchall()
+            verdict = {i: same for i, same in overlaps}
+            seen: dict[str, list[Batch]] = {}  # earlier batches of this call
+            fresh, repeats, reused = [], [], []
+            for i, batch in enumerate(batches):
+                for other in seen.get(batch.device, ()):
+                    if other.first_seq < batch.first_seq + batch.rows.num_rows and \
+                            other.first_seq + other.rows.num_rows > batch.first_seq:
+                        verdict[i] = verdict.get(i, True) and (other.first_seq, other.rows.num_rows, other.mac) == \
+                            (batch.first_seq, batch.rows.num_rows, batch.mac)
+                if i not in verdict:
+                    fresh.append(batch)
+                    seen.setdefault(batch.device, []).append(batch)
+                elif verdict[i]:
+                    repeats.append(batch)
+                else:
+                    reused.append(_dead_letter(batch, "seq_reused", f"device {batch.device!r} sent other rows under "
+                                               f"seq {batch.first_seq}..{batch.last_seq}, already stored"))
+            keep = [i for i in range(len(batches)) if i not in verdict]
+            con.execute(f"INSERT INTO tunnel_batches SELECT device_id, first_seq, n_rows, mac, table_name, ? "
+                        f"FROM _sf_ranges WHERE i IN ({', '.join(map(str, keep)) or 'NULL'})", [now])
+        finally:
+            con.unregister("_sf_ranges")
+        return fresh, repeats, reused
+
+    def _store(self, table: str, batches: list[Batch], now: datetime) -> int:
+        """Append ``batches`` of one table to ``table`` and upsert them into ``<table>_online``; rows stored."""
+        table = check_table_name(table)
+        parts = []
+        for batch in batches:
+            rows = batch.rows.drop_columns([c for c in _META_COLUMNS if c in batch.rows.column_names])
+            n = rows.num_rows
+            meta = [pa.array([batch.device] * n, pa.string()), pa.array(batch.seqs, pa.int64()),
+                    pa.array([now] * n, pa.timestamp("us"))]
+            parts.append(pa.Table.from_arrays(meta + rows.columns, names=[*_META_COLUMNS, *rows.column_names]))
+        full = parts[0] if len(parts) == 1 else pa.concat_tables(parts, promote_options="default")
         con = self._con
         con.register("_sf_rows", full)
         try:
-            names = ", ".join(f'"{c}"' for c in full.column_names)
+            names = _quoted(full.column_names)
             ensure_columns(con, table, "_sf_rows", full.column_names, self._columns.setdefault(table, set()))
             con.execute(f'INSERT INTO "{table}" ({names}) SELECT {names} FROM _sf_rows')
-            online = f"{table}_online"
-            ensure_columns(con, online, "_sf_rows", full.column_names, self._columns.setdefault(online, set()))
-            key = ["device_id"] + [k for k in self.online_key if k in rows.column_names]
-            partition = ", ".join(f'"{k}"' for k in key)
-            same = " AND ".join(f'o."{k}" IS NOT DISTINCT FROM l."{k}"' for k in key)
-            con.execute(f"CREATE OR REPLACE TEMP VIEW _sf_latest AS SELECT * FROM _sf_rows "
-                        f"QUALIFY row_number() OVER (PARTITION BY {partition} ORDER BY seq DESC) = 1")
-            con.execute(f'DELETE FROM "{online}" o USING _sf_latest l WHERE {same} AND o.seq < l.seq')
-            con.execute(f'INSERT INTO "{online}" ({names}) SELECT {names} FROM _sf_latest l '
-                        f'WHERE NOT EXISTS (SELECT 1 FROM "{online}" o WHERE {same})')
+            self._upsert_online(f"{table}_online", full)
         finally:
-            con.execute("DROP VIEW IF EXISTS _sf_latest")
             con.unregister("_sf_rows")
+        return full.num_rows
+
+    def _upsert_online(self, online: str, full: pa.Table) -> None:
+        """The newest row (highest seq) per key wins; rows with a NULL key stay offline only."""
+        con = self._con
+        key = self._online_keys.get(online)
+        if key is None:
+            exists = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?",
+                                 [online]).fetchone()[0]
+            if not exists:
+                key = ["device_id"] + [k for k in self.online_key if k in full.column_names]
+                types = dict(con.execute("SELECT column_name, column_type FROM (DESCRIBE SELECT * FROM _sf_rows)")
+                             .fetchall())
+                columns = ", ".join(f'"{c}" {types[c]}' for c in full.column_names)
+                con.execute(f'CREATE TABLE "{online}" ({columns}, PRIMARY KEY ({_quoted(key)}))')
+            else:
+                key = [row[0] for row in con.execute(
+                    "SELECT unnest(constraint_column_names) FROM duckdb_constraints() "
+                    "WHERE table_name = ? AND constraint_type = 'PRIMARY KEY'", [online]).fetchall()]
+            self._online_keys[online] = key
+        known = self._columns.setdefault(online, set())
+        ensure_columns(con, online, "_sf_rows", full.column_names, known)
+        if any(k not in full.column_names for k in key):
+            return  # these rows lack a key column: offline only
+        names = _quoted(full.column_names)
+        not_null = " AND ".join(f'"{k}" IS NOT NULL' for k in key)
+        updates = ", ".join(f'"{c}" = excluded."{c}"' if c in full.column_names else f'"{c}" = NULL'
+                            for c in sorted(known) if c not in key)
+        con.execute(f'INSERT INTO "{online}" ({names}) SELECT {names} FROM _sf_rows WHERE {not_null} '
+                    f'QUALIFY row_number() OVER (PARTITION BY {_quoted(key)} ORDER BY seq DESC) = 1 '
+                    f'ON CONFLICT DO UPDATE SET {updates} WHERE excluded.seq > "{online}".seq')
 
     def offsets(self, topic: str) -> dict[int, int]:
         """Partition → next offset to consume, as stored with the rows."""
         with self._lock:
-            return dict(self._con.execute("SELECT kafka_partition, next_offset FROM tunnel_offsets WHERE topic = ?",
-                                          [topic]).fetchall())
+            return dict(self._con.execute("SELECT kafka_partition, max(next_offset) FROM tunnel_offsets "
+                                          "WHERE topic = ? GROUP BY ALL", [topic]).fetchall())
 
     def query(self, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
         with self._lock:
@@ -226,19 +299,26 @@ class CloudStore:
         self.close()
 
 
+def _quoted(names: Sequence[str]) -> str:
+    return ", ".join(f'"{n}"' for n in names)
+
+
+def _dead_letter(batch: Batch, reason: str, detail: str) -> DeadLetter:
+    origin = batch.origin or Origin("", -1, -1, b"")
+    return DeadLetter(origin.topic, origin.partition, origin.offset, reason, detail, batch.device, origin.raw)
+
+
 def open_message(topic: str, partition: int, offset: int, value: bytes | None, key_for: Any,
                  message_key: bytes | None = None) -> Batch | DeadLetter:
-    """A Kafka message as a verified :class:`Batch`, or as a :class:`DeadLetter` saying why not."""
+    """A Kafka message as a verified :class:`Batch` (with its origin), or as a :class:`DeadLetter` saying why not."""
     try:
-        batch = decode(value, key_for)
+        batch = replace(decode(value, key_for), origin=Origin(topic, partition, offset, bytes(value)))
     except EnvelopeError as exc:
         return DeadLetter(topic, partition, offset, exc.reason, str(exc), exc.device, bytes(value or b""))
     if message_key is not None and message_key != batch.device.encode():
-        return DeadLetter(topic, partition, offset, "bad_key", f"message key {message_key!r} is not the signed "
-                          f"device {batch.device!r}", batch.device, bytes(value))
+        return _dead_letter(batch, "bad_key", f"message key {message_key!r} is not the signed device {batch.device!r}")
     if batch.table.startswith("tunnel_") or batch.table.endswith("_online"):
-        return DeadLetter(topic, partition, offset, "bad_payload", f"reserved table name {batch.table!r}",
-                          batch.device, bytes(value))
+        return _dead_letter(batch, "bad_payload", f"reserved table name {batch.table!r}")
     return batch
 
 
@@ -302,64 +382,40 @@ class CloudConsumer:
         records = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
         if not records:
             return ApplyResult()
-        batches: list[tuple[Batch, DeadLetter]] = []  # with what it becomes if the store cannot take it
+        batches: list[Batch] = []
         dead: list[DeadLetter] = []
         offsets: dict[tuple[str, int], int] = {}
         key_for = self.registry.key_for
         for tp, messages in records.items():
             for m in messages:
                 opened = open_message(tp.topic, tp.partition, m.offset, m.value, key_for, m.key)
-                if isinstance(opened, Batch):
-                    batches.append((opened, DeadLetter(tp.topic, tp.partition, m.offset, "unstorable", "",
-                                                       opened.device, m.value)))
-                else:
-                    dead.append(opened)
+                (batches if isinstance(opened, Batch) else dead).append(opened)
             offsets[(tp.topic, tp.partition)] = messages[-1].offset + 1
-        try:
-            result = self.store.apply([b for b, _ in batches], dead, offsets)
-        except (duckdb.Error, pa.ArrowException, ValueError, TypeError):
-            result = self._apply_one_by_one(batches, dead, offsets)
-        self._after_store(records, dead, offsets, result)
+        result = self.store.apply(batches, dead, offsets)
+        self._after_store(sum(len(m) for m in records.values()), offsets, result)
         return result
 
-    def _apply_one_by_one(self, batches: list[tuple[Batch, DeadLetter]], dead: list[DeadLetter],
-                          offsets: dict[tuple[str, int], int]) -> ApplyResult:
-        """A poll the store refused as a whole: store its batches alone, dead-letter those it refuses."""
-        total = ApplyResult()
-        for batch, as_dead in batches:
-            try:
-                result = self.store.apply([batch], [])
-            except (duckdb.Error, pa.ArrowException, ValueError, TypeError) as exc:
-                dead.append(replace(as_dead, detail=f"table {batch.table} refused the batch: "
-                                                    f"{type(exc).__name__}: {exc}"))
-                continue
-            total.stored += result.stored
-            total.duplicates += result.duplicates
-        self.store.apply([], dead, offsets)
-        total.dead = len(dead)
-        return total
-
-    def _after_store(self, records: dict, dead: list[DeadLetter], offsets: dict[tuple[str, int], int],
-                     result: ApplyResult) -> None:
+    def _after_store(self, messages: int, offsets: dict[tuple[str, int], int], result: ApplyResult) -> None:
         from kafka import TopicPartition
         from kafka.structs import OffsetAndMetadata
 
         stats = self.stats
-        stats.messages += sum(len(m) for m in records.values())
+        stats.messages += messages
         stats.stored += result.stored
         stats.duplicates += result.duplicates
-        for d in dead:
+        for d in result.dead_letters:
             stats.dead[d.reason] += 1
             log.warning("dead letter %s[%d]@%d from %s: %s", d.topic, d.partition, d.offset, d.device or "?", d.detail)
             # d.raw, never None: an empty or null message has no key either, and kafka-python refuses to send
-            # a record with neither (the ValueError escaped poll_once after the rows and offsets were stored)
+            # a record with neither
             self._dlq_producer.send(self.dlq_topic, value=d.raw, headers=[
                 ("reason", d.reason.encode()), ("detail", d.detail[:1000].encode()),
                 ("source", f"{d.topic}/{d.partition}/{d.offset}".encode())])
-        if dead:
+        if result.dead_letters:
             self._dlq_producer.flush(timeout=10)
-        try:  # only for lag monitoring: the offsets that count are the ones stored with the rows
-            self._consumer.commit({TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()})
+        try:  # only for lag monitoring (the offsets that count are stored with the rows), so not waited for
+            self._consumer.commit_async({TopicPartition(t, p): OffsetAndMetadata(o, "", -1)
+                                         for (t, p), o in offsets.items()})
         except Exception as exc:  # noqa: BLE001 - a rebalance or a broker hiccup must not stop consuming
             log.debug("kafka offset commit skipped: %s", exc)
 

@@ -57,13 +57,29 @@ class EnvelopeError(ValueError):
 
 
 @dataclass(frozen=True)
+class Origin:
+    """Where a message was read: its Kafka position and its bytes (kept to dead-letter it whole)."""
+
+    topic: str
+    partition: int
+    offset: int
+    raw: bytes
+
+
+@dataclass(frozen=True)
 class Batch:
-    """A verified batch: whose rows, for which table, and their sequence numbers."""
+    """A verified batch: whose rows, for which table, and their sequence numbers.
+
+    ``mac`` (its signature) identifies the exact envelope: a resend carries the same one. ``origin`` is
+    set by a consumer that read it from Kafka.
+    """
 
     device: str
     table: str
     first_seq: int
     rows: pa.Table
+    mac: bytes = b""
+    origin: Origin | None = None
 
     @property
     def seqs(self) -> range:
@@ -118,7 +134,7 @@ def decode(value: bytes | None, key_for: Callable[[str], bytes | None]) -> Batch
         raise EnvelopeError("bad_payload", f"signed payload is not an Arrow IPC stream: {exc}", device) from exc
     if rows.num_rows != n_rows:
         raise EnvelopeError("bad_payload", f"header says {n_rows} rows, payload has {rows.num_rows}", device)
-    return Batch(device, table, first_seq, rows)
+    return Batch(device, table, first_seq, rows, mac)
 
 
 def _header(value: bytes | None) -> tuple[str, str, int, int, int]:

@@ -70,11 +70,15 @@ class TunnelStats:
 
 
 class TunnelSink:
-    """Batches, signs, spools and sends feature rows of one device (see the module docstring)."""
+    """Batches, signs, spools and sends feature rows of one device (see the module docstring).
+
+    ``on_refused(table, rows, reason)`` receives rows the sink will not send; ``on_ack(entry)`` is called
+    when the broker has a batch (at least once: a batch resent after a crash is reported again).
+    """
 
     def __init__(self, device: str, key: bytes, spool_path: str | os.PathLike[str], *,
                  topic: str = DEFAULT_TOPIC, bootstrap: str | None = None, compression: str = "zstd",
-                 batch_rows: int = 1000, linger_s: float = 0.02, spool_max_bytes: int = 256 << 20,
+                 batch_rows: int = 1000, linger_s: float = 0.005, spool_max_bytes: int = 256 << 20,
                  on_refused: Refused | None = None, on_ack: Callable[[SpoolEntry], None] | None = None,
                  send_timeout_s: float = 30.0, partitions: int = 4):
         if compression not in COMPRESSION:
@@ -254,6 +258,8 @@ class TunnelSink:
         producer = self._connect()
         future = producer.send(self.topic, key=self._device_key, value=entry.value)
         future.get(timeout=self.send_timeout_s)
+        if self._on_ack is not None:  # before the spool forgets the batch: a crash in between repeats the call
+            self._on_ack(entry)
         self.spool.ack(entry.first_seq)
         stats = self.stats
         stats.rows_acked += entry.n_rows
@@ -261,8 +267,6 @@ class TunnelSink:
         stats.bytes_acked += len(entry.value)
         if len(stats.ack_latencies_s) < 10_000:
             stats.ack_latencies_s.append(time.time() - entry.sealed_at)
-        if self._on_ack is not None:
-            self._on_ack(entry)
         with self._lock:
             self._wake.notify_all()
 

@@ -32,18 +32,16 @@ import os
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import duckdb
-import pyarrow as pa
 from pyflink.common import Types
 from pyflink.datastream.connectors.base import Sink
 from pyflink.datastream.functions import FlatMapFunction, ProcessFunction, RuntimeContext
 from pyflink.java_gateway import get_gateway
 
-from connectors.tunnel.cloud import ApplyResult, CloudStore, DeadLetter, open_message
+from connectors.tunnel.cloud import CloudStore, DeadLetter, open_message
 from connectors.tunnel.envelope import Batch
 from connectors.tunnel.kafka import bootstrap_servers
 from connectors.tunnel.keys import KeyRegistry, resolve_registry_path
@@ -57,8 +55,6 @@ _PICKLED = Types.PICKLED_BYTE_ARRAY()
 DEFAULT_GROUP_SIZE = 100
 _PROGRESS_EVERY_S = 10.0
 _REGISTRY_RELOAD_S = 5.0  # an unknown device re-reads the key registry at most this often (a device just added)
-# What CloudStore.apply raises for a group it cannot store (e.g. a column whose type changed).
-_STORE_ERRORS = (duckdb.Error, pa.ArrowException, ValueError, TypeError)
 
 
 @dataclass
@@ -79,8 +75,8 @@ class FeaturesSummary:
 
 
 class OpenEnvelopes(FlatMapFunction):
-    """A Kafka record as ``((topic, partition), offset, Batch | DeadLetter, raw bytes of a Batch)``; nothing is
-    trusted before it is verified."""
+    """A Kafka record as ``((topic, partition), offset, Batch | DeadLetter)``; nothing is trusted before it is
+    verified."""
 
     def __init__(self, registry_path: str):
         self.registry_path = registry_path
@@ -99,9 +95,7 @@ class OpenEnvelopes(FlatMapFunction):
 
     def flat_map(self, record: Any):
         topic, partition, offset, key, value = record[0], record[1], record[2], record[3], record[4]
-        opened = open_message(topic, partition, offset, value, self.key_for, key)
-        # a batch keeps its raw bytes: it becomes a dead letter if the store cannot take it
-        yield (topic, partition), offset, opened, value if isinstance(opened, Batch) else None
+        yield (topic, partition), offset, open_message(topic, partition, offset, value, self.key_for, key)
 
 
 class TunnelWriter(ProcessFunction):
@@ -116,22 +110,17 @@ class TunnelWriter(ProcessFunction):
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self.store = CloudStore(self.db_path, online_key=self.online_key)
-        self.batches: list[tuple[Batch, DeadLetter]] = []
+        self.batches: list[Batch] = []
         self.dead: list[DeadLetter] = []
         self.offsets: dict[tuple[str, int], int] = {}
         self.messages = self.stored = self.duplicates = 0
         self.dead_reasons: Counter[str] = Counter()
         self.logged = time.monotonic()
 
-    def process_element(self, value: tuple[tuple[str, int], int, Batch | DeadLetter, bytes | None],
-                        ctx: ProcessFunction.Context):
-        where, offset, opened, raw = value
+    def process_element(self, value: tuple[tuple[str, int], int, Batch | DeadLetter], ctx: ProcessFunction.Context):
+        where, offset, opened = value
         self.messages += 1
-        if isinstance(opened, Batch):  # with what it becomes if the store refuses it (see _apply_one_by_one)
-            self.batches.append((opened, DeadLetter(where[0], where[1], offset, "unstorable", "", opened.device,
-                                                    raw or b"")))
-        else:
-            self.dead.append(opened)
+        (self.batches if isinstance(opened, Batch) else self.dead).append(opened)
         self.offsets[where] = max(self.offsets.get(where, 0), offset + 1)
         if len(self.batches) + len(self.dead) >= self.group_size:
             self._flush()
@@ -140,13 +129,10 @@ class TunnelWriter(ProcessFunction):
     def _flush(self) -> None:
         if not (self.batches or self.dead or self.offsets):
             return
-        try:
-            result = self.store.apply([b for b, _ in self.batches], self.dead, self.offsets)
-        except _STORE_ERRORS:
-            result = self._apply_one_by_one()
+        result = self.store.apply(self.batches, self.dead, self.offsets)  # refused batches become dead letters
         self.stored += result.stored
         self.duplicates += result.duplicates
-        for dead in self.dead:
+        for dead in result.dead_letters:
             self.dead_reasons[dead.reason] += 1
             log.warning("dead letter %s[%d]@%d from %s: %s", dead.topic, dead.partition, dead.offset,
                         dead.device or "?", dead.detail)
@@ -155,22 +141,6 @@ class TunnelWriter(ProcessFunction):
             self.logged = time.monotonic()
             log.info("flink tunnel: %d messages, %d rows stored, %d duplicates, %d dead letters", self.messages,
                      self.stored, self.duplicates, sum(self.dead_reasons.values()))
-
-    def _apply_one_by_one(self) -> ApplyResult:
-        """A group the store refused as a whole: each batch alone; the ones it refuses become dead letters."""
-        total = ApplyResult()
-        for batch, as_dead in self.batches:
-            try:
-                result = self.store.apply([batch], [])
-            except _STORE_ERRORS as exc:
-                self.dead.append(replace(as_dead, detail=f"table {batch.table} refused the batch: "
-                                                         f"{type(exc).__name__}: {exc}"))
-                continue
-            total.stored += result.stored
-            total.duplicates += result.duplicates
-        self.store.apply([], self.dead, self.offsets)
-        total.dead = len(self.dead)
-        return total
 
     def close(self) -> None:
         self._flush()
