@@ -4,7 +4,7 @@
 
 Broker: ``STREAMFLOW_KAFKA_BOOTSTRAP`` if set, else a noida-db :class:`LocalBroker` on 127.0.0.1 in a
 temp dir, stopped at the end. The device side (:class:`TunnelSink`, default settings: zstd,
-``batch_rows=1000``, ``linger_s=0.02``, SQLite spool in the temp dir) runs in this process; each
+``batch_rows=1000``, ``linger_s=0.005``, SQLite spool in the temp dir) runs in this process; each
 cloud side runs in a process of its own (``multiprocessing`` spawn), so device and cloud never share
 a GIL, as on a real device and cloud. Both sides read the same wall clock. A cloud process polls only
 while its rows are being measured: noida-db answers an empty fetch at once (a real broker holds it
@@ -50,8 +50,7 @@ Measured side by side in one run:
   cannot batch rows), ``acks=all``, async sends then ``flush``; a naive consumer process stores each
   poll in one DuckDB transaction (no signature check, no de-duplication, no online table).
 - **Bytes** (``bytes_saved_fraction``): the IPV job (``jobs/ipv.py``) on the device runner over
-  the sample, its feature rows through a TunnelSink (the runner's ``tunnel=`` when it has one,
-  else the rows copied into the sink one per write as the runner would). Wire bytes = the Kafka
+  the sample, its feature rows through a TunnelSink as the runner's ``tunnel=``. Wire bytes = the Kafka
   record batches (v2 header, compressed records) of the topic. With our own broker they are read
   from the broker's log (a second, private noida-db used only for this phase, so its log is small;
   its state file lists every stored record batch): ``wire_bytes_method = "broker_log"``. They are
@@ -64,7 +63,9 @@ Measured side by side in one run:
   naive producer's wire bytes for the same rows, the same envelopes rebuilt with gzip, lz4 and no
   compression, the raw CSV zstd-compressed in one piece, and every row in an envelope of its own
   (what a device producing a row less often than every ``linger_s`` ships: schema, header and HMAC
-  per row).
+  per row). A second baseline, ``bytes_saved_fraction_vs_app_events_json``: the same input as an app
+  logs it, the app events the runtime consumed (page enters and exits, clicks; the CSV has no page
+  events, the source derives them) as uncompressed JSON lines in the JSON-lines source's format.
 
 Timings are reported, never asserted; ``loadavg_1m_start_end`` says how busy the (shared) machine
 was. ``--quick`` (under 60 s): 3 latency rounds of 2.5 s per size, 10,000-row tunnel and 1,000-row
@@ -74,7 +75,6 @@ finds the rebuilt sizes equal to the broker's log, byte for byte).
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import multiprocessing as mp
@@ -297,21 +297,17 @@ def broker_log_bytes(data_dir: Path, topics: list[str]) -> dict[str, tuple[int, 
     return out
 
 
-def ipv_features(job: Any, sink: TunnelSink, db: Path) -> tuple[list[dict[str, Any]], str]:
-    """Run the IPV job over the sample on the device runner, feature rows through ``sink``; the rows and how."""
+def ipv_features(job: Any, sink: TunnelSink, db: Path) -> list[dict[str, Any]]:
+    """Run the IPV job over the sample on the device runner with ``sink`` as its tunnel; the feature rows."""
     storage = CollectiveStorage(db)
-    via_runner = "tunnel" in inspect.signature(DeviceRunner).parameters
-    runner = DeviceRunner(job, storage, tunnel=sink) if via_runner else DeviceRunner(job, storage)
+    runner = DeviceRunner(job, storage, tunnel=sink)
     try:
         runner.run(TaobaoBehaviorSource(TAOBAO_SAMPLE))
     finally:
         runner.close()
     rows = storage.read("ipv").to_pylist()
     storage.close()
-    if not via_runner:
-        for row in rows:
-            sink.write("ipv", [row])
-    return rows, "DeviceRunner(tunnel=sink)" if via_runner else "rows copied from the device runner's storage"
+    return rows
 
 
 def naive_producer(bootstrap: str) -> Any:
@@ -337,7 +333,7 @@ def measure_bytes(job: Any, bootstrap: str, broker_dir: Path | None, stop_broker
     acked: list[tuple[bytes, int]] = []
     sink = TunnelSink("bench-bytes", key, tmp / "bytes.spool", topic=feature_topic, bootstrap=bootstrap,
                       on_ack=lambda entry: acked.append((entry.value, entry.n_rows)))
-    rows, how = ipv_features(job, sink, tmp / "bytes_device.duckdb")
+    rows = ipv_features(job, sink, tmp / "bytes_device.duckdb")
     if not sink.close(timeout_s=WAIT_S):
         raise RuntimeError("the tunnel sink did not deliver the IPV rows")
     if sum(n for _, n in acked) != len(rows):
@@ -382,6 +378,11 @@ def measure_bytes(job: Any, bootstrap: str, broker_dir: Path | None, stop_broker
     import zstandard
 
     raw_zstd = len(zstandard.ZstdCompressor().compress(b"\n".join(consumed) + b"\n"))
+    # The same input as an app would log it: the app events the device runtime consumed (page enters and
+    # exits, clicks), one JSON line each, as the JSON-lines source reads them.
+    app_events = [json.dumps(r.to_dict(), separators=(",", ":"), default=str).encode() for r in records
+                  if isinstance(r, Event)]
+    app_bytes = sum(len(line) + 1 for line in app_events)
     return {
         "bytes_saved_fraction": round(1 - wire / raw, 4),
         "raw_csv_bytes": raw,
@@ -397,10 +398,12 @@ def measure_bytes(job: Any, bootstrap: str, broker_dir: Path | None, stop_broker
         "bytes_saved_fraction_naive_json": round(1 - naive_wire / raw, 4),
         "tunnel_vs_naive_bytes_ratio": round(wire / naive_wire, 4),
         "raw_csv_zstd_bytes": raw_zstd,
+        "raw_app_events": len(app_events),
+        "raw_app_events_json_bytes": app_bytes,
+        "bytes_saved_fraction_vs_app_events_json": round(1 - wire / app_bytes, 4),
         "bytes_saved_fraction_vs_raw_zstd": round(1 - wire / raw_zstd, 4),
         "one_row_per_envelope_wire_bytes_per_row": round(single, 1),
         "bytes_saved_fraction_one_row_per_envelope": round(1 - single * len(rows) / raw, 4),
-        "feature_rows_via": how,
         "rebuilt_vs_broker_log": cross_check,
     }
 

@@ -123,6 +123,7 @@ class CloudStore:
         self._con.execute(_SCHEMA)
         self._columns: dict[str, set[str]] = {}
         self._online_keys: dict[str, list[str]] = {}
+        self._seq_end: dict[str, int] = {}  # device → one past its highest stored seq
         self._lock = threading.Lock()
 
     def apply(self, batches: Sequence[Batch], dead: Sequence[DeadLetter] = (),
@@ -176,6 +177,7 @@ class CloudStore:
             con.execute("ROLLBACK")
             self._columns.clear()  # a rolled-back CREATE/ALTER: re-read the tables next time
             self._online_keys.clear()
+            self._seq_end.clear()
             raise
         return result
 
@@ -185,45 +187,43 @@ class CloudStore:
         A device resends a batch byte for byte (same first seq, rows and signature): that is a repeat,
         dropped. Any other overlap with stored numbers means the device numbered different rows the
         same (its spool was wiped, say): those rows are dead-lettered as ``seq_reused``, never dropped
-        as if they were repeats.
+        as if they were repeats. A batch numbered past everything stored for its device (the usual
+        case) is new without a look at ``tunnel_batches``: the store keeps each device's next free
+        number in memory (it is the file's only writer: DuckDB lets one process write a file).
         """
         if not batches:
             return [], [], []
-        ranges = pa.table({"i": pa.array(range(len(batches)), pa.int64()),
-                           "device_id": pa.array([b.device for b in batches], pa.string()),
-                           "first_seq": pa.array([b.first_seq for b in batches], pa.int64()),
-                           "n_rows": pa.array([b.rows.num_rows for b in batches], pa.int64()),
-                           "mac": pa.array([b.mac for b in batches], pa.binary()),
-                           "table_name": pa.array([b.table for b in batches], pa.string())})
         con = self._con
-        con.register("_sf_ranges", ranges)
-        try:
-            overlaps = con.execute(
-                "SELECT r.i, b.first_seq = r.first_seq AND b.n_rows = r.n_rows AND b.mac = r.mac FROM _sf_ranges r "
-                "JOIN tunnel_batches b ON b.device_id = r.device_id AND b.first_seq < r.first_seq + r.n_rows "
-                "AND b.first_seq + b.n_rows > r.first_seq").fetchall()
-            verdict = {i: same for i, same in overlaps}
-            seen: dict[str, list[Batch]] = {}  # earlier batches of this call
-            fresh, repeats, reused = [], [], []
-            for i, batch in enumerate(batches):
-                for other in seen.get(batch.device, ()):
-                    if other.first_seq < batch.first_seq + batch.rows.num_rows and \
-                            other.first_seq + other.rows.num_rows > batch.first_seq:
-                        verdict[i] = verdict.get(i, True) and (other.first_seq, other.rows.num_rows, other.mac) == \
-                            (batch.first_seq, batch.rows.num_rows, batch.mac)
-                if i not in verdict:
-                    fresh.append(batch)
-                    seen.setdefault(batch.device, []).append(batch)
-                elif verdict[i]:
-                    repeats.append(batch)
-                else:
-                    reused.append(_dead_letter(batch, "seq_reused", f"device {batch.device!r} sent other rows under "
-                                               f"seq {batch.first_seq}..{batch.last_seq}, already stored"))
-            keep = [i for i in range(len(batches)) if i not in verdict]
-            con.execute(f"INSERT INTO tunnel_batches SELECT device_id, first_seq, n_rows, mac, table_name, ? "
-                        f"FROM _sf_ranges WHERE i IN ({', '.join(map(str, keep)) or 'NULL'})", [now])
-        finally:
-            con.unregister("_sf_ranges")
+        unknown = sorted({b.device for b in batches} - self._seq_end.keys())
+        if unknown:
+            found = dict(con.execute("SELECT device_id, max(first_seq + n_rows) FROM tunnel_batches WHERE device_id "
+                                     f"IN ({', '.join('?' * len(unknown))}) GROUP BY ALL", unknown).fetchall())
+            self._seq_end.update({d: found.get(d, 0) for d in unknown})
+        fresh, repeats, reused = [], [], []
+        for batch in batches:
+            end = self._seq_end[batch.device]
+            if batch.first_seq >= end:
+                fresh.append(batch)
+                self._seq_end[batch.device] = batch.last_seq + 1
+                continue
+            stored = con.execute("SELECT first_seq = ? AND n_rows = ? AND mac = ? FROM tunnel_batches WHERE device_id"
+                                 " = ? AND first_seq < ? AND first_seq + n_rows > ?",
+                                 [batch.first_seq, batch.rows.num_rows, batch.mac, batch.device,
+                                  batch.first_seq + batch.rows.num_rows, batch.first_seq]).fetchall()
+            earlier = [(b.first_seq, b.rows.num_rows, b.mac) == (batch.first_seq, batch.rows.num_rows, batch.mac)
+                       for b in fresh if b.device == batch.device and b.first_seq <= batch.last_seq
+                       and b.last_seq >= batch.first_seq]
+            verdicts = [same for (same,) in stored] + earlier
+            if verdicts and all(verdicts):
+                repeats.append(batch)
+            elif verdicts:
+                reused.append(_dead_letter(batch, "seq_reused", f"device {batch.device!r} sent other rows under "
+                                           f"seq {batch.first_seq}..{batch.last_seq}, already stored"))
+            else:  # below the device's highest number but in a gap: new
+                fresh.append(batch)
+        if fresh:
+            con.execute("INSERT INTO tunnel_batches VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?)"] * len(fresh)),
+                        [v for b in fresh for v in (b.device, b.first_seq, b.rows.num_rows, b.mac, b.table, now)])
         return fresh, repeats, reused
 
     def _store(self, table: str, batches: list[Batch], now: datetime) -> int:
