@@ -68,6 +68,7 @@ test: lint java flink-kafka-jars
 bench: $(STAMP)
 	$(PY) -m bench.triggers --quick
 	$(PY) -m bench.device --quick
+	$(PY) -m bench.tunnel --quick
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache
