@@ -54,6 +54,7 @@ class RowBuffer:
     Example:
         >>> buf = RowBuffer()
         >>> buf.extend([{"a": 1}, {"a": 2, "b": "x"}])
+        2
         >>> [t.to_pylist() for t in buf.to_arrow()]
         [[{'a': 1}], [{'a': 2, 'b': 'x'}]]
     """
@@ -69,7 +70,9 @@ class RowBuffer:
     def __len__(self) -> int:
         return self.n
 
-    def extend(self, rows: Iterable[Mapping[str, Any]]) -> None:
+    def extend(self, rows: Iterable[Mapping[str, Any]]) -> int:
+        """Add ``rows``; how many were added."""
+        before = self.n
         for row in rows:
             keys = row.keys()
             if keys != self._keys:
@@ -78,6 +81,7 @@ class RowBuffer:
                 self.segments.append((tuple(keys), self._values))
             self._values.append(tuple(row.values()))
             self.n += 1
+        return self.n - before
 
     def to_arrow(self) -> list[pa.Table]:
         tables = []
@@ -146,9 +150,7 @@ class CollectiveStorage:
             buffer = self._buffers.get(table)
             if buffer is None:
                 buffer = self._buffers[check_table_name(table)] = RowBuffer()
-            before = buffer.n
-            buffer.extend(rows)
-            added = buffer.n - before
+            added = buffer.extend(rows)
             self.rows_written[table] = self.rows_written.get(table, 0) + added
             now = time.monotonic()
             if self._oldest is None and added:

@@ -35,7 +35,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -65,8 +65,6 @@ class TunnelStats:
     bytes_acked: int = 0  # envelope bytes (before Kafka's compression)
     rows_refused: int = 0
     send_failures: int = 0
-    #: seconds from sealing to the broker's ack, per batch (the last 10,000)
-    ack_latencies_s: list[float] = field(default_factory=list)
 
 
 class TunnelSink:
@@ -122,9 +120,7 @@ class TunnelSink:
             buffer = self._pending.get(table)
             if buffer is None:
                 buffer = self._pending[check_table_name(table)] = RowBuffer()
-            before = buffer.n
-            buffer.extend(rows)
-            added = buffer.n - before
+            added = buffer.extend(rows)
             if not added:
                 return
             self.stats.rows_written += added
@@ -265,8 +261,6 @@ class TunnelSink:
         stats.rows_acked += entry.n_rows
         stats.batches_acked += 1
         stats.bytes_acked += len(entry.value)
-        if len(stats.ack_latencies_s) < 10_000:
-            stats.ack_latencies_s.append(time.time() - entry.sealed_at)
         with self._lock:
             self._wake.notify_all()
 
