@@ -262,3 +262,18 @@ def test_rows_arrow_cannot_batch_together_travel_alone_and_unencodable_rows_are_
     assert sink.close(timeout_s=30)
     assert (sink.stats.rows_acked, sink.stats.batches_acked, sink.stats.rows_refused) == (2, 2, 1)
     assert refused[0][0] == "t" and refused[0][2].startswith("row cannot be encoded: ArrowInvalid")
+
+
+def test_without_on_refused_refused_rows_land_in_a_json_lines_file_next_to_the_spool(tmp_path):
+    import json
+
+    from tests.kafka_broker import free_port
+
+    sink = TunnelSink("phone-1", KEY, tmp_path / "spool", topic=_topic(), bootstrap=f"127.0.0.1:{free_port()}",
+                      spool_max_bytes=1)  # nothing fits; no broker listens either
+    sink.write("ipv", [{"user_id": "u1", "n": 1}, {"user_id": "u2", "n": 2}])
+    assert sink.close(timeout_s=0.2)  # nothing was spooled, so nothing waits for the broker
+    lines = [json.loads(line) for line in sink.refused_path.read_text().splitlines()]
+    assert [(r["table"], r["row"]) for r in lines] == [("ipv", {"user_id": "u1", "n": 1}),
+                                                      ("ipv", {"user_id": "u2", "n": 2})]
+    assert lines[0]["reason"].startswith("tunnel spool full") and sink.stats.rows_refused == 2

@@ -30,12 +30,15 @@ Example (needs a broker; see the README's tunnel section)::
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -70,7 +73,8 @@ class TunnelStats:
 class TunnelSink:
     """Batches, signs, spools and sends feature rows of one device (see the module docstring).
 
-    ``on_refused(table, rows, reason)`` receives rows the sink will not send; ``on_ack(entry)`` is called
+    ``on_refused(table, rows, reason)`` receives rows the sink will not send (default: appended as JSON
+    lines to ``<spool>.refused.jsonl``); ``on_ack(entry)`` is called
     when the broker has a batch (at least once: a batch resent after a crash is reported again).
     """
 
@@ -95,7 +99,8 @@ class TunnelSink:
         self.spool = Spool(spool_path, max_bytes=spool_max_bytes)
         self._key = key
         self._device_key = device.encode()
-        self._on_refused = on_refused
+        self.refused_path = Path(f"{self.spool.path}.refused.jsonl")
+        self._on_refused = on_refused or self._refused_to_file
         self._on_ack = on_ack
         self._pending: dict[str, RowBuffer] = {}  # the open batch, per table
         self._pending_rows = 0
@@ -203,6 +208,9 @@ class TunnelSink:
         except SpoolFull as exc:
             self._refuse(table, rows.to_pylist(), f"tunnel spool full: {exc}")
             return
+        except sqlite3.Error as exc:  # the disk is full or the spool file is damaged
+            self._refuse(table, rows.to_pylist(), f"tunnel spool {self.spool.path} write failed: {exc}")
+            return
         self.stats.rows_sealed += rows.num_rows
 
     def _envelope(self, table: str, first_seq: int, rows: pa.Table) -> bytes:
@@ -217,9 +225,13 @@ class TunnelSink:
             self._refused_warned_at = self.stats.rows_refused
             log.warning("TUNNEL IS REFUSING ROWS (%d so far): %s; they go to the dead-letter place, not to the cloud",
                         self.stats.rows_refused, reason)
-        if self._on_refused is None:
-            raise RuntimeError(f"tunnel refused {len(rows)} rows of {table}: {reason}")
         self._on_refused(table, rows, reason)
+
+    def _refused_to_file(self, table: str, rows: list[dict[str, Any]], reason: str) -> None:
+        """The default dead-letter place: JSON lines next to the spool."""
+        with open(self.refused_path, "a", encoding="utf-8") as out:
+            for row in rows:
+                out.write(json.dumps({"table": table, "reason": reason, "row": row}, default=repr) + "\n")
 
     # -- sending ---------------------------------------------------------------------------------
     def _send_loop(self) -> None:
