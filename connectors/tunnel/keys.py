@@ -11,7 +11,11 @@ Example:
     >>> key = registry.add("phone-1")
     >>> KeyRegistry(path).key_for("phone-1") == key, len(key)
     (True, 32)
-    >>> KeyRegistry(path).key_for("phone-2") is None
+    >>> cloud = KeyRegistry(path)
+    >>> cloud.key_for("phone-2") is None
+    True
+    >>> _ = registry.add("phone-2")  # registered while the cloud runs: it sees the new key
+    >>> import time; time.sleep(RELOAD_EVERY_S); cloud.key_for("phone-2") == registry.key_for("phone-2")
     True
 """
 
@@ -21,10 +25,13 @@ import json
 import os
 import re
 import secrets
+import time
 from pathlib import Path
 
 #: The registry path when none is given: ``$STREAMFLOW_KEY_REGISTRY`` or ``./.streamflow/keys.json``.
 DEFAULT_REGISTRY = Path(".streamflow") / "keys.json"
+#: How often at most an unknown device makes the registry look at its file again.
+RELOAD_EVERY_S = 1.0
 _DEVICE_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 
 
@@ -50,6 +57,8 @@ class KeyRegistry:
 
     def reload(self) -> None:
         """Re-read the file (a missing file is an empty registry)."""
+        self._loaded_mtime = self._mtime()
+        self._checked = time.monotonic()
         if not self.path.exists():
             self._keys = {}
             return
@@ -60,8 +69,24 @@ class KeyRegistry:
             raise ValueError(f"key registry {self.path} is not valid: {exc}") from exc
 
     def key_for(self, device: str) -> bytes | None:
-        """The device's key, or None for a device the registry does not know."""
-        return self._keys.get(device)
+        """The device's key, or None for a device the registry does not know.
+
+        A device not known yet makes the registry re-read its file if the file changed since (a
+        device registered while a consumer runs), at most every :data:`RELOAD_EVERY_S` seconds.
+        """
+        key = self._keys.get(device)
+        if key is None and time.monotonic() - self._checked >= RELOAD_EVERY_S:
+            self._checked = time.monotonic()
+            if self._mtime() != self._loaded_mtime:
+                self.reload()
+                key = self._keys.get(device)
+        return key
+
+    def _mtime(self) -> int | None:
+        try:
+            return self.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
 
     def devices(self) -> list[str]:
         return sorted(self._keys)

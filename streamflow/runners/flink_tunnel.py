@@ -54,7 +54,6 @@ _PICKLED = Types.PICKLED_BYTE_ARRAY()
 #: Messages stored per ``CloudStore.apply`` (one transaction); the last group is stored when the input ends.
 DEFAULT_GROUP_SIZE = 100
 _PROGRESS_EVERY_S = 10.0
-_REGISTRY_RELOAD_S = 5.0  # an unknown device re-reads the key registry at most this often (a device just added)
 
 
 @dataclass
@@ -82,20 +81,11 @@ class OpenEnvelopes(FlatMapFunction):
         self.registry_path = registry_path
 
     def open(self, runtime_context: RuntimeContext) -> None:
-        self.registry = KeyRegistry(self.registry_path)
-        self.reloaded = time.monotonic()
-
-    def key_for(self, device: str) -> bytes | None:
-        key = self.registry.key_for(device)
-        if key is None and time.monotonic() - self.reloaded > _REGISTRY_RELOAD_S:
-            self.registry.reload()
-            self.reloaded = time.monotonic()
-            key = self.registry.key_for(device)
-        return key
+        self.registry = KeyRegistry(self.registry_path)  # re-read when an unknown device shows up
 
     def flat_map(self, record: Any):
         topic, partition, offset, key, value = record[0], record[1], record[2], record[3], record[4]
-        yield (topic, partition), offset, open_message(topic, partition, offset, value, self.key_for, key)
+        yield (topic, partition), offset, open_message(topic, partition, offset, value, self.registry.key_for, key)
 
 
 class TunnelWriter(ProcessFunction):
