@@ -421,3 +421,35 @@ def test_two_devices_interleaved_keep_each_devices_order(tmp_path, kafka_bootstr
     for device in ("phone-a", "phone-b"):
         assert [i for d, _, i in offline if d == device] == list(range(300))
 
+
+
+def test_a_running_consumer_outlives_a_broker_restart_and_stores_every_row_once(tmp_path, private_broker):
+    registry = KeyRegistry(tmp_path / "keys.json")
+    topic, bootstrap = _topic(), private_broker.bootstrap
+    sink = TunnelSink("phone-1", registry.add("phone-1"), tmp_path / "spool", topic=topic, bootstrap=bootstrap, **FAST)
+    consumer = CloudConsumer(tmp_path / "cloud.duckdb", registry, topic=topic, bootstrap=bootstrap,
+                             group_id=f"g-{uuid.uuid4().hex}")
+    running = threading.Thread(target=consumer.run)
+    running.start()
+    try:
+        sink.write("ipv", _rows(0, 50))
+        assert sink.wait_delivered(20)
+        deadline = time.monotonic() + 20
+        while consumer.stats.stored < 50 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert consumer.stats.stored == 50
+        private_broker.down()
+        sink.write("ipv", _rows(50, 50))  # spooled while the broker is away
+        time.sleep(2.0)
+        private_broker.up()
+        assert sink.close(timeout_s=30)
+        deadline = time.monotonic() + 30
+        while consumer.stats.stored < 100 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        consumer.stop()
+        running.join(timeout=30)
+        consumer.close()
+    assert not running.is_alive()
+    assert (consumer.stats.stored, consumer.stats.dead_total) == (100, 0)
+    _assert_exactly_once_in_order(_offline(tmp_path / "cloud.duckdb"), {"phone-1": 100})
