@@ -87,6 +87,22 @@ class ConvBase(Kernel):
     def scratch_bytes(self, ctx: NodeCtx) -> int:
         return scratch_size(*self.parts(ConvGeom.of(ctx))) + self.epilogue_bytes(ctx)
 
+    def carve_scratch(self, ctx: NodeCtx, g: ConvGeom,
+                      scratch: np.ndarray) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """The views of :meth:`parts`, in order, and the epilogue's chunk after them (None if not needed)."""
+        parts = self.parts(g)
+        tmp = scratch[scratch_size(*parts):].view(np.float32) if self.epilogue_bytes(ctx) else None
+        return carve(scratch, *parts), tmp
+
+    @staticmethod
+    def image_windows(ins: list[np.ndarray], n: int, g: ConvGeom, xp: np.ndarray | None) -> np.ndarray:
+        """Image ``n``'s sliding windows, read from ``xp`` after padding the image into it when padded."""
+        src = ins[0][n]
+        if xp is not None:
+            pad_into(src, xp, g.pads[0], g.pads[1])
+            src = xp
+        return windows(src, g)
+
     def transform(self, ctx: NodeCtx) -> dict[str, np.ndarray]:
         w = ctx.const(1)
         b = ctx.const(2)
@@ -162,21 +178,16 @@ class ConvIm2col(ConvBase):
 
     def bind(self, ctx, params, ins, outs, scratch) -> Step:
         g = ConvGeom.of(ctx)
-        views = carve(scratch, *self.parts(g))
+        views, tmp = self.carve_scratch(ctx, g, scratch)
         cols = views[0]
         xp = views[1] if g.padded else None
-        tmp = scratch[scratch_size(*self.parts(g)):].view(np.float32) if self.epilogue_bytes(ctx) else None
         cg, og = g.c // g.group, g.cout // g.group
         cols5 = cols.reshape(cg, g.kh, g.kw, g.oh, g.ow)
         y = outs[0].reshape(g.n, g.cout, -1)
 
         def run():
             for n in range(g.n):
-                src = ins[0][n]
-                if xp is not None:
-                    pad_into(src, xp, g.pads[0], g.pads[1])
-                    src = xp
-                win = windows(src, g)
+                win = self.image_windows(ins, n, g, xp)
                 for k in range(g.group):
                     np.copyto(cols5, win[k * cg : (k + 1) * cg])
                     np.matmul(params["w"][k], cols, out=y[n, k * og : (k + 1) * og])
@@ -213,20 +224,15 @@ class ConvDirect(ConvBase):
 
     def bind(self, ctx, params, ins, outs, scratch) -> Step:
         g = ConvGeom.of(ctx)
-        views = carve(scratch, *self.parts(g))
+        views, tmp = self.carve_scratch(ctx, g, scratch)
         win_buf, acc = views[0], views[1]
         xp = views[2] if g.padded else None
-        tmp = scratch[scratch_size(*self.parts(g)):].view(np.float32) if self.epilogue_bytes(ctx) else None
         y = outs[0].reshape(g.n, g.cout, -1)
         win3 = win_buf.reshape(g.c, g.oh, g.ow)
 
         def run():
             for n in range(g.n):
-                src = ins[0][n]
-                if xp is not None:
-                    pad_into(src, xp, g.pads[0], g.pads[1])
-                    src = xp
-                win = windows(src, g)
+                win = self.image_windows(ins, n, g, xp)
                 for t in range(g.kh * g.kw):
                     np.copyto(win3, win[:, t // g.kw, t % g.kw])
                     if t == 0:
@@ -293,9 +299,7 @@ class ConvWinograd23(WinogradConv):
     def bind(self, ctx, params, ins, outs, scratch) -> Step:
         g = ConvGeom.of(ctx)
         th, tw = self.tiles(g)
-        parts = self.parts(g)
-        xp, t, v, m, s, *full = carve(scratch, *parts)
-        tmp = scratch[scratch_size(*parts):].view(np.float32) if self.epilogue_bytes(ctx) else None
+        (xp, t, v, m, s, *full), tmp = self.carve_scratch(ctx, g, scratch)
         sc, sh, sw = xp.strides
         d = as_strided(xp, (g.c, th, tw, 4, 4), (sc, 2 * sh, 2 * sw, sh, sw))
         v5 = v.reshape(4, 4, g.c, th, tw)
@@ -379,9 +383,7 @@ class ConvWinograd43(WinogradConv):
     def bind(self, ctx, params, ins, outs, scratch) -> Step:
         g = ConvGeom.of(ctx)
         th, tw = self.tiles(g)
-        parts = self.parts(g)
-        xp, bd, v_tiles, v, m, m_tiles, am, y_tiles, full = carve(scratch, *parts)
-        tmp = scratch[scratch_size(*parts):].view(np.float32) if self.epilogue_bytes(ctx) else None
+        (xp, bd, v_tiles, v, m, m_tiles, am, y_tiles, full), tmp = self.carve_scratch(ctx, g, scratch)
         sc, sh, sw = xp.strides
         d = as_strided(xp, (g.c, th, tw, 6, 6), (sc, 4 * sh, 4 * sw, sh, sw))
         bt, b = _BT4, np.ascontiguousarray(_BT4.T)
@@ -434,20 +436,15 @@ class DepthwiseNumpy(ConvBase):
 
     def bind(self, ctx, params, ins, outs, scratch) -> Step:
         g = ConvGeom.of(ctx)
-        views = carve(scratch, *self.parts(g))
+        views, tmp = self.carve_scratch(ctx, g, scratch)
         prod = views[0]
         xp = views[1] if g.padded else None
-        tmp = scratch[scratch_size(*self.parts(g)):].view(np.float32) if self.epilogue_bytes(ctx) else None
         taps = [params["taps"][:, t] for t in range(g.kh * g.kw)]
         y = outs[0].reshape(g.n, g.cout, -1)
 
         def run():
             for n in range(g.n):
-                src = ins[0][n]
-                if xp is not None:
-                    pad_into(src, xp, g.pads[0], g.pads[1])
-                    src = xp
-                win = windows(src, g)
+                win = self.image_windows(ins, n, g, xp)
                 out = outs[0][n]
                 for t, w in enumerate(taps):
                     tap = win[:, t // g.kw, t % g.kw]
