@@ -110,6 +110,15 @@ class CloudStats:
     def dead_total(self) -> int:
         return sum(self.dead.values())
 
+    def count(self, messages: int, result: ApplyResult) -> None:
+        """Add one stored poll: ``messages`` read, what ``result`` says was stored; each dead letter is logged."""
+        self.messages += messages
+        self.stored += result.stored
+        self.duplicates += result.duplicates
+        for d in result.dead_letters:
+            self.dead[d.reason] += 1
+            log.warning("dead letter %s[%d]@%d from %s: %s", d.topic, d.partition, d.offset, d.device or "?", d.detail)
+
 
 class CloudStore:
     """The cloud's DuckDB tables for tunnelled features (see the module docstring)."""
@@ -399,13 +408,8 @@ class CloudConsumer:
         from kafka import TopicPartition
         from kafka.structs import OffsetAndMetadata
 
-        stats = self.stats
-        stats.messages += messages
-        stats.stored += result.stored
-        stats.duplicates += result.duplicates
+        self.stats.count(messages, result)
         for d in result.dead_letters:
-            stats.dead[d.reason] += 1
-            log.warning("dead letter %s[%d]@%d from %s: %s", d.topic, d.partition, d.offset, d.device or "?", d.detail)
             # d.raw, never None: an empty or null message has no key either, and kafka-python refuses to send
             # a record with neither
             self._dlq_producer.send(self.dlq_topic, value=d.raw, headers=[

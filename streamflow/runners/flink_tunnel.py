@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ from pyflink.datastream.connectors.base import Sink
 from pyflink.datastream.functions import FlatMapFunction, ProcessFunction, RuntimeContext
 from pyflink.java_gateway import get_gateway
 
-from connectors.tunnel.cloud import CloudStore, DeadLetter, open_message
+from connectors.tunnel.cloud import CloudStats, CloudStore, DeadLetter, open_message
 from connectors.tunnel.envelope import Batch
 from connectors.tunnel.kafka import bootstrap_servers
 from connectors.tunnel.keys import KeyRegistry, resolve_registry_path
@@ -103,13 +102,13 @@ class TunnelWriter(ProcessFunction):
         self.batches: list[Batch] = []
         self.dead: list[DeadLetter] = []
         self.offsets: dict[tuple[str, int], int] = {}
-        self.messages = self.stored = self.duplicates = 0
-        self.dead_reasons: Counter[str] = Counter()
+        self.pending_messages = 0
+        self.stats = CloudStats()
         self.logged = time.monotonic()
 
     def process_element(self, value: tuple[tuple[str, int], int, Batch | DeadLetter], ctx: ProcessFunction.Context):
         where, offset, opened = value
-        self.messages += 1
+        self.pending_messages += 1
         (self.batches if isinstance(opened, Batch) else self.dead).append(opened)
         self.offsets[where] = max(self.offsets.get(where, 0), offset + 1)
         if len(self.batches) + len(self.dead) >= self.group_size:
@@ -119,24 +118,20 @@ class TunnelWriter(ProcessFunction):
     def _flush(self) -> None:
         if not (self.batches or self.dead or self.offsets):
             return
-        result = self.store.apply(self.batches, self.dead, self.offsets)  # refused batches become dead letters
-        self.stored += result.stored
-        self.duplicates += result.duplicates
-        for dead in result.dead_letters:
-            self.dead_reasons[dead.reason] += 1
-            log.warning("dead letter %s[%d]@%d from %s: %s", dead.topic, dead.partition, dead.offset,
-                        dead.device or "?", dead.detail)
-        self.batches, self.dead, self.offsets = [], [], {}
+        # refused batches become dead letters
+        self.stats.count(self.pending_messages, self.store.apply(self.batches, self.dead, self.offsets))
+        self.batches, self.dead, self.offsets, self.pending_messages = [], [], {}, 0
         if time.monotonic() - self.logged >= _PROGRESS_EVERY_S:
             self.logged = time.monotonic()
-            log.info("flink tunnel: %d messages, %d rows stored, %d duplicates, %d dead letters", self.messages,
-                     self.stored, self.duplicates, sum(self.dead_reasons.values()))
+            s = self.stats
+            log.info("flink tunnel: %d messages, %d rows stored, %d duplicates, %d dead letters", s.messages,
+                     s.stored, s.duplicates, s.dead_total)
 
     def close(self) -> None:
         self._flush()
         self.store.close()
-        report = {"messages": self.messages, "stored": self.stored, "duplicates": self.duplicates,
-                  "dead_reasons": dict(self.dead_reasons)}
+        s = self.stats
+        report = {"messages": s.messages, "stored": s.stored, "duplicates": s.duplicates, "dead_reasons": dict(s.dead)}
         Path(self.report_path).write_text(json.dumps(report), encoding="utf-8")
 
 
