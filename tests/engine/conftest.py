@@ -7,6 +7,8 @@ repository root first and dropping such a namespace import keeps ``engine`` the 
 """
 
 import sys
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,20 @@ if sys.path[:1] != [ROOT]:
 if "engine" in sys.modules and getattr(sys.modules["engine"], "__file__", None) is None:
     for _name in [m for m in sys.modules if m == "engine" or m.startswith("engine.")]:
         del sys.modules[_name]
+
+
+@pytest.fixture
+def traced_peak() -> Callable[[Callable[[], object]], int]:
+    """``traced_peak(fn)``: the peak bytes Python's allocators hand out while ``fn()`` runs (tracemalloc)."""
+    def measure(fn: Callable[[], object]) -> int:
+        tracemalloc.start()
+        try:
+            fn()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    return measure
 
 
 @pytest.fixture(scope="session")

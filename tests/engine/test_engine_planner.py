@@ -1,6 +1,5 @@
 """The static arena planner: no two live buffers collide, and runs allocate nothing beyond the plan."""
 
-import tracemalloc
 
 import numpy as np
 import pytest
@@ -48,19 +47,14 @@ def chain_model():
     return b.build()
 
 
-def test_run_allocates_nothing_beyond_the_arena():
+def test_run_allocates_nothing_beyond_the_arena(traced_peak):
     sess = InferenceSession(chain_model(), calibration=Calibration())
     x = np.random.default_rng(1).standard_normal((2, 8, 64, 64), dtype=np.float32)
     sess.run(x)  # plan, bind, allocate the arena
     plan = sess.plan_for({"x": x.shape})
     plan.arena.check()
     outputs = sum(plan.infos[o].nbytes_for() for o in plan.graph.outputs)
-    tracemalloc.start()
-    try:
-        sess.run(x)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = traced_peak(lambda: sess.run(x))
     # Only the returned output copies and numpy's fixed-size ufunc iteration buffers (8192 elements
     # per operand), whatever the tensor sizes: no activation-sized temporary.
     assert peak <= outputs + 256 * 1024, peak

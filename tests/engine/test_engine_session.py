@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +43,7 @@ def test_matches_onnxruntime(onnx_models, sessions, name, batch):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_peak_memory_matches_plan(sessions, name):
+def test_peak_memory_matches_plan(sessions, name, traced_peak):
     sess = sessions[name]
     x = np.random.default_rng(0).standard_normal((1, 3, 224, 224), dtype=np.float32)
     sess.run(x)
@@ -53,12 +52,7 @@ def test_peak_memory_matches_plan(sessions, name):
     report = plan.memory_report()
     assert report["arena_bytes"] <= report["sum_of_buffers_bytes"] / 3
     assert report["arena_bytes"] >= report["live_peak_bytes"]
-    tracemalloc.start()
-    try:
-        sess.run(x)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = traced_peak(lambda: sess.run(x))
     # numpy's ufunc iteration buffers (8192 elements per operand) are the only transient allocations.
     assert peak <= UFUNC_BUFFERS, f"run allocated {peak} bytes outside the {report['arena_bytes']}-byte arena"
 
