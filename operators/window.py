@@ -78,3 +78,75 @@ class TimeWindow(Operator):
             for start in sorted(windows):
                 out.append(({**key, "window_start": start, "window_end": start + self.size}, windows[start]))
         return out
+
+
+class SessionWindow(Operator):
+    """Split each key's items into sessions: a session ends after ``gap`` seconds without an item.
+
+    Flink's ``EventTimeSessionWindows.withGap``: each item opens the window ``[ts, ts + gap)`` and
+    windows that touch or overlap merge, so a session's bounds are its first item's time and its
+    last item's time plus ``gap``. In a stream task a session fires when the watermark passes its end;
+    ``out_of_orderness`` and ``allowed_lateness`` work as for :class:`TimeWindow`.
+
+    Example:
+        >>> from operators import Aggregate, Count, run_pipeline
+        >>> rows = run_pipeline([SessionWindow(30), Aggregate(n=Count())],
+        ...                     [{"ts": 10}, {"ts": 30}, {"ts": 100}])
+        >>> [(r["window_start"], r["window_end"], r["n"]) for r in rows]
+        [(10.0, 60.0, 2), (100.0, 130.0, 1)]
+    """
+
+    def __init__(self, gap: float, ts: FieldSpec = "ts", allowed_lateness: float = 0.0, out_of_orderness: float = 0.0):
+        if not gap > 0:
+            raise ValueError(f"session gap must be positive seconds, got {gap!r}")
+        if allowed_lateness < 0 or out_of_orderness < 0:
+            raise ValueError("allowed_lateness and out_of_orderness must be >= 0 seconds")
+        self.gap = float(gap)
+        self.ts = ts
+        self.allowed_lateness = float(allowed_lateness)
+        self.out_of_orderness = float(out_of_orderness)
+        self._read_ts = field_reader(ts)
+
+    def apply(self, groups: list[Group]) -> list[Group]:
+        out: list[Group] = []
+        for key, items in groups:
+            sessions: list[list[Any]] = []  # [start, end, items], by start
+            for item in sorted(items, key=self._read_ts):
+                ts = float(self._read_ts(item))
+                if sessions and ts <= sessions[-1][1]:  # touching windows merge, as in Flink
+                    sessions[-1][1] = max(sessions[-1][1], ts + self.gap)
+                    sessions[-1][2].append(item)
+                else:
+                    sessions.append([ts, ts + self.gap, [item]])
+            out.extend(({**key, "window_start": s, "window_end": e}, its) for s, e, its in sessions)
+        return out
+
+
+class CountWindow(Operator):
+    """Windows of ``size`` items per key, as Flink's ``countWindow(size[, slide])``.
+
+    Tumbling (no ``slide``): every ``size`` items of a key form one window. Sliding: every ``slide``
+    items, a window of the key's last ``size`` items (fewer at the start). Incomplete tumbling
+    windows never fire, as in Flink. The row carries the key and the aggregates.
+
+    Example:
+        >>> from operators import Aggregate, KeyBy, Sum, run_pipeline
+        >>> run_pipeline([KeyBy("k"), CountWindow(2), Aggregate(total=Sum("x"))],
+        ...              [{"k": "a", "x": 1}, {"k": "a", "x": 2}, {"k": "a", "x": 3}])
+        [{'k': 'a', 'total': 3}]
+    """
+
+    def __init__(self, size: int, slide: int | None = None):
+        for name, value in (("size", size), ("slide", size if slide is None else slide)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"count window {name} must be a positive integer, got {value!r}")
+        self.size = size
+        self.slide = slide
+
+    def ends(self, n_items: int) -> range:
+        """After which items (1-based counts) of a key a window fires."""
+        return range(self.slide or self.size, n_items + 1, self.slide or self.size)
+
+    def apply(self, groups: list[Group]) -> list[Group]:
+        return [(dict(key), items[max(0, end - self.size):end])
+                for key, items in groups for end in self.ends(len(items))]

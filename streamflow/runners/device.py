@@ -35,7 +35,7 @@ from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
 from streamflow.events import Event, Rejected, TimestampGuard
 from streamflow.execution import TaskExecution
 from streamflow.job import Job, Task
-from streamflow.summary import LATE_EVENTS_TABLE, RunSummary, TaskStats
+from streamflow.summary import RunSummary, TaskStats
 from streamflow.windowing import StreamTaskRun
 
 if TYPE_CHECKING:
@@ -153,17 +153,18 @@ class DeviceRunner:
     def finish(self) -> None:
         """End of input: close every stream task's open windows (later events count as late)."""
         for stream in self._streams.values():
-            self._write_stream(stream, stream.finish(), [])
+            self._write_stream(stream, *stream.finish())
 
-    def _write_stream(self, stream: StreamTaskRun, rows: list[dict[str, Any]], late: list[dict[str, Any]]) -> None:
+    def _write_stream(self, stream: StreamTaskRun, rows: list[dict[str, Any]],
+                      sides: list[tuple[str, dict[str, Any]]]) -> None:
         if rows:
             stats = self.summary.task_stats[stream.name]
             stats.fired += len(rows)
             stats.rows += len(rows)
             self.summary.tasks_fired += len(rows)
             self._write(stream.sink, rows)
-        if late:
-            self.storage.write(LATE_EVENTS_TABLE, late)
+        for table, row in sides:
+            self.storage.write(table, [row])
 
     def _record(self, name: str, event: Event, outcome: list[dict[str, Any]] | Exception) -> None:
         self.summary.tasks_fired += 1
