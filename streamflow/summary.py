@@ -33,6 +33,8 @@ class RunSummary:
     rejected: Counter[str] = field(default_factory=Counter)
     task_stats: dict[str, TaskStats] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    #: Users (keys) whose state was dropped to stay under the runner's cap on users held in memory.
+    evicted_users: int = 0
 
     @property
     def rejected_total(self) -> int:
@@ -54,6 +56,8 @@ class RunSummary:
             state = "  QUARANTINED" if stats.quarantined else ""
             lines.append(f"  task {name:<18} fired {stats.fired:>7,}  rows {stats.rows:>7,}  "
                          f"errors {stats.errors:,}{state}")
+        if self.evicted_users:
+            lines.append(f"evicted users    {self.evicted_users:,}  (state dropped: over the cap on users in memory)")
         lines.append(f"rejected records {self.rejected_total:,}" +
                      (f"  (in table {DEAD_LETTER_TABLE})" if self.rejected_total else ""))
         for reason, n in self.rejected.most_common():

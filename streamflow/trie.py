@@ -106,6 +106,11 @@ class MatchState:
         self.exit_steps: dict[str, _Step] = {}  # page exits, by page id
         self.generation = generation
 
+    def __reduce__(self) -> tuple:
+        # Persisted (keyed state, checkpoints) as the pending list alone, never with the cached steps;
+        # no trie has generation -1, so the trie that steps it next re-interns it.
+        return MatchState, (self.pending_nodes, -1)
+
 
 class TriggerTrie:
     """All tasks' trigger conditions in one trie; steps users' events and says which tasks fire.

@@ -145,7 +145,12 @@ def test_user_sequence_recent_events_bounds():
     assert [e.ts for e in seq.current_page()] == [5.0]  # no page open: the latest event
     seq.resize(5, 2)
     seq.append(Event("u", "fav", "item", 6.0))
-    assert [e.ts for e in seq.recent_events()] == [3.0, 4.0, 5.0, 6.0]
+    # a bound raised keeps the most recent events still held (up to twice the old bound are held)
+    assert [e.ts for e in seq.recent_events()] == [2.0, 3.0, 4.0, 5.0, 6.0]
+    for t in range(7, 20):
+        seq.append(Event("u", "fav", "item", float(t)))
+    assert [e.ts for e in seq.recent_events()] == [15.0, 16.0, 17.0, 18.0, 19.0]
+    assert len(seq.recent.get()) <= 10  # trimmed at twice the bound
 
 
 # --------------------------------------------------------------------------------------------------

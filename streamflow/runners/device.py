@@ -28,13 +28,13 @@ import json
 import logging
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
 from streamflow.events import Event, Rejected, TimestampGuard
-from streamflow.execution import TaskExecution
+from streamflow.execution import TaskExecution, TriggerTasks
 from streamflow.job import Job, Task
+from streamflow.keyed import KeyedRuntime
 from streamflow.summary import RunSummary, TaskStats
 from streamflow.windowing import StreamTaskRun
 
@@ -61,19 +61,21 @@ class DeviceRunner:
     """
 
     def __init__(self, job: Job, storage: CollectiveStorage, workers: int = 2, quarantine_after: int = 5,
-                 guard: TimestampGuard | None = None, record_latency: bool = False, tunnel: TunnelSink | None = None):
+                 guard: TimestampGuard | None = None, record_latency: bool = False, tunnel: TunnelSink | None = None,
+                 max_users: int | None = None):
         self.job = job
         self.storage = storage
         self.tunnel = tunnel
         self.workers = workers
         self.execution = TaskExecution(quarantine_after=quarantine_after)
         self.trie = self.execution.trie
+        self.triggers = KeyedRuntime(TriggerTasks(self.execution, workers), max_keys=max_users)
         self.summary = RunSummary(db_path=str(storage.path), task_stats=self.execution.stats)
         self.latencies_s: list[float] | None = [] if record_latency else None
         self._guard = guard or TimestampGuard()
         self._streams: dict[str, StreamTaskRun] = {}
         self._shipped: set[str] = set()  # sink tables whose rows also go to the tunnel
-        self._pool: ThreadPoolExecutor | None = None
+        self.max_users = max_users
         for task in job.tasks:
             self.register(task)
 
@@ -83,7 +85,7 @@ class DeviceRunner:
         if task.input == "stream":
             if task.name in self._streams or task.name in self.execution.tasks:
                 raise ValueError(f"task {task.name!r} is already registered")
-            self._streams[task.name] = StreamTaskRun(task)
+            self._streams[task.name] = StreamTaskRun(task, self.max_users)
             self.summary.task_stats[task.name] = TaskStats()
         elif task.name in self._streams:
             raise ValueError(f"task {task.name!r} is already registered")
@@ -110,6 +112,7 @@ class DeviceRunner:
             self.finish()
         finally:
             self.summary.elapsed_s += time.perf_counter() - started
+            self._count()
             self.storage.flush()
             self.summary.rows_written = dict(self.storage.rows_written)
         return self.summary
@@ -134,19 +137,11 @@ class DeviceRunner:
         summary.events_in += 1
         for stream in self._streams.values():
             self._write_stream(stream, *stream.process(event))
-        user = self.execution.user(event.user_id)
-        fired = self.execution.step(user, event)
-        if not fired:
+        outputs = self.triggers.process(event.user_id, event, round(event.ts * 1000))
+        if not outputs:
             return
-        run_task = self.execution.run_task
-        if len(fired) == 1:
-            self._record(fired[0], event, run_task(fired[0], event, user.sequence))
-        else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="streamflow-task")
-            futures = [self._pool.submit(run_task, name, event, user.sequence) for name in fired]
-            for name, future in zip(fired, futures, strict=True):
-                self._record(name, event, future.result())
+        for table, row in outputs:
+            self._write(table, [row])
         if self.latencies_s is not None:
             self.latencies_s.append(time.perf_counter() - started)
 
@@ -154,6 +149,13 @@ class DeviceRunner:
         """End of input: close every stream task's open windows (later events count as late)."""
         for stream in self._streams.values():
             self._write_stream(stream, *stream.finish())
+        for table, row in self.triggers.finish():
+            self._write(table, [row])
+
+    def _count(self) -> None:
+        summary = self.summary
+        summary.tasks_fired = sum(stats.fired for stats in summary.task_stats.values())
+        summary.evicted_users = self.triggers.evicted + sum(s.runtime.evicted for s in self._streams.values())
 
     def _write_stream(self, stream: StreamTaskRun, rows: list[dict[str, Any]],
                       sides: list[tuple[str, dict[str, Any]]]) -> None:
@@ -161,16 +163,9 @@ class DeviceRunner:
             stats = self.summary.task_stats[stream.name]
             stats.fired += len(rows)
             stats.rows += len(rows)
-            self.summary.tasks_fired += len(rows)
             self._write(stream.sink, rows)
         for table, row in sides:
             self.storage.write(table, [row])
-
-    def _record(self, name: str, event: Event, outcome: list[dict[str, Any]] | Exception) -> None:
-        self.summary.tasks_fired += 1
-        table, rows = self.execution.settle(name, event, outcome)
-        if rows:
-            self._write(table, rows)
 
     def _write(self, table: str, rows: list[dict[str, Any]]) -> None:
         self.storage.write(table, rows)
@@ -179,9 +174,7 @@ class DeviceRunner:
 
     def close(self) -> None:
         """Flush storage, seal the tunnel's open batch, stop the worker pool (storage stays open for reading)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self.triggers.function.close()
         if self.tunnel is not None:
             self.tunnel.flush()
         self.storage.flush()
