@@ -33,16 +33,19 @@ from typing import Any
 import cloudpickle
 
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, resolve_db_path
-from operators import Filter
+from operators import Filter, TimeWindow
 from operators.base import field_reader
+from operators.process import LATE
+from operators.process import ValueStateDescriptor as TypedValue
 from streamflow.events import TimestampGuard
-from streamflow.execution import TaskExecution
+from streamflow.execution import TaskExecution, TriggerTasks
 from streamflow.flink_cluster import python_path, remote_environment
 from streamflow.job import Job
 from streamflow.runners.flink_kafka_source import kafka_lines, kafka_topic
+from streamflow.runners.flink_keyed import FlinkKeyed
 from streamflow.sources import FORMATS, LineSource, open_source
-from streamflow.summary import LATE_EVENTS_TABLE, TASK_ERRORS_TABLE, RunSummary, TaskStats
-from streamflow.windowing import StreamPlan, late_row, to_millis, window_row
+from streamflow.summary import LATE_EVENTS_TABLE, RunSummary, TaskStats
+from streamflow.windowing import StreamPlan, apply_elementwise, late_row, to_millis, window_row
 
 try:
     from pyflink.common import Configuration, Types, WatermarkStrategy
@@ -58,7 +61,6 @@ try:
         ProcessWindowFunction,
         RuntimeContext,
     )
-    from pyflink.datastream.state import StateTtlConfig, ValueStateDescriptor
     from pyflink.datastream.window import SlidingEventTimeWindows
     from pyflink.java_gateway import get_gateway
 except ImportError as exc:  # the `flink` extra is optional
@@ -117,71 +119,65 @@ class ParseLines(ProcessFunction):
             yield self.source.user_of(parsed), self.line_no, line, parsed
 
 
-class UserTasks(KeyedProcessFunction):
-    """One user's events through the format adapter, the timestamp check and the job's tasks."""
+class UserTasks(FlinkKeyed):
+    """One user's records through the format adapter and the timestamp check, then the job's trigger
+    tasks (:class:`~streamflow.execution.TriggerTasks`, the same keyed process function the device runs,
+    its state in small typed Flink states). An event-time timer fires at the end of the input (the
+    final watermark) to emit what is still owed (the last page exits) and this subtask's counts."""
 
     def __init__(self, job: Job, source: LineSource, state_ttl_days: int):
-        self.job = job
+        super().__init__(TriggerTasks(TaskExecution(job.trigger_tasks)), state_ttl_days=state_ttl_days)
         self.source = source
-        self.state_ttl_days = state_ttl_days
         self.emit_events = bool(job.stream_tasks)
 
     def open(self, runtime_context: RuntimeContext) -> None:
-        descriptor = ValueStateDescriptor("user", _PICKLED)
-        # Expired users are cleaned incrementally on access. PyFlink's default background cleanup
-        # builds a RocksDB compaction setting through the Py4J gateway, which a TaskManager's embedded
-        # interpreter does not have (it fails on a standalone cluster), so it is configured explicitly.
-        ttl = (StateTtlConfig.new_builder(Time.days(self.state_ttl_days))
-               .disable_cleanup_in_background().cleanup_incrementally(10, False).build())
-        descriptor.enable_time_to_live(ttl)
-        self.state = runtime_context.get_state(descriptor)
-        self.execution = TaskExecution(self.job.trigger_tasks)
+        super().open(runtime_context)
+        self.last_ts = self.get_state(TypedValue("last_ts"))
+        self.adapter = self.get_state(TypedValue("adapter"))
         self.guard = TimestampGuard()
+        self.events = 0
+        self._reported: dict[str, TaskStats] = {}
 
     def process_element(self, value: tuple[str, int, str, Any], ctx: KeyedProcessFunction.Context):
         _, line_no, raw, parsed = value
         if isinstance(parsed, str):
             yield DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw)
             return
-        saved = self.state.value()
-        if saved is None:
+        last_ts = self.last_ts.value()
+        if last_ts is None:
             ctx.timer_service().register_event_time_timer(0)  # fires with the final watermark
-            saved = {"last_ts": None, "adapter": None, "pending": frozenset(), "sequence": None,
-                     "events": 0, "tasks": {}}
-        user_id = self.source.user_of(parsed)
-        reason = self.guard.reason(user_id, self.source.ts_of(parsed), saved["last_ts"])
+        ts = self.source.ts_of(parsed)
+        reason = self.guard.reason(self.source.user_of(parsed), ts, last_ts)
         if reason is not None:
             yield DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, reason, raw)
             return
-        saved["last_ts"] = self.source.ts_of(parsed)
-        saved["adapter"], events = self.source.user_events(saved["adapter"], parsed)
-        yield from self._run(saved, events)
-        self.state.update(saved)
+        self.last_ts.update(ts)
+        adapter, events = self.source.user_events(self.adapter.value(), parsed)
+        self.adapter.update(adapter)
+        yield from self._run(ctx, events)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
-        saved = self.state.value()
-        if saved is None:
-            return
-        yield from self._run(saved, self.source.end_events(ctx.get_current_key(), saved["adapter"]))
-        saved["adapter"] = None
-        yield _STATS, {"events": saved["events"], "tasks": saved["tasks"]}
-        self.state.clear()
+        yield from self._run(ctx, self.source.end_events(ctx.get_current_key(), self.adapter.value()))
+        yield _STATS, self._counts()
+        self.clear_all()
 
-    def _run(self, saved: dict[str, Any], events: list) -> Any:
-        execution = self.execution
-        user = execution.new_user(saved["sequence"], saved["pending"])
+    def _run(self, ctx: Any, events: list) -> Any:
         for event in events:
-            saved["events"] += 1
+            self.events += 1
             if self.emit_events:
                 yield _EVENTS, event
-            for name in execution.step(user, event):
-                table, rows = execution.settle(name, event, execution.run_task(name, event, user.sequence))
-                counts = saved["tasks"].setdefault(name, {"fired": 0, "rows": 0, "errors": 0})
-                counts["fired"] += 1
-                counts["errors" if table == TASK_ERRORS_TABLE else "rows"] += len(rows)
-                for row in rows:
-                    yield table, row
-        saved["sequence"], saved["pending"] = user.sequence, user.match.pending_nodes
+            yield from self.call(ctx, event, round(event.ts * 1000))
+
+    def _counts(self) -> dict[str, Any]:
+        """What this subtask counted since it last reported (the per-task stats live per subtask)."""
+        tasks = {}
+        for name, stats in self.function.execution.stats.items():
+            seen = self._reported.setdefault(name, TaskStats())
+            tasks[name] = {"fired": stats.fired - seen.fired, "rows": stats.rows - seen.rows,
+                           "errors": stats.errors - seen.errors}
+            seen.fired, seen.rows, seen.errors = stats.fired, stats.rows, stats.errors
+        events, self.events = self.events, 0
+        return {"events": events, "tasks": tasks}
 
 
 def _dead_letter(source: str, line: int, reason: str, raw: str) -> dict[str, Any]:
@@ -246,9 +242,12 @@ def _elementwise(stream: DataStream, ops: list[Any], on_pair: bool = False) -> D
 
 
 def _stream_task(events: DataStream, task: Any) -> DataStream:
-    """A stream task as Flink operators: elementwise ops, key_by, event-time windows with watermarks,
-    allowed lateness and a late side output, the aggregate, row ops; ``(table, row)`` records out."""
+    """A stream task as Flink operators: elementwise ops, key_by, the keyed step, row ops; ``(table, row)``
+    records out. A time window is Flink's own ``WindowOperator`` (watermarks, allowed lateness, a late
+    side output, the aggregate); any other keyed step is our keyed process function in :class:`FlinkKeyed`."""
     plan = StreamPlan.of(task.name, task.pipeline)
+    if not isinstance(plan.window, TimeWindow):
+        return _keyed_stream_task(events, task, plan)
     window, read_key, read_ts = plan.window, field_reader(plan.key_by.key), field_reader(plan.window.ts)
     late = OutputTag(f"late_{task.name}", _PICKLED)
     pairs = _elementwise(events, plan.before_key).map(lambda item: (read_key(item), item), output_type=_PICKLED)
@@ -269,6 +268,30 @@ def _stream_task(events: DataStream, task: Any) -> DataStream:
     lates = windows.get_side_output(late).map(
         lambda pair: (LATE_EVENTS_TABLE, late_row(name, read_ts(pair[1]), pair[1])), output_type=_PICKLED)
     return rows.union(lates)
+
+
+def _keyed_stream_task(events: DataStream, task: Any, plan: StreamPlan) -> DataStream:
+    function, read_key = plan.function(), field_reader(plan.key_by.key)
+    pairs = _elementwise(events, plan.before_key).map(lambda item: (read_key(item), item), output_type=_PICKLED)
+    pairs = _elementwise(pairs, plan.before_window, on_pair=True)
+    read_ts = field_reader(function.ts) if function.ts is not None else None
+    if read_ts is not None:
+        pairs = pairs.assign_timestamps_and_watermarks(
+            WatermarkStrategy.for_bounded_out_of_orderness(Duration.of_millis(to_millis(plan.out_of_orderness)))
+            .with_timestamp_assigner(EventTime(read_ts)))
+    outputs = pairs.key_by(lambda pair: pair[0]).process(FlinkKeyed(function), output_type=_PICKLED)
+    name, sink, after = task.name, task.sink, plan.after_window
+
+    def to_table(output: tuple[str, Any]) -> list[tuple[str, Any]]:
+        tag, value = output
+        if tag == "emit":
+            row = apply_elementwise(after, value)
+            return [] if row is None else [(sink, row)]
+        if tag == LATE:
+            return [(LATE_EVENTS_TABLE, late_row(name, read_ts(value) if read_ts else None, value))]
+        return [(tag, value)]
+
+    return outputs.flat_map(to_table, output_type=_PICKLED)
 
 
 class StorageWriter(ProcessFunction):
