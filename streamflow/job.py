@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from operators import Operator
+from operators import Operator, Process
 from streamflow.trie import normalize_condition
 from streamflow.windowing import StreamPlan
 
@@ -79,6 +79,10 @@ class Task:
             StreamPlan.of(self.name, self.pipeline)
         else:
             self.trigger = normalize_condition(self.trigger or ())
+            for op in self.pipeline:
+                if isinstance(op, Process):
+                    raise TypeError(f"task {self.name!r}: Process keeps state across events and fires timers, so it "
+                                    "runs in a stream task (input='stream'), not over a trigger task's finite list")
         if self.history_events < 1:
             raise ValueError(f"task {self.name!r}: history_events must be >= 1")
         self.sink = self.sink or self.name

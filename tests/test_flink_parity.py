@@ -76,3 +76,15 @@ def test_sliding_window_job_with_out_of_order_and_late_events(tmp_path):
     assert any(n > 1 for (user, _), n in fired.items() if user == "u3")
     late = table(tmp_path / "device.duckdb", "late_events")
     assert late and all('"user_id": "u4"' in row[2] for row in late)
+
+
+def test_session_count_and_process_tasks_give_the_same_rows_on_both_runners(tmp_path):
+    """jobs/sessions.py: session windows (merging, late events), count windows and a user's keyed process
+    function with state, TTL and event-time timers, all on the keyed-state primitive on both runners."""
+    job_file = ROOT / "jobs" / "sessions.py"
+    run_device(job_file, ACTIVITY, tmp_path / "device.duckdb")
+    run_flink(load_job(job_file), ACTIVITY, db=tmp_path / "flink.duckdb", pace_ms=150)
+    for name in ("sessions", "every_3_items", "cart_abandoned", "late_events"):
+        device_rows = table(tmp_path / "device.duckdb", name)
+        assert device_rows, name  # the input exercises every task
+        assert table(tmp_path / "flink.duckdb", name) == device_rows, name
