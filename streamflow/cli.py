@@ -51,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--pace-ms", type=float, default=0.0,
                      help="flink runner: replay one record per N ms, so that periodic watermarks decide "
                           "lateness per event as the device runner does")
+    run.add_argument("--state-ttl", type=float, default=None, metavar="SECONDS",
+                     help="device runner: drop a user's state after this long of event time without an event of "
+                          "theirs (at least the source's page inactivity gap, 1800 s for Taobao CSV)")
+    run.add_argument("--max-users", type=int, default=None,
+                     help="device runner: cap on users held in memory (the least recently seen are evicted)")
     run.add_argument("--replace", action="store_true",
                      help="drop the job's tables (and dead_letter, task_errors) before running")
     run.add_argument("--show", type=int, default=3, help="sample rows to print per table")
@@ -108,7 +113,8 @@ def _run(job: Job, args: argparse.Namespace) -> int:
     from_kafka = kafka_topic(args.events) is not None
     if from_kafka and args.runner != "flink":
         raise ValueError(f"{args.events}: the device runner reads files; events from Kafka need --runner flink")
-    source = None if from_kafka else open_source(args.events, args.format)  # a missing file fails before any JVM
+    # a missing file fails before any JVM
+    source = None if from_kafka else open_source(args.events, args.format, state_ttl_s=args.state_ttl)
     flush_on_signals()
     tunnel_line = ""
     with CollectiveStorage(args.db) as storage:
@@ -120,7 +126,7 @@ def _run(job: Job, args: argparse.Namespace) -> int:
         else:
             tunnel = tunnel_commands.open_tunnel(args, storage)
             runner = DeviceRunner(job, storage, workers=args.workers, quarantine_after=args.quarantine_after,
-                                  tunnel=tunnel)
+                                  tunnel=tunnel, state_ttl_s=args.state_ttl, max_users=args.max_users)
             try:
                 summary = runner.run(track(source, desc=f"{job.name} on {args.runner}"))
             finally:

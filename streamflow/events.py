@@ -21,6 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from operators.process import ValueStateDescriptor
+from streamflow.keyed import KeyedStore
+
 PAGE_ENTER = "page_enter"
 PAGE_EXIT = "page_exit"
 
@@ -105,16 +108,25 @@ class TimestampGuard:
         'timestamp goes backwards: 1511848000.0 < 1511848894.0, the previous event of user u1'
     """
 
-    def __init__(self, min_ts: float = MIN_PLAUSIBLE_TS, max_future_skew_s: float = MAX_FUTURE_SKEW_S):
+    def __init__(self, min_ts: float = MIN_PLAUSIBLE_TS, max_future_skew_s: float = MAX_FUTURE_SKEW_S,
+                 state_ttl_s: float | None = None):
         self.min_ts = min_ts
         self.max_ts = time.time() + max_future_skew_s
-        self._last: dict[str, float] = {}
+        #: Each user's last accepted timestamp; with ``state_ttl_s``, forgotten after that long of stream
+        #: time (the largest timestamp accepted) without an event of the user.
+        self._last = KeyedStore(ValueStateDescriptor("last_ts", ttl_s=state_ttl_s))
+        self._clock = 0
 
     def check(self, user_id: str, ts: float) -> str | None:
         """The reason ``ts`` is rejected for ``user_id``, or ``None`` (and remember it) if fine."""
-        reason = self.reason(user_id, ts, self._last.get(user_id))
+        last = self._last
+        reason = self.reason(user_id, ts, last.get(user_id, self._clock))
         if reason is None:
-            self._last[user_id] = ts
+            clock = round(ts * 1000)
+            if clock > self._clock:
+                self._clock = clock
+                last.expire(clock)
+            last.set(user_id, ts, self._clock)
         return reason
 
     def reason(self, user_id: str, ts: float, last_ts: float | None) -> str | None:

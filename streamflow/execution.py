@@ -135,7 +135,8 @@ class TriggerTasks(KeyedProcessFunction):
 
     State per user: ``match`` (the dynamic pending list in the trie) and the sequences
     (:class:`~streamflow.sequences.UserSequence` over the list states ``recent``, ``pages`` and
-    ``open_page``). Rows go to ``ctx.side(table, row)``: the task's sink, or ``task_errors``.
+    ``open_page``), each dropped after ``state_ttl_s`` of stream time without a write. Rows go to
+    ``ctx.side(table, row)``: the task's sink, or ``task_errors``.
     With ``workers > 1``, tasks that fire on the same event run concurrently (useful when their
     operators release the GIL, as model inference does); their rows still come out in task order.
 
@@ -148,9 +149,10 @@ class TriggerTasks(KeyedProcessFunction):
         [('favs', {'user_id': 'u', 'trigger_ts': 1600000000.0, 'n': 1})]
     """
 
-    def __init__(self, execution: TaskExecution, workers: int = 1):
+    def __init__(self, execution: TaskExecution, workers: int = 1, state_ttl_s: float | None = None):
         self.execution = execution
         self.workers = workers
+        self.state_ttl_s = state_ttl_s
         self._pool: ThreadPoolExecutor | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -165,19 +167,22 @@ class TriggerTasks(KeyedProcessFunction):
 
     def open(self, ctx: Any) -> None:
         execution = self.execution
-        self.match = ctx.get_state(ValueStateDescriptor("match"))
+        ttl = self.state_ttl_s
+        self.match = ctx.get_state(ValueStateDescriptor("match", ttl))
         self.sequence = UserSequence(execution.max_events, execution.max_pages,
-                                     recent=ctx.get_state(ListStateDescriptor("recent")),
-                                     pages=ctx.get_state(ListStateDescriptor("pages")),
-                                     open_page=ctx.get_state(ListStateDescriptor("open_page")))
+                                     recent=ctx.get_state(ListStateDescriptor("recent", ttl)),
+                                     pages=ctx.get_state(ListStateDescriptor("pages", ttl)),
+                                     open_page=ctx.get_state(ListStateDescriptor("open_page", ttl)))
         execution.on_resize.append(self.sequence.resize)
 
     def on_event(self, event: Event, ctx: Any) -> None:
         execution, sequence = self.execution, self.sequence
         sequence.append(event)
         trie = execution.trie
-        state, fired = trie.step(self.match.value() or trie.initial_state(), event)
-        self.match.update(state)
+        before = self.match.value() or trie.initial_state()
+        state, fired = trie.step(before, event)
+        if state is not before:
+            self.match.update(state)
         if not fired:
             return
         if len(fired) == 1 or self.workers <= 1:

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
+from operators.process import ValueStateDescriptor
 from streamflow.events import PAGE_ENTER, PAGE_EXIT, Event, Rejected, TimestampGuard
+from streamflow.keyed import KeyedStore
 
 ITEM_PAGE = "item"
 TAOBAO_BEHAVIORS = frozenset(("pv", "fav", "cart", "buy"))
@@ -40,11 +42,16 @@ class LineSource:
     - ``end_events(user, state)``: the events still owed at the end of the input.
     """
 
-    def __init__(self, path: str | Path, guard: TimestampGuard | None = None):
+    def __init__(self, path: str | Path, guard: TimestampGuard | None = None, state_ttl_s: float | None = None):
         self.path = Path(path)
         self.name = str(path)
         self._guard = guard
         self._lines: list[str] | None = None
+        #: A user's per-user state (and last timestamp) is dropped after this long of stream time (the
+        #: largest timestamp read) without a record of the user, once its owed events (``end_events``)
+        #: are out: memory stays bounded by the users active within the TTL. It assumes records arrive
+        #: roughly in time order across users (as on a live device); by default nothing is dropped.
+        self.state_ttl_s = state_ttl_s
 
     @classmethod
     def from_lines(cls, lines: list[str], name: str = "<lines>", **kwargs: Any) -> Self:
@@ -63,21 +70,34 @@ class LineSource:
                 yield from _numbered(f)
 
     def __iter__(self) -> Iterator[Event | Rejected]:
-        guard = self._guard or TimestampGuard()
-        states: dict[str, Any] = {}
+        guard = self._guard or TimestampGuard(state_ttl_s=self.state_ttl_s)
+        states = KeyedStore(ValueStateDescriptor("adapter", ttl_s=self.state_ttl_s))
+        owed: list[Event] = []
+        clock = 0
+
+        def expired(user: str, state: Any) -> None:
+            owed.extend(self.end_events(user, state))
+
         for line_no, raw in self.numbered_lines():
             parsed = self.parse(raw)
             if isinstance(parsed, str):
                 yield Rejected(self.name, line_no, parsed, raw)
                 continue
-            user = self.user_of(parsed)
-            reason = guard.check(user, self.ts_of(parsed))
+            user, ts = self.user_of(parsed), self.ts_of(parsed)
+            reason = guard.check(user, ts)
             if reason is not None:
                 yield Rejected(self.name, line_no, reason, raw)
                 continue
-            states[user], events = self.user_events(states.get(user), parsed)
+            if states.ttl is not None and round(ts * 1000) > clock:
+                clock = round(ts * 1000)
+                states.expire(clock, expired)
+                if owed:
+                    yield from owed
+                    owed.clear()
+            state, events = self.user_events(states.get(user, clock), parsed)
+            states.set(user, state, clock)
             yield from events
-        for user, state in states.items():
+        for user, state in states.data.items():
             yield from self.end_events(user, state)
 
     def parse(self, raw: str) -> Any:
@@ -137,8 +157,11 @@ class TaobaoBehaviorSource(LineSource):
     """
 
     def __init__(self, path: str | Path, inactivity_gap_s: float = DEFAULT_INACTIVITY_GAP_S,
-                 guard: TimestampGuard | None = None):
-        super().__init__(path, guard)
+                 guard: TimestampGuard | None = None, state_ttl_s: float | None = None):
+        if state_ttl_s is not None and state_ttl_s < inactivity_gap_s:
+            raise ValueError(f"state_ttl_s ({state_ttl_s}) must be >= the page inactivity gap ({inactivity_gap_s} s): "
+                             "a page is exited after that gap, and its state must live until then")
+        super().__init__(path, guard, state_ttl_s)
         self.inactivity_gap_s = inactivity_gap_s
 
     def user_of(self, parsed: tuple[str, str, str, str, float]) -> str:
@@ -269,7 +292,8 @@ def event_from_json(raw: str) -> Event | str:
 FORMATS = {"taobao": TaobaoBehaviorSource, "jsonl": JsonLinesSource}
 
 
-def open_source(path: str | Path, fmt: str | None = None) -> TaobaoBehaviorSource | JsonLinesSource:
+def open_source(path: str | Path, fmt: str | None = None,
+                state_ttl_s: float | None = None) -> TaobaoBehaviorSource | JsonLinesSource:
     """The source for ``path``: ``fmt`` if given, else ``.csv`` → taobao, ``.jsonl``/``.json`` → jsonl.
 
     Example:
@@ -286,4 +310,4 @@ def open_source(path: str | Path, fmt: str | None = None) -> TaobaoBehaviorSourc
         raise ValueError(f"unknown event format {fmt!r}; expected one of {', '.join(FORMATS)}")
     if not Path(path).is_file():
         raise FileNotFoundError(f"events file not found: {path}")
-    return FORMATS[fmt](path)
+    return FORMATS[fmt](path, state_ttl_s=state_ttl_s)

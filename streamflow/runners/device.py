@@ -4,6 +4,14 @@ Per event: check its timestamp, append it to the user's sequences, step the user
 every task whose trigger condition completes runs its pipeline over the input it asked for, and
 its rows go to collective storage.
 
+Execution model: the job's trigger tasks are one keyed process function
+(:class:`~streamflow.execution.TriggerTasks`), each stream task another, each run by a
+:class:`~streamflow.keyed.KeyedRuntime` (state in dicts, timers in a heap), keyed by user.
+
+Bounded state: ``state_ttl_s`` drops a user's state (trie position, sequences, last timestamp) after
+that long of stream time without an event of the user; ``max_users`` caps the users held in memory,
+evicting the least recently seen (counted in the summary's ``evicted_users``).
+
 Isolation: every task gets its own copy of its pipeline (operator state is never shared between
 tasks) and writes its own table. A task's exception is caught and stored in ``task_errors`` with
 the triggering event; the other tasks and the stream go on. After ``quarantine_after`` consecutive
@@ -62,17 +70,17 @@ class DeviceRunner:
 
     def __init__(self, job: Job, storage: CollectiveStorage, workers: int = 2, quarantine_after: int = 5,
                  guard: TimestampGuard | None = None, record_latency: bool = False, tunnel: TunnelSink | None = None,
-                 max_users: int | None = None):
+                 max_users: int | None = None, state_ttl_s: float | None = None):
         self.job = job
         self.storage = storage
         self.tunnel = tunnel
         self.workers = workers
         self.execution = TaskExecution(quarantine_after=quarantine_after)
         self.trie = self.execution.trie
-        self.triggers = KeyedRuntime(TriggerTasks(self.execution, workers), max_keys=max_users)
+        self.triggers = KeyedRuntime(TriggerTasks(self.execution, workers, state_ttl_s), max_keys=max_users)
         self.summary = RunSummary(db_path=str(storage.path), task_stats=self.execution.stats)
         self.latencies_s: list[float] | None = [] if record_latency else None
-        self._guard = guard or TimestampGuard()
+        self._guard = guard or TimestampGuard(state_ttl_s=state_ttl_s)
         self._streams: dict[str, StreamTaskRun] = {}
         self._shipped: set[str] = set()  # sink tables whose rows also go to the tunnel
         self.max_users = max_users
