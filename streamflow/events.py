@@ -129,6 +129,11 @@ class TimestampGuard:
             last.set(user_id, ts, self._clock)
         return reason
 
+    @property
+    def users_held(self) -> int:
+        """Users whose last timestamp is remembered."""
+        return len(self._last.data)
+
     def reason(self, user_id: str, ts: float, last_ts: float | None) -> str | None:
         """The same check against a user's last accepted ``last_ts`` kept by the caller (e.g. in
         a runner's keyed state)."""

@@ -80,7 +80,7 @@ class DeviceRunner:
         self.triggers = KeyedRuntime(TriggerTasks(self.execution, workers, state_ttl_s), max_keys=max_users)
         self.summary = RunSummary(db_path=str(storage.path), task_stats=self.execution.stats)
         self.latencies_s: list[float] | None = [] if record_latency else None
-        self._guard = guard or TimestampGuard(state_ttl_s=state_ttl_s)
+        self.guard = guard or TimestampGuard(state_ttl_s=state_ttl_s)
         self._streams: dict[str, StreamTaskRun] = {}
         self._shipped: set[str] = set()  # sink tables whose rows also go to the tunnel
         self.max_users = max_users
@@ -137,7 +137,7 @@ class DeviceRunner:
         """Process one event of any user."""
         started = time.perf_counter() if self.latencies_s is not None else 0.0
         summary = self.summary
-        reason = self._guard.check(event.user_id, event.ts)
+        reason = self.guard.check(event.user_id, event.ts)
         if reason is not None:
             self.reject(Rejected("runner", summary.events_in + summary.rejected_total + 1, reason,
                                  json.dumps(event.to_dict(), default=str)))
