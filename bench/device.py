@@ -15,6 +15,10 @@ DuckDB file in a temp dir:
 - trigger-to-row-stored latency: ``DeviceRunner(record_latency=True).latencies_s``, from the start
   of firing to the rows being handed to storage (a buffer flush, when one happens, is inside it),
   recorded during the pre-parsed rounds and pooled;
+- ``peak_mb_1m_users``: peak RSS of a process running the IPV job over one million distinct users
+  (time-ordered, a new user every 2 s of event time) with a 30-minute state TTL, next to the same
+  without a TTL (every user's state kept to the end); ``--quick`` runs 100,000 users
+  (``bench/many_users.py``);
 - storage: the same IPV feature rows written one row per write (as the runner writes them) into
   :class:`CollectiveStorage` (buffered Arrow batches, flushed at the end) vs a writer doing one
   ``INSERT INTO ipv VALUES (?, ...)`` per row through duckdb (autocommit, table created up front and
@@ -23,7 +27,9 @@ DuckDB file in a temp dir:
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +50,15 @@ JOB_FILE = REPO / "jobs" / "ipv.py"
 MIN_EVENTS = {False: 1_000_000, True: 200_000}  # per run, by --quick
 STORAGE_ROWS = {False: 10_000, True: 600}
 TABLE = "ipv"
+MANY_USERS = {False: 1_000_000, True: 100_000}
+STATE_TTL_S = 1800
+
+
+def many_users(n_users: int, ttl_s: float | None) -> dict[str, Any]:
+    """``bench.many_users`` in a fresh process (its peak RSS is that process's own)."""
+    out = subprocess.run([sys.executable, "-m", "bench.many_users", str(n_users), str(ttl_s or "none")],
+                         cwd=REPO, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # -- input ------------------------------------------------------------------------------------------
@@ -189,6 +204,15 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
+    n_users = MANY_USERS[quick]
+    log(f"{n_users:,} distinct users, state TTL {STATE_TTL_S} s vs none (one process each)")
+    bounded, unbounded = many_users(n_users, STATE_TTL_S), many_users(n_users, None)
+    if bounded["rows"] != unbounded["rows"]:
+        print(f"the TTL changed the IPV rows: {bounded['rows']:,} vs {unbounded['rows']:,}", file=sys.stderr)
+        raise SystemExit(1)
+    log(f"  with TTL: peak {bounded['peak_mb']} MB ({bounded['users_held_at_end']:,} users held at the end, "
+        f"{bounded['seconds']} s); without: peak {unbounded['peak_mb']} MB ({unbounded['users_held_at_end']:,} held)")
+
     latencies.sort()
     eps = median(rates)
     p50_ms, p99_ms = percentile(latencies, 50) * 1e3, percentile(latencies, 99) * 1e3
@@ -211,7 +235,15 @@ def main(argv: list[str] | None = None) -> None:
         "rows_stored_per_run": rows_stored,
         "replays": replays,
         "rounds": args.rounds,
+        "peak_mb_1m_users": bounded["peak_mb"] if n_users == 1_000_000 else None,
+        f"peak_mb_{n_users // 1000}k_users_ttl": bounded["peak_mb"],
+        f"peak_mb_{n_users // 1000}k_users_no_ttl": unbounded["peak_mb"],
+        "many_users_events": bounded["events_in"],
+        "many_users_rows": bounded["rows"],
+        "many_users_held_at_end_ttl": bounded["users_held_at_end"],
+        "many_users_seconds_ttl": bounded["seconds"],
         "target_200k_events_per_s_met": eps >= 200_000,
+        "target_peak_1gb_1m_users_met": bounded["peak_mb"] <= 1024 if n_users == 1_000_000 else None,
         "target_p99_1ms_met": p99_ms <= 1.0,
         "cpu_count": cpu_count(),
         "quick": quick,

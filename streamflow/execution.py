@@ -179,10 +179,13 @@ class TriggerTasks(KeyedProcessFunction):
         execution, sequence = self.execution, self.sequence
         sequence.append(event)
         trie = execution.trie
-        before = self.match.value() or trie.initial_state()
-        state, fired = trie.step(before, event)
-        if state is not before:
-            self.match.update(state)
+        if trie.single_step:  # nothing to remember between events: no state access
+            fired = trie.step(trie.initial_state(), event)[1]
+        else:
+            before = self.match.value() or trie.initial_state()
+            state, fired = trie.step(before, event)
+            if state is not before:
+                self.match.update(state)
         if not fired:
             return
         if len(fired) == 1 or self.workers <= 1:

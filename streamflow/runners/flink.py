@@ -132,8 +132,7 @@ class UserTasks(FlinkKeyed):
 
     def open(self, runtime_context: RuntimeContext) -> None:
         super().open(runtime_context)
-        self.last_ts = self.get_state(TypedValue("last_ts"))
-        self.adapter = self.get_state(TypedValue("adapter"))
+        self.source_state = self.get_state(TypedValue("source"))  # (last timestamp, the format's user state)
         self.guard = TimestampGuard()
         self.events = 0
         self._reported: dict[str, TaskStats] = {}
@@ -143,7 +142,7 @@ class UserTasks(FlinkKeyed):
         if isinstance(parsed, str):
             yield DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw)
             return
-        last_ts = self.last_ts.value()
+        last_ts, adapter = self.source_state.value() or (None, None)
         if last_ts is None:
             ctx.timer_service().register_event_time_timer(0)  # fires with the final watermark
         ts = self.source.ts_of(parsed)
@@ -151,13 +150,13 @@ class UserTasks(FlinkKeyed):
         if reason is not None:
             yield DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, reason, raw)
             return
-        self.last_ts.update(ts)
-        adapter, events = self.source.user_events(self.adapter.value(), parsed)
-        self.adapter.update(adapter)
+        adapter, events = self.source.user_events(adapter, parsed)
+        self.source_state.update((ts, adapter))
         yield from self._run(ctx, events)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
-        yield from self._run(ctx, self.source.end_events(ctx.get_current_key(), self.adapter.value()))
+        adapter = (self.source_state.value() or (None, None))[1]
+        yield from self._run(ctx, self.source.end_events(ctx.get_current_key(), adapter))
         yield _STATS, self._counts()
         self.clear_all()
 
