@@ -123,11 +123,14 @@ class TaskExecution:
             self.unregister(name)
             log.error("task %s quarantined after %d consecutive failures; last: %s", name,
                       stats.consecutive_errors, error)
-        return TASK_ERRORS_TABLE, [{
-            "task": name, "user_id": event.user_id, "trigger_ts": event.ts,
-            "trigger_event": json.dumps(event.to_dict(), default=str), "error": error,
-            "traceback": "".join(traceback.format_exception(outcome)),
-        }]
+        return TASK_ERRORS_TABLE, [task_error_row(name, event, outcome)]
+
+
+def task_error_row(task: str, event: Event, error: Exception) -> dict[str, Any]:
+    """The ``task_errors`` row of a task that raised on ``event``."""
+    return {"task": task, "user_id": event.user_id, "trigger_ts": event.ts,
+            "trigger_event": json.dumps(event.to_dict(), default=str), "error": f"{type(error).__name__}: {error}",
+            "traceback": "".join(traceback.format_exception(error))}
 
 
 class TriggerTasks(KeyedProcessFunction):

@@ -139,6 +139,7 @@ class TriggerTrie:
         self._order: dict[str, int] = {}
         self._states: dict[frozenset[int], MatchState] = {}
         self._initial = self._intern(frozenset())
+        self.single_step = True
 
     # -- registration -------------------------------------------------------------------------
     @property

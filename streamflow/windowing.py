@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from connectors.storage import check_table_name
 from operators import Aggregate, CountWindow, Filter, KeyBy, Map, Operator, Process, SessionWindow, TimeWindow
 from operators.base import field_reader
 from operators.process import LATE, KeyedProcessFunction, ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
@@ -337,5 +338,5 @@ class StreamTaskRun:
             elif tag == LATE:
                 sides.append((LATE, late_row(self.name, self.read_ts(value) if self.read_ts else None, value)))
             else:
-                sides.append((tag, value))
+                sides.append((check_table_name(tag), value))
         return rows, sides

@@ -190,3 +190,25 @@ def test_process_runs_only_in_stream_tasks():
     assert task.input == "stream"
     with pytest.raises(ValueError, match="must be followed by Aggregate"):
         Task("t", None, [KeyBy("user_id"), SessionWindow(5)], input="stream")
+
+
+def test_a_failing_stream_task_is_recorded_and_the_run_goes_on(tmp_path):
+    from connectors.storage import CollectiveStorage
+    from streamflow.events import Event
+    from streamflow.job import Job
+    from streamflow.runners.device import DeviceRunner
+
+    def flaky(event, ctx):
+        if event.event_id == "buy":
+            raise RuntimeError("cannot handle a buy")
+        ctx.side("bad table!", {"x": 1}) if event.event_id == "cart" else ctx.emit({"user_id": ctx.key})
+
+    job = Job("j", [Task("flaky", None, [KeyBy("user_id"), Process(flaky)], input="stream")])
+    with CollectiveStorage(tmp_path / "j.duckdb") as storage:
+        runner = DeviceRunner(job, storage)
+        kinds = ["fav", "buy", "cart", "fav"]
+        summary = runner.run([Event("u", kind, "item", 1.6e9 + i) for i, kind in enumerate(kinds)])
+        errors = storage.query("SELECT task, error FROM task_errors ORDER BY trigger_ts")
+        assert storage.query("SELECT count(*) FROM flaky") == [(2,)]
+    assert [e[1].split(":")[0] for e in errors] == ["RuntimeError", "ValueError"]
+    assert "bad table!" in errors[1][1] and summary.task_stats["flaky"].errors == 2

@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
 from streamflow.events import Event, Rejected, TimestampGuard
-from streamflow.execution import TaskExecution, TriggerTasks
+from streamflow.execution import TaskExecution, TriggerTasks, task_error_row
 from streamflow.job import Job, Task
 from streamflow.keyed import KeyedRuntime
-from streamflow.summary import RunSummary, TaskStats
+from streamflow.summary import TASK_ERRORS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamTaskRun
 
 if TYPE_CHECKING:
@@ -144,7 +144,13 @@ class DeviceRunner:
             return
         summary.events_in += 1
         for stream in self._streams.values():
-            self._write_stream(stream, *stream.process(event))
+            try:
+                self._write_stream(stream, *stream.process(event))
+            except Exception as exc:  # a stream task's failure is data, as a trigger task's is
+                self.summary.task_stats[stream.name].errors += 1
+                log.warning("stream task %s failed on %s of user %s: %s", stream.name, event.event_id,
+                            event.user_id, exc)
+                self.storage.write(TASK_ERRORS_TABLE, [task_error_row(stream.name, event, exc)])
         outputs = self.triggers.process(event.user_id, event, round(event.ts * 1000))
         if not outputs:
             return
