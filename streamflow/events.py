@@ -96,7 +96,7 @@ class TimestampGuard:
     """Rejects absurd timestamps and timestamps that go backwards within a user's stream.
 
     Event time must be plausible (after 2000-01-01 and at most ``max_future_skew_s`` ahead of the
-    wall clock) and non-decreasing per user: the device runtime processes each user's events in
+    wall clock at the time of the check) and non-decreasing per user: the device runtime processes each user's events in
     the order the app produced them, so a step back in time means a broken clock or a corrupt
     record, not a late event.
 
@@ -111,6 +111,9 @@ class TimestampGuard:
     def __init__(self, min_ts: float = MIN_PLAUSIBLE_TS, max_future_skew_s: float = MAX_FUTURE_SKEW_S,
                  state_ttl_s: float | None = None):
         self.min_ts = min_ts
+        self.max_future_skew_s = max_future_skew_s
+        #: The upper bound as of the last clock reading; the clock is read again only when a stamp
+        #: exceeds it (the bound only grows, so a stamp within it is within the true bound too).
         self.max_ts = time.time() + max_future_skew_s
         #: Each user's last accepted timestamp; with ``state_ttl_s``, forgotten after that long of stream
         #: time (the largest timestamp accepted) without an event of the user.
@@ -137,6 +140,8 @@ class TimestampGuard:
     def reason(self, user_id: str, ts: float, last_ts: float | None) -> str | None:
         """The same check against a user's last accepted ``last_ts`` kept by the caller (e.g. in
         a runner's keyed state)."""
+        if ts > self.max_ts:
+            self.max_ts = time.time() + self.max_future_skew_s
         if not (self.min_ts <= ts <= self.max_ts):  # also catches NaN
             return (f"absurd timestamp: {ts!r} is outside [{self.min_ts:.0f}, {self.max_ts:.0f}] "
                     "(2000-01-01 .. now + skew)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
@@ -84,6 +85,16 @@ def test_guard_rejects_backwards_per_user_only_and_forgets_rejected():
     assert reason == f"timestamp goes backwards: {float(T - 1)} < {float(T)}, the previous event of user u1"
     assert guard.check("u1", float(YEAR_2100)) is not None
     assert guard.check("u1", T + 1) is None  # neither rejected stamp moved u1's clock
+
+
+def test_guard_upper_bound_follows_the_clock():
+    """A runtime that runs longer than the allowed skew still takes events stamped now (defect: the
+    bound was fixed at start-up, so every later event became 'absurd')."""
+    guard = TimestampGuard(max_future_skew_s=0.05)
+    time.sleep(0.2)  # the runtime has been up longer than the skew
+    assert guard.check("u", time.time()) is None
+    reason = guard.check("u", time.time() + 60)
+    assert reason is not None and reason.startswith("absurd timestamp")  # the future is still refused
 
 
 # --------------------------------------------------------------------------------------------------
