@@ -9,7 +9,7 @@ On Flink the windowed part is Flink's own ``WindowOperator`` (``key_by().window(
 equivalent and follows the same rules, so both runners emit the same rows:
 
 - Time is in integer milliseconds. A window is ``[start, end)``; its last timestamp is ``end - 1``.
-  Windows are aligned as Flink aligns them: ``start = ts - (ts - offset + slide) % slide``.
+  Windows are aligned as Flink aligns them (:func:`operators.window.window_starts_ms`).
 - The watermark is ``max event time seen - out_of_orderness - 1 ms`` (Flink's bounded-out-of-orderness
   generator), advanced after every event, and never goes back.
 - An event is added to each of its windows that is not *late*: a window is late once
@@ -32,6 +32,7 @@ from typing import Any
 
 from operators import Aggregate, Filter, KeyBy, Map, Operator, TimeWindow
 from operators.base import field_reader
+from operators.window import to_millis, window_starts_ms
 
 END_OF_TIME = 2**63 - 1  # Long.MAX_VALUE, the final watermark
 
@@ -74,17 +75,6 @@ def apply_elementwise(ops: Sequence[Filter | Map], item: Any) -> Any | None:
         else:
             item = op.fn(item)
     return item
-
-
-def to_millis(seconds: float) -> int:
-    """Event time in integer milliseconds, as Flink keeps it."""
-    return round(seconds * 1000)
-
-
-def window_starts_ms(ts: int, size: int, slide: int, offset: int = 0) -> list[int]:
-    """Starts of the windows containing ``ts`` (ms), newest first, as Flink's sliding assigner."""
-    last = ts - (ts - offset + slide) % slide
-    return list(range(last, ts - size, -slide))
 
 
 class KeyedEventTimeWindows:

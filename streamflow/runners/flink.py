@@ -255,10 +255,11 @@ def _stream_task(events: DataStream, task: Any) -> DataStream:
     pairs = _elementwise(pairs, plan.before_window, on_pair=True).assign_timestamps_and_watermarks(
         WatermarkStrategy.for_bounded_out_of_orderness(Duration.of_millis(to_millis(window.out_of_orderness)))
         .with_timestamp_assigner(EventTime(read_ts)))
+    size, slide = to_millis(window.size), to_millis(window.slide)
+    offset = to_millis(window.offset) % slide  # the same alignment; Flink takes only |offset| < slide
     windows = (pairs.key_by(lambda pair: pair[0])
-               .window(SlidingEventTimeWindows.of(Time.milliseconds(to_millis(window.size)),
-                                                  Time.milliseconds(to_millis(window.slide)),
-                                                  Time.milliseconds(to_millis(window.offset))))
+               .window(SlidingEventTimeWindows.of(Time.milliseconds(size), Time.milliseconds(slide),
+                                                  Time.milliseconds(offset)))
                .allowed_lateness(to_millis(window.allowed_lateness))
                .side_output_late_data(late)
                .aggregate(WindowAggregate(plan.aggregate.aggregations), WindowRows(plan.key_by.name),
