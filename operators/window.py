@@ -56,7 +56,8 @@ class TimeWindow(Operator):
     In a stream task (``input="stream"``) windows close as the watermark passes them:
     ``out_of_orderness`` is how far (seconds) events may arrive out of order before they count as
     late, ``allowed_lateness`` how long a fired window still takes late events (each one fires it
-    again); later events go to the ``late_events`` table (see :mod:`streamflow.windowing`).
+    again); later events go to the ``late_events`` table (see :mod:`streamflow.windowing`). A trigger
+    task refuses both options: its pipeline runs over a finite sequence, so nothing there is late.
 
     Example:
         >>> from operators import Aggregate, Count, run_pipeline
