@@ -10,11 +10,11 @@ rows go, threads, state backends.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import traceback
 from typing import Any
 
+from connectors.storage import to_json
 from operators import Operator, run_pipeline
 from streamflow.events import Event
 from streamflow.job import Task
@@ -153,6 +153,6 @@ class TaskExecution:
                       stats.consecutive_errors, error)
         return TASK_ERRORS_TABLE, [{
             "task": name, "user_id": event.user_id, "trigger_ts": event.ts,
-            "trigger_event": json.dumps(event.to_dict(), default=str), "error": error,
+            "trigger_event": to_json(event.to_dict()), "error": error,
             "traceback": "".join(traceback.format_exception(outcome)),
         }]

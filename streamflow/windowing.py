@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import copy
 import heapq
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from connectors.storage import to_json
 from operators import Aggregate, Filter, KeyBy, Map, Operator, TimeWindow
 from operators.base import field_reader
 from operators.window import to_millis, window_starts_ms
@@ -175,7 +175,7 @@ def window_row(key_name: str, key: Any, start: float, end: float, results: dict[
 def late_row(task: str, ts: float, item: Any) -> dict[str, Any]:
     """The late side output's row for an item no window would take."""
     body = item.to_dict() if hasattr(item, "to_dict") else item
-    return {"task": task, "ts": ts, "item": json.dumps(body, default=str, sort_keys=True)}
+    return {"task": task, "ts": ts, "item": to_json(body, sort_keys=True)}
 
 
 class StreamTaskRun:

@@ -24,14 +24,13 @@ deterministic. A single fired task runs inline.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
+from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, to_json
 from streamflow.events import Event, Rejected, TimestampGuard
 from streamflow.execution import TaskExecution
 from streamflow.job import Job, Task
@@ -89,6 +88,7 @@ class DeviceRunner:
             raise ValueError(f"task {task.name!r} is already registered")
         else:
             self.execution.register(task)
+        self.storage.name_writer(task.sink, f"task {task.name}")
         if task.tunnel:
             self._shipped.add(task.sink)
 
@@ -112,6 +112,7 @@ class DeviceRunner:
             self.summary.elapsed_s += time.perf_counter() - started
             self.storage.flush()
             self.summary.rows_written = dict(self.storage.rows_written)
+            self.summary.refused_rows = dict(self.storage.refused)
         return self.summary
 
     def reject(self, record: Rejected) -> None:
@@ -129,7 +130,7 @@ class DeviceRunner:
         reason = self._guard.check(event.user_id, event.ts)
         if reason is not None:
             self.reject(Rejected("runner", summary.events_in + summary.rejected_total + 1, reason,
-                                 json.dumps(event.to_dict(), default=str)))
+                                 to_json(event.to_dict())))
             return
         summary.events_in += 1
         for stream in self._streams.values():
@@ -185,3 +186,4 @@ class DeviceRunner:
             self.tunnel.flush()
         self.storage.flush()
         self.summary.rows_written = dict(self.storage.rows_written)
+        self.summary.refused_rows = dict(self.storage.refused)

@@ -275,13 +275,16 @@ def _stream_task(events: DataStream, task: Any) -> DataStream:
 class StorageWriter(ProcessFunction):
     """Writes ``(table, row)`` records to collective storage and counts what the run did."""
 
-    def __init__(self, db_path: str, report_path: str, stream_sinks: dict[str, str]):
+    def __init__(self, db_path: str, report_path: str, stream_sinks: dict[str, str], tasks: dict[str, str]):
         self.db_path = db_path
         self.report_path = report_path
         self.stream_sinks = stream_sinks  # sink table -> stream task
+        self.tasks_by_name = tasks  # task -> sink table
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self.storage = CollectiveStorage(self.db_path)
+        for name, sink in self.tasks_by_name.items():
+            self.storage.name_writer(sink, f"task {name}")
         self.events = 0
         self.rejected: Counter[str] = Counter()
         self.tasks: dict[str, dict[str, Any]] = {}
@@ -307,7 +310,7 @@ class StorageWriter(ProcessFunction):
     def close(self) -> None:
         self.storage.close()
         report = {"events_in": self.events, "rejected": dict(self.rejected), "tasks": self.tasks,
-                  "rows_written": self.storage.rows_written}
+                  "rows_written": self.storage.rows_written, "refused": self.storage.refused}
         Path(self.report_path).write_text(json.dumps(report), encoding="utf-8")
 
 
@@ -348,7 +351,8 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
     for task in job.stream_tasks:
         outputs = outputs.union(_stream_task(per_user.get_side_output(_EVENTS), task))
     stream_sinks = {task.sink: task.name for task in job.stream_tasks}
-    (outputs.process(StorageWriter(str(db_path), str(report), stream_sinks), output_type=_PICKLED)
+    tasks = {task.name: task.sink for task in job.tasks}
+    (outputs.process(StorageWriter(str(db_path), str(report), stream_sinks, tasks), output_type=_PICKLED)
      .set_parallelism(1)
      .sink_to(Sink(get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink())))
     env.execute(f"streamflow {job.name}")
@@ -380,7 +384,8 @@ def _event_lines(env: StreamExecutionEnvironment, events: str | os.PathLike[str]
 def _summary(job: Job, db_path: Path, report_path: Path, elapsed_s: float) -> RunSummary:
     report = json.loads(report_path.read_text(encoding="utf-8"))
     summary = RunSummary(db_path=str(db_path), events_in=report["events_in"], elapsed_s=elapsed_s,
-                         rows_written=report["rows_written"], rejected=Counter(report["rejected"]))
+                         rows_written=report["rows_written"], rejected=Counter(report["rejected"]),
+                         refused_rows=report["refused"])
     for task in job.tasks:
         counts = report["tasks"].get(task.name, {})
         summary.task_stats[task.name] = TaskStats(fired=counts.get("fired", 0), rows=counts.get("rows", 0),
