@@ -8,8 +8,10 @@ SIGTERM/SIGINT once :func:`flush_on_signals` is installed. A hard crash (SIGKILL
 loses at most the buffered rows: fewer than ``flush_rows`` per table, at most ``flush_interval_s``
 seconds old while writes keep coming.
 
-Rows a table cannot take (a value whose type clashes with the column's) are not dropped: the rest
-of the batch is stored and each refused row goes to the ``dead_letter`` table with the reason.
+Rows a table cannot take (a value whose type clashes with the column's, or that no column type
+holds) are not dropped: the rest of the batch is stored and each refused row goes to the
+``dead_letter`` table with the reason (naming the task that wrote it, see
+:meth:`CollectiveStorage.name_writer`) and the row as JSON (:func:`to_json`); ``refused`` counts them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import reprlib
 import signal
 import threading
 import time
@@ -30,6 +33,42 @@ import pyarrow as pa
 DEFAULT_DB = "streamflow.duckdb"
 DEAD_LETTER_TABLE = "dead_letter"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+#: What turning rows into Arrow and inserting them raises for a value the table cannot take.
+ROW_ENCODING_ERRORS = (pa.ArrowException, duckdb.Error, TypeError, ValueError, OverflowError, RecursionError)
+_SAFE_REPR = reprlib.Repr()  # bounded depth and size: safe on cycles and deep nesting
+_SAFE_REPR.maxlevel, _SAFE_REPR.maxstring, _SAFE_REPR.maxother = 20, 2000, 2000
+_SAFE_REPR.maxlist = _SAFE_REPR.maxdict = _SAFE_REPR.maxtuple = _SAFE_REPR.maxset = 1000
+
+
+def to_json(value: Any, sort_keys: bool = False) -> str:
+    """``value`` as JSON text for a text column (dead letters, late events, task errors); never raises.
+
+    A value JSON has no type for is written as its ``str``; dict keys JSON cannot take (a tuple; mixed
+    types when sorting) become their ``str``; what still cannot be encoded (a cycle, nesting deeper
+    than the recursion limit) is kept as a JSON string of its (bounded) ``repr``.
+
+    Example:
+        >>> print(to_json({"n": 2**70, "tags": {"a"}, "pair": {(1, 2): "x"}}))
+        {"n": 1180591620717411303424, "tags": "{'a'}", "pair": {"(1, 2)": "x"}}
+    """
+    for prepare in (_same, _string_keys):
+        try:
+            return json.dumps(prepare(value), default=str, sort_keys=sort_keys)
+        except (TypeError, ValueError, RecursionError):
+            pass
+    return json.dumps(_SAFE_REPR.repr(value))
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _string_keys(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _string_keys(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_string_keys(v) for v in value]
+    return value
 
 
 def check_table_name(name: str) -> str:
@@ -133,13 +172,22 @@ class CollectiveStorage:
         self.flush_rows = flush_rows
         self.flush_interval_s = flush_interval_s
         self.rows_written: dict[str, int] = {}
+        #: Rows each table refused (they are in the dead-letter table).
+        self.refused: dict[str, int] = {}
         self.flushes = 0
         self._con = duckdb.connect(str(self.path))
         self._buffers: dict[str, RowBuffer] = {}
         self._oldest: float | None = None
         self._lock = threading.RLock()
         self._columns: dict[str, set[str]] = {}
+        self._writers: dict[str, list[str]] = {}
         self._closed = False
+
+    def name_writer(self, table: str, writer: str) -> None:
+        """Say who writes ``table`` (e.g. ``"task ipv"``): the reason of a row it refuses names them."""
+        writers = self._writers.setdefault(check_table_name(table), [])
+        if writer not in writers:
+            writers.append(writer)
 
     # -- writing -----------------------------------------------------------------------------
     def write(self, table: str, rows: Iterable[Mapping[str, Any]]) -> None:
@@ -181,7 +229,7 @@ class CollectiveStorage:
             self._oldest = None
         try:
             self._insert(table, *buffer.to_arrow())
-        except (pa.ArrowException, duckdb.Error, TypeError, ValueError):
+        except ROW_ENCODING_ERRORS:
             self._insert_row_by_row(table, buffer.rows())
         self.flushes += 1
 
@@ -206,19 +254,22 @@ class CollectiveStorage:
 
     def _insert_row_by_row(self, table: str, rows: list[Mapping[str, Any]]) -> None:
         refused = []
+        writers = self._writers.get(table)
+        whose = f"row of {', '.join(writers)}" if writers else "row"
         for index, row in enumerate(rows):
             try:
                 single = RowBuffer()
                 single.extend([row])
                 self._insert(table, *single.to_arrow())
-            except (pa.ArrowException, duckdb.Error, TypeError, ValueError) as exc:
+            except ROW_ENCODING_ERRORS as exc:
                 refused.append({
                     "source": f"storage:{table}", "line": index,
-                    "reason": f"row refused by table {table}: {type(exc).__name__}: {exc}".strip()[:2000],
-                    "raw": json.dumps(row, default=str),
+                    "reason": f"{whose} refused by table {table}: {type(exc).__name__}: {exc}".strip()[:2000],
+                    "raw": to_json(row),
                 })
         if refused:
             self.rows_written[table] -= len(refused)
+            self.refused[table] = self.refused.get(table, 0) + len(refused)
             if table == DEAD_LETTER_TABLE:
                 raise RuntimeError(f"dead-letter rows could not be stored: {refused[0]['reason']}")
             self._buffers.setdefault(DEAD_LETTER_TABLE, RowBuffer()).extend(refused)

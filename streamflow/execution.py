@@ -12,12 +12,12 @@ state backends.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from connectors.storage import to_json
 from operators import Operator, run_pipeline
 from operators.process import KeyedProcessFunction, ListStateDescriptor, ValueStateDescriptor
 from streamflow.events import Event
@@ -129,7 +129,7 @@ class TaskExecution:
 def task_error_row(task: str, event: Event, error: Exception) -> dict[str, Any]:
     """The ``task_errors`` row of a task that raised on ``event``."""
     return {"task": task, "user_id": event.user_id, "trigger_ts": event.ts,
-            "trigger_event": json.dumps(event.to_dict(), default=str), "error": f"{type(error).__name__}: {error}",
+            "trigger_event": to_json(event.to_dict()), "error": f"{type(error).__name__}: {error}",
             "traceback": "".join(traceback.format_exception(error))}
 
 

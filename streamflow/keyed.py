@@ -41,15 +41,11 @@ from typing import Any
 
 from operators.base import field_reader
 from operators.process import KeyedProcessFunction, StateDescriptor
+from operators.window import to_millis
 
 END_OF_TIME = 2**63 - 1  # Long.MAX_VALUE, the final watermark
 START_OF_TIME = -END_OF_TIME
 Output = tuple[str, dict[str, Any]]  # ("emit", row) or (side output tag, row)
-
-
-def to_millis(seconds: float) -> int:
-    """Event time in integer milliseconds, as Flink keeps it."""
-    return round(seconds * 1000)
 
 
 class KeyedStore:

@@ -1,6 +1,7 @@
 """Event sources: files that become app events, with every bad record reported, never dropped.
 
-Each source iterates ``Event | Rejected`` in file order. Two formats:
+Each source iterates ``Event | Rejected`` in file order (a line that is not valid UTF-8 is a
+``Rejected`` too, never rewritten). Two formats:
 
 - :class:`TaobaoBehaviorSource` reads the Taobao UserBehavior CSV and turns it into app events.
 - :class:`JsonLinesSource` reads one JSON event per line (``user_id, event_id, page_id, ts,
@@ -66,7 +67,8 @@ class LineSource:
             lines: Iterable[str] = self._lines
             yield from _numbered(lines)
         else:
-            with open(self.path, encoding="utf-8", errors="replace") as f:
+            # Bytes that are not UTF-8 become lone surrogates, so that __iter__ can reject their line.
+            with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
                 yield from _numbered(f)
 
     def __iter__(self) -> Iterator[Event | Rejected]:
@@ -79,6 +81,9 @@ class LineSource:
             owed.extend(self.end_events(user, state))
 
         for line_no, raw in self.numbered_lines():
+            if not raw.isascii() and (bad := invalid_utf8(raw)) is not None:
+                yield Rejected(self.name, line_no, *bad)
+                continue
             parsed = self.parse(raw)
             if isinstance(parsed, str):
                 yield Rejected(self.name, line_no, parsed, raw)
@@ -114,6 +119,34 @@ class LineSource:
 
     def end_events(self, user: str, state: Any) -> list[Event]:
         return []
+
+
+def invalid_utf8(raw: str) -> tuple[str, str] | None:
+    r"""``(reason, the line with its bad bytes escaped)`` for a line read with ``surrogateescape``
+    that was not valid UTF-8, or ``None`` for a good line.
+
+    Example:
+        >>> reason, raw = invalid_utf8(b"1,10\xff,7".decode("utf-8", "surrogateescape"))
+        >>> print(reason, raw, sep="\n")
+        invalid UTF-8: invalid start byte b'\xff' at byte 4 of the line
+        1,10\xff,7
+    """
+    try:
+        raw.encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        pass
+    try:
+        data = raw.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as exc:  # a surrogate that no undecodable byte made (in-memory lines)
+        return (f"invalid UTF-8: unpaired surrogate {raw[exc.start:exc.end]!r} at character {exc.start} of the line",
+                raw.encode("utf-8", "backslashreplace").decode("utf-8"))
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        reason = f"invalid UTF-8: {exc.reason} {data[exc.start:exc.end]!r} at byte {exc.start} of the line"
+        return reason, data.decode("utf-8", "backslashreplace")
+    return None
 
 
 def _numbered(lines: Iterable[str]) -> Iterator[tuple[int, str]]:

@@ -517,6 +517,34 @@ def test_each_bad_jsonl_line_lands_in_dead_letter_and_the_run_goes_on(tmp_path):
     assert rows["favs"][-1]["ts"] == [T + len(cases) - 1, T + len(cases)]
 
 
+def test_bad_utf8_line_goes_to_dead_letter_and_the_rest_of_the_file_is_read(ipv_job, tmp_path):
+    """A line that is not valid UTF-8 is not rewritten (it used to be read with errors="replace" and
+    its item id silently became '10\ufffd\ufffd'): it is rejected with the byte offset and the bad
+    bytes, its raw text kept with those bytes escaped; valid UTF-8 (also multi-byte) reads normally."""
+    path = tmp_path / "events.csv"
+    path.write_bytes(b"\n".join([
+        f"1,10,7,pv,{T}".encode(),
+        f"2,10,7,pv,{T}".encode().replace(b"10", b"10\xff\xfe", 1),  # item id with invalid bytes
+        f"3,caf\u00e9,7,pv,{T}".encode(),  # valid two-byte UTF-8
+        f"4,20,7,pv,{T}".encode() + b"\xc3",  # a multi-byte sequence cut short at the end of the line
+        f"1,10,7,buy,{T + 4}".encode(),
+    ]) + b"\n")
+    summary, dead, rows = _run(ipv_job, open_source(path), tmp_path / "f.duckdb")
+
+    assert dead == [
+        (str(path), 2, "invalid UTF-8: invalid start byte b'\\xff' at byte 4 of the line", f"2,10\\xff\\xfe,7,pv,{T}"),
+        (str(path), 4, f"invalid UTF-8: unexpected end of data b'\\xc3' at byte {len(f'4,20,7,pv,{T}')} of the line",
+         f"4,20,7,pv,{T}\\xc3"),
+    ]
+    assert summary.rejected == {"invalid UTF-8": 2}
+    ipv = sorted((r["user_id"], r["item_id"], r["n_buy"]) for r in rows["ipv"])
+    assert ipv == [("1", "10", 1), ("3", "caf\u00e9", 0)]
+    # in-memory lines cannot hold bad bytes, but can hold a lone surrogate no encoder takes
+    recs = taobao([f"1,10\ud800,7,pv,{T}", f"1,10,7,pv,{T}"])
+    assert recs[0].reason == "invalid UTF-8: unpaired surrogate '\\ud800' at character 4 of the line"
+    assert [e.event_id for e in recs[1:]] == [PAGE_ENTER, PAGE_EXIT]
+
+
 def test_runner_rejects_absurd_and_backward_events_given_directly(tmp_path):
     """Events that bypass a source still meet the runner's own TimestampGuard."""
     job = Job("favs", [Task("favs", ["fav"], [Aggregate(n=Count())], input="recent")])

@@ -32,13 +32,12 @@ deterministic. A single fired task runs inline.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
+from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, to_json
 from streamflow.events import Event, Rejected, TimestampGuard
 from streamflow.execution import TaskExecution, TriggerTasks, task_error_row
 from streamflow.job import Job, Task
@@ -99,6 +98,7 @@ class DeviceRunner:
             raise ValueError(f"task {task.name!r} is already registered")
         else:
             self.execution.register(task)
+        self.storage.name_writer(task.sink, f"task {task.name}")
         if task.tunnel:
             self._shipped.add(task.sink)
 
@@ -123,6 +123,7 @@ class DeviceRunner:
             self._count()
             self.storage.flush()
             self.summary.rows_written = dict(self.storage.rows_written)
+            self.summary.refused_rows = dict(self.storage.refused)
         return self.summary
 
     def reject(self, record: Rejected) -> None:
@@ -140,7 +141,7 @@ class DeviceRunner:
         reason = self.guard.check(event.user_id, event.ts)
         if reason is not None:
             self.reject(Rejected("runner", summary.events_in + summary.rejected_total + 1, reason,
-                                 json.dumps(event.to_dict(), default=str)))
+                                 to_json(event.to_dict())))
             return
         summary.events_in += 1
         for stream in self._streams.values():
@@ -193,3 +194,4 @@ class DeviceRunner:
             self.tunnel.flush()
         self.storage.flush()
         self.summary.rows_written = dict(self.storage.rows_written)
+        self.summary.refused_rows = dict(self.storage.refused)

@@ -253,10 +253,11 @@ def _stream_task(events: DataStream, task: Any) -> DataStream:
     pairs = _elementwise(pairs, plan.before_window, on_pair=True).assign_timestamps_and_watermarks(
         WatermarkStrategy.for_bounded_out_of_orderness(Duration.of_millis(to_millis(window.out_of_orderness)))
         .with_timestamp_assigner(EventTime(read_ts)))
+    size, slide = to_millis(window.size), to_millis(window.slide)
+    offset = to_millis(window.offset) % slide  # the same alignment; Flink takes only |offset| < slide
     windows = (pairs.key_by(lambda pair: pair[0])
-               .window(SlidingEventTimeWindows.of(Time.milliseconds(to_millis(window.size)),
-                                                  Time.milliseconds(to_millis(window.slide)),
-                                                  Time.milliseconds(to_millis(window.offset))))
+               .window(SlidingEventTimeWindows.of(Time.milliseconds(size), Time.milliseconds(slide),
+                                                  Time.milliseconds(offset)))
                .allowed_lateness(to_millis(window.allowed_lateness))
                .side_output_late_data(late)
                .aggregate(WindowAggregate(plan.aggregate.aggregations), WindowRows(plan.key_by.name),
@@ -296,13 +297,16 @@ def _keyed_stream_task(events: DataStream, task: Any, plan: StreamPlan) -> DataS
 class StorageWriter(ProcessFunction):
     """Writes ``(table, row)`` records to collective storage and counts what the run did."""
 
-    def __init__(self, db_path: str, report_path: str, stream_sinks: dict[str, str]):
+    def __init__(self, db_path: str, report_path: str, stream_sinks: dict[str, str], tasks: dict[str, str]):
         self.db_path = db_path
         self.report_path = report_path
         self.stream_sinks = stream_sinks  # sink table -> stream task
+        self.tasks_by_name = tasks  # task -> sink table
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self.storage = CollectiveStorage(self.db_path)
+        for name, sink in self.tasks_by_name.items():
+            self.storage.name_writer(sink, f"task {name}")
         self.events = 0
         self.rejected: Counter[str] = Counter()
         self.tasks: dict[str, dict[str, Any]] = {}
@@ -328,7 +332,7 @@ class StorageWriter(ProcessFunction):
     def close(self) -> None:
         self.storage.close()
         report = {"events_in": self.events, "rejected": dict(self.rejected), "tasks": self.tasks,
-                  "rows_written": self.storage.rows_written}
+                  "rows_written": self.storage.rows_written, "refused": self.storage.refused}
         Path(self.report_path).write_text(json.dumps(report), encoding="utf-8")
 
 
@@ -369,7 +373,8 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
     for task in job.stream_tasks:
         outputs = outputs.union(_stream_task(per_user.get_side_output(_EVENTS), task))
     stream_sinks = {task.sink: task.name for task in job.stream_tasks}
-    (outputs.process(StorageWriter(str(db_path), str(report), stream_sinks), output_type=_PICKLED)
+    tasks = {task.name: task.sink for task in job.tasks}
+    (outputs.process(StorageWriter(str(db_path), str(report), stream_sinks, tasks), output_type=_PICKLED)
      .set_parallelism(1)
      .sink_to(Sink(get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink())))
     env.execute(f"streamflow {job.name}")
@@ -401,7 +406,8 @@ def _event_lines(env: StreamExecutionEnvironment, events: str | os.PathLike[str]
 def _summary(job: Job, db_path: Path, report_path: Path, elapsed_s: float) -> RunSummary:
     report = json.loads(report_path.read_text(encoding="utf-8"))
     summary = RunSummary(db_path=str(db_path), events_in=report["events_in"], elapsed_s=elapsed_s,
-                         rows_written=report["rows_written"], rejected=Counter(report["rejected"]))
+                         rows_written=report["rows_written"], rejected=Counter(report["rejected"]),
+                         refused_rows=report["refused"])
     for task in job.tasks:
         counts = report["tasks"].get(task.name, {})
         summary.task_stats[task.name] = TaskStats(fired=counts.get("fired", 0), rows=counts.get("rows", 0),
