@@ -40,7 +40,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,7 +49,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from connectors.storage import check_table_name, ensure_columns
+from connectors.storage import ensure_columns, is_identifier, quote_identifier, quoted_list
 from connectors.tunnel.envelope import Batch, EnvelopeError, Origin, decode
 from connectors.tunnel.kafka import CLIENT_TIMEOUTS, DEFAULT_TOPIC, bootstrap_servers, dead_letter_topic, ensure_topic
 from connectors.tunnel.keys import KeyRegistry
@@ -123,8 +123,10 @@ class CloudStats:
 class CloudStore:
     """The cloud's DuckDB tables for tunnelled features (see the module docstring)."""
 
-    def __init__(self, path: str | os.PathLike[str], online_key: Sequence[str] = ("user_id",)):
+    def __init__(self, path: str | os.PathLike[str], online_key: Sequence[str] = ("user_id",),
+                 schemas: Mapping[str, Collection[str]] | None = None):
         self.path = Path(path)
+        self.schemas = schemas  # table → declared columns; None: any table and columns with plain names
         if self.path.parent != Path(""):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.online_key = tuple(online_key)
@@ -142,6 +144,7 @@ class CloudStore:
         If the tables refuse the batches together (a column whose type changed, say), each batch is
         stored alone and those still refused become ``unstorable`` dead letters.
         """
+        batches, dead = self._checked(batches, dead)
         with self._lock:
             try:
                 return self._transaction(batches, dead, offsets)
@@ -161,6 +164,17 @@ class CloudStore:
                 result.dead_letters += self._transaction((), [*dead, *refused], offsets).dead_letters
                 return result
 
+    def _checked(self, batches: Sequence[Batch], dead: Sequence[DeadLetter]) -> tuple[list[Batch], list[DeadLetter]]:
+        """``batches`` whose table and columns may reach SQL; the others join ``dead`` as ``bad_schema``."""
+        fit, refused = [], list(dead)
+        for batch in batches:
+            problem = schema_problem(batch.table, batch.rows.column_names, self.schemas)
+            if problem is None:
+                fit.append(batch)
+            else:
+                refused.append(_dead_letter(batch, "bad_schema", problem))
+        return fit, refused
+
     def _transaction(self, batches: Sequence[Batch], dead: Sequence[DeadLetter],
                      offsets: dict[tuple[str, int], int] | None) -> ApplyResult:
         con = self._con
@@ -174,6 +188,7 @@ class CloudStore:
                 by_table.setdefault(batch.table, []).append(batch)
             for table, group in by_table.items():
                 result.stored += self._store(table, group, now)
+            self._record(fresh, now)  # after the rows: a batch is recorded only together with its rows
             if result.dead_letters:
                 con.executemany("INSERT INTO tunnel_dead_letter VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [
                     [d.topic, d.partition, d.offset, d.device, d.reason, d.detail[:2000], d.raw, now]
@@ -191,7 +206,7 @@ class CloudStore:
         return result
 
     def _classify(self, batches: Sequence[Batch], now: datetime) -> tuple[list[Batch], list[Batch], list[DeadLetter]]:
-        """New batches (recorded in ``tunnel_batches`` here), exact repeats, and batches reusing stored numbers.
+        """New batches, exact repeats, and batches reusing stored numbers (nothing is written here).
 
         A device resends a batch byte for byte (same first seq, rows and signature): that is a repeat,
         dropped. Any other overlap with stored numbers means the device numbered different rows the
@@ -230,17 +245,19 @@ class CloudStore:
                                            f"seq {batch.first_seq}..{batch.last_seq}, already stored"))
             else:  # below the device's highest number but in a gap: new
                 fresh.append(batch)
-        if fresh:
-            con.execute("INSERT INTO tunnel_batches VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?)"] * len(fresh)),
-                        [v for b in fresh for v in (b.device, b.first_seq, b.rows.num_rows, b.mac, b.table, now)])
         return fresh, repeats, reused
+
+    def _record(self, fresh: Sequence[Batch], now: datetime) -> None:
+        """Note ``fresh`` batches in ``tunnel_batches`` (in the transaction that stored their rows)."""
+        if fresh:
+            self._con.execute("INSERT INTO tunnel_batches VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?)"] * len(fresh)),
+                              [v for b in fresh for v in (b.device, b.first_seq, b.rows.num_rows, b.mac, b.table, now)])
 
     def _store(self, table: str, batches: list[Batch], now: datetime) -> int:
         """Append ``batches`` of one table to ``table`` and upsert them into ``<table>_online``; rows stored."""
-        table = check_table_name(table)
         parts = []
         for batch in batches:
-            rows = batch.rows.drop_columns([c for c in _META_COLUMNS if c in batch.rows.column_names])
+            rows = batch.rows
             n = rows.num_rows
             meta = [pa.array([batch.device] * n, pa.string()), pa.array(batch.seqs, pa.int64()),
                     pa.array([now] * n, pa.timestamp("us"))]
@@ -249,9 +266,9 @@ class CloudStore:
         con = self._con
         con.register("_sf_rows", full)
         try:
-            names = _quoted(full.column_names)
+            names = quoted_list(full.column_names)
             ensure_columns(con, table, "_sf_rows", full.column_names, self._columns.setdefault(table, set()))
-            con.execute(f'INSERT INTO "{table}" ({names}) SELECT {names} FROM _sf_rows')
+            con.execute(f"INSERT INTO {quote_identifier(table)} ({names}) SELECT {names} FROM _sf_rows")
             self._upsert_online(f"{table}_online", full)
         finally:
             con.unregister("_sf_rows")
@@ -268,8 +285,8 @@ class CloudStore:
                 key = ["device_id"] + [k for k in self.online_key if k in full.column_names]
                 types = dict(con.execute("SELECT column_name, column_type FROM (DESCRIBE SELECT * FROM _sf_rows)")
                              .fetchall())
-                columns = ", ".join(f'"{c}" {types[c]}' for c in full.column_names)
-                con.execute(f'CREATE TABLE "{online}" ({columns}, PRIMARY KEY ({_quoted(key)}))')
+                columns = ", ".join(f"{quote_identifier(c)} {types[c]}" for c in full.column_names)
+                con.execute(f"CREATE TABLE {quote_identifier(online)} ({columns}, PRIMARY KEY ({quoted_list(key)}))")
             else:
                 key = [row[0] for row in con.execute(
                     "SELECT unnest(constraint_column_names) FROM duckdb_constraints() "
@@ -279,13 +296,13 @@ class CloudStore:
         ensure_columns(con, online, "_sf_rows", full.column_names, known)
         if any(k not in full.column_names for k in key):
             return  # these rows lack a key column: offline only
-        names = _quoted(full.column_names)
-        not_null = " AND ".join(f'"{k}" IS NOT NULL' for k in key)
-        updates = ", ".join(f'"{c}" = excluded."{c}"' if c in full.column_names else f'"{c}" = NULL'
-                            for c in sorted(known) if c not in key)
-        con.execute(f'INSERT INTO "{online}" ({names}) SELECT {names} FROM _sf_rows WHERE {not_null} '
-                    f'QUALIFY row_number() OVER (PARTITION BY {_quoted(key)} ORDER BY seq DESC) = 1 '
-                    f'ON CONFLICT DO UPDATE SET {updates} WHERE excluded.seq > "{online}".seq')
+        names, target = quoted_list(full.column_names), quote_identifier(online)
+        not_null = " AND ".join(f"{quote_identifier(k)} IS NOT NULL" for k in key)
+        updates = ", ".join(f"{quote_identifier(c)} = excluded.{quote_identifier(c)}" if c in full.column_names
+                            else f"{quote_identifier(c)} = NULL" for c in sorted(known) if c not in key)
+        con.execute(f"INSERT INTO {target} ({names}) SELECT {names} FROM _sf_rows WHERE {not_null} "
+                    f"QUALIFY row_number() OVER (PARTITION BY {quoted_list(key)} ORDER BY seq DESC) = 1 "
+                    f"ON CONFLICT DO UPDATE SET {updates} WHERE excluded.seq > {target}.seq")
 
     def offsets(self, topic: str) -> dict[int, int]:
         """Partition → next offset to consume, as stored with the rows."""
@@ -308,8 +325,44 @@ class CloudStore:
         self.close()
 
 
-def _quoted(names: Sequence[str]) -> str:
-    return ", ".join(f'"{n}"' for n in names)
+def schema_problem(table: str, columns: Sequence[str],
+                   schemas: Mapping[str, Collection[str]] | None = None) -> str | None:
+    """Why a batch of ``table`` with ``columns`` may not be stored, or None if it may.
+
+    Table and column names must be plain identifiers (letters, digits, underscores), the table no
+    ``tunnel_`` or ``_online`` name, the columns unique and none of the store's own (``device_id``,
+    ``seq``, ``ingested_at``); with ``schemas`` (table → its declared columns), the table must be
+    declared and every column among its declared ones.
+
+    Example:
+        >>> schema_problem("ipv", ["user_id", "dwell_s"]) is None
+        True
+        >>> print(schema_problem("ipv", ["x'); DROP TABLE ipv; --"]))
+        column name "x'); DROP TABLE ipv; --" of table ipv is not a plain identifier (letters, digits, underscores)
+        >>> schema_problem("ipv", ["user_id", "coupon"], {"ipv": ["user_id", "dwell_s"]})
+        "column 'coupon' is not in table ipv's declared schema (dwell_s, user_id)"
+    """
+    if not is_identifier(table):
+        return f"table name {table!r} is not a plain identifier (letters, digits, underscores)"
+    if table.startswith("tunnel_") or table.endswith("_online"):
+        return f"reserved table name {table!r}"
+    declared = None
+    if schemas is not None:
+        if table not in schemas:
+            return f"table {table!r} is not declared (declared: {', '.join(sorted(schemas)) or 'none'})"
+        declared = set(schemas[table])
+    seen: set[str] = set()
+    for name in columns:
+        if not is_identifier(name):
+            return f"column name {name!r} of table {table} is not a plain identifier (letters, digits, underscores)"
+        if name in _META_COLUMNS:
+            return f"column {name!r} of table {table} is the store's own"
+        if name in seen:
+            return f"column {name!r} of table {table} appears twice"
+        if declared is not None and name not in declared:
+            return f"column {name!r} is not in table {table}'s declared schema ({', '.join(sorted(declared))})"
+        seen.add(name)
+    return None
 
 
 def _dead_letter(batch: Batch, reason: str, detail: str) -> DeadLetter:
@@ -326,9 +379,8 @@ def open_message(topic: str, partition: int, offset: int, value: bytes | None, k
         return DeadLetter(topic, partition, offset, exc.reason, str(exc), exc.device, bytes(value or b""))
     if message_key is not None and message_key != batch.device.encode():
         return _dead_letter(batch, "bad_key", f"message key {message_key!r} is not the signed device {batch.device!r}")
-    if batch.table.startswith("tunnel_") or batch.table.endswith("_online"):
-        return _dead_letter(batch, "bad_payload", f"reserved table name {batch.table!r}")
-    return batch
+    problem = schema_problem(batch.table, batch.rows.column_names)
+    return batch if problem is None else _dead_letter(batch, "bad_schema", problem)
 
 
 class CloudConsumer:
@@ -342,13 +394,14 @@ class CloudConsumer:
 
     def __init__(self, db: str | os.PathLike[str], registry: KeyRegistry, *, topic: str = DEFAULT_TOPIC,
                  bootstrap: str | None = None, group_id: str = "streamflow-cloud",
-                 online_key: Sequence[str] = ("user_id",), max_records: int = 500, partitions: int = 4):
+                 online_key: Sequence[str] = ("user_id",), max_records: int = 500, partitions: int = 4,
+                 schemas: Mapping[str, Collection[str]] | None = None):
         self.topic = topic
         self.dlq_topic = dead_letter_topic(topic)
         self.bootstrap = bootstrap_servers(bootstrap)
         self.group_id = group_id
         self.registry = registry
-        self.store = CloudStore(db, online_key=online_key)
+        self.store = CloudStore(db, online_key=online_key, schemas=schemas)
         self.stats = CloudStats()
         self.max_records = max_records
         self.partitions = partitions
