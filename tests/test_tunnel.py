@@ -317,7 +317,8 @@ def test_a_column_name_with_sql_in_it_is_dead_lettered_and_the_good_rows_after_i
 def test_undeclared_reserved_or_odd_columns_send_the_batch_to_the_dead_letter(tmp_path, columns, says):
     rows = pa.Table.from_arrays([pa.array(["u"]), pa.array([1])], names=columns)
     with CloudStore(tmp_path / "c.duckdb", schemas={"ipv": ["user_id", "n", "dwell_s"]}) as store:
-        result = store.apply([Batch("phone-1", "ipv", 0, rows), Batch("phone-1", "ipv", 1, pa.table({"user_id": ["v"]}))])
+        fine = Batch("phone-1", "ipv", 1, pa.table({"user_id": ["v"]}))
+        result = store.apply([Batch("phone-1", "ipv", 0, rows), fine])
         assert result.stored == 1 and [d.reason for d in result.dead_letters] == ["bad_schema"]
         assert says in result.dead_letters[0].detail
         assert store.query("SELECT seq, user_id FROM ipv") == [(1, "v")]

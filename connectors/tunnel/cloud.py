@@ -51,13 +51,22 @@ import pyarrow as pa
 
 from connectors.storage import ensure_columns, is_identifier, quote_identifier, quoted_list
 from connectors.tunnel.envelope import Batch, EnvelopeError, Origin, decode
-from connectors.tunnel.kafka import CLIENT_TIMEOUTS, DEFAULT_TOPIC, bootstrap_servers, dead_letter_topic, ensure_topic
+from connectors.tunnel.kafka import (
+    CLIENT_TIMEOUTS,
+    DEFAULT_TOPIC,
+    Retry,
+    bootstrap_servers,
+    dead_letter_topic,
+    ensure_topic,
+)
 from connectors.tunnel.keys import KeyRegistry
 
 log = logging.getLogger("streamflow.cloud")
 
 DEAD_LETTER_TABLE = "tunnel_dead_letter"
 _META_COLUMNS = ("device_id", "seq", "ingested_at")
+#: How often a consumer looks for partitions added to its topic (from its cached metadata).
+_ASSIGNMENT_CHECK_S = 10.0
 #: What the tables can refuse a batch with (e.g. a value whose type clashes with its column's).
 _STORE_ERRORS = (duckdb.Error, pa.ArrowException, ValueError, TypeError)
 _SCHEMA = """
@@ -408,23 +417,19 @@ class CloudConsumer:
         self._stop = threading.Event()
         self._consumer: Any = None
         self._dlq_producer: Any = None
+        self._assigned: set[Any] = set()
+        self._assignment_checked = 0.0
 
     def _connect(self) -> Any:
-        from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer
+        """A consumer assigned every partition of the topic (no group rebalance), and the dead-letter producer.
 
-        store, topic = self.store, self.topic
-
-        class SeekToStored(ConsumerRebalanceListener):
-            """Start each assigned partition where the stored rows end (the offsets in DuckDB)."""
-
-            def on_partitions_revoked(self, revoked: Any) -> None:
-                pass
-
-            def on_partitions_assigned(self, assigned: Any) -> None:
-                stored = store.offsets(topic)
-                for tp in assigned:
-                    if tp.partition in stored:
-                        consumer.seek(tp, stored[tp.partition])
+        The partitions are assigned by hand, not by the group coordinator: this consumer is the DuckDB
+        file's only writer and its offsets live in that file, so the group has nothing to share out. A
+        coordinator also keeps a killed member's partitions until it expires it, which the local
+        noida-db never does (see the README's tunnel section); a restarted consumer here resumes at once.
+        The group id is still used for the Kafka offset commits that lag monitoring reads.
+        """
+        from kafka import KafkaConsumer, KafkaProducer
 
         ensure_topic(self.bootstrap, self.topic, self.partitions)
         ensure_topic(self.bootstrap, self.dlq_topic, 1)
@@ -432,15 +437,33 @@ class CloudConsumer:
                                  client_id=f"streamflow-cloud-{os.getpid()}", enable_auto_commit=False,
                                  auto_offset_reset="earliest", max_poll_records=self.max_records,
                                  isolation_level="read_committed", **CLIENT_TIMEOUTS)
-        consumer.subscribe([self.topic], listener=SeekToStored())
+        self._assigned = set()
+        self._assign(consumer)
         self._dlq_producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True,
                                            compression_type="zstd", **CLIENT_TIMEOUTS)
         return consumer
+
+    def _assign(self, consumer: Any) -> None:
+        """Take every partition the topic has now; each new one starts where the stored rows end (DuckDB's offsets)."""
+        from kafka import TopicPartition
+
+        partitions = {TopicPartition(self.topic, p) for p in consumer.partitions_for_topic(self.topic)}
+        self._assignment_checked = time.monotonic()
+        if partitions <= self._assigned:
+            return
+        consumer.assign(sorted(partitions))  # positions of partitions already held are kept
+        stored = self.store.offsets(self.topic)
+        for tp in partitions - self._assigned:
+            if tp.partition in stored:
+                consumer.seek(tp, stored[tp.partition])
+        self._assigned = partitions
 
     def poll_once(self, timeout_s: float = 0.2) -> ApplyResult:
         """Consume what one poll returns and store it; returns what was stored."""
         if self._consumer is None:
             self._consumer = self._connect()
+        elif time.monotonic() - self._assignment_checked >= _ASSIGNMENT_CHECK_S:
+            self._assign(self._consumer)  # partitions added to the topic since
         records = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
         if not records:
             return ApplyResult()
@@ -476,21 +499,36 @@ class CloudConsumer:
         except Exception as exc:  # noqa: BLE001 - a rebalance or a broker hiccup must not stop consuming
             log.debug("kafka offset commit skipped: %s", exc)
 
-    def run(self, idle_timeout_s: float | None = None, max_s: float | None = None) -> CloudStats:
-        """Consume until :meth:`stop`, or until nothing arrived for ``idle_timeout_s``, or ``max_s`` passed."""
-        started = last = time.monotonic()
+    def run(self, idle_timeout_s: float | None = None, max_s: float | None = None,
+            retry_for_s: float | None = 300.0) -> CloudStats:
+        """Consume until :meth:`stop`, until ``idle_timeout_s`` passed without a record, or until ``max_s`` passed.
+
+        Idle time counts from the last record polled (or from when the consumer got its partitions),
+        never from the start, so a slow start or a broker outage does not end the run early. While the
+        broker fails, the consumer reconnects with exponential backoff (0.1 s doubling to 5 s) and raises
+        :class:`~connectors.tunnel.kafka.TunnelUnavailable` once it failed for ``retry_for_s`` on end
+        (None: retry forever).
+        Records it did not store stay on the topic, and the next consumer starts at DuckDB's offsets.
+        """
+        started = time.monotonic()
+        last_record = None  # set when the consumer holds its partitions
+        retry = Retry(f"cloud consumer of {self.topic} on {self.bootstrap}", give_up_after_s=retry_for_s)
         while not self._stop.is_set():
+            messages = self.stats.messages
             try:
-                result = self.poll_once()
-            except Exception as exc:  # noqa: BLE001 - broker gone: say so, wait, reconnect
-                log.warning("cloud consumer: %s; retrying in 1 s", exc)
+                self.poll_once()
+            except Exception as exc:  # noqa: BLE001 - broker gone: say so, back off, reconnect
                 self._reset()
-                self._stop.wait(1.0)
+                delay = retry.failed(exc)  # raises TunnelUnavailable past the budget
+                log.warning("cloud consumer: %s; retrying in %.1f s (attempt %d)", exc, delay, retry.failures)
+                last_record = None
+                self._stop.wait(delay)
                 continue
+            retry.succeeded()
             now = time.monotonic()
-            if result.stored or result.duplicates or result.dead:
-                last = now
-            if idle_timeout_s is not None and now - last >= idle_timeout_s:
+            if last_record is None or self.stats.messages > messages:
+                last_record = now
+            if idle_timeout_s is not None and now - last_record >= idle_timeout_s:
                 break
             if max_s is not None and now - started >= max_s:
                 break
