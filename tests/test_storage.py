@@ -149,7 +149,7 @@ def test_column_names_are_quoted_so_a_name_with_sql_in_it_is_just_a_name(tmp_pat
     store = CollectiveStorage(tmp_path / "f.duckdb", flush_rows=1)
     store.write("keep", [{"user_id": "u"}])
     store.write("t", [{"user_id": "u"}])
-    evil = 'user_id") FROM _sf_batch; DROP TABLE keep; SELECT typeof("user_id'
+    evil = 'user_id") FROM _sf_batch; COMMIT; DROP TABLE keep; SELECT typeof("user_id'
     store.write("t", [{"user_id": "v", evil: 1}])
     assert "keep" in store.tables()
     assert store.query(f'SELECT user_id, "{evil.replace(chr(34), chr(34) * 2)}" FROM t ORDER BY user_id') == [
