@@ -13,8 +13,14 @@
 :class:`CloudConsumer` is a Kafka consumer group around it. Offsets live in DuckDB, in the same
 transaction as the rows, and a consumer seeks to them when it is assigned a partition, so a crash
 between storing and committing to Kafka neither loses nor repeats a row: the effect is exactly
-once. (It also commits to Kafka, for lag monitoring.) Refused messages also go, with their reason
-in the headers, to the dead-letter topic ``<topic>.dlq``; the consumer counts them and goes on.
+once. (It also commits to Kafka, for lag monitoring.) It assigns itself every partition of the topic
+rather than waiting for a group rebalance (see :meth:`CloudConsumer._connect` for why). Refused
+messages also go, with their reason in the headers, to the dead-letter topic ``<topic>.dlq``; the
+consumer counts them and goes on.
+
+What may reach SQL: every name built into a statement is quoted (:func:`connectors.storage.quote_identifier`),
+and a batch whose table or column names are not plain identifiers, or fall outside the declared
+``schemas``, is dead-lettered as ``bad_schema`` before any SQL (:func:`schema_problem`).
 
 Example (no broker needed for the store):
     >>> import os, tempfile, pyarrow as pa
@@ -424,10 +430,15 @@ class CloudConsumer:
         """A consumer assigned every partition of the topic (no group rebalance), and the dead-letter producer.
 
         The partitions are assigned by hand, not by the group coordinator: this consumer is the DuckDB
-        file's only writer and its offsets live in that file, so the group has nothing to share out. A
-        coordinator also keeps a killed member's partitions until it expires it, which the local
-        noida-db never does (see the README's tunnel section); a restarted consumer here resumes at once.
-        The group id is still used for the Kafka offset commits that lag monitoring reads.
+        file's only writer and its offsets live in that file, so the group has nothing to share out.
+        And a coordinator holds a rebalance until a killed member rejoins or is expired; noida-db 0.2.3
+        never expires one (measured: with kafka-python's defaults a successor got nothing for 150 s; a
+        6 s session timeout changed nothing; an 8 s rebalance timeout let it join, after which its
+        SyncGroup timed out every 5 s, the dead member still counted; static membership resumed at once
+        but static members never leave, so a closed one would block every other member for good).
+        Assigned by hand, a successor resumes at once on any broker. The group id is still used for
+        the Kafka offset commits that lag monitoring reads. Partitions added to the topic are picked up
+        within ``_ASSIGNMENT_CHECK_S`` once the client's metadata shows them.
         """
         from kafka import KafkaConsumer, KafkaProducer
 
