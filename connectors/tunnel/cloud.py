@@ -399,7 +399,7 @@ def open_message(topic: str, partition: int, offset: int, value: bytes | None, k
 
 
 class CloudConsumer:
-    """A consumer-group member storing the tunnel's features in a :class:`CloudStore` (see the module docstring).
+    """A consumer storing the tunnel's features in a :class:`CloudStore` (see the module docstring).
 
     Example (needs a broker)::
 

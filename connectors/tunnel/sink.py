@@ -36,6 +36,7 @@ Example (needs a broker; see the README's tunnel section)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -182,10 +183,12 @@ class TunnelSink:
         """
         delivered = self.wait_delivered(timeout_s)
         with self._lock:
+            self._seal_locked()  # rows another thread wrote meanwhile: spooled for the next run, never dropped
             self._closing = True
             self._wake.notify_all()
         self._seal_thread.join(timeout=5)
         self._send_thread.join(timeout=self.send_timeout_s + 5)
+        delivered = delivered and not self.spool.batches_pending
         self._drop_producer()
         if not delivered:
             log.warning("tunnel: %d rows in %d batches not yet acknowledged by %s; they stay in %s for the next run",
@@ -347,14 +350,22 @@ class TunnelSink:
 
         After a failed delivery the producer may be wedged: when a batch it had already sent expires, kafka-python
         (3.0) resets its idempotent producer id but never asks for a new one, so it sends nothing again, even once
-        the broker is back. So it is closed and replaced. ``close(timeout=0)`` stops its I/O thread at once; it
-        raises only if a record is still pending, which :meth:`_deliver`'s wait past the delivery timeout rules
-        out. The records it holds are in the spool, so dropping them is safe.
+        the broker is back. So it is closed and replaced, with public calls only: ``close(timeout=0)`` stops its
+        I/O thread at once, but raises while a record is pending (:meth:`_deliver` waits past the delivery
+        timeout, so that is rare); then the record is left to expire (``flush``) and it is closed again. The
+        records it holds are in the spool, so dropping them is safe.
         """
         producer, self._producer = self._producer, None
         if producer is None:
             return
         try:
+            producer.close(timeout=0)
+            return
+        except Exception as exc:  # noqa: BLE001 - a record still pending: let it expire, then close again
+            log.debug("tunnel: the old producer still holds a record (%s); waiting for it to expire", exc)
+        try:
+            with contextlib.suppress(Exception):
+                producer.flush(timeout=self.send_timeout_s + 2.0)  # its delivery timeout fails the record
             producer.close(timeout=0)
         except Exception as exc:  # noqa: BLE001 - a producer we throw away must not stop the sink
             log.warning("tunnel: the old producer did not close (%s); its I/O thread ends with the process", exc)
