@@ -71,11 +71,31 @@ def _string_keys(value: Any) -> Any:
     return value
 
 
+def is_identifier(name: object) -> bool:
+    """True if ``name`` is a plain SQL identifier: letters, digits, underscores, not starting with a digit, ≤ 63."""
+    return isinstance(name, str) and _IDENTIFIER.fullmatch(name) is not None
+
+
 def check_table_name(name: str) -> str:
     """``name`` if it is a plain SQL identifier (letters, digits, underscore), else ``ValueError``."""
-    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+    if not is_identifier(name):
         raise ValueError(f"table name {name!r} must be letters, digits and underscores, not starting with a digit")
     return name
+
+
+def quote_identifier(name: str) -> str:
+    """``name`` as a quoted SQL identifier: in double quotes, each ``"`` in it doubled (safe for any string).
+
+    Example:
+        >>> quote_identifier('dwell_s'), quote_identifier('a"; DROP TABLE t; --')
+        ('"dwell_s"', '"a""; DROP TABLE t; --"')
+    """
+    return '"' + str(name).replace('"', '""') + '"'
+
+
+def quoted_list(names: Iterable[str]) -> str:
+    """``names`` quoted and comma-separated, for a column list."""
+    return ", ".join(quote_identifier(n) for n in names)
 
 
 def resolve_db_path(path: str | os.PathLike[str] | None = None) -> Path:
@@ -139,14 +159,17 @@ def ensure_columns(con: duckdb.DuckDBPyConnection, table: str, relation: str, co
 
     ``known`` caches the table's columns between calls (pass an empty set the first time).
     """
+    quoted_table, source = quote_identifier(table), quote_identifier(relation)
     if not known:
-        con.execute(f'CREATE TABLE IF NOT EXISTS "{table}" AS SELECT * FROM {relation} WHERE false')
+        con.execute(f"CREATE TABLE IF NOT EXISTS {quoted_table} AS SELECT * FROM {source} WHERE false")
         known.update(row[0] for row in con.execute(
             "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [table]).fetchall())
-    for name in columns:
-        if name not in known:
-            sql_type = con.execute(f'SELECT typeof("{name}") FROM {relation} LIMIT 1').fetchone()[0]
-            con.execute(f'ALTER TABLE "{table}" ADD COLUMN "{name}" {sql_type}')
+    missing = [name for name in columns if name not in known]
+    if missing:
+        # the relation's own types (DuckDB quotes the field names inside nested types itself)
+        types = dict(con.execute(f"SELECT column_name, column_type FROM (DESCRIBE SELECT * FROM {source})").fetchall())
+        for name in missing:
+            con.execute(f"ALTER TABLE {quoted_table} ADD COLUMN {quote_identifier(name)} {types[name]}")
             known.add(name)
 
 
@@ -242,8 +265,8 @@ class CollectiveStorage:
                 try:
                     ensure_columns(self._con, table, "_sf_batch", batch.column_names,
                                    self._columns.setdefault(table, set()))
-                    names = ", ".join(f'"{c}"' for c in batch.column_names)
-                    self._con.execute(f'INSERT INTO "{table}" ({names}) SELECT {names} FROM _sf_batch')
+                    names = quoted_list(batch.column_names)
+                    self._con.execute(f"INSERT INTO {quote_identifier(table)} ({names}) SELECT {names} FROM _sf_batch")
                 finally:
                     self._con.unregister("_sf_batch")
             self._con.execute("COMMIT")
@@ -287,7 +310,7 @@ class CollectiveStorage:
         """A whole table as Arrow, after flushing."""
         with self._lock:
             self.flush()
-            return self._con.sql(f'SELECT * FROM "{check_table_name(table)}"').to_arrow_table()
+            return self._con.sql(f"SELECT * FROM {quote_identifier(check_table_name(table))}").to_arrow_table()
 
     def tables(self) -> list[str]:
         """Names of the tables in the file (after flushing)."""
@@ -299,7 +322,7 @@ class CollectiveStorage:
             for table in tables:
                 self._buffers.pop(check_table_name(table), None)
                 self._columns.pop(table, None)
-                self._con.execute(f'DROP TABLE IF EXISTS "{table}"')
+                self._con.execute(f"DROP TABLE IF EXISTS {quote_identifier(table)}")
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:

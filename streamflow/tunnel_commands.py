@@ -137,6 +137,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.runner == "flink":
         return _consume_on_flink(args, online_key)
     from connectors.tunnel.cloud import CloudConsumer
+    from connectors.tunnel.kafka import TunnelUnavailable
 
     if not registry.devices():
         print(f"streamflow: warning: the key registry {registry.path} is empty; every batch will be dead-lettered",
@@ -147,6 +148,9 @@ def run_command(args: argparse.Namespace) -> int:
         stats = consumer.run(idle_timeout_s=args.idle_timeout)
     except KeyboardInterrupt:
         stats = consumer.stats
+    except TunnelUnavailable as exc:  # the broker stayed away past the retry budget
+        print(f"streamflow: {exc}", file=sys.stderr)
+        return 1
     finally:
         consumer.close()
     print(f"cloud: {stats.messages} messages, {stats.stored} rows stored, {stats.duplicates} duplicates dropped, "

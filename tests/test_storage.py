@@ -143,3 +143,26 @@ def test_db_path_resolution(monkeypatch, tmp_path):
     monkeypatch.setenv("STREAMFLOW_DB", str(tmp_path / "env.duckdb"))
     assert resolve_db_path() == tmp_path / "env.duckdb"
     assert str(resolve_db_path("explicit.duckdb")) == "explicit.duckdb"
+
+
+def test_column_names_are_quoted_so_a_name_with_sql_in_it_is_just_a_name(tmp_path):
+    store = CollectiveStorage(tmp_path / "f.duckdb", flush_rows=1)
+    store.write("keep", [{"user_id": "u"}])
+    store.write("t", [{"user_id": "u"}])
+    evil = 'user_id") FROM _sf_batch; COMMIT; DROP TABLE keep; SELECT typeof("user_id'
+    store.write("t", [{"user_id": "v", evil: 1}])
+    assert "keep" in store.tables()
+    assert store.query(f'SELECT user_id, "{evil.replace(chr(34), chr(34) * 2)}" FROM t ORDER BY user_id') == [
+        ("u", None), ("v", 1)]
+    assert DEAD_LETTER_TABLE not in store.tables()
+    store.close()
+
+
+def test_quote_identifier_doubles_quotes():
+    from connectors.storage import quote_identifier
+
+    con = duckdb.connect()
+    name = 'a"b""; DROP TABLE x; --'
+    con.execute(f"CREATE TABLE x ({quote_identifier(name)} INTEGER)")
+    assert con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'x'").fetchall() == [
+        (name,)]
