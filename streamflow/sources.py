@@ -26,6 +26,8 @@ TAOBAO_BEHAVIORS = frozenset(("pv", "fav", "cart", "buy"))
 DEFAULT_INACTIVITY_GAP_S = 1800.0
 # Plain ASCII digits, at most 15 of them (int() would also take "1_000", "١٢" or 5,000 digits).
 _INTEGER = re.compile(r"-?[0-9]{1,15}")
+# A line TaobaoBehaviorSource.parse accepts without stripping anything (its fast path).
+_CLEAN_LINE = re.compile(r"([^,\s]+),([^,\s]+),([^,\s]+),(pv|fav|cart|buy),(-?[0-9]{1,15})").fullmatch
 
 
 class LineSource:
@@ -65,17 +67,19 @@ class LineSource:
     def __iter__(self) -> Iterator[Event | Rejected]:
         guard = self._guard or TimestampGuard()
         states: dict[str, Any] = {}
+        # bound once: this loop runs per line
+        parse, user_of, ts_of, user_events, check = self.parse, self.user_of, self.ts_of, self.user_events, guard.check
         for line_no, raw in self.numbered_lines():
-            parsed = self.parse(raw)
-            if isinstance(parsed, str):
+            parsed = parse(raw)
+            if type(parsed) is str:
                 yield Rejected(self.name, line_no, parsed, raw)
                 continue
-            user = self.user_of(parsed)
-            reason = guard.check(user, self.ts_of(parsed))
+            user = user_of(parsed)
+            reason = check(user, ts_of(parsed))
             if reason is not None:
                 yield Rejected(self.name, line_no, reason, raw)
                 continue
-            states[user], events = self.user_events(states.get(user), parsed)
+            states[user], events = user_events(states.get(user), parsed)
             yield from events
         for user, state in states.items():
             yield from self.end_events(user, state)
@@ -156,6 +160,10 @@ class TaobaoBehaviorSource(LineSource):
 
     @staticmethod
     def parse(raw: str) -> tuple[str, str, str, str, float] | str:
+        clean = _CLEAN_LINE(raw)
+        if clean is not None:  # the usual line: what the checks below would accept, in one regex match
+            user, item, category, behavior, ts_text = clean.groups()
+            return user, item, category, behavior, float(ts_text)
         parts = raw.split(",")
         if len(parts) != 5:
             return (f"malformed CSV line: expected 5 comma-separated fields "
@@ -179,17 +187,16 @@ def item_page_events(page: OpenPage | None, user: str, item: str, category: str,
     The per-user state machine of :class:`TaobaoBehaviorSource` (see its docstring), separate so
     that a runner can keep ``page`` in its own per-user state.
     """
-    events = []
     contents = {"item_id": item, "category_id": category}
-    if page is not None and ts - page.last_ts > gap:
-        events.append(page_exit(user, page, page.last_ts))
-        page = None
-    if page is not None and page.item_id == item:
+    if page is None:
+        events = []
+    elif ts - page.last_ts > gap:
+        events = [page_exit(user, page, page.last_ts)]
+    elif page.item_id == item:
         page.last_ts = ts
-        events.append(Event(user, behavior, ITEM_PAGE, ts, contents))
-        return page, events
-    if page is not None:
-        events.append(page_exit(user, page, ts))
+        return page, [Event(user, behavior, ITEM_PAGE, ts, contents)]
+    else:
+        events = [page_exit(user, page, ts)]
     page = OpenPage(item, category, ts)
     if behavior == "pv":
         events.append(Event(user, PAGE_ENTER, ITEM_PAGE, ts, contents))
