@@ -9,12 +9,13 @@ Both run as whole processes, in turn (the order alternates between pairs), over 
 - Bytewax: ``python -m bytewax.run "bench.bytewax_ipv:build_flow(CSV, DB)"`` (see
   :mod:`bench.bytewax_ipv`: FileSource, a parse, per-user ``StatefulLogic``, a DuckDB sink).
 
-Inputs: the shared Taobao sample (10k lines) and a larger version of it (~200k lines; quick: ~25k)
+Inputs: the shared Taobao sample (10k lines) and a larger version of it (~200k lines; quick: ~20k)
 made of copies of the sample, copy ``r`` with every user id offset by ``r`` times (the largest user
 id + 1) and every timestamp by ``r`` times (the sample's time span + an hour), written to a temp dir.
 
 Per input: ``events_per_s`` is input CSV lines over the process's wall time (start-up included),
-median over the pairs; ``*_after_startup`` subtracts the median wall time of the same command over a
+median over the pairs; ``events_per_cpu_s`` the same over its CPU time (user + system, all threads;
+steadier than wall time on a shared machine); ``*_after_startup`` subtracts the median wall time of the same command over a
 one-line CSV (``startup_s``). Peak RSS is each process's own ``ru_maxrss`` (``os.wait4``). After
 every run the ``ipv`` tables of both are compared row for row (sorted): ``rows_equal``.
 The top-level keys describe the large input; the ``*_10k`` keys the sample.
@@ -39,8 +40,8 @@ JOB_FILE = REPO / "jobs" / "ipv.py"
 TABLE = "ipv"
 COLUMNS = ("user_id", "trigger_ts", "item_id", "category_id", "enter_ts", "dwell_s",
            "n_reload", "n_fav", "n_cart", "n_buy")
-LARGE_LINES = {False: 200_000, True: 25_000}
-STARTUP_RUNS = {False: 5, True: 2}
+LARGE_LINES = {False: 200_000, True: 20_000}
+STARTUP_RUNS = {False: 5, True: 1}
 
 
 # -- inputs ----------------------------------------------------------------------------------------
@@ -78,8 +79,9 @@ def bytewax_command(csv: Path, db: Path) -> list[str]:
     return [sys.executable, "-m", "bytewax.run", f"bench.bytewax_ipv:build_flow({str(csv)!r}, {str(db)!r})"]
 
 
-def run_process(command: list[str], log_path: Path) -> tuple[float, float]:
-    """(wall seconds, peak RSS in MiB) of ``command`` run to completion; exits the bench if it fails."""
+def run_process(command: list[str], log_path: Path) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds, peak RSS in MiB) of ``command`` run to completion; exits the bench if it
+    fails."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     with open(log_path, "wb") as out:
         started = time.perf_counter()
@@ -91,7 +93,7 @@ def run_process(command: list[str], log_path: Path) -> tuple[float, float]:
         print(f"{' '.join(command)} failed ({proc.returncode}):\n{log_path.read_text(errors='replace')[-3000:]}",
               file=sys.stderr)
         raise SystemExit(1)
-    return seconds, usage.ru_maxrss / 1024  # KiB on Linux
+    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024  # KiB on Linux
 
 
 def ipv_rows(db: Path) -> list[tuple[Any, ...]]:
@@ -102,7 +104,7 @@ def ipv_rows(db: Path) -> list[tuple[Any, ...]]:
 
 def compare(csv: Path, lines: int, pairs: int, tmp: Path, label: str) -> dict[str, Any]:
     """``pairs`` side-by-side runs of both over ``csv``: medians of rate and peak RSS, rows equal in all."""
-    ours, theirs, ours_mb, theirs_mb = [], [], [], []
+    ours, theirs, ours_cpu, theirs_cpu, ours_mb, theirs_mb = [], [], [], [], [], []
     rows_equal, n_rows = True, 0
     for p in progress(range(pairs), f"{label}: pairs", total=pairs):
         sf_db, bw_db = tmp / f"sf_{label}_{p}.duckdb", tmp / f"bw_{label}_{p}.duckdb"
@@ -110,9 +112,11 @@ def compare(csv: Path, lines: int, pairs: int, tmp: Path, label: str) -> dict[st
         measured = {}
         for name, command in runs if p % 2 == 0 else runs[::-1]:
             measured[name] = run_process(command, tmp / f"{name}.log")
-        (sf_s, sf_mb), (bw_s, bw_mb) = measured["streamflow"], measured["bytewax"]
+        (sf_s, sf_cpu, sf_mb), (bw_s, bw_cpu, bw_mb) = measured["streamflow"], measured["bytewax"]
         ours.append(sf_s)
         theirs.append(bw_s)
+        ours_cpu.append(sf_cpu)
+        theirs_cpu.append(bw_cpu)
         ours_mb.append(sf_mb)
         theirs_mb.append(bw_mb)
         sf_rows, bw_rows = ipv_rows(sf_db), ipv_rows(bw_db)
@@ -120,11 +124,13 @@ def compare(csv: Path, lines: int, pairs: int, tmp: Path, label: str) -> dict[st
         n_rows = len(sf_rows)
         sf_db.unlink()
         bw_db.unlink()
-        log(f"  {label}: streamflow {sf_s:.2f} s {sf_mb:.0f} MiB, bytewax {bw_s:.2f} s {bw_mb:.0f} MiB, "
+        log(f"  {label}: streamflow {sf_s:.2f} s (CPU {sf_cpu:.2f} s) {sf_mb:.0f} MiB, "
+            f"bytewax {bw_s:.2f} s (CPU {bw_cpu:.2f} s) {bw_mb:.0f} MiB, "
             f"{len(sf_rows):,} vs {len(bw_rows):,} rows, equal: {sf_rows == bw_rows}")
     sf_s, bw_s = median(ours), median(theirs)
     return {"lines": lines, "wall_s": sf_s, "bytewax_wall_s": bw_s, "events_per_s": lines / sf_s,
-            "bytewax_events_per_s": lines / bw_s, "peak_mb": median(ours_mb), "bytewax_peak_mb": median(theirs_mb),
+            "bytewax_events_per_s": lines / bw_s, "events_per_cpu_s": lines / median(ours_cpu),
+            "bytewax_events_per_cpu_s": lines / median(theirs_cpu), "peak_mb": median(ours_mb), "bytewax_peak_mb": median(theirs_mb),
             "rows": n_rows, "rows_equal": rows_equal}
 
 
@@ -167,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
         "peak_mb": round(big["peak_mb"], 1),
         "bytewax_peak_mb": round(big["bytewax_peak_mb"], 1),
         "rows_equal": big["rows_equal"] and small["rows_equal"],
+        "events_per_cpu_s": round(big["events_per_cpu_s"]),
+        "bytewax_events_per_cpu_s": round(big["bytewax_events_per_cpu_s"]),
+        "speedup_vs_bytewax_cpu": round(big["events_per_cpu_s"] / big["bytewax_events_per_cpu_s"], 3),
         "events_per_s_after_startup": after_startup(big, True),
         "bytewax_events_per_s_after_startup": after_startup(big, False),
         "wall_s": round(big["wall_s"], 3),
