@@ -15,8 +15,8 @@ id + 1) and every timestamp by ``r`` times (the sample's time span + an hour), w
 
 Per input: ``events_per_s`` is input CSV lines over the process's wall time (start-up included),
 median over the pairs; ``events_per_cpu_s`` the same over its CPU time (user + system, all threads;
-steadier than wall time on a shared machine); ``*_after_startup`` subtracts the median wall time of the same command over a
-one-line CSV (``startup_s``). Peak RSS is each process's own ``ru_maxrss`` (``os.wait4``). After
+steadier than wall time on a shared machine); ``*_after_startup`` subtracts the median wall time of
+the same command over a one-line CSV (``startup_s``). Peak RSS is each process's own ``ru_maxrss`` (``os.wait4``). After
 every run the ``ipv`` tables of both are compared row for row (sorted): ``rows_equal``.
 The top-level keys describe the large input; the ``*_10k`` keys the sample.
 """
@@ -130,7 +130,8 @@ def compare(csv: Path, lines: int, pairs: int, tmp: Path, label: str) -> dict[st
     sf_s, bw_s = median(ours), median(theirs)
     return {"lines": lines, "wall_s": sf_s, "bytewax_wall_s": bw_s, "events_per_s": lines / sf_s,
             "bytewax_events_per_s": lines / bw_s, "events_per_cpu_s": lines / median(ours_cpu),
-            "bytewax_events_per_cpu_s": lines / median(theirs_cpu), "peak_mb": median(ours_mb), "bytewax_peak_mb": median(theirs_mb),
+            "bytewax_events_per_cpu_s": lines / median(theirs_cpu),
+            "peak_mb": median(ours_mb), "bytewax_peak_mb": median(theirs_mb),
             "rows": n_rows, "rows_equal": rows_equal}
 
 
