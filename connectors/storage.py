@@ -202,7 +202,7 @@ class CollectiveStorage:
             now = time.monotonic()
             if self._oldest is None and added:
                 self._oldest = now
-            if len(buffer) >= self.flush_rows:
+            if buffer.n >= self.flush_rows:
                 self._flush_table(table)
             elif self._oldest is not None and now - self._oldest >= self.flush_interval_s:
                 self.flush()
