@@ -117,6 +117,14 @@ class TimestampGuard:
             self._last[user_id] = ts
         return reason
 
+    def snapshot(self) -> dict[str, float]:
+        """Each user's last accepted timestamp (for a checkpoint; the bounds follow the clock, not it)."""
+        return self._last
+
+    def restore(self, last: dict[str, float]) -> None:
+        """Continue from a :meth:`snapshot`."""
+        self._last = last
+
     def reason(self, user_id: str, ts: float, last_ts: float | None) -> str | None:
         """The same check against a user's last accepted ``last_ts`` kept by the caller (e.g. in
         a runner's keyed state)."""

@@ -11,10 +11,11 @@ Each source iterates ``Event | Rejected`` in file order. Two formats:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
@@ -26,6 +27,7 @@ TAOBAO_BEHAVIORS = frozenset(("pv", "fav", "cart", "buy"))
 DEFAULT_INACTIVITY_GAP_S = 1800.0
 # Plain ASCII digits, at most 15 of them (int() would also take "1_000", "١٢" or 5,000 digits).
 _INTEGER = re.compile(r"-?[0-9]{1,15}")
+_IDENTITY_BYTES = 1 << 20
 
 
 class LineSource:
@@ -63,22 +65,22 @@ class LineSource:
                 yield from _numbered(f)
 
     def __iter__(self) -> Iterator[Event | Rejected]:
-        guard = self._guard or TimestampGuard()
-        states: dict[str, Any] = {}
-        for line_no, raw in self.numbered_lines():
-            parsed = self.parse(raw)
-            if isinstance(parsed, str):
-                yield Rejected(self.name, line_no, parsed, raw)
-                continue
-            user = self.user_of(parsed)
-            reason = guard.check(user, self.ts_of(parsed))
-            if reason is not None:
-                yield Rejected(self.name, line_no, reason, raw)
-                continue
-            states[user], events = self.user_events(states.get(user), parsed)
-            yield from events
-        for user, state in states.items():
-            yield from self.end_events(user, state)
+        return iter(self.read())
+
+    def read(self, resume: SourcePosition | None = None) -> SourceReader:
+        """The records, from the start or from where a checkpoint's ``resume`` position left off."""
+        return SourceReader(self, resume)
+
+    def identity(self) -> dict[str, Any]:
+        """What identifies this input across runs (checkpoints): its size and a digest of its first MiB."""
+        if self._lines is None:
+            with open(self.path, "rb") as f:
+                head = f.read(_IDENTITY_BYTES)
+            size = self.path.stat().st_size
+        else:
+            text = "\n".join(self._lines).encode()
+            head, size = text[:_IDENTITY_BYTES], len(text)
+        return {"size": size, "head_sha256": hashlib.sha256(head).hexdigest()}
 
     def parse(self, raw: str) -> Any:
         raise NotImplementedError
@@ -94,6 +96,78 @@ class LineSource:
 
     def end_events(self, user: str, state: Any) -> list[Event]:
         return []
+
+
+@dataclass
+class SourcePosition:
+    """Where a read of a :class:`LineSource` stands, as a checkpoint keeps it.
+
+    ``line``: the last line read (1-based; later lines are still to come); ``states``: the format's
+    per-user state; ``last_ts``: the source's timestamp guard (each user's last accepted time);
+    ``pending``: records of the last line (or of the end of the input) not handed out yet.
+    """
+
+    line: int = 0
+    states: dict[str, Any] = field(default_factory=dict)
+    last_ts: dict[str, float] = field(default_factory=dict)
+    pending: list[Event | Rejected] = field(default_factory=list)
+
+
+class SourceReader:
+    """One read of a :class:`LineSource`: iterate it for the records; :meth:`position_after` says where
+    it stands, so that a checkpoint can resume it (:meth:`LineSource.read`).
+
+    Example:
+        >>> src = TaobaoBehaviorSource.from_lines(["1,10,7,pv,1511848894", "1,10,7,buy,1511848900"])
+        >>> reader = src.read()
+        >>> records = iter(reader)
+        >>> first = next(records)
+        >>> position = reader.position_after(first)
+        >>> [e.event_id for e in src.read(position)]
+        ['buy', 'page_exit']
+    """
+
+    def __init__(self, source: LineSource, resume: SourcePosition | None = None):
+        self.source = source
+        start = resume or SourcePosition()
+        self.line = start.line
+        self.states: dict[str, Any] = start.states
+        self.guard = source._guard or TimestampGuard()
+        if resume is not None:
+            self.guard.restore(start.last_ts)
+        self.pending: list[Event | Rejected] = start.pending
+
+    def position_after(self, record: Event | Rejected) -> SourcePosition:
+        """The position once ``record`` (the last record taken from this reader) is processed."""
+        pending = self.pending
+        remaining = next((pending[i + 1:] for i, p in enumerate(pending) if p is record), [])
+        return SourcePosition(self.line, self.states, self.guard.snapshot(), remaining)
+
+    def __iter__(self) -> Iterator[Event | Rejected]:
+        source, guard, states = self.source, self.guard, self.states
+        yield from self.pending
+        lines = source.numbered_lines()
+        if self.line:
+            skip = self.line
+            lines = (numbered for numbered in lines if numbered[0] > skip)
+        for line_no, raw in lines:
+            self.line = line_no
+            parsed = source.parse(raw)
+            if isinstance(parsed, str):
+                yield Rejected(source.name, line_no, parsed, raw)
+                continue
+            user = source.user_of(parsed)
+            reason = guard.check(user, source.ts_of(parsed))
+            if reason is not None:
+                yield Rejected(source.name, line_no, reason, raw)
+                continue
+            states[user], events = source.user_events(states.get(user), parsed)
+            self.pending = events
+            yield from events
+        self.pending = [event for user, state in states.items() for event in source.end_events(user, state)]
+        states.clear()
+        yield from self.pending
+        self.pending = []
 
 
 def _numbered(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
