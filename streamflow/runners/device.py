@@ -183,6 +183,8 @@ class DeviceRunner:
         saved = Checkpoint(self.job.name, job_fingerprint(self.job), self._input, complete, position.line, state)
         self.storage.commit(saved.save)
         self.checkpoints_taken += 1
+        log.debug("checkpoint %d of job %s after line %d%s", self.checkpoints_taken, self.job.name, position.line,
+                  " (complete)" if complete else "")
         self._next_checkpoint = time.monotonic() + self.checkpoint_interval_s
 
     def _resume(self, source: Iterable[Event | Rejected] | LineSource) -> SourceReader:
