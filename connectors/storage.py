@@ -12,18 +12,27 @@ Rows a table cannot take (a value whose type clashes with the column's, or that 
 holds) are not dropped: the rest of the batch is stored and each refused row goes to the
 ``dead_letter`` table with the reason (naming the task that wrote it, see
 :meth:`CollectiveStorage.name_writer`) and the row as JSON (:func:`to_json`); ``refused`` counts them.
+
+**Held for checkpoints**: a runner that checkpoints (:mod:`streamflow.checkpoint`) calls
+:meth:`CollectiveStorage.hold`. From then on nothing is flushed on its own: a full or old buffer
+calls the runner's ``on_due`` instead, and rows become durable only through
+:meth:`CollectiveStorage.commit`, which stores them and the runner's checkpoint in one transaction,
+so the tables never hold a row the stored checkpoint does not cover. Reads then see the committed
+rows only, and :meth:`CollectiveStorage.close` drops the rows no checkpoint covers (a resumed run
+computes them again).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import reprlib
 import signal
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +42,7 @@ import pyarrow as pa
 
 DEFAULT_DB = "streamflow.duckdb"
 DEAD_LETTER_TABLE = "dead_letter"
+log = logging.getLogger("streamflow.storage")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 #: What turning rows into Arrow and inserting them raises for a value the table cannot take.
 ROW_ENCODING_ERRORS = (pa.ArrowException, duckdb.Error, TypeError, ValueError, OverflowError, RecursionError)
@@ -252,6 +262,7 @@ class CollectiveStorage:
         self._columns: dict[str, set[str]] = {}
         self._writers: dict[str, list[str]] = {}
         self._closed = False
+        self._on_due: Callable[[], None] | None = None  # set by hold(): flushes wait for commit()
 
     def name_writer(self, table: str, writer: str) -> None:
         """Say who writes ``table`` (e.g. ``"task ipv"``): the reason of a row it refuses names them."""
@@ -274,16 +285,104 @@ class CollectiveStorage:
             if self._oldest is None and added:
                 self._oldest = now
             if buffer.n >= self.flush_rows:
-                self._flush_table(table)
+                if self._on_due is not None:
+                    self._on_due()
+                else:
+                    self._flush_table(table)
             elif self._oldest is not None and now - self._oldest >= self.flush_interval_s:
-                self.flush()
+                if self._on_due is not None:
+                    self._on_due()
+                else:
+                    self.flush()
 
     def flush(self) -> None:
-        """Store every buffered row in the DuckDB file."""
+        """Store every buffered row in the DuckDB file (held storage: nothing, rows wait for :meth:`commit`)."""
         with self._lock:
+            if self._on_due is not None:
+                return
             for table in list(self._buffers):
                 self._flush_table(table)
             self._oldest = None
+
+    def hold(self, on_due: Callable[[], None]) -> None:
+        """Make rows durable only through :meth:`commit`; call ``on_due()`` when a flush would be due.
+
+        Rows buffered so far are flushed first (no checkpoint is about them).
+        """
+        with self._lock:
+            self.flush()
+            self._on_due = on_due
+
+    def release(self) -> None:
+        """End :meth:`hold`: flushes happen on their own again."""
+        with self._lock:
+            self._on_due = None
+
+    def commit(self, also: Callable[[duckdb.DuckDBPyConnection], None]) -> None:
+        """Store every buffered row and run ``also(connection)`` in one transaction: all or nothing.
+
+        Rows a table refuses go to the dead letter in the same transaction (see the module docstring).
+        """
+        with self._lock:
+            buffers = {table: buffer for table, buffer in self._buffers.items() if buffer}
+            try:
+                self._transaction([(table, buffer.to_batches()) for table, buffer in buffers.items()], also)
+            except ROW_ENCODING_ERRORS:
+                self._transaction(self._row_by_row_batches(buffers), also)
+            self._buffers = {}
+            self._oldest = None
+            self.flushes += 1
+
+    def _row_by_row_batches(self, buffers: dict[str, RowBuffer]) -> list[tuple[str, list[Any]]]:
+        """Find the rows the tables refuse, in a transaction that is rolled back (and replays the rows
+        accepted so far after each refusal); the others as one-row batches, the refusals as dead letters."""
+        accepted: list[tuple[str, list[Any]]] = []
+        refused: list[dict[str, Any]] = []
+        con = self._con
+        con.execute("BEGIN")
+        try:
+            for table, buffer in buffers.items():
+                for index, row in enumerate(buffer.rows()):
+                    try:
+                        single = RowBuffer()
+                        single.extend([row])
+                        batch = (table, single.to_batches())
+                        self._insert_batches(*batch)
+                        accepted.append(batch)
+                    except ROW_ENCODING_ERRORS as exc:
+                        refused.append(self._refusal(table, index, row, exc))
+                        self.rows_written[table] -= 1
+                        self.refused[table] = self.refused.get(table, 0) + 1
+                        con.execute("ROLLBACK")  # a failed statement aborts the transaction: start again
+                        self._columns.clear()
+                        con.execute("BEGIN")
+                        for done in accepted:
+                            self._insert_batches(*done)
+        finally:
+            con.execute("ROLLBACK")
+            self._columns.clear()
+        if refused:
+            if any(r["source"] == f"storage:{DEAD_LETTER_TABLE}" for r in refused):
+                raise RuntimeError(f"dead-letter rows could not be stored: {refused[0]['reason']}")
+            dead = RowBuffer()
+            dead.extend(refused)
+            accepted.append((DEAD_LETTER_TABLE, dead.to_batches()))
+            self.rows_written[DEAD_LETTER_TABLE] = self.rows_written.get(DEAD_LETTER_TABLE, 0) + len(refused)
+        return accepted
+
+    def _transaction(self, batches: list[tuple[str, list[Any]]],
+                     also: Callable[[duckdb.DuckDBPyConnection], None] | None) -> None:
+        self._con.execute("BEGIN")
+        try:
+            for table, tables in batches:
+                self._insert_batches(table, tables)
+            if also is not None:
+                also(self._con)
+        except BaseException:
+            self._con.execute("ROLLBACK")
+            self._columns.clear()  # re-read after a rolled-back CREATE/ALTER
+            raise
+        self._con.execute("COMMIT")
 
     def pending(self) -> int:
         """Rows buffered and not yet in the file."""
@@ -305,38 +404,36 @@ class CollectiveStorage:
 
     def _insert(self, table: str, *batches: pa.Table | dict[str, np.ndarray]) -> None:
         """Insert the batches in one transaction: all of them or none."""
-        self._con.execute("BEGIN")
-        try:
-            for batch in batches:
-                self._con.register("_sf_batch", batch)
-                try:
-                    columns = _column_names(batch)
-                    ensure_columns(self._con, table, "_sf_batch", columns, self._columns.setdefault(table, set()))
-                    names = quoted_list(columns)
-                    self._con.execute(f"INSERT INTO {quote_identifier(table)} ({names}) SELECT {names} FROM _sf_batch")
-                finally:
-                    self._con.unregister("_sf_batch")
-            self._con.execute("COMMIT")
-        except BaseException:
-            self._con.execute("ROLLBACK")
-            self._columns.pop(table, None)  # re-read after a rolled-back ALTER
-            raise
+        self._transaction([(table, list(batches))], None)
+
+    def _insert_batches(self, table: str, batches: Iterable[pa.Table | dict[str, np.ndarray]]) -> None:
+        for batch in batches:
+            self._con.register("_sf_batch", batch)
+            try:
+                columns = _column_names(batch)
+                ensure_columns(self._con, table, "_sf_batch", columns, self._columns.setdefault(table, set()))
+                names = quoted_list(columns)
+                self._con.execute(f"INSERT INTO {quote_identifier(table)} ({names}) SELECT {names} FROM _sf_batch")
+            finally:
+                self._con.unregister("_sf_batch")
+
+    def _refusal(self, table: str, index: int, row: Mapping[str, Any], exc: BaseException) -> dict[str, Any]:
+        """The dead-letter row of a row ``table`` refused (naming who wrote it, see :meth:`name_writer`)."""
+        writers = self._writers.get(table)
+        whose = f"row of {', '.join(writers)}" if writers else "row"
+        return {"source": f"storage:{table}", "line": index,
+                "reason": f"{whose} refused by table {table}: {type(exc).__name__}: {exc}".strip()[:2000],
+                "raw": to_json(row)}
 
     def _insert_row_by_row(self, table: str, rows: list[Mapping[str, Any]]) -> None:
         refused = []
-        writers = self._writers.get(table)
-        whose = f"row of {', '.join(writers)}" if writers else "row"
         for index, row in enumerate(rows):
             try:
                 single = RowBuffer()
                 single.extend([row])
                 self._insert(table, *single.to_batches())
             except ROW_ENCODING_ERRORS as exc:
-                refused.append({
-                    "source": f"storage:{table}", "line": index,
-                    "reason": f"{whose} refused by table {table}: {type(exc).__name__}: {exc}".strip()[:2000],
-                    "raw": to_json(row),
-                })
+                refused.append(self._refusal(table, index, row, exc))
         if refused:
             self.rows_written[table] -= len(refused)
             self.refused[table] = self.refused.get(table, 0) + len(refused)
@@ -373,11 +470,14 @@ class CollectiveStorage:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Flush and close; safe to call twice."""
+        """Flush and close; safe to call twice. Held storage drops the rows no :meth:`commit` stored."""
         with self._lock:
             if self._closed:
                 return
             try:
+                if self._on_due is not None and self.pending():
+                    log.info("%s: %d rows after the last checkpoint not stored (a resumed run computes them "
+                             "again)", self.path, self.pending())
                 self.flush()
             finally:
                 self._closed = True

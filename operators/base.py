@@ -20,6 +20,9 @@ FieldSpec = str | Callable[[Any], Any]
 class Operator:
     """Base class: an operator turns the groups of a pipeline into new groups."""
 
+    #: Whether it keeps state from one run of its pipeline to the next (device checkpoints do not cover it).
+    keeps_state: bool = False
+
     def apply(self, groups: list[Group]) -> list[Group]:
         raise NotImplementedError
 

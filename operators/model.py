@@ -93,6 +93,8 @@ class Train(Operator):
         [0.693]
     """
 
+    keeps_state = True  # the weights, the optimiser and the rows of the batch being filled
+
     def __init__(self, model: Graph | str | os.PathLike[str], features: Features, label: Callable[[Any], Any],
                  loss: str = "cross_entropy", optimizer: str = "adam", lr: float = 0.01, momentum: float = 0.0,
                  batch_size: int = 32, output: str | None = None):

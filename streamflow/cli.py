@@ -17,6 +17,7 @@ from pathlib import Path
 
 from connectors.storage import CollectiveStorage, flush_on_signals
 from streamflow import tunnel_commands
+from streamflow.checkpoint import discard_checkpoint
 from streamflow.flink_kafka import kafka_topic
 from streamflow.job import Job, JobLoadError, load_job
 from streamflow.progress import track
@@ -57,7 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-users", type=int, default=None,
                      help="device runner: cap on users held in memory (the least recently seen are evicted)")
     run.add_argument("--replace", action="store_true",
-                     help="drop the job's tables (and dead_letter, task_errors) before running")
+                     help="drop the job's tables (and dead_letter, task_errors) and its checkpoint before running")
+    run.add_argument("--checkpoint-interval", type=float, metavar="SECONDS",
+                     help="device runner: checkpoint state and source position into the DuckDB file every "
+                          "SECONDS (and on exit); a run over the same file into the same file resumes from it")
     run.add_argument("--show", type=int, default=3, help="sample rows to print per table")
     tunnel_commands.add_run_arguments(run)
 
@@ -120,15 +124,17 @@ def _run(job: Job, args: argparse.Namespace) -> int:
     with CollectiveStorage(args.db) as storage:
         if args.replace:
             storage.drop([task.sink for task in job.tasks] + list(SYSTEM_TABLES))
+            discard_checkpoint(storage, job.name)
         if args.runner == "flink":
             storage.close()  # the Flink job's writer opens the file itself
             summary = _run_on_flink(job, args, storage.path)
         else:
             tunnel = tunnel_commands.open_tunnel(args, storage)
             runner = DeviceRunner(job, storage, workers=args.workers, quarantine_after=args.quarantine_after,
-                                  tunnel=tunnel, state_ttl_s=args.state_ttl, max_users=args.max_users)
+                                  tunnel=tunnel, state_ttl_s=args.state_ttl, max_users=args.max_users,
+                                  checkpoint_interval_s=args.checkpoint_interval)
             try:
-                summary = runner.run(track(source, desc=f"{job.name} on {args.runner}"))
+                summary = runner.run(source, progress=lambda records: track(records, desc=f"{job.name} on device"))
             finally:
                 runner.close()
                 if tunnel is not None:

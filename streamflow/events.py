@@ -137,6 +137,14 @@ class TimestampGuard:
         """Users whose last timestamp is remembered."""
         return len(self._last.data)
 
+    def snapshot(self) -> tuple[KeyedStore, int]:
+        """Each user's last accepted timestamp and the stream clock (for a checkpoint; the bounds follow
+        the wall clock, not it)."""
+        return self._last, self._clock
+
+    def restore(self, snapshot: tuple[KeyedStore, int]) -> None:
+        """Continue from a :meth:`snapshot`."""
+        self._last, self._clock = snapshot
     def reason(self, user_id: str, ts: float, last_ts: float | None) -> str | None:
         """The same check against a user's last accepted ``last_ts`` kept by the caller (e.g. in
         a runner's keyed state)."""

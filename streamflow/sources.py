@@ -12,10 +12,11 @@ Each source iterates ``Event | Rejected`` in file order (a line that is not vali
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
@@ -31,6 +32,7 @@ DEFAULT_INACTIVITY_GAP_S = 1800.0
 _INTEGER = re.compile(r"-?[0-9]{1,15}")
 # A line TaobaoBehaviorSource.parse accepts without stripping anything (its fast path).
 _CLEAN_LINE = re.compile(r"([^,\s]+),([^,\s]+),([^,\s]+),(pv|fav|cart|buy),(-?[0-9]{1,15})").fullmatch
+_IDENTITY_BYTES = 1 << 20
 
 
 class LineSource:
@@ -69,45 +71,27 @@ class LineSource:
             lines: Iterable[str] = self._lines
             yield from _numbered(lines)
         else:
-            # Bytes that are not UTF-8 become lone surrogates, so that __iter__ can reject their line.
+            # Bytes that are not UTF-8 become lone surrogates, so that reading can reject their line.
             with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
                 yield from _numbered(f)
 
     def __iter__(self) -> Iterator[Event | Rejected]:
-        guard = self._guard or TimestampGuard(state_ttl_s=self.state_ttl_s)
-        states = KeyedStore(ValueStateDescriptor("adapter", ttl_s=self.state_ttl_s))
-        owed: list[Event] = []
-        clock = 0
+        return iter(self.read())
 
-        def expired(user: str, state: Any) -> None:
-            owed.extend(self.end_events(user, state))
+    def read(self, resume: SourcePosition | None = None) -> SourceReader:
+        """The records, from the start or from where a checkpoint's ``resume`` position left off."""
+        return SourceReader(self, resume)
 
-        # bound once: this loop runs per line
-        parse, user_of, ts_of, user_events, check = self.parse, self.user_of, self.ts_of, self.user_events, guard.check
-        for line_no, raw in self.numbered_lines():
-            if not raw.isascii() and (bad := invalid_utf8(raw)) is not None:
-                yield Rejected(self.name, line_no, *bad)
-                continue
-            parsed = parse(raw)
-            if type(parsed) is str:
-                yield Rejected(self.name, line_no, parsed, raw)
-                continue
-            user, ts = user_of(parsed), ts_of(parsed)
-            reason = check(user, ts)
-            if reason is not None:
-                yield Rejected(self.name, line_no, reason, raw)
-                continue
-            if states.ttl is not None and round(ts * 1000) > clock:
-                clock = round(ts * 1000)
-                states.expire(clock, expired)
-                if owed:
-                    yield from owed
-                    owed.clear()
-            state, events = user_events(states.get(user, clock), parsed)
-            states.set(user, state, clock)
-            yield from events
-        for user, state in states.data.items():
-            yield from self.end_events(user, state)
+    def identity(self) -> dict[str, Any]:
+        """What identifies this input across runs (checkpoints): its size and a digest of its first MiB."""
+        if self._lines is None:
+            with open(self.path, "rb") as f:
+                head = f.read(_IDENTITY_BYTES)
+            size = self.path.stat().st_size
+        else:
+            text = "\n".join(self._lines).encode()
+            head, size = text[:_IDENTITY_BYTES], len(text)
+        return {"size": size, "head_sha256": hashlib.sha256(head).hexdigest()}
 
     def parse(self, raw: str) -> Any:
         raise NotImplementedError
@@ -151,6 +135,102 @@ def invalid_utf8(raw: str) -> tuple[str, str] | None:
         reason = f"invalid UTF-8: {exc.reason} {data[exc.start:exc.end]!r} at byte {exc.start} of the line"
         return reason, data.decode("utf-8", "backslashreplace")
     return None
+
+
+@dataclass
+class SourcePosition:
+    """Where a read of a :class:`LineSource` stands, as a checkpoint keeps it.
+
+    ``line``: the last line read (1-based; later lines are still to come); ``states``: the format's
+    per-user state; ``last_ts``: the source's timestamp guard (each user's last accepted time);
+    ``pending``: records of the last line (or of the end of the input) not handed out yet; ``clock``:
+    the largest timestamp read (ms), on which per-user state expires (``state_ttl_s``).
+    """
+
+    line: int = 0
+    states: KeyedStore | None = None
+    last_ts: Any = None
+    pending: list[Event | Rejected] = field(default_factory=list)
+    clock: int = 0
+
+
+class SourceReader:
+    """One read of a :class:`LineSource`: iterate it for the records; :meth:`position_after` says where
+    it stands, so that a checkpoint can resume it (:meth:`LineSource.read`).
+
+    Example:
+        >>> src = TaobaoBehaviorSource.from_lines(["1,10,7,pv,1511848894", "1,10,7,buy,1511848900"])
+        >>> reader = src.read()
+        >>> records = iter(reader)
+        >>> first = next(records)
+        >>> position = reader.position_after(first)
+        >>> [e.event_id for e in src.read(position)]
+        ['buy', 'page_exit']
+    """
+
+    def __init__(self, source: LineSource, resume: SourcePosition | None = None):
+        self.source = source
+        start = resume or SourcePosition()
+        self.line = start.line
+        self.states = start.states or KeyedStore(ValueStateDescriptor("adapter", ttl_s=source.state_ttl_s))
+        self.clock = start.clock
+        self.guard = source._guard or TimestampGuard(state_ttl_s=source.state_ttl_s)
+        if resume is not None and start.last_ts is not None:
+            self.guard.restore(start.last_ts)
+        self.pending: list[Event | Rejected] = start.pending
+
+    def position_after(self, record: Event | Rejected | None) -> SourcePosition:
+        """The position once ``record`` (the last record taken from this reader) is processed."""
+        pending = self.pending
+        remaining = next((pending[i + 1:] for i, p in enumerate(pending) if p is record), [])
+        return SourcePosition(self.line, self.states, self.guard.snapshot(), remaining, self.clock)
+
+    def __iter__(self) -> Iterator[Event | Rejected]:
+        source, states = self.source, self.states
+        owed: list[Event] = []
+
+        def expired(user: str, state: Any) -> None:
+            owed.extend(source.end_events(user, state))
+
+        yield from self.pending
+        lines = source.numbered_lines()
+        if self.line:
+            skip = self.line
+            lines = (numbered for numbered in lines if numbered[0] > skip)
+        # bound once: this loop runs per line
+        name, parse, user_of, ts_of, user_events = source.name, source.parse, source.user_of, source.ts_of, \
+            source.user_events
+        check, ttl = self.guard.check, states.ttl
+        for line_no, raw in lines:
+            self.line = line_no
+            if not raw.isascii() and (bad := invalid_utf8(raw)) is not None:
+                yield Rejected(name, line_no, *bad)
+                continue
+            parsed = parse(raw)
+            if type(parsed) is str:
+                yield Rejected(name, line_no, parsed, raw)
+                continue
+            user, ts = user_of(parsed), ts_of(parsed)
+            reason = check(user, ts)
+            if reason is not None:
+                yield Rejected(name, line_no, reason, raw)
+                continue
+            if ttl is not None and round(ts * 1000) > self.clock:
+                self.clock = round(ts * 1000)
+                states.expire(self.clock, expired)  # the pages idle users still owe come out first
+            state, events = user_events(states.get(user, self.clock), parsed)
+            states.set(user, state, self.clock)
+            if owed:
+                events = [*owed, *events]
+                owed.clear()
+            self.pending = events
+            yield from events
+        self.pending = [event for user, state in states.data.items() for event in source.end_events(user, state)]
+        states.data.clear()
+        if states.written is not None:
+            states.written.clear()
+        yield from self.pending
+        self.pending = []
 
 
 def _numbered(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
