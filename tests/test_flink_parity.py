@@ -17,7 +17,7 @@ pytest.importorskip("pyflink")
 if shutil.which("java") is None:
     pytest.skip("the Flink runner needs a Java runtime", allow_module_level=True)
 
-from operators import Aggregate, Count, CountDistinct, Filter, KeyBy, Map, TimeWindow  # noqa: E402
+from operators import Aggregate, Count, CountDistinct, Filter, KeyBy, Last, Map, TimeWindow  # noqa: E402
 from streamflow.events import Event  # noqa: E402
 from streamflow.job import Job, Task, load_job  # noqa: E402
 from streamflow.testing import assert_same_on_runners  # noqa: E402
@@ -82,6 +82,21 @@ def test_fractional_windows_and_an_offset_beyond_the_slide_on_both_runners(sampl
     starts = {round(row["window_start"] * 1000) for row in rows["views"]}
     assert all((start - 7300) % 750 == 0 for start in starts) and len(starts) > 100
     assert "late_events" not in rows
+
+
+def test_a_row_no_table_can_take_is_dead_lettered_alike_on_both_runners():
+    """User x's rows carry an integer beyond 64 bits (it used to crash the run in the storage flush)."""
+    def mark(row):
+        return {**row, "extra": 2**70 if row["who"] == "x" else 7}
+
+    job = Job("unstorable", [Task("t", ["fav"], [Aggregate(n=Count(), who=Last("user_id")), Map(mark)],
+                                  input="recent")])
+    events = [Event(user, "fav", "item", 1511848894.0 + t) for t in (0, 15, 30) for user in ("a", "x", "b")]
+    rows = assert_same_on_runners(job, events)
+    assert [row["who"] for row in rows["t"]] == ["a"] * 3 + ["b"] * 3
+    assert len(rows["dead_letter"]) == 3
+    assert all(row["reason"].startswith("row of task t refused by table t: OverflowError") and '"user_id": "x"'
+               in row["raw"] for row in rows["dead_letter"])
 
 
 def test_assert_same_on_runners_catches_a_job_whose_rows_differ_between_runners():
