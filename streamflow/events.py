@@ -96,9 +96,9 @@ class TimestampGuard:
     """Rejects absurd timestamps and timestamps that go backwards within a user's stream.
 
     Event time must be plausible (after 2000-01-01 and at most ``max_future_skew_s`` ahead of the
-    wall clock at the time of the check) and non-decreasing per user: the device runtime processes each user's events in
-    the order the app produced them, so a step back in time means a broken clock or a corrupt
-    record, not a late event.
+    wall clock at the time of the check) and non-decreasing per user: the device runtime processes
+    each user's events in the order the app produced them, so a step back in time means a broken
+    clock or a corrupt record, not a late event.
 
     Example:
         >>> guard = TimestampGuard()
