@@ -92,6 +92,7 @@ class Kernel:
 
     name: str = "kernel"
     ops: tuple[str, ...] = ()
+    needs_jit: bool = False  # runs numba loops: binding it loads numba (see kernels/accel.py)
 
     def applies(self, ctx: NodeCtx) -> bool:
         return True
@@ -102,6 +103,11 @@ class Kernel:
         return Cost(vector_flops=n, bytes=moved)
 
     def scratch_bytes(self, ctx: NodeCtx) -> int:
+        return 0
+
+    def transform_bytes(self, ctx: NodeCtx) -> int:
+        """Bytes of new arrays :meth:`transform` writes (0 when it only takes views): the
+        preparation cost a cold (single) run pays on top of :meth:`cost`."""
         return 0
 
     def transform(self, ctx: NodeCtx) -> dict[str, np.ndarray]:

@@ -216,6 +216,9 @@ class ConvDirect(ConvBase):
         return Cost(gemm_flops=2 * g.macs, vector_flops=2 * win + acc, bytes=4 * (2 * win + 3 * acc),
                     calls=g.n * taps * 3) + self.epilogue_cost(g)
 
+    def transform_bytes(self, ctx):
+        return int(ctx.const(1).nbytes)
+
     def transform(self, ctx):
         p = super().transform(ctx)
         w = p["w"]
@@ -262,6 +265,10 @@ class WinogradConv(ConvBase):
 
     def tiles(self, g: ConvGeom) -> tuple[int, int]:
         return -(-g.oh // self.m), -(-g.ow // self.m)
+
+    def transform_bytes(self, ctx):
+        taps = self.g_matrix.shape[0] ** 2
+        return int(ctx.const(1).nbytes) * taps // 9 * 3  # float64 einsum, then the float32 copy
 
     def transform(self, ctx):
         p = super().transform(ctx)
