@@ -36,14 +36,14 @@ class Calibration:
     def with_factors(self, factors: dict[str, float]) -> Calibration:
         return replace(self, kernel_factors=dict(factors))
 
-    def first_run_seconds(self, cost: Cost, kernel: Kernel, transform_bytes: int, jit_loaded: bool) -> float:
-        """A kernel's cost on a model's first run: its run time, plus writing its transformed
-        weights (``transform_bytes``; 0 when they come from the cache or are views), plus loading
-        numba if the kernel needs it and it is not loaded yet."""
-        extra = 2 * transform_bytes / self.bytes_per_s + self.call_s
+    def first_run_extra(self, kernel: Kernel, transform_bytes: int, cached: bool, jit_loaded: bool) -> float:
+        """What a kernel costs on a model's first run on top of its run time: computing its
+        transformed weights (``transform_bytes`` written, inputs read; read once when ``cached``)
+        and loading numba if the kernel needs it and it is not loaded yet."""
+        extra = (1 if cached else 2) * transform_bytes / self.bytes_per_s
         if kernel.needs_jit and not jit_loaded:
             extra += self.jit_load_s
-        return self.seconds(cost, kernel.name) + extra
+        return extra
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

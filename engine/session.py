@@ -170,14 +170,18 @@ class InferenceSession:
             self._bound[key] = BoundPlan(plan)
         return self._bound[key]
 
-    def run(self, feeds: Mapping[str, Any] | np.ndarray) -> dict[str, np.ndarray]:
-        """Run on float32 inputs (a dict by input name, or one array for a single-input model)."""
+    def _feeds(self, feeds: Mapping[str, Any] | np.ndarray) -> dict[str, np.ndarray]:
         if not isinstance(feeds, Mapping):
             feeds = {self.input_names[0]: feeds}
         feeds = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()}
         missing = set(self.input_names) - set(feeds)
         if missing:
             raise ValueError(f"missing inputs: {sorted(missing)}")
+        return feeds
+
+    def run(self, feeds: Mapping[str, Any] | np.ndarray) -> dict[str, np.ndarray]:
+        """Run on float32 inputs (a dict by input name, or one array for a single-input model)."""
+        feeds = self._feeds(feeds)
         bound = self._bind({k: v.shape for k, v in feeds.items()})
         with self._limit():
             return bound.run(feeds)
