@@ -8,7 +8,9 @@ trial the page cache of the model file and of every engine-cache file is dropped
 (``posix_fadvise(DONTNEED)``). Variants, run round-robin so machine noise hits all alike:
 
 - ``cold``: :class:`engine.coldstart.session.ColdSession`, cache warm (graph + weights entries);
-- ``cold_nocache``: ColdSession with no entries for this model (the machine's calibration kept);
+- ``cold_nocache``: ColdSession with no entries for this model (the machine's calibration and
+  ahead-of-time compiled loops kept: they are per machine, not per model);
+- ``cold_noaot``: model entries cached, but the compiled loops not built yet (the numpy cold plan);
 - ``current``: ``InferenceSession(path)`` with an empty cache, i.e. the path before this work
   (calibration measured in the process); its process also times warm runs (``warm``);
 - ``ort_cold`` / ``ort_cold_optcache``: onnxruntime from the ONNX file / from its saved optimised
@@ -38,7 +40,7 @@ from pathlib import Path  # noqa: E402
 from bench.common import finish, log, median, parse_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ["cold", "cold_nocache", "current", "ort_cold", "ort_cold_optcache"]
+VARIANTS = ["cold", "cold_nocache", "cold_noaot", "current", "ort_cold", "ort_cold_optcache"]
 WARM_RUNS = 20
 
 
@@ -80,7 +82,8 @@ def child(variant: str, model: str, cache: str) -> dict:
         from engine.session import InferenceSession
 
         imported = time.perf_counter()
-        sess = InferenceSession(model) if variant == "current" else ColdSession(model, cache_dir=cache)
+        sess = (InferenceSession(model) if variant == "current"
+                else ColdSession(model, cache_dir=cache, warm_switch=False))  # no background work in the trial
         y = next(iter(sess.run(x).values()))
     done = time.perf_counter()
     out.update(first_ms=(done - imported) * 1e3, import_ms=(imported - started) * 1e3)
@@ -104,23 +107,42 @@ def trial(variant: str, model: Path, cache: Path) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def copy_compiled_loops(dest: Path) -> None:
+    """Put this machine's ahead-of-time compiled loops into ``dest``: from the user's engine cache,
+    built there first if missing (once per machine and engine version, ~20-40 s)."""
+    from engine.coldstart.store import default_dir
+    from engine.kernels import aot
+
+    home = default_dir()
+    if aot.load(home) is None:
+        log("building the ahead-of-time compiled loops for this machine (once)")
+        subprocess.run([sys.executable, "-m", "engine.kernels.aot", str(home)], cwd=ROOT, check=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    src = aot.module_path(home).parent
+    shutil.copytree(src, dest / src.name, dirs_exist_ok=True)
+    shutil.copy2(home / f"{src.name}.sfc", dest / f"{src.name}.sfc")
+
+
 def prepare_caches(name: str, model: Path, work: Path) -> dict[str, Path]:
     """The cache directory/file each variant starts from (fresh copies per trial where it matters)."""
     import onnxruntime as ort
 
-    base = work / f"{name}-base"  # calibration only: what a machine has before it meets this model
+    base = work / f"{name}-base"  # calibration + compiled loops: what a machine has before it meets this model
     trial("cold_nocache", model, base)  # measures and stores the calibration (and, here, model entries)
+    copy_compiled_loops(base)
     for p in base.glob("*.sfc"):
-        if not p.name.startswith("calibration-"):
+        if not p.name.startswith(("calibration-", "aot-")):
             p.unlink()
     warm = work / f"{name}-warm"
     shutil.copytree(base, warm)
     trial("cold", model, warm)  # fills the graph and weights entries
+    noaot = work / f"{name}-noaot"  # model entries, but the compiled loops not built yet
+    shutil.copytree(warm, noaot, ignore=shutil.ignore_patterns("aot-*"))
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.optimized_model_filepath = str(work / f"{name}-ort-opt.onnx")
     ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
-    return {"cold": warm, "base": base, "ort_cold_optcache": work / f"{name}-ort-opt.onnx"}
+    return {"cold": warm, "base": base, "cold_noaot": noaot, "ort_cold_optcache": work / f"{name}-ort-opt.onnx"}
 
 
 def bench_model(name: str, model: Path, rounds: int, work: Path) -> dict[str, float]:
@@ -141,6 +163,7 @@ def bench_model(name: str, model: Path, rounds: int, work: Path) -> dict[str, fl
     return {
         f"{name}_cold_ms": first["cold"],
         f"{name}_cold_nocache_ms": first["cold_nocache"],
+        f"{name}_cold_noaot_ms": first["cold_noaot"],
         f"{name}_current_cold_ms": first["current"],
         f"{name}_warm_ms": median(t["warm_ms"] for t in got["current"]),
         f"{name}_ort_cold_ms": min(first["ort_cold"], first["ort_cold_optcache"]),

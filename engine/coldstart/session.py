@@ -6,9 +6,11 @@ What a first run costs and where it goes instead:
   entry of the engine cache keyed by the model's content digest and the engine version; a warm
   cache reads one checksummed file instead.
 - Calibration: persisted per CPU model/features and engine version (:func:`engine.tuning.calibrate`).
-- numba (import + loading its compiled loops, ~1 s): planned around. The cold plan counts it, and
-  each kernel's weight-transform cost, as first-run cost (:meth:`Calibration.first_run_extra`), so
-  it uses the numpy kernels; the warm switch loads numba on a background thread.
+- numba (import + loading its compiled loops, ~1 s): its loops are compiled ahead of time for this
+  machine (:mod:`engine.kernels.aot`, built once in a background process) and loaded in
+  milliseconds. Until they are built, the cold plan counts numba's load, and each kernel's
+  weight-transform cost, as first-run cost (:meth:`Calibration.first_run_extra`), so it uses the
+  numpy kernels, and the warm switch loads numba on a background thread.
 - Weight transforms: per layer entries of the cache keyed by model digest + node + kernel +
   shapes + CPU/engine key (:func:`engine.coldstart.fingerprint.machine_key`); views are not cached.
 - Preparing and executing overlap (:mod:`engine.coldstart.pipeline`).
@@ -40,7 +42,7 @@ from engine.coldstart.pipeline import StepTiming, run_pipelined, run_serial, sch
 from engine.coldstart.store import EntryStore
 from engine.format import graph_from_structure, graph_structure
 from engine.ir import Graph
-from engine.kernels import Kernel, NodeCtx, accel
+from engine.kernels import Kernel, NodeCtx, accel, aot
 from engine.passes import optimize
 from engine.plan import StepPlan, compile_plan, prepare_step
 from engine.session import BoundPlan, InferenceSession, load_graph
@@ -106,6 +108,7 @@ class ColdSession(InferenceSession):
         self.model_digest = (graph_digest(model) if isinstance(model, Graph)
                              else file_digest(model, self.store))
         graph = self._optimized_graph(model)
+        accel.load_ahead_of_time(self.store.root)  # numba's loops without numba, if built for this machine
         super().__init__(graph, threads=threads, kernels=kernels, calibration=calibrate(self.store.root),
                          optimize_graph=False)
         self.pipeline = pipeline
@@ -114,6 +117,7 @@ class ColdSession(InferenceSession):
         self.warm_error: BaseException | None = None
         self._warm_ready = threading.Event()
         self._warm_thread: threading.Thread | None = None
+        self.aot_build = None  # the background build of the ahead-of-time loops, when one was started
 
     def _optimized_graph(self, model: Graph | str | os.PathLike) -> Graph:
         key = f"graph-{self.model_digest}-{engine_version()}"
@@ -178,7 +182,7 @@ class ColdSession(InferenceSession):
     def _switch(self, shapes: Mapping[str, tuple[int, ...]], key: tuple) -> None:
         """Load numba, plan with warm costs, prepare and bind, then swap the plan in."""
         try:
-            if accel.available():
+            if accel.available() and accel.loaded() is None:
                 accel.load()
             with self._limit():
                 plan = compile_plan(self.graph, dict(shapes), self.calibration, self.overrides, transform=False)
@@ -187,6 +191,8 @@ class ColdSession(InferenceSession):
                         self.prepare(s)
                 warm = BoundPlan(plan)
             self._bound[key] = warm  # one dict store: a concurrent run uses either plan, whole
+            if accel.available() and aot.load(self.store.root) is None:
+                self.aot_build = aot.build_in_background(self.store.root)  # for the next cold start
         except BaseException as e:  # the cold plan keeps serving; the error is kept for inspection
             self.warm_error = e
         finally:

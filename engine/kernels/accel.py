@@ -23,6 +23,7 @@ ACT_CODES = {None: 0, "relu": 1, "clip": 2, "hardswish": 3, "hardsigmoid": 4, "s
 
 _lock = threading.Lock()
 _jit: ModuleType | None = None
+_aot: ModuleType | None = None  # the same loops compiled ahead of time (kernels/aot.py): no numba import
 _load_s: float | None = None
 LOAD_S_GUESS = 1.2  # seconds, what loading took on the development machine; replaced once measured
 
@@ -39,8 +40,26 @@ def available() -> bool:
 
 
 def loaded() -> ModuleType | None:
-    """The compiled loops if :func:`load` has run in this process, else None."""
-    return _jit
+    """The compiled loops if loaded in this process (:func:`load` or :func:`load_ahead_of_time`), else None."""
+    return _jit or _aot
+
+
+def loops() -> ModuleType:
+    """The loops for a kernel being bound: already loaded ones, else numba's (:func:`load`)."""
+    return _jit or _aot or load()
+
+
+def load_ahead_of_time(cache_dir) -> ModuleType | None:
+    """Load the ahead-of-time compiled loops for this machine from ``cache_dir`` if built (milliseconds);
+    returns them, or None (then build them with :func:`engine.kernels.aot.build_in_background`)."""
+    global _aot
+    if _aot is None and available():
+        from engine.kernels import aot
+
+        with _lock:
+            if _aot is None:
+                _aot = aot.load(cache_dir)
+    return _aot
 
 
 def load() -> ModuleType:
@@ -62,7 +81,7 @@ def load() -> ModuleType:
 
 def load_seconds() -> float:
     """What :func:`load` costs: 0 once loaded, else the time it took when last measured."""
-    if _jit is not None:
+    if loaded() is not None:
         return 0.0
     return _load_s if _load_s is not None else LOAD_S_GUESS
 

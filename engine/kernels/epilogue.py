@@ -24,7 +24,7 @@ def bias_residual_act(y: np.ndarray, bias: np.ndarray | None, residual: np.ndarr
     jit = accel.loaded()
     if jit is not None and y.flags.c_contiguous:
         code, p0, p1 = accel.act_code(kind, params)
-        b = bias.reshape(-1) if bias is not None else y[:, 0]
+        b = bias.reshape(-1) if bias is not None else y.reshape(-1)[: y.shape[0]]  # unread; contiguous
         jit.bias_act(y, b, residual if residual is not None else y, bias is not None, residual is not None,
                      code, p0, p1)
         return

@@ -37,7 +37,7 @@ class DepthwiseNumba(DepthwiseNumpy):
         return p
 
     def bind(self, ctx, params, ins, outs, scratch) -> Step:
-        jit = accel.load()
+        jit = accel.loops()
         g = ConvGeom.of(ctx)
         code, p0, p1 = accel.act_code(ctx.attrs.get("act"), ctx.attrs.get("act_params", ()))
         has_r = len(ins) > 3 and ctx.has_input(3)
@@ -79,7 +79,7 @@ class ConvWinograd23Numba(ConvWinograd23):
         g = ConvGeom.of(ctx)
         th, tw = self.tiles(g)
         v, m = carve(scratch, *self.parts(g))
-        jit = accel.load()
+        jit = accel.loops()
         code, p0, p1 = accel.act_code(ctx.attrs.get("act"), ctx.attrs.get("act_params", ()))
         has_r = len(ins) > 3 and ctx.has_input(3)
         b = np.ascontiguousarray(params["b"].reshape(-1))
