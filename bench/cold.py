@@ -107,29 +107,17 @@ def trial(variant: str, model: Path, cache: Path) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def copy_compiled_loops(dest: Path) -> None:
-    """Put this machine's ahead-of-time compiled loops into ``dest``: from the user's engine cache,
-    built there first if missing (once per machine and engine version, ~20-40 s)."""
-    from engine.coldstart.store import default_dir
-    from engine.kernels import aot
-
-    home = default_dir()
-    if aot.load(home) is None:
-        log("building the ahead-of-time compiled loops for this machine (once)")
-        subprocess.run([sys.executable, "-m", "engine.kernels.aot", str(home)], cwd=ROOT, check=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-    src = aot.module_path(home).parent
-    shutil.copytree(src, dest / src.name, dirs_exist_ok=True)
-    shutil.copy2(home / f"{src.name}.sfc", dest / f"{src.name}.sfc")
-
-
 def prepare_caches(name: str, model: Path, work: Path) -> dict[str, Path]:
     """The cache directory/file each variant starts from (fresh copies per trial where it matters)."""
     import onnxruntime as ort
 
     base = work / f"{name}-base"  # calibration + compiled loops: what a machine has before it meets this model
     trial("cold_nocache", model, base)  # measures and stores the calibration (and, here, model entries)
-    copy_compiled_loops(base)
+    from engine.coldstart.store import default_dir
+    from engine.kernels import aot
+
+    log("copying this machine's ahead-of-time compiled loops (built once per machine and engine version)")
+    aot.copy_built(default_dir(), base)
     for p in base.glob("*.sfc"):
         if not p.name.startswith(("calibration-", "aot-")):
             p.unlink()

@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 import zlib
 from pathlib import Path
 from types import ModuleType
@@ -81,7 +82,9 @@ def load(cache_dir: str | os.PathLike) -> ModuleType | None:
 
 def build(cache_dir: str | os.PathLike) -> Path:
     """Compile the loops of :mod:`engine.kernels.jit` for this CPU into the cache (imports numba)."""
-    from numba.pycc import CC
+    with warnings.catch_warnings():  # pycc is "pending deprecation" with no replacement yet (numba 0.68)
+        warnings.simplefilter("ignore")
+        from numba.pycc import CC
 
     from engine.coldstart.store import EntryStore
     from engine.kernels import jit
@@ -101,6 +104,18 @@ def build(cache_dir: str | os.PathLike) -> Path:
         os.replace(built, final)
     EntryStore(cache_dir).put(_key(), {}, meta={"crc32": zlib.crc32(raw), "size": len(raw), "file": final.name})
     return final
+
+
+def copy_built(src_dir: str | os.PathLike, dest_dir: str | os.PathLike) -> None:
+    """Copy this machine's compiled module (and its checksum entry) from one cache to another,
+    building it in ``src_dir`` first if missing (e.g. seed a test's or a benchmark's fresh cache)."""
+    if load(src_dir) is None:
+        subprocess.run([sys.executable, "-m", "engine.kernels.aot", str(src_dir)], check=True,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    src = module_path(src_dir).parent
+    Path(dest_dir).mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, Path(dest_dir) / src.name, dirs_exist_ok=True)
+    shutil.copy2(Path(src_dir) / f"{src.name}.sfc", Path(dest_dir) / f"{src.name}.sfc")
 
 
 def build_in_background(cache_dir: str | os.PathLike) -> subprocess.Popen | None:

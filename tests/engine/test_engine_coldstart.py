@@ -249,3 +249,54 @@ def test_cold_process_plans_without_numba_and_switches_to_it(cache):
     assert err == "None"
     assert "depthwise_numba" not in cold and "depthwise_numba" in warm
     assert not numba_loaded
+
+
+# --- loops compiled ahead of time ---------------------------------------------------------------------
+def test_aot_module_with_wrong_checksum_is_deleted_not_loaded(tmp_path):
+    from engine.kernels import aot
+
+    path = aot.module_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"\x7fELF not really a module")
+    assert aot.load(tmp_path) is None  # no checksum entry: never loaded
+    assert not path.exists()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"\x7fELF not really a module")
+    EntryStore(tmp_path).put(aot._key(), {}, meta={"crc32": 0, "size": 5})
+    assert aot.load(tmp_path) is None and not path.exists()
+
+
+def test_cold_process_with_aot_loops_matches_warm_without_numba(cache, tmp_path):
+    """With the loops compiled ahead of time (built once per machine into the user's engine cache,
+    ~20-40 s, then copied), a fresh process runs the numba kernels cold without importing numba,
+    and its first output equals the warm session's."""
+    pytest.importorskip("numba")
+    from engine.coldstart.store import default_dir
+    from engine.kernels import aot
+
+    aot.copy_built(default_dir(), cache)
+    x_path, ref_path = tmp_path / "x.npy", tmp_path / "ref.npy"
+    x = np.random.default_rng(3).standard_normal((2, 3, 16, 16), dtype=np.float32)
+    np.save(x_path, x)
+    np.save(ref_path, warm_output(small_net(), x))
+    code = textwrap.dedent(f"""
+        import sys, json
+        sys.path.insert(0, {str(ROOT / "tests" / "engine")!r})
+        import numpy as np
+        from test_engine_coldstart import small_net
+        from engine.coldstart.session import ColdSession
+        sess = ColdSession(small_net(), cache_dir={str(cache)!r}, warm_switch=False)
+        x = np.load({str(x_path)!r})
+        y = next(iter(sess.run(x).values()))
+        err = float(np.abs(y - np.load({str(ref_path)!r})).max())
+        kernels = [s.kernel.name for s in sess.plan_for({{"x": x.shape}}).steps if s.kernel]
+        print(json.dumps([err, kernels, "numba" in sys.modules]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    import json
+
+    err, kernels, numba_imported = json.loads(out.strip().splitlines()[-1])
+    assert err <= TOL
+    assert "depthwise_numba" in kernels
+    assert not numba_imported
