@@ -59,12 +59,13 @@ def _build_of(module: str) -> str:
 
 @functools.cache
 def engine_version() -> str:
-    """A digest of the engine's source files and the numeric libraries it runs on: any change to a
-    kernel, a pass or the planner makes older cached plans and weights stale."""
+    """A digest of the engine's source files (name, size, modification time: any edit or reinstall
+    changes it, without reading every file on each start) and the numeric libraries it runs on:
+    a change to a kernel, a pass or the planner makes older cached plans and weights stale."""
     h = hashlib.blake2b(digest_size=8)
     for path in sorted(ENGINE_DIR.rglob("*.py")):
-        h.update(str(path.relative_to(ENGINE_DIR)).encode())
-        h.update(path.read_bytes())
+        st = path.stat()
+        h.update(f"{path.relative_to(ENGINE_DIR)}:{st.st_size}:{st.st_mtime_ns}".encode())
     h.update(f"numpy={np.__version__} numba={_build_of('numba')}".encode())
     return h.hexdigest()
 

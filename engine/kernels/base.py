@@ -26,6 +26,7 @@ class NodeCtx:
     ins: list[TensorInfo]
     outs: list[TensorInfo]
     consts: dict[str, np.ndarray] = field(default_factory=dict)
+    memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # derived facts, e.g. ConvGeom
 
     @property
     def attrs(self) -> dict[str, Any]:

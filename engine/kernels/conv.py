@@ -35,7 +35,14 @@ class ConvGeom:
 
     @classmethod
     def of(cls, ctx: NodeCtx) -> ConvGeom:
-        """Geometry of a Conv, or of a pool (seen as a depthwise conv with no weights)."""
+        """Geometry of a Conv, or of a pool (seen as a depthwise conv with no weights); computed once per node."""
+        g = ctx.memo.get("conv_geom")
+        if g is None:
+            g = ctx.memo["conv_geom"] = cls._of(ctx)
+        return g
+
+    @classmethod
+    def _of(cls, ctx: NodeCtx) -> ConvGeom:
         x, y = ctx.ins[0].shape, ctx.outs[0].shape
         w = ctx.ins[1].shape if ctx.node.op == "Conv" else (x[1], 1, *ctx.attrs["kernel_shape"])
         a = conv_attrs(ctx.node, w)
