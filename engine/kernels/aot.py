@@ -24,12 +24,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 import zlib
 from pathlib import Path
 from types import ModuleType
 
 MODULE = "sf_engine_aot"
+STALE_LOCK_S = 600.0  # a build lock older than this belonged to a build that died
 A1, A2, A3 = "f4[::1]", "f4[:,::1]", "f4[:,:,::1]"
 SIGNATURES = {
     "bias_act": f"void({A2}, {A1}, {A2}, b1, b1, i8, f8, f8)",
@@ -121,6 +123,9 @@ def copy_built(src_dir: str | os.PathLike, dest_dir: str | os.PathLike) -> None:
 def build_in_background(cache_dir: str | os.PathLike) -> subprocess.Popen | None:
     """Start :func:`build` in a niced child process unless a build is already running; returns it."""
     lock = Path(cache_dir) / f".{_key()}.building"
+    with contextlib.suppress(OSError):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:  # a build that died: try again
+            lock.unlink()
     try:
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)

@@ -138,7 +138,7 @@ def test_calibration_is_persisted_and_reread(tmp_path):
 def test_cold_paths_match_warm(cache, x, pipeline):
     graph = small_net()
     ref = warm_output(graph, x)
-    cold = ColdSession(graph, cache_dir=cache, pipeline=pipeline)
+    cold = ColdSession(graph, cache_dir=cache, pipeline=pipeline, build_aot=False)
     np.testing.assert_allclose(first(cold.run(x)), ref, atol=TOL, rtol=0)  # cache empty
     assert cold.wait_warm(60) and cold.warm, cold.warm_error
     np.testing.assert_allclose(first(cold.run(x)), ref, atol=TOL, rtol=0)  # warm plan
@@ -232,7 +232,7 @@ def test_cold_process_plans_without_numba_and_switches_to_it(cache):
         import numpy as np
         from test_engine_coldstart import small_net
         from engine.coldstart.session import ColdSession
-        sess = ColdSession(small_net(), cache_dir={str(cache)!r})
+        sess = ColdSession(small_net(), cache_dir={str(cache)!r}, build_aot=False)
         x = np.ones((1, 3, 16, 16), np.float32)
         sess.run(x)
         cold = [s.kernel.name for s in sess.plan_for({{"x": x.shape}}).steps if s.kernel]
@@ -300,3 +300,11 @@ def test_cold_process_with_aot_loops_matches_warm_without_numba(cache, tmp_path)
     assert err <= TOL
     assert "depthwise_numba" in kernels
     assert not numba_imported
+
+
+def test_background_build_runs_once_while_its_lock_is_held(tmp_path):
+    from engine.kernels import aot
+
+    lock = tmp_path / f".{aot._key()}.building"
+    lock.write_text("")
+    assert aot.build_in_background(tmp_path) is None  # a build is under way: no second one
