@@ -5,9 +5,10 @@ Layout::
     b"SFENGIN1" | u64 little-endian header length | JSON header | padding | weight blobs
 
 The header holds the graph (inputs, outputs, nodes with attributes) and, per weight, its dtype,
-shape, offset and size. Weights are read lazily: either memory-mapped as a whole
-(:func:`load_model`, pages are touched only when a kernel reads them) or one at a time
-(:meth:`ModelFile.read_weight`) so a runtime can stream weights layer by layer.
+shape, offset, size and CRC-32. Weights are read lazily: either memory-mapped as a whole
+(:func:`load_model`, pages are touched only when a kernel reads them), one at a time
+(:meth:`ModelFile.read_weight`), or block by block into caller-owned buffers with checksums
+(:class:`engine.memory.loader.WeightLoader`) so a runtime can stream weights layer by layer.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +79,8 @@ def save_model(graph: Graph, path: str | os.PathLike) -> int:
     table, offset = [], 0
     for name, w in graph.weights.items():
         w = np.asarray(w)
-        table.append({"name": name, "dtype": w.dtype.str, "shape": list(w.shape),
-                      "offset": offset, "nbytes": int(w.nbytes)})
+        table.append({"name": name, "dtype": w.dtype.str, "shape": list(w.shape), "offset": offset,
+                      "nbytes": int(w.nbytes), "crc32": zlib.crc32(np.ascontiguousarray(w).data)})
         offset = _align(offset + w.nbytes)
     header = {**graph_structure(graph), "weights": table}
     blob = json.dumps(header, separators=(",", ":")).encode()
