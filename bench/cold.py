@@ -89,6 +89,10 @@ def child(variant: str, model: str, cache: str) -> dict:
                 else ColdSession(model, cache_dir=cache, warm_switch=variant == "switch",
                                  pipeline=variant != "cold_serial"))
         y = next(iter(sess.run(x).values()))
+        from engine.coldstart.fingerprint import engine_version
+        from engine.kernels import accel
+
+        out.update(engine_version=engine_version(), aot=accel.loaded() is not None and "numba" not in sys.modules)
     done = time.perf_counter()
     out.update(first_ms=(done - imported) * 1e3, import_ms=(imported - started) * 1e3)
     if variant == "current":
@@ -152,6 +156,9 @@ def prepare_caches(name: str, model: Path, work: Path) -> dict[str, Path]:
 
 
 def bench_model(name: str, model: Path, rounds: int, work: Path) -> dict[str, float]:
+    from engine.coldstart.fingerprint import engine_version
+
+    aot_version = engine_version()
     caches = prepare_caches(name, model, work)
     got: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for r in range(rounds):
@@ -164,6 +171,9 @@ def bench_model(name: str, model: Path, rounds: int, work: Path) -> dict[str, fl
                 cache = caches.get("cold" if v in ("cold_serial", "switch") else v, model)
             got[v].append(trial(v, model, cache))
         log(f"{name}: round {r + 1}/{rounds}")
+    for v in ("cold", "cold_serial", "cold_nocache", "switch"):  # the measured code is what was prepared
+        if not all(t["aot"] and t["engine_version"] == aot_version for t in got[v]):
+            raise RuntimeError(f"{v} trials ran without the compiled loops or on changed engine sources: {got[v]}")
     first = {v: median(t["first_ms"] for t in got[v]) for v in VARIANTS}
     sums = {v: median(t["checksum"] for t in got[v]) for v in VARIANTS}
     return {

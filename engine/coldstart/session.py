@@ -2,9 +2,10 @@
 
 What a first run costs and where it goes instead:
 
-- ONNX parsing and graph optimisation: the optimised graph (structure + folded weights) is an
-  entry of the engine cache keyed by the model's content digest and the engine version; a warm
-  cache reads one checksummed file instead.
+- ONNX parsing and graph optimisation: the optimised graph (structure + folded weights) is kept
+  in the engine cache as an engine model file keyed by the model's content digest and the engine
+  version; a warm cache reads its header, and each layer's weights are read (with their CRC-32) by
+  the shared :class:`engine.memory.loader.WeightLoader` on the preparation thread.
 - Calibration: persisted per CPU model/features and engine version (:func:`engine.tuning.calibrate`).
 - numba (import + loading its compiled loops, ~1 s): its loops are compiled ahead of time for this
   machine (:mod:`engine.kernels.aot`, built once in a background process) and loaded in
@@ -40,15 +41,18 @@ import numpy as np
 from engine.coldstart.fingerprint import engine_version, machine_key
 from engine.coldstart.pipeline import StepTiming, run_pipelined, run_serial, schedule_table
 from engine.coldstart.store import EntryStore
-from engine.format import graph_from_structure, graph_structure
+from engine.format import graph_from_structure, graph_structure, save_model
 from engine.ir import Graph
 from engine.kernels import Kernel, NodeCtx, accel, aot
+from engine.memory.loader import ModelFileError, WeightLoader
 from engine.passes import optimize
 from engine.plan import StepPlan, compile_plan, prepare_step
 from engine.session import BoundPlan, InferenceSession, load_graph
 from engine.tuning import calibrate
 
 HASH_CHUNK = 1 << 20
+LAZY_OPS = {"Conv", "Gemm", "MatMul"}  # their weights (inputs >= 1) are only read by the kernels
+LAZY_MIN_BYTES = 4096  # smaller weights are read with the header
 
 
 def _blake(*parts: str) -> str:
@@ -106,6 +110,9 @@ class ColdSession(InferenceSession):
                  cache_dir: str | os.PathLike | None = None, cache_limit_bytes: int = 512 << 20,
                  pipeline: bool = True, warm_switch: bool = True, build_aot: bool = True) -> None:
         self.store = EntryStore(cache_dir, cache_limit_bytes)
+        self.source = model
+        self._loader: WeightLoader | None = None
+        self._pending: dict[str, np.ndarray] = {}  # big weights still on disk: name -> buffer to read into
         self.model_digest = (graph_digest(model) if isinstance(model, Graph)
                              else file_digest(model, self.store))
         graph = self._optimized_graph(model)
@@ -122,13 +129,51 @@ class ColdSession(InferenceSession):
         self.aot_build = None  # the background build of the ahead-of-time loops, when one was started
 
     def _optimized_graph(self, model: Graph | str | os.PathLike) -> Graph:
-        key = f"graph-{self.model_digest}-{engine_version()}"
-        hit = self.store.get(key)
-        if hit is not None:
-            return graph_from_structure(hit[1], hit[0])
+        """The optimised graph: from the cache (an engine model file; big weights are read layer by
+        layer by :meth:`prepare`), or built from ``model`` and cached."""
+        self._graph_key = f"graph-{self.model_digest}-{engine_version()}"
+        path = self.store.file(self._graph_key, ".sfe")
+        if path is not None:
+            try:
+                return self._open_cached_graph(path)
+            except ModelFileError:  # corrupt or truncated: rebuilt below, never used
+                self.store.stats["corrupt"] += 1
+                self.store.delete(self._graph_key, ".sfe")
+        return self._build_graph(model)
+
+    def _build_graph(self, model: Graph | str | os.PathLike) -> Graph:
         graph = optimize(load_graph(model))
-        self.store.put(key, {n: np.asarray(w) for n, w in graph.weights.items()}, meta=graph_structure(graph))
+        with contextlib.suppress(OSError):  # a read-only cache costs the next cold start this work
+            self.store.put_file(self._graph_key, ".sfe", lambda tmp: save_model(graph, tmp))
+        self._loader, self._pending = None, {}
         return graph
+
+    def _open_cached_graph(self, path: Path) -> Graph:
+        """Header and small weights now; each big Conv/Gemm/MatMul weight gets an empty buffer that
+        :meth:`prepare` fills through the shared :class:`WeightLoader` (CRC-checked) when its layer
+        is prepared, so reading overlaps execution."""
+        loader = WeightLoader(path, drop_cache=False)
+        header = loader.header
+        lazy_ok: dict[str, bool] = {}
+        for n in header["nodes"]:
+            for i, t in enumerate(n["inputs"]):
+                lazy_ok[t] = lazy_ok.get(t, True) and n["op"] in LAZY_OPS and i >= 1
+        weights, pending = {}, {}
+        for name, b in loader.blocks.items():
+            buf = np.empty(b.shape, b.dtype)
+            if lazy_ok.get(name) and b.nbytes >= LAZY_MIN_BYTES:
+                pending[name] = buf
+                weights[name] = buf
+            else:
+                weights[name] = loader.read_into(name, buf)
+        self._loader, self._pending = loader, pending
+        return graph_from_structure(header, weights)
+
+    def _read_weights(self, step: StepPlan) -> None:
+        for t in step.node.inputs:
+            buf = self._pending.pop(t, None)
+            if buf is not None:
+                self._loader.read_into(t, buf)
 
     # --- weights -------------------------------------------------------------------------------------
     def _weights_key(self, ctx: NodeCtx, kernel: Kernel) -> str:
@@ -141,7 +186,9 @@ class ColdSession(InferenceSession):
         return self.calibration.first_run_extra(kernel, tb, cached, accel.loaded() is not None)
 
     def prepare(self, step: StepPlan) -> str:
-        """Give ``step`` its transformed weights: from the cache, else transformed (and cached)."""
+        """Read ``step``'s weights if still on disk, then give it its transformed weights: from the
+        cache, else transformed (and cached)."""
+        self._read_weights(step)
         if step.kernel.transform_bytes(step.ctx) == 0:
             prepare_step(step)
             return "view"
@@ -166,12 +213,13 @@ class ColdSession(InferenceSession):
         if bound is not None:
             with self._limit():
                 return bound.run(feeds)
-        with self._limit():
-            plan = compile_plan(self.graph, shapes, self.calibration, self.overrides,
-                                first_run=self._first_run_extra, transform=False)
-            bound = BoundPlan(plan, bind=False)
-            runner = run_pipelined if self.pipeline else run_serial
-            outputs, self.timings = runner(bound, feeds, self.prepare)
+        try:
+            outputs, bound = self._cold_run(feeds, shapes)
+        except ModelFileError:  # the cached graph failed a checksum mid-read: rebuild it, run again
+            self.store.stats["corrupt"] += 1
+            self.store.delete(self._graph_key, ".sfe")
+            self.graph = self._build_graph(self.source)
+            outputs, bound = self._cold_run(feeds, shapes)
         self._bound.setdefault(key, bound)
         if self.warm_switch:
             self._warm_thread = threading.Thread(target=self._switch, args=(shapes, key), name="engine-warm",
@@ -180,6 +228,16 @@ class ColdSession(InferenceSession):
         else:
             self._warm_ready.set()
         return outputs
+
+    def _cold_run(self, feeds: dict[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]
+                  ) -> tuple[dict[str, np.ndarray], BoundPlan]:
+        with self._limit():
+            plan = compile_plan(self.graph, dict(shapes), self.calibration, self.overrides,
+                                first_run=self._first_run_extra, transform=False)
+            bound = BoundPlan(plan, bind=False)
+            runner = run_pipelined if self.pipeline else run_serial
+            outputs, self.timings = runner(bound, feeds, self.prepare)
+        return outputs, bound
 
     def _switch(self, shapes: Mapping[str, tuple[int, ...]], key: tuple) -> None:
         """Load numba, plan with warm costs, prepare and bind, then swap the plan in."""

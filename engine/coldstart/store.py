@@ -35,6 +35,7 @@ import numpy as np
 MAGIC = b"SFCACHE1"
 ALIGN = 64
 SUFFIX = ".sfc"
+FILE_SUFFIXES = (SUFFIX, ".sfe")  # entries, and whole files kept by put_file (engine model files)
 _KEY = re.compile(r"^[A-Za-z0-9_.=-]{1,200}$")
 
 
@@ -131,22 +132,53 @@ class EntryStore:
         self.stats["writes"] += 1
         self.evict()
 
-    def delete(self, key: str) -> None:
-        self.path(key).unlink(missing_ok=True)
+    def file(self, key: str, suffix: str) -> Path | None:
+        """The path of a whole file kept by :meth:`put_file` (marked recently used), or None. The
+        file's format checks its own integrity (an engine model file has a CRC-32 per weight)."""
+        path = self.path(key).with_suffix(suffix)
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            self.stats["misses"] += 1
+            return None
+        self.stats["hits"] += 1
+        return path
+
+    def put_file(self, key: str, suffix: str, write) -> Path:
+        """Keep a whole file: ``write(tmp_path)`` writes it, then it is renamed into place atomically."""
+        if suffix not in FILE_SUFFIXES:
+            raise ValueError(f"suffix {suffix!r} is not one of {FILE_SUFFIXES}")
+        path = self.path(key).with_suffix(suffix)
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=suffix)
+        os.close(fd)
+        try:
+            write(Path(tmp))
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self.stats["writes"] += 1
+        self.evict()
+        return path
+
+    def delete(self, key: str, suffix: str = SUFFIX) -> None:
+        self.path(key).with_suffix(suffix).unlink(missing_ok=True)
+
+    def _files(self) -> list[Path]:
+        return [p for s in FILE_SUFFIXES for p in self.root.glob("*" + s) if not p.name.startswith(".")]
 
     def keys(self, prefix: str = "") -> list[str]:
         return sorted(p.name[: -len(SUFFIX)] for p in self.root.glob(prefix + "*" + SUFFIX)
                       if not p.name.startswith("."))
 
     def size_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.root.glob("*" + SUFFIX) if not p.name.startswith("."))
+        return sum(p.stat().st_size for p in self._files())
 
     def evict(self) -> None:
-        """Delete least recently used entries until the total size is within the limit."""
+        """Delete least recently used entries and files until the total size is within the limit."""
         entries = []
-        for p in self.root.glob("*" + SUFFIX):
-            if p.name.startswith("."):
-                continue
+        for p in self._files():
             try:
                 st = p.stat()
             except FileNotFoundError:
