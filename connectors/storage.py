@@ -30,6 +30,8 @@ import pyarrow as pa
 
 DEFAULT_DB = "streamflow.duckdb"
 DEAD_LETTER_TABLE = "dead_letter"
+# What a row a table cannot take raises (OverflowError: an int beyond int64, which Arrow cannot hold).
+_REFUSED = (pa.ArrowException, duckdb.Error, TypeError, ValueError, OverflowError)
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 
@@ -89,7 +91,7 @@ class RowBuffer:
 
     def to_batches(self) -> list[pa.Table | dict[str, np.ndarray]]:
         """One batch per segment for DuckDB to scan: NumPy columns when every column holds values of
-        one plain type (``str``, ``int``, ``float`` or ``bool``, no ``None``), else an Arrow table.
+        one plain type (``str``, ``int``, ``float`` but NaN or ``bool``; no ``None``), else an Arrow table.
 
         NumPy columns give DuckDB the same column types Arrow would (VARCHAR, BIGINT, DOUBLE,
         BOOLEAN) without building Arrow arrays from Python objects, which makes pyarrow import
@@ -131,9 +133,12 @@ def _numpy_columns(names: tuple[str, ...], values: list[tuple[Any, ...]]) -> dic
         if dtype is None:
             return None
         try:
-            columns[name] = np.array(column, dtype=dtype)
+            array = np.array(column, dtype=dtype)
         except OverflowError:  # an int beyond int64: Arrow's error path names it
             return None
+        if dtype is np.float64 and np.isnan(array).any():  # DuckDB's NumPy scan reads NaN as NULL, Arrow as NaN
+            return None
+        columns[name] = array
     return columns
 
 
@@ -228,7 +233,7 @@ class CollectiveStorage:
             self._oldest = None
         try:
             self._insert(table, *buffer.to_batches())
-        except (pa.ArrowException, duckdb.Error, TypeError, ValueError):
+        except _REFUSED:
             self._insert_row_by_row(table, buffer.rows())
         self.flushes += 1
 
@@ -258,7 +263,7 @@ class CollectiveStorage:
                 single = RowBuffer()
                 single.extend([row])
                 self._insert(table, *single.to_batches())
-            except (pa.ArrowException, duckdb.Error, TypeError, ValueError) as exc:
+            except _REFUSED as exc:
                 refused.append({
                     "source": f"storage:{table}", "line": index,
                     "reason": f"row refused by table {table}: {type(exc).__name__}: {exc}".strip()[:2000],
