@@ -16,8 +16,9 @@ id + 1) and every timestamp by ``r`` times (the sample's time span + an hour), w
 Per input: ``events_per_s`` is input CSV lines over the process's wall time (start-up included),
 median over the pairs; ``events_per_cpu_s`` the same over its CPU time (user + system, all threads;
 steadier than wall time on a shared machine); ``*_after_startup`` subtracts the median wall time of
-the same command over a one-line CSV (``startup_s``). Peak RSS is each process's own ``ru_maxrss`` (``os.wait4``). After
-every run the ``ipv`` tables of both are compared row for row (sorted): ``rows_equal``.
+the same command over a one-line CSV (``startup_s``). Peak RSS is each process's own ``ru_maxrss``
+(``os.wait4`` in a small launcher). After every run the ``ipv`` tables of both are compared row for
+row (sorted): ``rows_equal``.
 The top-level keys describe the large input; the ``*_10k`` keys the sample.
 """
 
@@ -28,7 +29,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -79,21 +79,35 @@ def bytewax_command(csv: Path, db: Path) -> list[str]:
     return [sys.executable, "-m", "bytewax.run", f"bench.bytewax_ipv:build_flow({str(csv)!r}, {str(db)!r})"]
 
 
+# Runs the command as its own child and reports that child's wall time, CPU time and peak RSS. A child
+# forked straight from the bench would count the bench's own memory (its pages before exec) in ru_maxrss.
+_LAUNCHER = """
+import os, sys, time
+started = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as out:
+    out.write(f"{time.perf_counter() - started} {usage.ru_utime + usage.ru_stime} {usage.ru_maxrss}")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def run_process(command: list[str], log_path: Path) -> tuple[float, float, float]:
     """(wall seconds, CPU seconds, peak RSS in MiB) of ``command`` run to completion; exits the bench if it
     fails."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    usage_path = log_path.with_suffix(".usage")
     with open(log_path, "wb") as out:
-        started = time.perf_counter()
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        seconds = time.perf_counter() - started
-    proc.returncode = os.waitstatus_to_exitcode(status)
+        proc = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, str(usage_path), *command], cwd=REPO, env=env,
+                              stdout=out, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         print(f"{' '.join(command)} failed ({proc.returncode}):\n{log_path.read_text(errors='replace')[-3000:]}",
               file=sys.stderr)
         raise SystemExit(1)
-    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024  # KiB on Linux
+    wall, cpu, max_rss_kib = (float(x) for x in usage_path.read_text().split())
+    return wall, cpu, max_rss_kib / 1024  # ru_maxrss is in KiB on Linux
 
 
 def ipv_rows(db: Path) -> list[tuple[Any, ...]]:
@@ -163,9 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    def after_startup(result: dict[str, Any], ours: bool) -> float:
+    def after_startup(result: dict[str, Any], ours: bool) -> float | None:
         seconds = result["wall_s"] - sf_start if ours else result["bytewax_wall_s"] - bw_start
-        return round(result["lines"] / seconds) if seconds > 0 else float("nan")
+        return round(result["lines"] / seconds) if seconds > 0 else None  # start-up noise exceeded the run
 
     metrics = {
         "events_per_s": round(big["events_per_s"]),

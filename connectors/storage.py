@@ -158,7 +158,7 @@ class RowBuffer:
 
     def to_batches(self) -> list[pa.Table | dict[str, np.ndarray]]:
         """One batch per segment for DuckDB to scan: NumPy columns when every column holds values of
-        one plain type (``str``, ``int``, ``float`` or ``bool``, no ``None``), else an Arrow table.
+        one plain type (``str``, ``int``, ``float`` but NaN or ``bool``; no ``None``), else an Arrow table.
 
         NumPy columns give DuckDB the same column types Arrow would (VARCHAR, BIGINT, DOUBLE,
         BOOLEAN) without building Arrow arrays from Python objects, which makes pyarrow import
@@ -200,9 +200,12 @@ def _numpy_columns(names: tuple[str, ...], values: list[tuple[Any, ...]]) -> dic
         if dtype is None:
             return None
         try:
-            columns[name] = np.array(column, dtype=dtype)
+            array = np.array(column, dtype=dtype)
         except OverflowError:  # an int beyond int64: Arrow's error path names it
             return None
+        if dtype is np.float64 and np.isnan(array).any():  # DuckDB's NumPy scan reads NaN as NULL, Arrow as NaN
+            return None
+        columns[name] = array
     return columns
 
 

@@ -297,9 +297,14 @@ class TaobaoBehaviorSource(LineSource):
     @staticmethod
     def parse(raw: str) -> tuple[str, str, str, str, float] | str:
         clean = _CLEAN_LINE(raw)
-        if clean is not None:  # the usual line: what the checks below would accept, in one regex match
+        if clean is not None:  # the usual line, accepted in one regex match: what parse_checked gives it
             user, item, category, behavior, ts_text = clean.groups()
             return user, item, category, behavior, float(ts_text)
+        return TaobaoBehaviorSource.parse_checked(raw)
+
+    @staticmethod
+    def parse_checked(raw: str) -> tuple[str, str, str, str, float] | str:
+        """:meth:`parse` field by field: the fields, or the reason for the first check that fails."""
         parts = raw.split(",")
         if len(parts) != 5:
             return (f"malformed CSV line: expected 5 comma-separated fields "

@@ -12,6 +12,8 @@ import math
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from connectors.storage import CollectiveStorage
 from operators import Aggregate, Count, LastN
@@ -559,3 +561,22 @@ def test_runner_rejects_absurd_and_backward_events_given_directly(tmp_path):
     assert sum(r.startswith("timestamp goes backwards") for r in reasons) == 1
     assert all(json.loads(d[3])["user_id"] == "u" for d in dead)
     assert [r["n"] for r in rows["favs"]] == [1, 2]
+
+
+# --------------------------------------------------------------------------------------------------
+# Taobao adapter: the parse fast path
+
+
+_LINE_PARTS = st.sampled_from(["1", "10", "7", "999477", "pv", "fav", "cart", "buy", "click", "PV", "1511848894",
+                               "-5", "1.5", "0" * 16, "\u0661\u0662", " ", "\t", "\u3000", "\x1c", "", "a b", "_"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.lists(_LINE_PARTS, max_size=3).map("".join), min_size=1, max_size=7).map(",".join))
+def test_taobao_parse_fast_path_gives_what_the_field_checks_give(raw):
+    assert TaobaoBehaviorSource.parse(raw) == TaobaoBehaviorSource.parse_checked(raw)
+
+
+def test_taobao_parse_fast_path_keeps_the_clean_line_fields():
+    assert TaobaoBehaviorSource.parse(f"1,10,7,cart,{T}") == ("1", "10", "7", "cart", float(T))
+    assert TaobaoBehaviorSource.parse(f" 1,10,7,cart,{T}") == ("1", "10", "7", "cart", float(T))  # stripped
