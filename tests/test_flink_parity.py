@@ -17,9 +17,9 @@ if shutil.which("java") is None:
     pytest.skip("the Flink runner needs a Java runtime", allow_module_level=True)
 
 from connectors.storage import CollectiveStorage  # noqa: E402
+from streamflow.flink.runner import run_flink  # noqa: E402
 from streamflow.job import load_job  # noqa: E402
 from streamflow.runners.device import DeviceRunner  # noqa: E402
-from streamflow.runners.flink import run_flink  # noqa: E402
 from streamflow.sources import open_source  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -39,10 +39,10 @@ from operators.process import LATE
 from operators.process import ValueStateDescriptor as TypedValue
 from streamflow.events import TimestampGuard
 from streamflow.execution import TaskExecution, TriggerTasks
-from streamflow.flink_cluster import python_path, remote_environment
+from streamflow.flink.cluster import python_path, remote_environment
+from streamflow.flink.kafka_source import kafka_lines, kafka_topic
+from streamflow.flink.keyed import FlinkKeyed
 from streamflow.job import Job
-from streamflow.runners.flink_kafka_source import kafka_lines, kafka_topic
-from streamflow.runners.flink_keyed import FlinkKeyed
 from streamflow.sources import FORMATS, LineSource, open_source
 from streamflow.summary import LATE_EVENTS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamPlan, apply_elementwise, late_row, to_millis, window_row
@@ -80,7 +80,7 @@ def flink_environment(cluster: str | None = None, parallelism: int = 1,
     of a JobManager's REST endpoint, e.g. one started by ``streamflow flink-cluster start``).
 
     The job's ``python.pythonpath`` lets thread mode's embedded interpreter import our code. A remote
-    cluster's TaskManagers also need it in their own environment (``flink_cluster`` sets it when it
+    cluster's TaskManagers also need it in their own environment (``streamflow.flink.cluster`` sets it when it
     starts them) and a ``python.executable`` that exists on their machine (``$STREAMFLOW_FLINK_PYTHON``,
     default: this interpreter).
     """
