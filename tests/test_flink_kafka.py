@@ -15,7 +15,7 @@ import duckdb
 import pyarrow as pa
 import pytest
 
-pytest.importorskip("pyflink")
+pytest.importorskip("pyflink", reason="needs the flink extra: pip install 'streamflow[flink]'", exc_type=ImportError)
 pytest.importorskip("kafka")
 if shutil.which("java") is None:
     pytest.skip("the Flink runner needs a Java runtime", allow_module_level=True)
