@@ -18,7 +18,7 @@ from pathlib import Path
 from connectors.storage import CollectiveStorage, flush_on_signals
 from streamflow import tunnel_commands
 from streamflow.checkpoint import discard_checkpoint
-from streamflow.flink_kafka import kafka_topic
+from streamflow.flink.connector_jars import kafka_topic
 from streamflow.job import Job, JobLoadError, load_job
 from streamflow.progress import track
 from streamflow.runners.device import DeviceRunner
@@ -163,7 +163,7 @@ def _show(value: object) -> str:
 
 def _run_on_flink(job: Job, args: argparse.Namespace, db: Path) -> RunSummary:
     try:
-        from streamflow.runners.flink import run_flink
+        from streamflow.flink.runner import run_flink
     except ImportError as exc:
         raise ValueError(str(exc)) from exc
     return run_flink(job, args.events, args.format, db, cluster=args.cluster, parallelism=args.parallelism,
@@ -171,8 +171,8 @@ def _run_on_flink(job: Job, args: argparse.Namespace, db: Path) -> RunSummary:
 
 
 def _flink_cluster(args: argparse.Namespace) -> int:
-    """``streamflow flink-cluster start|stop|status``: see :mod:`streamflow.flink_cluster`."""
-    from streamflow import flink_cluster
+    """``streamflow flink-cluster start|stop|status``: see :mod:`streamflow.flink.cluster`."""
+    from streamflow.flink import cluster as flink_cluster
 
     try:
         if args.action == "start":

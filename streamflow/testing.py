@@ -167,8 +167,7 @@ def _run(job: Job, events: Path | str, fmt: str | None, runner: str, workdir: Pa
 
 def _flink_runner() -> Any:
     """``run_flink``, imported only now: the device core never imports Flink."""
-    module = "streamflow.flink.runner" if importlib.util.find_spec("streamflow.flink") else "streamflow.runners.flink"
-    return importlib.import_module(module).run_flink
+    return importlib.import_module("streamflow.flink.runner").run_flink
 
 
 def read_tables(db: str | os.PathLike[str]) -> Rows:

@@ -160,7 +160,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _consume_on_flink(args: argparse.Namespace, online_key: list[str]) -> int:
     try:
-        from streamflow.runners.flink_tunnel import run_flink_features
+        from streamflow.flink.tunnel import run_flink_features
     except ImportError as exc:
         raise ValueError(str(exc)) from exc
     summary = run_flink_features(args.topic, args.db, args.key_registry, group_id=args.group, cluster=args.cluster,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("pyflink")
+pytest.importorskip("pyflink", reason="needs the flink extra: pip install 'streamflow[flink]'", exc_type=ImportError)
 if shutil.which("java") is None:
     pytest.skip("the Flink runner needs a Java runtime", allow_module_level=True)
 

@@ -11,8 +11,8 @@ needs), checks theirs, and moves them into the cache
 
 From the shell (``make test`` runs it)::
 
-    python -m streamflow.flink_kafka fetch      # no-op when the verified jars are there
-    python -m streamflow.flink_kafka path       # the jars' file:// URLs
+    python -m streamflow.flink.connector_jars fetch      # no-op when the verified jars are there
+    python -m streamflow.flink.connector_jars path       # the jars' file:// URLs
 
 It also reads ``kafka://TOPIC`` event arguments (:func:`kafka_topic`) without importing PyFlink, so a
 command line can tell a topic from a file before it starts a JVM.
@@ -50,7 +50,7 @@ JARS = {
 JARS_DIR_ENV = "STREAMFLOW_FLINK_JARS_DIR"
 KAFKA_SCHEME = "kafka://"
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")  # Kafka's own rule for topic names
-FETCH_HINT = "run `make test` or `python -m streamflow.flink_kafka fetch` to download and verify them"
+FETCH_HINT = "run `make test` or `python -m streamflow.flink.connector_jars fetch` to download and verify them"
 
 
 class JarError(RuntimeError):
@@ -96,8 +96,8 @@ def kafka_jar_urls(directory: str | os.PathLike[str] | None = None) -> list[str]
     >>> kafka_jar_urls("/no/such/dir")
     Traceback (most recent call last):
     ...
-    streamflow.flink_kafka.JarError: the Flink Kafka connector jar /no/such/dir/flink-connector-kafka.jar is \
-missing; run `make test` or `python -m streamflow.flink_kafka fetch` to download and verify them
+    streamflow.flink.connector_jars.JarError: the Flink Kafka connector jar /no/such/dir/flink-connector-kafka.jar is \
+missing; run `make test` or `python -m streamflow.flink.connector_jars fetch` to download and verify them
     """
     return [path.as_uri() for path in verified_jars(directory)]
 
@@ -168,7 +168,7 @@ def kafka_topic(events: str | os.PathLike[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args not in (["fetch"], ["path"]):
-        print("usage: python -m streamflow.flink_kafka fetch|path", file=sys.stderr)
+        print("usage: python -m streamflow.flink.connector_jars fetch|path", file=sys.stderr)
         return 2
     try:
         if args == ["fetch"]:

@@ -39,10 +39,10 @@ from operators.process import LATE
 from operators.process import ValueStateDescriptor as TypedValue
 from streamflow.events import TimestampGuard
 from streamflow.execution import TaskExecution, TriggerTasks
-from streamflow.flink_cluster import python_path, remote_environment
+from streamflow.flink.cluster import python_path, remote_environment
+from streamflow.flink.kafka_source import kafka_lines, kafka_topic
+from streamflow.flink.keyed import FlinkKeyed
 from streamflow.job import Job
-from streamflow.runners.flink_kafka_source import kafka_lines, kafka_topic
-from streamflow.runners.flink_keyed import FlinkKeyed
 from streamflow.sources import FORMATS, LineSource, open_source
 from streamflow.summary import LATE_EVENTS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamPlan, apply_elementwise, late_row, to_millis, window_row
@@ -80,7 +80,7 @@ def flink_environment(cluster: str | None = None, parallelism: int = 1,
     of a JobManager's REST endpoint, e.g. one started by ``streamflow flink-cluster start``).
 
     The job's ``python.pythonpath`` lets thread mode's embedded interpreter import our code. A remote
-    cluster's TaskManagers also need it in their own environment (``flink_cluster`` sets it when it
+    cluster's TaskManagers also need it in their own environment (``streamflow.flink.cluster`` sets it when it
     starts them) and a ``python.executable`` that exists on their machine (``$STREAMFLOW_FLINK_PYTHON``,
     default: this interpreter).
     """
@@ -336,6 +336,34 @@ class StorageWriter(ProcessFunction):
         Path(self.report_path).write_text(json.dumps(report), encoding="utf-8")
 
 
+def job_modules(job: Job) -> list[str]:
+    """The modules a job file brought with it: the job's own module and every module loaded from a file
+    in the job file's directory (e.g. ``jobs/ipv_encoder.py`` loads ``jobs/ipv.py``). The workers cannot
+    import them by name, so :func:`run_flink` pickles them by value.
+
+    Example:
+        >>> from streamflow.job import load_job
+        >>> job_modules(load_job("jobs/ipv_encoder.py"))
+        ['streamflow_job_ipv', 'streamflow_job_ipv_encoder']
+    """
+    top = sys.modules.get(job.module or "")
+    if top is None or not getattr(top, "__file__", None):
+        return []
+    home = Path(top.__file__).resolve().parent
+    names = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if path and Path(path).resolve().parent == home:
+            names.append(name)
+    return sorted(names)
+
+
+def ship_job_modules(job: Job) -> None:
+    """Register the job's own modules (:func:`job_modules`) with cloudpickle by value."""
+    for name in job_modules(job):
+        cloudpickle.register_pickle_by_value(sys.modules[name])
+
+
 def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
               db: str | os.PathLike[str] | None = None, cluster: str | None = None, parallelism: int = 1,
               state_ttl_days: int = DEFAULT_STATE_TTL_DAYS, pace_ms: float = 0.0) -> RunSummary:
@@ -359,8 +387,7 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
     db_path = resolve_db_path(db).resolve()
     report = db_path.with_suffix(".flink-run.json")
     report.unlink(missing_ok=True)
-    if job.module and job.module in sys.modules:
-        cloudpickle.register_pickle_by_value(sys.modules[job.module])  # workers cannot import it
+    ship_job_modules(job)
     started = time.perf_counter()
     env = flink_environment(cluster, parallelism)
     if pace_ms:
