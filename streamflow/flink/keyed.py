@@ -213,12 +213,13 @@ class FlinkKeyed(KeyedProcessFunction):
         self._out.append((tag, row))
 
     # -- Flink ---------------------------------------------------------------------------------------
-    def call(self, ctx: Any, item: Any, ts_ms: int | None = None) -> list[tuple[str, Any]]:
-        """Run ``on_event`` for ``item`` of the current key; what it output."""
+    def call(self, ctx: Any, item: Any, ts_ms: int | None = None, key: Any = None) -> list[tuple[str, Any]]:
+        """Run ``on_event`` for ``item`` of the current key (``key``, if the caller read it already: each
+        read crosses into the JVM); what it output."""
         if ts_ms is None:
             ts_ms = to_millis(self._read_ts(item)) if self._read_ts is not None else self.clock
         self.clock = max(self.clock, ts_ms)
-        self._ctx, self.key, self.timestamp = ctx, ctx.get_current_key(), ts_ms
+        self._ctx, self.key, self.timestamp = ctx, ctx.get_current_key() if key is None else key, ts_ms
         out = self._out = []
         self.function.on_event(item, self)
         return out

@@ -165,7 +165,7 @@ class UserTasks(FlinkKeyed):
             self.events += 1
             if self.emit_events:
                 yield _EVENTS, event
-            yield from self.call(ctx, event, round(event.ts * 1000))
+            yield from self.call(ctx, event, round(event.ts * 1000), event.user_id)
 
     def _counts(self) -> dict[str, Any]:
         """What this subtask counted since it last reported (the per-task stats live per subtask)."""
