@@ -43,6 +43,7 @@ from streamflow.flink.cluster import python_path, remote_environment
 from streamflow.flink.kafka_source import kafka_lines, kafka_topic
 from streamflow.flink.keyed import FlinkKeyed
 from streamflow.job import Job
+from streamflow.settings import settings
 from streamflow.sources import FORMATS, LineSource, open_source
 from streamflow.summary import LATE_EVENTS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamPlan, apply_elementwise, late_row, to_millis, window_row
@@ -85,9 +86,9 @@ def flink_environment(cluster: str | None = None, parallelism: int = 1,
     default: this interpreter).
     """
     conf = Configuration()
-    conf.set_string("python.execution-mode", execution_mode or os.environ.get(
-        "STREAMFLOW_FLINK_EXECUTION_MODE", "thread"))
-    conf.set_string("python.executable", os.environ.get("STREAMFLOW_FLINK_PYTHON", sys.executable))
+    chosen = settings(flink_execution_mode=execution_mode)
+    conf.set_string("python.execution-mode", chosen.flink_execution_mode)
+    conf.set_string("python.executable", chosen.flink_python)
     conf.set_string("python.pythonpath", os.pathsep.join(python_path()))
     if cluster:
         return remote_environment(cluster, conf, parallelism=parallelism)
