@@ -340,12 +340,14 @@ class StorageWriter(ProcessFunction):
 def job_modules(job: Job) -> list[str]:
     """The modules a job file brought with it: the job's own module and every module loaded from a file
     in the job file's directory (e.g. ``jobs/ipv_encoder.py`` loads ``jobs/ipv.py``). The workers cannot
-    import them by name, so :func:`run_flink` pickles them by value.
+    import them by name, so :func:`run_flink` pickles them by value. Other job files of that directory
+    loaded earlier in this process are listed too; that is harmless (by value only changes how what the job
+    refers to is pickled).
 
     Example:
         >>> from streamflow.job import load_job
-        >>> job_modules(load_job("jobs/ipv_encoder.py"))
-        ['streamflow_job_ipv', 'streamflow_job_ipv_encoder']
+        >>> {"streamflow_job_ipv", "streamflow_job_ipv_encoder"} <= set(job_modules(load_job("jobs/ipv_encoder.py")))
+        True
     """
     top = sys.modules.get(job.module or "")
     if top is None or not getattr(top, "__file__", None):
