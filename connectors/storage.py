@@ -40,7 +40,6 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-DEFAULT_DB = "streamflow.duckdb"
 DEAD_LETTER_TABLE = "dead_letter"
 log = logging.getLogger("streamflow.storage")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -110,8 +109,10 @@ def quoted_list(names: Iterable[str]) -> str:
 
 
 def resolve_db_path(path: str | os.PathLike[str] | None = None) -> Path:
-    """Explicit path first, then ``STREAMFLOW_DB``, then ``./streamflow.duckdb``."""
-    return Path(path or os.environ.get("STREAMFLOW_DB") or DEFAULT_DB)
+    """Explicit path first, then ``STREAMFLOW_DB``, then ``./streamflow.duckdb`` (:mod:`streamflow.settings`)."""
+    from streamflow.settings import settings  # not at import: streamflow's package imports this module
+
+    return settings(db=path).db
 
 
 class RowBuffer:

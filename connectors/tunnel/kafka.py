@@ -7,12 +7,10 @@ names it, ``127.0.0.1:9092`` otherwise (the docker compose broker, or ``make bro
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 log = logging.getLogger("streamflow.tunnel")
 
-DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 DEFAULT_TOPIC = "streamflow.features"
 #: Kafka record-batch codecs the sink offers (``none`` is for measuring what compression saves).
 COMPRESSION = ("zstd", "gzip", "lz4", "none")
@@ -71,7 +69,9 @@ class Retry:
 
 def bootstrap_servers(bootstrap: str | None = None) -> str:
     """Explicit value first, then ``STREAMFLOW_KAFKA_BOOTSTRAP``, then ``127.0.0.1:9092``."""
-    return bootstrap or os.environ.get("STREAMFLOW_KAFKA_BOOTSTRAP") or DEFAULT_BOOTSTRAP
+    from streamflow.settings import settings  # not at import: streamflow's package imports the connectors
+
+    return settings(kafka_bootstrap=bootstrap).kafka_bootstrap
 
 
 def dead_letter_topic(topic: str) -> str:

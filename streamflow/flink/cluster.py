@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from streamflow.settings import env_name, settings
+
 __all__ = [
     "DEFAULT_PORT",
     "STATE_DIR_ENV",
@@ -55,7 +57,7 @@ __all__ = [
 ]
 
 DEFAULT_PORT = 8081
-STATE_DIR_ENV = "STREAMFLOW_FLINK_HOME_DIR"
+STATE_DIR_ENV = env_name("flink_home_dir")
 HOST = "127.0.0.1"
 _SETTINGS = "cluster.json"  # what start() chose (ports), so status()/stop() find the cluster again
 
@@ -116,8 +118,7 @@ class ClusterLayout:
         >>> ClusterLayout.resolve("/tmp/x").root
         PosixPath('/tmp/x')
         """
-        chosen = directory or os.environ.get(STATE_DIR_ENV) or ".flink-cluster"
-        return cls(Path(chosen).expanduser().resolve())
+        return cls(settings(flink_home_dir=directory).flink_home_dir.expanduser().resolve())
 
 
 def flink_distribution() -> Path:

@@ -34,6 +34,8 @@ import zipfile
 from pathlib import Path
 from urllib.parse import unquote
 
+from streamflow.settings import env_name, settings
+
 WHEEL = "shigawire-apache-flink-libraries==2.0.0.post1"
 WHEEL_SHA256 = "aaa65537d3f0c0ff279185d8243024f0efd95788ba044bf249ba0f40b69289cd"
 #: Jar name -> (member in the wheel, sha256).
@@ -47,7 +49,7 @@ JARS = {
     "zstd-jni.jar": ("pyflink/lib/zstd-jni.jar",
                      "793ca8734aa15687e7e64564eab8b6ae9ee2720eae27aa663074682144b1c386"),
 }
-JARS_DIR_ENV = "STREAMFLOW_FLINK_JARS_DIR"
+JARS_DIR_ENV = env_name("flink_jars_dir")
 KAFKA_SCHEME = "kafka://"
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")  # Kafka's own rule for topic names
 FETCH_HINT = "run `make test` or `python -m streamflow.flink.connector_jars fetch` to download and verify them"
@@ -60,10 +62,7 @@ class JarError(RuntimeError):
 def jars_dir(directory: str | os.PathLike[str] | None = None) -> Path:
     """The cache directory: explicit first, then ``$STREAMFLOW_FLINK_JARS_DIR``, then
     ``~/.cache/streamflow/flink-kafka-2.0/``."""
-    if directory is not None:
-        return Path(directory)
-    env = os.environ.get(JARS_DIR_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "streamflow" / "flink-kafka-2.0"
+    return settings(flink_jars_dir=directory).flink_jars_dir
 
 
 def sha256_of(path: str | os.PathLike[str]) -> str:

@@ -43,6 +43,7 @@ from streamflow.flink.cluster import python_path, remote_environment
 from streamflow.flink.kafka_source import kafka_lines, kafka_topic
 from streamflow.flink.keyed import FlinkKeyed
 from streamflow.job import Job
+from streamflow.settings import settings
 from streamflow.sources import FORMATS, LineSource, open_source
 from streamflow.summary import LATE_EVENTS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamPlan, apply_elementwise, late_row, to_millis, window_row
@@ -85,9 +86,9 @@ def flink_environment(cluster: str | None = None, parallelism: int = 1,
     default: this interpreter).
     """
     conf = Configuration()
-    conf.set_string("python.execution-mode", execution_mode or os.environ.get(
-        "STREAMFLOW_FLINK_EXECUTION_MODE", "thread"))
-    conf.set_string("python.executable", os.environ.get("STREAMFLOW_FLINK_PYTHON", sys.executable))
+    chosen = settings(flink_execution_mode=execution_mode)
+    conf.set_string("python.execution-mode", chosen.flink_execution_mode)
+    conf.set_string("python.executable", chosen.flink_python)
     conf.set_string("python.pythonpath", os.pathsep.join(python_path()))
     if cluster:
         return remote_environment(cluster, conf, parallelism=parallelism)
@@ -339,12 +340,14 @@ class StorageWriter(ProcessFunction):
 def job_modules(job: Job) -> list[str]:
     """The modules a job file brought with it: the job's own module and every module loaded from a file
     in the job file's directory (e.g. ``jobs/ipv_encoder.py`` loads ``jobs/ipv.py``). The workers cannot
-    import them by name, so :func:`run_flink` pickles them by value.
+    import them by name, so :func:`run_flink` pickles them by value. Other job files of that directory
+    loaded earlier in this process are listed too; that is harmless (by value only changes how what the job
+    refers to is pickled).
 
     Example:
         >>> from streamflow.job import load_job
-        >>> job_modules(load_job("jobs/ipv_encoder.py"))
-        ['streamflow_job_ipv', 'streamflow_job_ipv_encoder']
+        >>> {"streamflow_job_ipv", "streamflow_job_ipv_encoder"} <= set(job_modules(load_job("jobs/ipv_encoder.py")))
+        True
     """
     top = sys.modules.get(job.module or "")
     if top is None or not getattr(top, "__file__", None):
