@@ -32,7 +32,7 @@ TABLE = "ipv"
 GAP_S = 1800.0  # inactivity after which the open item page counts as left
 MIN_TS = 946_684_800.0  # 2000-01-01
 MAX_TS = time.time() + 86_400.0
-BEHAVIORS = frozenset(("pv", "fav", "cart", "buy"))
+COUNTER = {"pv": 4, "fav": 5, "cart": 6, "buy": 7}  # behaviour -> its counter's index in a page
 _INTEGER = re.compile(r"-?[0-9]{1,15}")
 SCHEMA = pa.schema([("user_id", pa.string()), ("trigger_ts", pa.float64()), ("item_id", pa.string()),
                     ("category_id", pa.string()), ("enter_ts", pa.float64()), ("dwell_s", pa.float64()),
@@ -44,7 +44,7 @@ Row = tuple[str, str, str, str, float]  # user, item, category, behavior, ts
 def parse(line: str) -> Row | None:
     """One CSV line as its fields, or None for a line the job cannot use."""
     parts = [p.strip() for p in line.split(",")]
-    if len(parts) != 5 or not all(parts[:3]) or parts[3] not in BEHAVIORS or not _INTEGER.fullmatch(parts[4]):
+    if len(parts) != 5 or not all(parts[:3]) or parts[3] not in COUNTER or not _INTEGER.fullmatch(parts[4]):
         return None
     ts = float(parts[4])
     if not MIN_TS <= ts <= MAX_TS:
@@ -78,13 +78,13 @@ class ItemPage(StatefulLogic):
                 page = None
             elif page[0] == item:
                 page[3] = ts
-                page[4 + ("pv", "fav", "cart", "buy").index(behavior)] += 1
+                page[COUNTER[behavior]] += 1
                 return out, StatefulLogic.RETAIN
             else:
                 out.append(self._row(ts))
         page = self.page = [item, category, ts, ts, 0, 0, 0, 0]
         if behavior != "pv":  # a click on an item page that was not open: the page is entered with it
-            page[4 + ("pv", "fav", "cart", "buy").index(behavior)] += 1
+            page[COUNTER[behavior]] += 1
         return out, StatefulLogic.RETAIN
 
     def on_eof(self) -> tuple[list[dict[str, Any]], bool]:
