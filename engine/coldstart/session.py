@@ -169,11 +169,15 @@ class ColdSession(InferenceSession):
         self._loader, self._pending = loader, pending
         return graph_from_structure(header, weights)
 
-    def _read_weights(self, step: StepPlan) -> None:
+    def _read_weights(self, step: StepPlan) -> bool:
+        """Read the step's weights that are still on disk; whether there were any."""
+        read = False
         for t in step.node.inputs:
             buf = self._pending.pop(t, None)
             if buf is not None:
                 self._loader.read_into(t, buf)
+                read = True
+        return read
 
     # --- weights -------------------------------------------------------------------------------------
     def _weights_key(self, ctx: NodeCtx, kernel: Kernel) -> str:
@@ -187,21 +191,21 @@ class ColdSession(InferenceSession):
 
     def prepare(self, step: StepPlan) -> str:
         """Read ``step``'s weights if still on disk, then give it its transformed weights: from the
-        cache, else transformed (and cached)."""
-        self._read_weights(step)
+        cache, else transformed (and cached). Returns where they came from, e.g. ``"read+view"``."""
+        read = "read+" if self._read_weights(step) else ""
         if step.kernel.transform_bytes(step.ctx) == 0:
             prepare_step(step)
-            return "view"
+            return read + "view"
         key = self._weights_key(step.ctx, step.kernel)
         hit = self.store.get(key)
         if hit is not None:
             prepare_step(step, hit[0])
-            return "cache"
+            return read + "cache"
         prepare_step(step)
         with contextlib.suppress(OSError):  # a read-only cache only costs the next cold start this transform
             self.store.put(key, {n: np.asarray(v) for n, v in step.params.items()},
                            meta={"node": step.node.name, "kernel": step.kernel.name})
-        return "transform"
+        return read + "transform"
 
     # --- runs ----------------------------------------------------------------------------------------
     def run(self, feeds: Mapping[str, Any] | np.ndarray) -> dict[str, np.ndarray]:

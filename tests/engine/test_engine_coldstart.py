@@ -154,10 +154,11 @@ def test_forced_transforming_kernel_is_cached_then_read(cache, x):
     ref = first(InferenceSession(graph, kernels=forced).run(x))
     a = ColdSession(graph, cache_dir=cache, kernels=forced, warm_switch=False)
     np.testing.assert_allclose(first(a.run(x)), ref, atol=TOL, rtol=0)
-    assert {t.source for t in a.timings if t.kernel == "conv_direct"} == {"transform"}
+    assert {t.source for t in a.timings if t.kernel == "conv_direct"} == {"transform"}  # graph was in memory
     b = ColdSession(graph, cache_dir=cache, kernels=forced, warm_switch=False)
     np.testing.assert_allclose(first(b.run(x)), ref, atol=TOL, rtol=0)
-    assert {t.source for t in b.timings if t.kernel == "conv_direct"} == {"cache"}
+    sources = {t.source for t in b.timings if t.kernel == "conv_direct"}
+    assert sources == {"cache", "read+cache"}  # the small first conv's weight came with the header
 
 
 def test_corrupt_weight_entry_is_rebuilt_not_used(cache, x):
