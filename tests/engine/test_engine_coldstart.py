@@ -176,7 +176,7 @@ def test_corrupt_weight_entry_is_rebuilt_not_used(cache, x):
     out = first(sess.run(x))
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
     assert sess.store.stats["corrupt"] == len(store.keys("w-"))
-    assert {t.source for t in sess.timings if t.kernel == "conv_direct"} == {"transform"}
+    assert {t.source.split("+")[-1] for t in sess.timings if t.kernel == "conv_direct"} == {"transform"}
 
 
 @pytest.mark.parametrize("damage", ["weight_byte", "truncate"])
