@@ -333,3 +333,15 @@ def test_background_build_runs_once_while_its_lock_is_held(tmp_path):
     lock = tmp_path / f".{aot._key()}.building"
     lock.write_text("")
     assert aot.build_in_background(tmp_path) is None  # a build is under way: no second one
+
+
+def test_cli_cold_plan_prints_plan_and_schedule(cache, tmp_path):
+    from engine.format import save_model
+
+    path = tmp_path / "m.sfe"
+    save_model(small_net(), path)
+    out = subprocess.run([sys.executable, "-m", "engine", "plan", str(path), "--cold", "--batch", "2"],
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "STREAMFLOW_ENGINE_CACHE": str(cache)}).stdout
+    assert "cheapest first run" in out
+    assert "execution thread waited" in out
