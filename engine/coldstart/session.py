@@ -190,17 +190,19 @@ class ColdSession(InferenceSession):
         return self.calibration.first_run_extra(kernel, tb, cached, accel.loaded() is not None)
 
     def prepare(self, step: StepPlan) -> str:
-        """Read ``step``'s weights if still on disk, then give it its transformed weights: from the
-        cache, else transformed (and cached). Returns where they came from, e.g. ``"read+view"``."""
-        read = "read+" if self._read_weights(step) else ""
+        """Give ``step`` its weights: transformed ones from the cache (the originals are then not
+        read), else the originals (read now if still on disk) as views or transformed (and cached).
+        Returns where they came from, e.g. ``"read+view"``."""
         if step.kernel.transform_bytes(step.ctx) == 0:
+            read = "read+" if self._read_weights(step) else ""
             prepare_step(step)
             return read + "view"
         key = self._weights_key(step.ctx, step.kernel)
         hit = self.store.get(key)
-        if hit is not None:
+        if hit is not None:  # the cached params are all the kernel needs: the original weights stay on disk
             prepare_step(step, hit[0])
-            return read + "cache"
+            return "cache"
+        read = "read+" if self._read_weights(step) else ""
         prepare_step(step)
         with contextlib.suppress(OSError):  # a read-only cache only costs the next cold start this transform
             self.store.put(key, {n: np.asarray(v) for n, v in step.params.items()},
