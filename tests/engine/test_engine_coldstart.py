@@ -259,11 +259,13 @@ def test_cold_process_plans_without_numba_and_switches_to_it(cache):
         import numpy as np
         from test_engine_coldstart import small_net
         from engine.coldstart.session import ColdSession
-        sess = ColdSession(small_net(), cache_dir={str(cache)!r}, build_aot=False)
         x = np.ones((1, 3, 16, 16), np.float32)
+        first = ColdSession(small_net(), cache_dir={str(cache)!r}, warm_switch=False, build_aot=False)
+        first.run(x)
+        numba_at_first_output = "numba" in sys.modules
+        cold = [s.kernel.name for s in first.plan_for({{"x": x.shape}}).steps if s.kernel]
+        sess = ColdSession(small_net(), cache_dir={str(cache)!r}, build_aot=False)
         sess.run(x)
-        cold = [s.kernel.name for s in sess.plan_for({{"x": x.shape}}).steps if s.kernel]
-        numba_at_first_output = "numba" in sys.modules and sess._warm_thread is None
         sess.wait_warm(120)
         warm = [s.kernel.name for s in sess.plan_for({{"x": x.shape}}).steps if s.kernel]
         print(json.dumps([cold, warm, numba_at_first_output, repr(sess.warm_error)]))
