@@ -187,7 +187,8 @@ class ColdSession(InferenceSession):
     def _first_run_extra(self, ctx: NodeCtx, kernel: Kernel) -> float:
         tb = kernel.transform_bytes(ctx)
         cached = tb > 0 and self.store.path(self._weights_key(ctx, kernel)).exists()
-        return self.calibration.first_run_extra(kernel, tb, cached, accel.loaded() is not None)
+        on_disk = sum(int(np.asarray(ctx.consts[t]).nbytes) for t in ctx.node.inputs if t in self._pending)
+        return self.calibration.first_run_extra(kernel, on_disk, tb, cached, accel.loaded() is not None)
 
     def prepare(self, step: StepPlan) -> str:
         """Give ``step`` its weights: transformed ones from the cache (the originals are then not

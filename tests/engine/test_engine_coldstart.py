@@ -349,3 +349,16 @@ def test_cli_cold_plan_prints_plan_and_schedule(cache, tmp_path):
                          env={**os.environ, "PYTHONPATH": str(ROOT), "STREAMFLOW_ENGINE_CACHE": str(cache)}).stdout
     assert "cheapest first run" in out
     assert "execution thread waited" in out
+
+
+def test_first_run_cost_counts_disk_reads_transforms_and_jit_load():
+    from engine.cost import Calibration
+    from engine.kernels import by_name
+
+    cal = Calibration(bytes_per_s=1e9, disk_bytes_per_s=1e8, jit_load_s=1.0)
+    im2col, winograd = by_name("conv_im2col"), by_name("conv_winograd_f23_numba")
+    w, u = 1_000_000, 1_777_777
+    assert cal.first_run_extra(im2col, w, 0, False, False) == pytest.approx(w / 1e8)  # read the weights
+    assert cal.first_run_extra(winograd, w, u, True, True) == pytest.approx(u / 1e8)  # read U only
+    assert cal.first_run_extra(winograd, w, u, False, True) == pytest.approx(w / 1e8 + 2 * u / 1e9)
+    assert cal.first_run_extra(winograd, w, u, True, False) == pytest.approx(u / 1e8 + 1.0)  # + numba load
