@@ -26,6 +26,7 @@ class Calibration:
     bytes_per_s: float = 8e9
     call_s: float = 2e-6
     jit_load_s: float = 1.2  # importing numba + loading its cached loops, once per process (kernels/accel.py)
+    disk_bytes_per_s: float = 2e8  # reading a file that is not in the page cache (a cold start's weights)
     kernel_factors: dict[str, float] = field(default_factory=dict)  # measured / analytic, per kernel
 
     def seconds(self, cost: Cost, kernel: str | None = None) -> float:
@@ -36,11 +37,16 @@ class Calibration:
     def with_factors(self, factors: dict[str, float]) -> Calibration:
         return replace(self, kernel_factors=dict(factors))
 
-    def first_run_extra(self, kernel: Kernel, transform_bytes: int, cached: bool, jit_loaded: bool) -> float:
-        """What a kernel costs on a model's first run on top of its run time: computing its
-        transformed weights (``transform_bytes`` written, inputs read; read once when ``cached``)
-        and loading numba if the kernel needs it and it is not loaded yet."""
-        extra = (1 if cached else 2) * transform_bytes / self.bytes_per_s
+    def first_run_extra(self, kernel: Kernel, weight_bytes: int, transform_bytes: int, cached: bool,
+                        jit_loaded: bool) -> float:
+        """What a kernel costs on a model's first run on top of its run time: reading from disk what
+        it needs (its transformed weights when ``cached``, else the original ``weight_bytes``),
+        computing its transformed weights when not cached (``transform_bytes`` written, inputs
+        read), and loading numba if the kernel needs it and it is not loaded yet."""
+        if transform_bytes and cached:
+            extra = transform_bytes / self.disk_bytes_per_s
+        else:
+            extra = weight_bytes / self.disk_bytes_per_s + 2 * transform_bytes / self.bytes_per_s
         if kernel.needs_jit and not jit_loaded:
             extra += self.jit_load_s
         return extra

@@ -30,7 +30,11 @@ from engine.tuning import calibrate
 
 def _thread_limiter(threads: int):
     """A context manager capping BLAS threads (threadpoolctl if installed, else a no-op: then set
-    OPENBLAS_NUM_THREADS before numpy is imported)."""
+    OPENBLAS_NUM_THREADS before numpy is imported). When OPENBLAS_NUM_THREADS already says
+    ``threads`` (set before numpy started OpenBLAS, as the benchmarks and device launchers do), the
+    cap is already in force and scanning the loaded libraries (5-10 ms per process) is skipped."""
+    if os.environ.get("OPENBLAS_NUM_THREADS") == str(threads):
+        return lambda: contextlib.nullcontext()
     try:
         from threadpoolctl import ThreadpoolController
     except ImportError:  # pragma: no cover - optional dependency

@@ -13,6 +13,8 @@ import contextlib
 import functools
 import os
 import statistics
+import tempfile
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -56,10 +58,37 @@ def measure_factors(rates: Calibration) -> dict[str, float]:
     return {name: statistics.median(r) for name, r in ratios.items()}
 
 
-def measure_calibration() -> Calibration:
-    """Base rates, per-kernel factors and the cost of loading numba, measured now."""
+def measure_disk_rate(directory: str | os.PathLike, nbytes: int = 8 << 20) -> float | None:
+    """Bytes/s reading a file just written to ``directory`` after dropping it from the page cache
+    (what a cold start's weight reads see); None where the page cache cannot be dropped."""
+    if not hasattr(os, "posix_fadvise"):
+        return None
+    os.makedirs(directory, exist_ok=True)
+    fd, path = tempfile.mkstemp(dir=directory, prefix=".disk-rate-")
+    try:
+        os.write(fd, np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8).tobytes())
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        buf = bytearray(nbytes)
+        started = time.perf_counter()
+        got = os.preadv(fd, [buf], 0)
+        seconds = time.perf_counter() - started
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return got / seconds if got and seconds > 0 else None
+
+
+def measure_calibration(directory: str | os.PathLike | None = None) -> Calibration:
+    """Base rates, per-kernel factors, the cost of loading numba and (with ``directory``) the disk
+    read rate there, measured now."""
     rates = calibrate_rates()
     cal = rates.with_factors(measure_factors(rates))
+    if directory is not None:
+        with contextlib.suppress(OSError):
+            disk = measure_disk_rate(directory)
+            if disk:
+                cal = replace(cal, disk_bytes_per_s=disk)
     if accel.available():
         accel.load()  # already loaded by the numba kernels' timing above; keeps what it cost
         cal = replace(cal, jit_load_s=accel.measured_load_seconds() or cal.jit_load_s)
@@ -82,7 +111,7 @@ def _calibrate(cache_dir: str) -> Calibration:
             return Calibration(**hit[1])
         except TypeError:  # written by another engine version's Calibration: measure again
             pass
-    cal = measure_calibration()
+    cal = measure_calibration(cache_dir)
     with contextlib.suppress(OSError):  # a read-only cache costs the next process a calibration, nothing else
         store.put(key, {}, meta=cal.as_dict())
     return cal

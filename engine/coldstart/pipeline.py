@@ -38,7 +38,7 @@ class StepTiming:
 
     node: str
     kernel: str
-    source: str  # where its weights came from: "view" (none to transform), "cache", "transform"
+    source: str  # its weights: "view" (nothing to transform), "cache", "transform"; "read+" if read from disk now
     prep_start: float = 0.0
     prep_end: float = 0.0
     exec_start: float = 0.0
@@ -109,9 +109,9 @@ def run_serial(bound: BoundPlan, feeds: Mapping[str, np.ndarray], prepare: Calla
 
 def schedule_table(timings: list[StepTiming]) -> str:
     """Per layer: where its weights came from, preparation and execution windows (ms), and waits."""
-    rows = [f"{'node':<34} {'kernel':<18} {'weights':<9} {'prep ms':>15} {'exec ms':>15} {'wait ms':>8}"]
+    rows = [f"{'node':<34} {'kernel':<18} {'weights':<14} {'prep ms':>15} {'exec ms':>15} {'wait ms':>8}"]
     for t in timings:
-        rows.append(f"{t.node[:34]:<34} {t.kernel:<18} {t.source:<9} "
+        rows.append(f"{t.node[:34]:<34} {t.kernel:<18} {t.source:<14} "
                     f"{t.prep_start * 1e3:>7.2f}-{t.prep_end * 1e3:<7.2f} {t.exec_start * 1e3:>7.2f}-"
                     f"{t.exec_end * 1e3:<7.2f} {t.wait * 1e3:>8.2f}")
     total_wait = sum(t.wait for t in timings)

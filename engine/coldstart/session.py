@@ -169,11 +169,15 @@ class ColdSession(InferenceSession):
         self._loader, self._pending = loader, pending
         return graph_from_structure(header, weights)
 
-    def _read_weights(self, step: StepPlan) -> None:
+    def _read_weights(self, step: StepPlan) -> bool:
+        """Read the step's weights that are still on disk; whether there were any."""
+        read = False
         for t in step.node.inputs:
             buf = self._pending.pop(t, None)
             if buf is not None:
                 self._loader.read_into(t, buf)
+                read = True
+        return read
 
     # --- weights -------------------------------------------------------------------------------------
     def _weights_key(self, ctx: NodeCtx, kernel: Kernel) -> str:
@@ -183,25 +187,28 @@ class ColdSession(InferenceSession):
     def _first_run_extra(self, ctx: NodeCtx, kernel: Kernel) -> float:
         tb = kernel.transform_bytes(ctx)
         cached = tb > 0 and self.store.path(self._weights_key(ctx, kernel)).exists()
-        return self.calibration.first_run_extra(kernel, tb, cached, accel.loaded() is not None)
+        on_disk = sum(int(np.asarray(ctx.consts[t]).nbytes) for t in ctx.node.inputs if t in self._pending)
+        return self.calibration.first_run_extra(kernel, on_disk, tb, cached, accel.loaded() is not None)
 
     def prepare(self, step: StepPlan) -> str:
-        """Read ``step``'s weights if still on disk, then give it its transformed weights: from the
-        cache, else transformed (and cached)."""
-        self._read_weights(step)
+        """Give ``step`` its weights: transformed ones from the cache (the originals are then not
+        read), else the originals (read now if still on disk) as views or transformed (and cached).
+        Returns where they came from, e.g. ``"read+view"``."""
         if step.kernel.transform_bytes(step.ctx) == 0:
+            read = "read+" if self._read_weights(step) else ""
             prepare_step(step)
-            return "view"
+            return read + "view"
         key = self._weights_key(step.ctx, step.kernel)
         hit = self.store.get(key)
-        if hit is not None:
+        if hit is not None:  # the cached params are all the kernel needs: the original weights stay on disk
             prepare_step(step, hit[0])
             return "cache"
+        read = "read+" if self._read_weights(step) else ""
         prepare_step(step)
         with contextlib.suppress(OSError):  # a read-only cache only costs the next cold start this transform
             self.store.put(key, {n: np.asarray(v) for n, v in step.params.items()},
                            meta={"node": step.node.name, "kernel": step.kernel.name})
-        return "transform"
+        return read + "transform"
 
     # --- runs ----------------------------------------------------------------------------------------
     def run(self, feeds: Mapping[str, Any] | np.ndarray) -> dict[str, np.ndarray]:
