@@ -56,7 +56,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="drop the job's tables (and dead_letter, task_errors) and its checkpoint before running")
     run.add_argument("--checkpoint-interval", type=float, metavar="SECONDS",
                      help="device runner: checkpoint state and source position into the DuckDB file every "
-                          "SECONDS (and on exit); a run over the same file into the same file resumes from it")
+                          "SECONDS (and on exit); a run over the same file into the same file resumes from it; "
+                          "flink runner: Flink's checkpoint interval (with --checkpoint-dir, default 10 s)")
+    run.add_argument("--checkpoint-dir", help="flink runner: enable Flink checkpointing into this directory")
     run.add_argument("--show", type=int, default=3, help="sample rows to print per table")
     tunnel_commands.add_run_arguments(run)
 
@@ -160,7 +162,8 @@ def _run_on_flink(job: Job, args: argparse.Namespace, db: Path) -> RunSummary:
     except ImportError as exc:
         raise ValueError(str(exc)) from exc
     return run_flink(job, args.events, args.format, db, cluster=args.cluster, parallelism=args.parallelism,
-                     pace_ms=args.pace_ms)
+                     pace_ms=args.pace_ms, checkpoint_dir=args.checkpoint_dir,
+                     checkpoint_interval_ms=round((args.checkpoint_interval or 10) * 1000))
 
 
 def _flink_cluster(args: argparse.Namespace) -> int:
