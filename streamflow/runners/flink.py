@@ -93,6 +93,10 @@ def flink_environment(cluster: str | None = None, parallelism: int = 1,
         conf.set_string("execution.checkpointing.interval", f"{int(checkpoint_interval_ms)} ms")
         conf.set_string("execution.checkpointing.dir", Path(checkpoint_dir).resolve().as_uri())
         conf.set_string("execution.checkpointing.externalized-checkpoint-retention", "RETAIN_ON_CANCELLATION")
+        # With checkpoints Flink's default is to restart a failing job without end; fail after a few tries.
+        conf.set_string("restart-strategy.type", "fixed-delay")
+        conf.set_string("restart-strategy.fixed-delay.attempts", "2")
+        conf.set_string("restart-strategy.fixed-delay.delay", "1 s")
     if restore_from is not None:
         conf.set_string("execution.savepoint.path", Path(restore_from).resolve().as_uri())
     conf.set_string("python.execution-mode", execution_mode or os.environ.get(
@@ -339,7 +343,9 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
     and lateness is decided per event exactly as on the device runner.
 
     ``checkpoint_dir``, ``checkpoint_interval_ms`` and ``restore_from``: Flink checkpoints (see
-    :func:`flink_environment`).
+    :func:`flink_environment`). Keyed state and the file source's position are restored; the DuckDB
+    writer is not yet a two-phase-commit sink, so rows written after the restored checkpoint by the
+    failed attempt are written again (at-least-once into the DuckDB file).
 
     Example (starts a JVM, so not run as a doctest)::
 
