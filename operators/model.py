@@ -38,6 +38,9 @@ class Infer(Operator):
     ``model`` is an engine :class:`~engine.Graph` or a model file (``engine.save_model``); its
     first input takes a ``(rows, features)`` float32 batch. ``output`` names the model output
     (default: the first). ``as_bytes=True`` stores the float32 vector as bytes (a compact encoding).
+    The first firing runs the model's cold path (:class:`engine.coldstart.session.ColdSession`:
+    cached optimised graph and weights, no numba on the critical path); later firings switch to the
+    warm kernels once a background thread has prepared them.
 
     Example:
         >>> import numpy as np
@@ -63,10 +66,10 @@ class Infer(Operator):
         rows = _rows(groups, "Infer")
         if not rows:
             return groups
-        if self._session is None:
-            from engine import InferenceSession
+        if self._session is None:  # the first firing takes the cold path, then warm kernels in the background
+            from engine.coldstart.session import ColdSession
 
-            self._session = InferenceSession(self.model, threads=self.threads)
+            self._session = ColdSession(self.model, threads=self.threads)
         session = self._session
         x = np.asarray([self.features(row) for row in rows], dtype=np.float32)
         y = session.run({session.input_names[0]: x})[self.output or session.output_names[0]]

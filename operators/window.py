@@ -2,38 +2,53 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from operators.base import FieldSpec, Group, Operator, field_reader
 
 
-def window_starts(ts: float, size: float, slide: float, offset: float = 0.0) -> list[float]:
-    """Starts of the windows ``[start, start + size)`` that contain ``ts``, earliest first.
+def to_millis(seconds: float) -> int:
+    """Event time in integer milliseconds, as Flink keeps it (and every runner aligns windows in)."""
+    return round(seconds * 1000)
 
-    Windows are aligned to ``offset`` (epoch by default), as Flink aligns its window assigners,
-    so the same event lands in the same windows on every runner.
+
+def window_starts_ms(ts: int, size: int, slide: int, offset: int = 0) -> list[int]:
+    """Starts (ms) of the windows ``[start, start + size)`` containing ``ts`` (ms), newest first.
+
+    Flink's sliding assigner: the last start is ``TimeWindow.getWindowStartWithOffset(ts, offset,
+    slide)``, then one window per ``slide`` back while the window still holds ``ts``. Integers, so
+    exact: Python's ``%`` floors, which is what Flink's negative-remainder branch does.
+
+    Example:
+        >>> window_starts_ms(125_000, size=60_000, slide=30_000)
+        [120000, 90000]
+    """
+    last = ts - (ts - offset) % slide
+    return list(range(last, ts - size, -slide))
+
+
+def window_starts(ts: float, size: float, slide: float, offset: float = 0.0) -> list[float]:
+    """Starts (seconds) of the windows ``[start, start + size)`` that contain ``ts``, earliest first.
+
+    Windows are aligned to ``offset`` (epoch by default) in integer milliseconds
+    (:func:`window_starts_ms`), as Flink aligns its window assigners, so the same event lands in
+    the same windows on every runner, fractional sizes included.
 
     Example:
         >>> window_starts(125.0, size=60, slide=30)
         [90.0, 120.0]
+        >>> window_starts(1533402464.58, size=0.03, slide=0.03)
+        [1533402464.58]
     """
-    last = ts - math.fmod(ts - offset, slide)
-    if last > ts:  # fmod keeps the sign of a negative ts - offset
-        last -= slide
-    starts = []
-    start = last
-    while start > ts - size:
-        starts.append(float(start))
-        start -= slide
-    starts.reverse()
-    return starts
+    starts = window_starts_ms(to_millis(ts), to_millis(size), to_millis(slide), to_millis(offset))
+    return [start / 1000 for start in reversed(starts)]
 
 
 class TimeWindow(Operator):
     """Split each group into event-time windows; ``window_start``/``window_end`` join the group key.
 
-    ``size`` and ``slide`` are seconds; without ``slide`` the windows tumble (``slide = size``).
+    ``size`` and ``slide`` are seconds (kept to the millisecond, as Flink keeps event time); without
+    ``slide`` the windows tumble (``slide = size``).
     With ``slide < size`` an item belongs to every window that contains it (``size / slide`` of them
     when ``slide`` divides ``size``). Windows without items
     are not produced. ``ts`` names the event-time field (``"ts"`` by default) or computes it.
@@ -41,7 +56,8 @@ class TimeWindow(Operator):
     In a stream task (``input="stream"``) windows close as the watermark passes them:
     ``out_of_orderness`` is how far (seconds) events may arrive out of order before they count as
     late, ``allowed_lateness`` how long a fired window still takes late events (each one fires it
-    again); later events go to the ``late_events`` table (see :mod:`streamflow.windowing`).
+    again); later events go to the ``late_events`` table (see :mod:`streamflow.windowing`). A trigger
+    task refuses both options: its pipeline runs over a finite sequence, so nothing there is late.
 
     Example:
         >>> from operators import Aggregate, Count, run_pipeline
@@ -56,6 +72,9 @@ class TimeWindow(Operator):
         slide = size if slide is None else slide
         if not (size > 0 and slide > 0):
             raise ValueError(f"window size and slide must be positive, got size={size}, slide={slide}")
+        if to_millis(slide) < 1:
+            raise ValueError(f"window size and slide must be at least a millisecond (event time is kept "
+                             f"in milliseconds), got size={size}, slide={slide}")
         if slide > size:
             raise ValueError(f"slide {slide} > size {size} would leave gaps between windows")
         if allowed_lateness < 0 or out_of_orderness < 0:
@@ -69,14 +88,16 @@ class TimeWindow(Operator):
         self._read_ts = field_reader(ts)
 
     def apply(self, groups: list[Group]) -> list[Group]:
+        size, slide, offset = to_millis(self.size), to_millis(self.slide), to_millis(self.offset)
         out: list[Group] = []
         for key, items in groups:
-            windows: dict[float, list[Any]] = {}
+            windows: dict[int, list[Any]] = {}
             for item in items:
-                for start in window_starts(self._read_ts(item), self.size, self.slide, self.offset):
+                for start in window_starts_ms(to_millis(self._read_ts(item)), size, slide, offset):
                     windows.setdefault(start, []).append(item)
             for start in sorted(windows):
-                out.append(({**key, "window_start": start, "window_end": start + self.size}, windows[start]))
+                bounds = {"window_start": start / 1000, "window_end": (start + size) / 1000}
+                out.append(({**key, **bounds}, windows[start]))
         return out
 
 

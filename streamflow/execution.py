@@ -12,12 +12,12 @@ state backends.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from connectors.storage import to_json
 from operators import Operator, run_pipeline
 from operators.process import KeyedProcessFunction, ListStateDescriptor, ValueStateDescriptor
 from streamflow.events import Event
@@ -123,11 +123,14 @@ class TaskExecution:
             self.unregister(name)
             log.error("task %s quarantined after %d consecutive failures; last: %s", name,
                       stats.consecutive_errors, error)
-        return TASK_ERRORS_TABLE, [{
-            "task": name, "user_id": event.user_id, "trigger_ts": event.ts,
-            "trigger_event": json.dumps(event.to_dict(), default=str), "error": error,
-            "traceback": "".join(traceback.format_exception(outcome)),
-        }]
+        return TASK_ERRORS_TABLE, [task_error_row(name, event, outcome)]
+
+
+def task_error_row(task: str, event: Event, error: Exception) -> dict[str, Any]:
+    """The ``task_errors`` row of a task that raised on ``event``."""
+    return {"task": task, "user_id": event.user_id, "trigger_ts": event.ts,
+            "trigger_event": to_json(event.to_dict()), "error": f"{type(error).__name__}: {error}",
+            "traceback": "".join(traceback.format_exception(error))}
 
 
 class TriggerTasks(KeyedProcessFunction):
@@ -135,7 +138,8 @@ class TriggerTasks(KeyedProcessFunction):
 
     State per user: ``match`` (the dynamic pending list in the trie) and the sequences
     (:class:`~streamflow.sequences.UserSequence` over the list states ``recent``, ``pages`` and
-    ``open_page``). Rows go to ``ctx.side(table, row)``: the task's sink, or ``task_errors``.
+    ``open_page``), each dropped after ``state_ttl_s`` of stream time without a write. Rows go to
+    ``ctx.side(table, row)``: the task's sink, or ``task_errors``.
     With ``workers > 1``, tasks that fire on the same event run concurrently (useful when their
     operators release the GIL, as model inference does); their rows still come out in task order.
 
@@ -148,9 +152,10 @@ class TriggerTasks(KeyedProcessFunction):
         [('favs', {'user_id': 'u', 'trigger_ts': 1600000000.0, 'n': 1})]
     """
 
-    def __init__(self, execution: TaskExecution, workers: int = 1):
+    def __init__(self, execution: TaskExecution, workers: int = 1, state_ttl_s: float | None = None):
         self.execution = execution
         self.workers = workers
+        self.state_ttl_s = state_ttl_s
         self._pool: ThreadPoolExecutor | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -165,19 +170,25 @@ class TriggerTasks(KeyedProcessFunction):
 
     def open(self, ctx: Any) -> None:
         execution = self.execution
-        self.match = ctx.get_state(ValueStateDescriptor("match"))
+        ttl = self.state_ttl_s
+        self.match = ctx.get_state(ValueStateDescriptor("match", ttl))
         self.sequence = UserSequence(execution.max_events, execution.max_pages,
-                                     recent=ctx.get_state(ListStateDescriptor("recent")),
-                                     pages=ctx.get_state(ListStateDescriptor("pages")),
-                                     open_page=ctx.get_state(ListStateDescriptor("open_page")))
+                                     recent=ctx.get_state(ListStateDescriptor("recent", ttl)),
+                                     pages=ctx.get_state(ListStateDescriptor("pages", ttl)),
+                                     open_page=ctx.get_state(ListStateDescriptor("open_page", ttl)))
         execution.on_resize.append(self.sequence.resize)
 
     def on_event(self, event: Event, ctx: Any) -> None:
         execution, sequence = self.execution, self.sequence
         sequence.append(event)
         trie = execution.trie
-        state, fired = trie.step(self.match.value() or trie.initial_state(), event)
-        self.match.update(state)
+        if trie.single_step:  # nothing to remember between events: no state access
+            fired = trie.step(trie.initial_state(), event)[1]
+        else:
+            before = self.match.value() or trie.initial_state()
+            state, fired = trie.step(before, event)
+            if state is not before:
+                self.match.update(state)
         if not fired:
             return
         if len(fired) == 1 or self.workers <= 1:

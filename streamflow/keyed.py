@@ -41,19 +41,24 @@ from typing import Any
 
 from operators.base import field_reader
 from operators.process import KeyedProcessFunction, StateDescriptor
+from operators.window import to_millis
 
 END_OF_TIME = 2**63 - 1  # Long.MAX_VALUE, the final watermark
 START_OF_TIME = -END_OF_TIME
 Output = tuple[str, dict[str, Any]]  # ("emit", row) or (side output tag, row)
 
 
-def to_millis(seconds: float) -> int:
-    """Event time in integer milliseconds, as Flink keeps it."""
-    return round(seconds * 1000)
+class KeyedStore:
+    """One state's values by key; with a TTL, also each key's write time on the stream clock, oldest first.
 
-
-class _Store:
-    """One descriptor's values by key; with a TTL, also each key's write time, oldest first."""
+    Example:
+        >>> from operators.process import ValueStateDescriptor
+        >>> store = KeyedStore(ValueStateDescriptor("last_ts", ttl_s=1))
+        >>> store.set("u", 5.0, clock=1000)
+        >>> store.get("u", clock=2000), store.expire(clock=2001, on_expire=print)
+        u 5.0
+        (5.0, 1)
+    """
 
     __slots__ = ("name", "kind", "data", "ttl", "written")
 
@@ -85,8 +90,8 @@ class _Store:
             self.written.pop(key, None)
         return self.data.pop(key, None) is not None
 
-    def expire(self, clock: int) -> int:
-        """Drop every value written before ``clock - ttl``; how many."""
+    def expire(self, clock: int, on_expire: Any = None) -> int:
+        """Drop every value written before ``clock - ttl`` (telling ``on_expire(key, value)``); how many."""
         written, n = self.written, 0
         if written is None:
             return 0
@@ -96,7 +101,9 @@ class _Store:
             if at >= limit:
                 break
             del written[key]
-            del self.data[key]
+            value = self.data.pop(key)
+            if on_expire is not None:
+                on_expire(key, value)
             n += 1
         return n
 
@@ -104,7 +111,7 @@ class _Store:
 class _Handle:
     __slots__ = ("store", "runtime")
 
-    def __init__(self, store: _Store, runtime: KeyedRuntime):
+    def __init__(self, store: KeyedStore, runtime: KeyedRuntime):
         self.store = store
         self.runtime = runtime
 
@@ -218,8 +225,8 @@ class KeyedRuntime:
         self.watermark = START_OF_TIME
         self.evicted = 0  # keys dropped by the max_keys cap
         self.expired = 0  # state values dropped by their TTL
-        self._stores: dict[str, _Store] = {}
-        self._ttl_stores: list[_Store] = []
+        self._stores: dict[str, KeyedStore] = {}
+        self._ttl_stores: list[KeyedStore] = []
         self._recent: OrderedDict[Any, None] | None = OrderedDict() if max_keys is not None else None
         self._event_timers: list[tuple[int, int, Any]] = []  # (time, sequence, key)
         self._processing_timers: list[tuple[int, int, Any]] = []
@@ -232,7 +239,7 @@ class KeyedRuntime:
     def get_state(self, descriptor: StateDescriptor) -> Any:
         store = self._stores.get(descriptor.name)
         if store is None:
-            store = self._stores[descriptor.name] = _Store(descriptor)
+            store = self._stores[descriptor.name] = KeyedStore(descriptor)
             if store.ttl is not None:
                 self._ttl_stores.append(store)
         elif store.kind != descriptor.kind or store.ttl != descriptor.ttl_ms:

@@ -30,6 +30,8 @@ class RunSummary:
     events_in: int = 0
     tasks_fired: int = 0
     rows_written: dict[str, int] = field(default_factory=dict)
+    #: Rows each table refused (a value no column could take); they are in the dead-letter table.
+    refused_rows: dict[str, int] = field(default_factory=dict)
     rejected: Counter[str] = field(default_factory=Counter)
     task_stats: dict[str, TaskStats] = field(default_factory=dict)
     elapsed_s: float = 0.0
@@ -62,6 +64,9 @@ class RunSummary:
                      (f"  (in table {DEAD_LETTER_TABLE})" if self.rejected_total else ""))
         for reason, n in self.rejected.most_common():
             lines.append(f"  {n:>7,}  {reason}")
+        if self.refused_rows:
+            lines.append(f"rows refused     {sum(self.refused_rows.values()):,}  (in table {DEAD_LETTER_TABLE})")
+            lines.extend(f"  {n:>7,}  by table {table}" for table, n in self.refused_rows.items())
         errors = sum(s.errors for s in self.task_stats.values())
         if errors:
             lines.append(f"task errors      {errors:,}  (in table {TASK_ERRORS_TABLE})")

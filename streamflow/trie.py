@@ -139,6 +139,7 @@ class TriggerTrie:
         self._order: dict[str, int] = {}
         self._states: dict[frozenset[int], MatchState] = {}
         self._initial = self._intern(frozenset())
+        self.single_step = True
 
     # -- registration -------------------------------------------------------------------------
     @property
@@ -197,6 +198,8 @@ class TriggerTrie:
 
     def _invalidate(self) -> None:
         self._generation += 1
+        #: Every condition is one trigger id: no user ever has a partial match to keep.
+        self.single_step = all(len(cond) == 1 for cond in self._conditions.values())
         self._order = {name: i for i, name in enumerate(self._conditions)}  # registration order
         self._states = {}
         self._initial = self._intern(frozenset())

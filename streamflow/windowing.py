@@ -13,7 +13,7 @@ where the keyed step is ``TimeWindow``, ``SessionWindow`` or ``CountWindow`` fol
 :class:`EventTimeWindows` follows that operator's rules, so both runners emit the same rows:
 
 - Time is in integer milliseconds. A window is ``[start, end)``; its last timestamp is ``end - 1``.
-  Windows are aligned as Flink aligns them: ``start = ts - (ts - offset + slide) % slide``.
+  Windows are aligned as Flink aligns them (:func:`operators.window.window_starts_ms`).
 - The watermark is ``max event time seen - out_of_orderness - 1 ms`` (Flink's bounded-out-of-orderness
   generator), advanced after every event, and never goes back.
 - An event is added to each of its windows that is not *late*: a window is late once
@@ -33,15 +33,16 @@ never fire).
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from connectors.storage import check_table_name, to_json
 from operators import Aggregate, CountWindow, Filter, KeyBy, Map, Operator, Process, SessionWindow, TimeWindow
 from operators.base import field_reader
 from operators.process import LATE, KeyedProcessFunction, ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
-from streamflow.keyed import END_OF_TIME, KeyedRuntime, to_millis
+from operators.window import to_millis, window_starts_ms
+from streamflow.keyed import END_OF_TIME, KeyedRuntime
 
 WINDOWS = (TimeWindow, SessionWindow, CountWindow)
 __all__ = ["END_OF_TIME", "StreamPlan", "StreamTaskRun", "to_millis", "window_row", "late_row"]
@@ -108,12 +109,6 @@ def apply_elementwise(ops: Sequence[Filter | Map], item: Any) -> Any | None:
         else:
             item = op.fn(item)
     return item
-
-
-def window_starts_ms(ts: int, size: int, slide: int, offset: int = 0) -> list[int]:
-    """Starts of the windows containing ``ts`` (ms), newest first, as Flink's sliding assigner."""
-    last = ts - (ts - offset + slide) % slide
-    return list(range(last, ts - size, -slide))
 
 
 class _AggregatingWindows(KeyedProcessFunction):
@@ -288,7 +283,7 @@ def window_row(key_name: str, key: Any, start: float, end: float, results: dict[
 def late_row(task: str, ts: float, item: Any) -> dict[str, Any]:
     """The late side output's row for an item no window would take."""
     body = item.to_dict() if hasattr(item, "to_dict") else item
-    return {"task": task, "ts": ts, "item": json.dumps(body, default=str, sort_keys=True)}
+    return {"task": task, "ts": ts, "item": to_json(body, sort_keys=True)}
 
 
 class StreamTaskRun:
@@ -337,5 +332,5 @@ class StreamTaskRun:
             elif tag == LATE:
                 sides.append((LATE, late_row(self.name, self.read_ts(value) if self.read_ts else None, value)))
             else:
-                sides.append((tag, value))
+                sides.append((check_table_name(tag), value))
         return rows, sides

@@ -4,6 +4,14 @@ Per event: check its timestamp, append it to the user's sequences, step the user
 every task whose trigger condition completes runs its pipeline over the input it asked for, and
 its rows go to collective storage.
 
+Execution model: the job's trigger tasks are one keyed process function
+(:class:`~streamflow.execution.TriggerTasks`), each stream task another, each run by a
+:class:`~streamflow.keyed.KeyedRuntime` (state in dicts, timers in a heap), keyed by user.
+
+Bounded state: ``state_ttl_s`` drops a user's state (trie position, sequences, last timestamp) after
+that long of stream time without an event of the user; ``max_users`` caps the users held in memory,
+evicting the least recently seen (counted in the summary's ``evicted_users``).
+
 Isolation: every task gets its own copy of its pipeline (operator state is never shared between
 tasks) and writes its own table. A task's exception is caught and stored in ``task_errors`` with
 the triggering event; the other tasks and the stream go on. After ``quarantine_after`` consecutive
@@ -35,7 +43,6 @@ again).
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import threading
@@ -43,14 +50,14 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
+from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, to_json
 from streamflow.checkpoint import Checkpoint, CheckpointError, has_checkpoint, job_fingerprint, load_checkpoint
 from streamflow.events import Event, Rejected, TimestampGuard
-from streamflow.execution import TaskExecution, TriggerTasks
+from streamflow.execution import TaskExecution, TriggerTasks, task_error_row
 from streamflow.job import Job, Task
 from streamflow.keyed import KeyedRuntime
 from streamflow.sources import LineSource, SourcePosition, SourceReader
-from streamflow.summary import RunSummary, TaskStats
+from streamflow.summary import TASK_ERRORS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamTaskRun
 
 if TYPE_CHECKING:
@@ -77,7 +84,8 @@ class DeviceRunner:
 
     def __init__(self, job: Job, storage: CollectiveStorage, workers: int = 2, quarantine_after: int = 5,
                  guard: TimestampGuard | None = None, record_latency: bool = False, tunnel: TunnelSink | None = None,
-                 max_users: int | None = None, checkpoint_interval_s: float | None = None):
+                 max_users: int | None = None, state_ttl_s: float | None = None,
+                 checkpoint_interval_s: float | None = None):
         if checkpoint_interval_s is not None and not checkpoint_interval_s > 0:
             raise ValueError(f"checkpoint_interval_s must be > 0 seconds, got {checkpoint_interval_s!r}")
         if checkpoint_interval_s is not None:
@@ -92,10 +100,10 @@ class DeviceRunner:
         self.workers = workers
         self.execution = TaskExecution(quarantine_after=quarantine_after)
         self.trie = self.execution.trie
-        self.triggers = KeyedRuntime(TriggerTasks(self.execution, workers), max_keys=max_users)
+        self.triggers = KeyedRuntime(TriggerTasks(self.execution, workers, state_ttl_s), max_keys=max_users)
         self.summary = RunSummary(db_path=str(storage.path), task_stats=self.execution.stats)
         self.latencies_s: list[float] | None = [] if record_latency else None
-        self._guard = guard or TimestampGuard()
+        self.guard = guard or TimestampGuard(state_ttl_s=state_ttl_s)
         self._streams: dict[str, StreamTaskRun] = {}
         self._shipped: set[str] = set()  # sink tables whose rows also go to the tunnel
         self.max_users = max_users
@@ -119,6 +127,7 @@ class DeviceRunner:
             raise ValueError(f"task {task.name!r} is already registered")
         else:
             self.execution.register(task)
+        self.storage.name_writer(task.sink, f"task {task.name}")
         if task.tunnel:
             self._shipped.add(task.sink)
 
@@ -165,6 +174,7 @@ class DeviceRunner:
             self._count()
             self.storage.flush()
             self.summary.rows_written = dict(self.storage.rows_written)
+            self.summary.refused_rows = dict(self.storage.refused)
         return self.summary
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -173,7 +183,7 @@ class DeviceRunner:
         state = None if complete else {
             "triggers": self.triggers.snapshot(),
             "streams": {name: stream.runtime.snapshot() for name, stream in self._streams.items()},
-            "guard": self._guard.snapshot(),
+            "guard": self.guard.snapshot(),
             "summary": {"events_in": self.summary.events_in, "rejected": self.summary.rejected,
                         "task_stats": self.summary.task_stats,
                         "elapsed_s": self.summary.elapsed_s + time.perf_counter() - self._started},
@@ -209,7 +219,7 @@ class DeviceRunner:
         self.triggers.restore(state["triggers"])
         for name, snapshot in state["streams"].items():
             self._streams[name].runtime.restore(snapshot)
-        self._guard.restore(state["guard"])
+        self.guard.restore(state["guard"])
         saved = state["summary"]
         self.summary.events_in, self.summary.rejected = saved["events_in"], saved["rejected"]
         self.summary.elapsed_s = saved["elapsed_s"]
@@ -262,14 +272,20 @@ class DeviceRunner:
         """Process one event of any user."""
         started = time.perf_counter() if self.latencies_s is not None else 0.0
         summary = self.summary
-        reason = self._guard.check(event.user_id, event.ts)
+        reason = self.guard.check(event.user_id, event.ts)
         if reason is not None:
             self.reject(Rejected("runner", summary.events_in + summary.rejected_total + 1, reason,
-                                 json.dumps(event.to_dict(), default=str)))
+                                 to_json(event.to_dict())))
             return
         summary.events_in += 1
         for stream in self._streams.values():
-            self._write_stream(stream, *stream.process(event))
+            try:
+                self._write_stream(stream, *stream.process(event))
+            except Exception as exc:  # a stream task's failure is data, as a trigger task's is
+                self.summary.task_stats[stream.name].errors += 1
+                log.warning("stream task %s failed on %s of user %s: %s", stream.name, event.event_id,
+                            event.user_id, exc)
+                self.storage.write(TASK_ERRORS_TABLE, [task_error_row(stream.name, event, exc)])
         outputs = self.triggers.process(event.user_id, event, round(event.ts * 1000))
         if not outputs:
             return
@@ -312,3 +328,4 @@ class DeviceRunner:
             self.tunnel.flush()
         self.storage.flush()
         self.summary.rows_written = dict(self.storage.rows_written)
+        self.summary.refused_rows = dict(self.storage.refused)

@@ -1,0 +1,110 @@
+"""engine.memory.loader: blocks read into caller buffers, checksums, truncation and changes on disk."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from engine.builder import GraphBuilder
+from engine.format import save_model
+from engine.memory.loader import ModelFileError, WeightLoader
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    rng = np.random.default_rng(0)
+    b = GraphBuilder()
+    x = b.input("x", (1, 3, 8, 8))
+    w1 = rng.standard_normal((16, 3, 3, 3)).astype(np.float32)
+    w2 = rng.standard_normal((8, 16, 1, 1)).astype(np.float32)
+    b.output(b.conv(b.relu(b.conv(x, w1, pads=1)), w2))
+    g = b.build()
+    path = tmp_path / "m.sfe"
+    save_model(g, path)
+    return path, g.weights
+
+
+def test_reads_whole_blocks_and_row_ranges_into_given_buffers(model_file):
+    path, weights = model_file
+    with WeightLoader(path) as loader:
+        for name, w in weights.items():
+            buf = np.empty(w.nbytes + 100, np.uint8)
+            got = loader.read_into(name, buf)
+            assert np.shares_memory(got, buf) and np.array_equal(got, w)
+            rows = loader.blocks[name].shape[0]
+            parts = [loader.read_into(name, np.empty(w.nbytes, np.uint8), rows=(a, min(a + 5, rows))).copy()
+                     for a in range(0, rows, 5)]
+            assert np.array_equal(np.concatenate(parts), w)
+        assert loader.bytes_read == 2 * sum(w.nbytes for w in weights.values())
+
+
+def test_a_flipped_byte_fails_the_checksum_naming_the_weight(model_file):
+    path, weights = model_file
+    name = next(iter(weights))
+    off = WeightLoader(path).blocks[name].offset + 7
+    with open(path, "r+b") as f:
+        f.seek(off)
+        byte = f.read(1)
+        f.seek(off)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    loader = WeightLoader(path)
+    with pytest.raises(ModelFileError, match=f"{name}.*checksum"):
+        loader.read_into(name, np.empty(weights[name].nbytes, np.uint8))
+    # also caught when the block is read slice by slice, at its last slice
+    rows = loader.blocks[name].shape[0]
+    loader.read_into(name, np.empty(weights[name].nbytes, np.uint8), rows=(0, rows // 2))
+    with pytest.raises(ModelFileError, match="checksum"):
+        loader.read_into(name, np.empty(weights[name].nbytes, np.uint8), rows=(rows // 2, rows))
+
+
+def test_truncated_file_is_refused_at_open(model_file):
+    path, _ = model_file
+    os.truncate(path, os.path.getsize(path) - 10)
+    with pytest.raises(ModelFileError, match="truncated"):
+        WeightLoader(path)
+
+
+def test_garbage_file_is_refused(tmp_path):
+    path = tmp_path / "junk"
+    path.write_bytes(b"not a model at all")
+    with pytest.raises(ModelFileError, match="unreadable model header"):
+        WeightLoader(path)
+
+
+def test_file_replaced_while_open_is_detected(model_file, tmp_path):
+    path, weights = model_file
+    loader = WeightLoader(path)
+    name = next(iter(weights))
+    other = tmp_path / "other.sfe"
+    other.write_bytes(path.read_bytes())
+    os.replace(other, path)
+    with pytest.raises(ModelFileError, match="changed while in use"):
+        loader.read_into(name, np.empty(weights[name].nbytes, np.uint8))
+
+
+def test_bad_buffer_and_rows_are_refused(model_file):
+    path, weights = model_file
+    loader = WeightLoader(path)
+    name = next(iter(weights))
+    with pytest.raises(ValueError, match="hold"):
+        loader.read_into(name, np.empty(4, np.uint8))
+    with pytest.raises(ValueError, match="outside"):
+        loader.read_into(name, np.empty(weights[name].nbytes, np.uint8), rows=(0, 999))
+    with pytest.raises(KeyError):
+        loader.read_into("nope", np.empty(4, np.uint8))
+
+
+def test_usable_from_a_background_thread(model_file):
+    path, weights = model_file
+    loader = WeightLoader(path)
+    out = {}
+
+    def load():
+        for name, w in weights.items():
+            out[name] = loader.read_into(name, np.empty(w.nbytes, np.uint8))
+
+    t = threading.Thread(target=load)
+    t.start()
+    t.join()
+    assert all(np.array_equal(out[n], w) for n, w in weights.items())
