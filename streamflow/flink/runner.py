@@ -401,8 +401,8 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
 
     ``checkpoint_dir``, ``checkpoint_interval_ms`` and ``restore_from``: Flink checkpoints (see
     :func:`flink_environment`). Keyed state and the file source's position are restored; the DuckDB
-    writer is not yet a two-phase-commit sink, so rows written after the restored checkpoint by the
-    failed attempt are written again (at-least-once into the DuckDB file).
+    writer is not yet tied to the checkpoints (no two-phase commit): rows it had buffered when the job
+    died are lost, rows it had flushed after the restored checkpoint are written again.
 
     Example (starts a JVM, so not run as a doctest)::
 
