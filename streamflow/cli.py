@@ -68,6 +68,7 @@ class RunOptions:
     max_users: int | None
     replace: bool
     checkpoint_interval: float | None
+    checkpoint_dir: str | None
     show: int
 
 
@@ -137,7 +138,10 @@ def run(
                                                             "and its checkpoint before running")] = False,
     checkpoint_interval: Annotated[float | None, typer.Option(metavar="SECONDS", help="device runner: checkpoint "
                                    "state and source position into the DuckDB file every SECONDS (and on exit); a "
-                                   "run over the same file into the same file resumes from it")] = None,
+                                   "run over the same file into the same file resumes from it; flink runner: Flink's "
+                                   "checkpoint interval with --checkpoint-dir, default 10 s)")] = None,
+    checkpoint_dir: Annotated[str | None, typer.Option(help="flink runner: enable Flink checkpointing into this "
+                                                            "directory")] = None,
     show: Annotated[int, typer.Option(help="sample rows to print per table")] = 3,
     tunnel: Annotated[Literal["none", "kafka"], typer.Option(rich_help_panel=TUNNEL_PANEL, help="kafka: also send "
                       "every task's rows to the features topic ($STREAMFLOW_KAFKA_BOOTSTRAP)")] = "none",
@@ -155,7 +159,8 @@ def run(
                            "run)")] = 30.0,
 ) -> int:
     options = RunOptions(events, fmt, settings(runner=runner).runner, db, workers, quarantine_after, cluster,
-                         parallelism, pace_ms, state_ttl, max_users, replace, checkpoint_interval, show)
+                         parallelism, pace_ms, state_ttl, max_users, replace, checkpoint_interval, checkpoint_dir,
+                         show)
     tunnel_options = TunnelOptions(tunnel, device_id, key_registry, topic, compression, spool, tunnel_wait)
     return _run(load_job(job), options, tunnel_options)
 
@@ -287,7 +292,8 @@ def _run_on_flink(job: Job, args: RunOptions, db: Path) -> RunSummary:
     except ImportError as exc:
         raise ValueError(str(exc)) from exc
     return run_flink(job, args.events, args.fmt, db, cluster=args.cluster, parallelism=args.parallelism,
-                     pace_ms=args.pace_ms)
+                     pace_ms=args.pace_ms, checkpoint_dir=args.checkpoint_dir,
+                     checkpoint_interval_ms=round((args.checkpoint_interval or 10) * 1000))
 
 
 if __name__ == "__main__":
