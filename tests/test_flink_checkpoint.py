@@ -5,6 +5,7 @@ fewer of them (those before the checkpoint are not computed again)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("pyflink", reason="needs the flink extra")
+pytest.importorskip("pyflink", reason="needs the flink extra: pip install 'streamflow[flink]'", exc_type=ImportError)
+if shutil.which("java") is None:
+    pytest.skip("the Flink runner needs a Java runtime", allow_module_level=True)
 
 from connectors.storage import CollectiveStorage  # noqa: E402
 from streamflow.job import load_job  # noqa: E402
