@@ -32,6 +32,7 @@ from engine.plan import ExecutionPlan, StepPlan
 
 ALIGN = 64
 MIN_SLICE_BYTES = 32 * 1024  # finer slices cost more in per-call overhead than they save
+LOOKAHEAD = 12  # a load starts at most this many units before its use (bounds planning time)
 
 
 class BudgetError(GraphError):
@@ -245,14 +246,16 @@ def _highest_fit(busy: list[tuple[int, int]], floor: int, top: int, need: int) -
 
 
 def place_loads(loads: list[Load], act_top: list[int], top: int, preload: bool) -> bool:
-    """Give every load an offset and a start unit (as early as memory allows); False if one cannot fit."""
+    """Give every load an offset and a start unit (as early as memory allows, at most ``LOOKAHEAD``
+    units ahead of its use); False if one cannot fit."""
     active: list[tuple[int, int, int]] = []  # (unit using it, lo, hi)
     prev = 0
     for ld in loads:
         need, u = _up(ld.nbytes), ld.unit
-        active = [a for a in active if a[0] >= prev]
+        earliest = max(prev, u - LOOKAHEAD) if preload else max(prev, u)
+        active = [a for a in active if a[0] >= earliest]
         best, floor = None, 0
-        for t in range(u, (prev if preload else max(prev, u)) - 1, -1):
+        for t in range(u, earliest - 1, -1):
             floor = max(floor, act_top[t])
             off = _highest_fit([(lo, hi) for used, lo, hi in active if used >= t], floor, top, need)
             if off is None:
@@ -317,9 +320,10 @@ def plan_budget(plans: list[ExecutionPlan], streamed: set[str], weight_bytes: di
                 if max(act_top, default=0) > top or not place_loads(loads, act_top, top, mode):
                     continue
                 total, comp, load = simulate(units, loads, load_bps)
-                if best is None or total < best.expected_s * 0.999:
-                    best = BudgetPlan(budget, plan, units, loads, pinned_offsets, pinned_bytes, act_top, mode,
-                                      s, total, comp, load, load_bps)
+                if best is not None and total >= best.expected_s * 0.999:
+                    break  # finer slices stopped paying off
+                best = BudgetPlan(budget, plan, units, loads, pinned_offsets, pinned_bytes, act_top, mode,
+                                  s, float(total), float(comp), float(load), load_bps)
             if best is not None:
                 return best
         units, loads = build_units(plan, streamed, weight_bytes, levels[-1])

@@ -67,12 +67,23 @@ def measure_read_bps(loader: WeightLoader, streamed: set[str]) -> float:
     return b.nbytes / max(time.perf_counter() - t, 1e-6)
 
 
+_VIEW_SAFE: dict[tuple, bool] = {}
+
+
 def _view_safe(kernel, ctx: NodeCtx, streamed: set[str]) -> bool:
     """True if ``kernel``'s weight transform keeps streamed weights as views (so the arena slot the
-    loader fills is what the kernel reads): transformed copies must not depend on streamed values."""
+    loader fills is what the kernel reads): transformed copies must not depend on streamed values.
+    Tested once per kernel and set of streamed input positions, by transforming zeros and ones."""
     names = [t for t in ctx.node.inputs if t in streamed]
     if not names:
         return True
+    key = (kernel.name, tuple(i for i, t in enumerate(ctx.node.inputs) if t in streamed))
+    if key not in _VIEW_SAFE:
+        _VIEW_SAFE[key] = _transform_keeps_views(kernel, ctx, names)
+    return _VIEW_SAFE[key]
+
+
+def _transform_keeps_views(kernel, ctx: NodeCtx, names: list[str]) -> bool:
     zeros = kernel.transform(ctx)
     ones_ctx = NodeCtx(ctx.node, ctx.ins, ctx.outs, {**ctx.consts, **{
         n: np.lib.stride_tricks.as_strided(np.ones(1, ctx.consts[n].dtype), ctx.consts[n].shape,
