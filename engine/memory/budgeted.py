@@ -1,7 +1,8 @@
 """Run a model inside a hard byte budget, streaming its weights from disk (FlexNN).
 
 :class:`BudgetedSession` plans each input shape and budget with :mod:`engine.memory.budget_plan`,
-binds every unit's kernel to fixed views of one arena of exactly the budget, and runs inference
+binds every unit's kernel to fixed views of one arena of the budget (less ``RESERVE`` for the
+session's own objects, so the process's measured growth stays within the budget), and runs inference
 with two threads: a loader thread reading each load into its planned range (file reads release the
 GIL) and the calling thread computing (numpy/BLAS release it). A unit computes only after its loads
 are in; a load starts only after the units before its start unit are done, so it writes memory
@@ -27,13 +28,14 @@ import numpy as np
 from engine.cost import Calibration
 from engine.ir import TensorInfo
 from engine.kernels import NodeCtx
-from engine.memory.budget_plan import ALIGN, BudgetPlan, Load, plan_budget
+from engine.memory.budget_plan import ALIGN, BudgetError, BudgetPlan, Load, plan_budget
 from engine.memory.loader import WeightLoader
 from engine.memory.streamable import open_streamable
 from engine.plan import ExecutionPlan, StepPlan, compile_plan
 from engine.session import _thread_limiter
 from engine.tuning import calibrate
 
+RESERVE = 1 << 20  # of the budget, for the session's own Python objects (plans, views, thread); the arena gets the rest
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "k": 1 << 10, "kib": 1 << 10, "mb": 1 << 20, "m": 1 << 20, "mib": 1 << 20,
           "gb": 1 << 30, "g": 1 << 30, "gib": 1 << 30}
 
@@ -54,17 +56,19 @@ def parse_bytes(text: str | int) -> int:
     return int(float(num) * _UNITS[unit])
 
 
-def measure_read_bps(loader: WeightLoader, streamed: set[str]) -> float:
-    """Bytes/s reading the largest streamed weight with the page cache dropped (what runs see)."""
+def measure_read_bps(loader: WeightLoader, streamed: set[str], probe: int = 1 << 20) -> float:
+    """Bytes/s reading up to ``probe`` bytes of the largest streamed weight with the page cache
+    dropped (what runs see); the probe buffer is small so opening stays within any budget."""
     if not streamed:
         return 1e9
     name = max(streamed, key=lambda n: loader.blocks[n].nbytes)
     b = loader.blocks[name]
-    buf = np.empty(b.nbytes, np.uint8)
+    rows = max(1, min(b.shape[0] if b.shape else 1, probe // max(b.row_bytes, 1)))
+    buf = np.empty(rows * b.row_bytes if b.shape else b.nbytes, np.uint8)
     loader.evict()
     t = time.perf_counter()
-    loader.read_into(name, buf)
-    return b.nbytes / max(time.perf_counter() - t, 1e-6)
+    loader.read_into(name, buf, rows=(0, rows) if b.shape else None)
+    return buf.nbytes / max(time.perf_counter() - t, 1e-6)
 
 
 _VIEW_SAFE: dict[tuple, bool] = {}
@@ -264,8 +268,15 @@ class BudgetedSession:
         key = (self._shape_key(shapes), budget)
         if key not in self._plans:
             pinned = {n: w.nbytes for n, w in self.pinned.items()}
-            self._plans[key] = plan_budget(self._exec_plans(shapes), self.streamed, self.weight_bytes, pinned,
-                                           budget, self.load_bps, self.preload)
+            try:
+                self._plans[key] = plan_budget(self._exec_plans(shapes), self.streamed, self.weight_bytes, pinned,
+                                               budget - RESERVE, self.load_bps, self.preload)
+            except BudgetError as e:
+                smallest = e.smallest + RESERVE
+                raise BudgetError(f"no plan fits a budget of {budget} bytes ({budget / 2**20:.2f} MiB, of which "
+                                  f"{RESERVE} bytes are kept for the session's own objects); the smallest feasible "
+                                  f"budget is {smallest} bytes ({smallest / 2**20:.2f} MiB), with the finest slices "
+                                  f"and no preloading", smallest) from None
         return self._plans[key]
 
     def set_budget(self, nbytes: int | str) -> None:
