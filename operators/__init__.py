@@ -25,11 +25,12 @@ from operators.base import Group, Operator, get_field, run_pipeline
 from operators.filter import Filter
 from operators.keyby import KeyBy
 from operators.map import Map
-from operators.model import Infer, Train
+from operators.model import Infer, MemoryBudget, Train
 from operators.window import TimeWindow, window_starts
 
 __all__ = [
     "Aggregate", "Aggregation", "Count", "CountBy", "CountDistinct", "Distinct", "Filter", "First", "Group",
-    "Infer", "KeyBy", "Last", "LastN", "Map", "Max", "Min", "Operator", "Sum", "TimeWindow", "Train", "get_field",
+    "Infer", "KeyBy", "Last", "LastN", "Map", "Max", "MemoryBudget", "Min", "Operator", "Sum", "TimeWindow", "Train",
+    "get_field",
     "run_pipeline", "window_starts",
 ]
