@@ -116,7 +116,7 @@ class BudgetPlan:
         for ld in self.loads:
             by_start.setdefault(ld.start_unit, []).append(ld)
         act_end = _activation_ends(self.exec_plan, _unit_ranges(self.exec_plan, self.units))
-        rows = [f"budget {self.budget} bytes ({self.budget / 2**20:.2f} MiB): "
+        rows = [f"arena {self.budget} bytes ({self.budget / 2**20:.2f} MiB): "
                 f"{'preload' if self.preload else 'no preload (loads wait for their own unit)'}, "
                 f"slices <= {'unsliced' if math.isinf(self.slice_bytes) else f'{self.slice_bytes / 1024:.0f} KiB'}",
                 f"{'unit':>5} {'loads (start here)':<44} {'computes':<44} {'frees':<30} {'exp ms':>7}"]
