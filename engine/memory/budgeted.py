@@ -26,11 +26,12 @@ from typing import Any
 import numpy as np
 
 from engine.cost import Calibration
-from engine.ir import TensorInfo
-from engine.kernels import NodeCtx
+from engine.ir import Graph, GraphError, TensorInfo
+from engine.kernels import Kernel, NodeCtx, candidates
 from engine.memory.budget_plan import ALIGN, BudgetError, BudgetPlan, Load, plan_budget
 from engine.memory.loader import WeightLoader
 from engine.memory.streamable import open_streamable
+from engine.ops import VIEW_OPS, infer_shapes
 from engine.plan import ExecutionPlan, StepPlan, compile_plan
 from engine.session import _thread_limiter
 from engine.tuning import calibrate
@@ -71,23 +72,45 @@ def measure_read_bps(loader: WeightLoader, streamed: set[str], probe: int = 1 <<
     return buf.nbytes / max(time.perf_counter() - t, 1e-6)
 
 
-_VIEW_SAFE: dict[tuple, bool] = {}
+# Kernels whose weight transform only reshapes/transposes (views), so the arena slot the loader
+# fills is what they read; tests/engine/test_engine_budgeted.py checks this list by transforming
+# zeros and ones. Kernels that copy weights (Winograd, tap packing) never get streamed weights:
+# planning with them would materialise their transformed copies, over any budget.
+VIEW_TRANSFORM_KERNELS = frozenset({"conv1x1_gemm", "conv_im2col", "depthwise_numpy", "depthwise_numba", "gemm_blas",
+                                    "matmul_blas"})
 
 
-def _view_safe(kernel, ctx: NodeCtx, streamed: set[str]) -> bool:
-    """True if ``kernel``'s weight transform keeps streamed weights as views (so the arena slot the
-    loader fills is what the kernel reads): transformed copies must not depend on streamed values.
-    Tested once per kernel and set of streamed input positions, by transforming zeros and ones."""
-    names = [t for t in ctx.node.inputs if t in streamed]
-    if not names:
+def _view_safe(kernel: Kernel, ctx: NodeCtx, streamed: set[str]) -> bool:
+    if not any(t in streamed for t in ctx.node.inputs):
         return True
-    key = (kernel.name, tuple(i for i, t in enumerate(ctx.node.inputs) if t in streamed))
-    if key not in _VIEW_SAFE:
-        _VIEW_SAFE[key] = _transform_keeps_views(kernel, ctx, names)
-    return _VIEW_SAFE[key]
+    return type(kernel).transform is Kernel.transform or kernel.name in VIEW_TRANSFORM_KERNELS
 
 
-def _transform_keeps_views(kernel, ctx: NodeCtx, names: list[str]) -> bool:
+def view_safe_overrides(graph: Graph, shapes: dict[str, tuple[int, ...]], calibration: Calibration,
+                        streamed: set[str], least_scratch: bool = False) -> dict[str, str]:
+    """Per node reading a streamed weight, the cheapest (or least-scratch) view-safe kernel; chosen
+    before compiling so no copying transform ever runs on a weight."""
+    infos, folded = infer_shapes(graph, shapes)
+    consts = {**graph.weights, **folded}
+    overrides = {}
+    for node in graph.topological_order():
+        if node.op in VIEW_OPS or all(o in consts for o in node.outputs):
+            continue
+        ctx = NodeCtx(node, [infos[t] for t in node.inputs if t], [infos[t] for t in node.outputs], consts)
+        ok = [k for k in candidates(ctx) if _view_safe(k, ctx, streamed)]
+        if not ok:
+            raise GraphError(f"no kernel for node {node.name!r} ({node.op}) reads streamed weights in place")
+        if least_scratch:
+            least = min(k.scratch_bytes(ctx) for k in ok)
+            ok = [k for k in ok if k.scratch_bytes(ctx) == least]
+        if least_scratch or len(ok) < len(candidates(ctx)):
+            overrides[node.name] = min(ok, key=lambda k: calibration.seconds(k.cost(ctx), k.name)).name
+    return overrides
+
+
+def transform_keeps_views(kernel: Kernel, ctx: NodeCtx, names: list[str]) -> bool:
+    """True if ``kernel``'s transform of ``ctx`` leaves weights ``names`` as views, or copies that do
+    not depend on their values (found by transforming all-zeros and all-ones placeholders)."""
     zeros = kernel.transform(ctx)
     ones_ctx = NodeCtx(ctx.node, ctx.ins, ctx.outs, {**ctx.consts, **{
         n: np.lib.stride_tricks.as_strided(np.ones(1, ctx.consts[n].dtype), ctx.consts[n].shape,
@@ -237,28 +260,11 @@ class BudgetedSession:
         if key not in self._exec:
             shapes = {n: tuple(s) for n, s in shapes.items()}
             with self._limit():
-                fast = compile_plan(self.graph, shapes, self.calibration)
-                overrides = {}
-                for s in fast.steps:
-                    if s.kernel is not None and not _view_safe(s.kernel, s.ctx, self.streamed):
-                        ok = [k for k in s.options if _view_safe(k, s.ctx, self.streamed)]
-                        if not ok:
-                            raise ValueError(f"no kernel for node {s.node.name!r} reads streamed weights in place")
-                        overrides[s.node.name] = min(ok, key=lambda k: s.estimates[k.name]).name
-                if overrides:
-                    fast = compile_plan(self.graph, shapes, self.calibration, overrides)
-                lean_overrides = dict(overrides)
-                for s in fast.steps:
-                    if s.kernel is None:
-                        continue
-                    ok = [k for k in s.options if _view_safe(k, s.ctx, self.streamed)]
-                    least = min(k.scratch_bytes(s.ctx) for k in ok)
-                    if least < s.scratch_bytes:
-                        lean_overrides[s.node.name] = min((k for k in ok if k.scratch_bytes(s.ctx) == least),
-                                                          key=lambda k: s.estimates[k.name]).name
-                plans = [fast]
-                if lean_overrides != overrides:
-                    plans.append(compile_plan(self.graph, shapes, self.calibration, lean_overrides))
+                fast = view_safe_overrides(self.graph, shapes, self.calibration, self.streamed)
+                lean = view_safe_overrides(self.graph, shapes, self.calibration, self.streamed, least_scratch=True)
+                plans = [compile_plan(self.graph, shapes, self.calibration, fast)]
+                if lean != fast:
+                    plans.append(compile_plan(self.graph, shapes, self.calibration, lean))
             self._exec[key] = plans
         return self._exec[key]
 

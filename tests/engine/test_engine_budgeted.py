@@ -13,10 +13,11 @@ import pytest
 
 from engine.builder import GraphBuilder
 from engine.cost import Calibration
+from engine.kernels import NodeCtx, candidates
 from engine.memory.budget_plan import BudgetError
-from engine.memory.budgeted import RESERVE, BudgetedSession, parse_bytes
+from engine.memory.budgeted import RESERVE, VIEW_TRANSFORM_KERNELS, BudgetedSession, parse_bytes, transform_keeps_views
 from engine.memory.loader import ModelFileError
-from engine.memory.streamable import save_streamable
+from engine.memory.streamable import placeholder, save_streamable
 from engine.session import InferenceSession
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -193,3 +194,27 @@ def test_rss_growth_stays_within_a_ten_percent_budget(tmp_path):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["sliced"] > 0 and r["plan_peak"] <= budget and not r["mapped"]
     assert r["growth"] <= budget, r
+
+
+def test_the_view_transform_kernel_list_is_right():
+    """Every listed kernel keeps a streamed weight a view; the ones left out (Winograd, tap packing) copy it."""
+    from engine.ir import Node, TensorInfo
+
+    f32 = np.dtype("float32")
+    cases = [  # (node, input infos, output info)
+        (Node("Conv", ["x", "w", "b"], ["y"], {"pads": [1, 1, 1, 1]}, "c3"), [(1, 8, 12, 12), (16, 8, 3, 3), (16,)],
+         (1, 16, 12, 12)),
+        (Node("Conv", ["x", "w", "b"], ["y"], {}, "c1"), [(1, 8, 12, 12), (16, 8, 1, 1), (16,)], (1, 16, 12, 12)),
+        (Node("Conv", ["x", "w", "b"], ["y"], {"group": 8, "pads": [1, 1, 1, 1]}, "dw"),
+         [(1, 8, 12, 12), (8, 1, 3, 3), (8,)], (1, 8, 12, 12)),
+        (Node("Gemm", ["x", "w", "b"], ["y"], {"transB": 1}, "fc"), [(1, 8), (16, 8), (16,)], (1, 16)),
+    ]
+    checked = set()
+    for node, shapes, out in cases:
+        ins = [TensorInfo(t, s, f32) for t, s in zip(node.inputs, shapes, strict=True)]
+        consts = {"w": placeholder(shapes[1], f32), "b": np.ones(shapes[2], np.float32)}
+        ctx = NodeCtx(node, ins, [TensorInfo("y", out, f32)], consts)
+        for k in candidates(ctx):
+            assert transform_keeps_views(k, ctx, ["w"]) == (k.name in VIEW_TRANSFORM_KERNELS), k.name
+            checked.add(k.name)
+    assert VIEW_TRANSFORM_KERNELS - {"matmul_blas"} <= checked and len(checked) > len(VIEW_TRANSFORM_KERNELS) - 1
