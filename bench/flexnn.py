@@ -87,7 +87,8 @@ def measured_growth(mode: str, path: str, budget: int, shape: tuple[int, ...]) -
     if out.returncode != 0:
         raise RuntimeError(f"child failed: {out.stderr[-2000:]}")
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    log(f"  fresh process ({mode}): growth {r['growth'] / 2**20:.1f} MiB, after opening {r['after_open'] / 2**20:.1f} MiB")
+    log(f"  fresh process ({mode}): growth {r['growth'] / 2**20:.1f} MiB, "
+        f"after opening {r['after_open'] / 2**20:.1f} MiB")
     return r["growth"]
 
 
@@ -101,6 +102,10 @@ def round_robin_ms(fns: dict[str, object], runs: int) -> dict[str, float]:
             fn()
             times[k].append(time.perf_counter() - t)
     return {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()}
+
+
+def unsliced_run(session, x):
+    return lambda: session.run(x)
 
 
 def models(quick: bool) -> dict[str, object]:
@@ -168,11 +173,10 @@ def bench_model(name: str, make, fractions: list[float], runs: int, tmp: str, me
         kernels = {s.node.name: s.kernel.name for s in bp.exec_plan.steps if s.kernel is not None}
         unsliced = InferenceSession(plain, calibration=calib, kernels=kernels)  # same kernels, weights resident
         ms = round_robin_ms({"unbudgeted_mmap": lambda: ref.run(x), "budgeted": lambda: sess.run(x),
-                             "no_preload": lambda: lazy.run(x), "same_kernels_resident": lambda: unsliced.run(x)},
+                             "no_preload": lambda: lazy.run(x), "same_kernels_resident": unsliced_run(unsliced, x)},
                             runs)
         y = sess.run(x)[sess.output_names[0]]
         y_uns = unsliced.run(x)[unsliced.output_names[0]]
-        del unsliced
         growth = measured_growth("budgeted", sfe, budget, shape) if measure_all or f == 0.1 else None
         entry = {"budget_bytes": budget, "median_ms": ms,
                  "latency_ratio": round(ms["budgeted"] / ms["unbudgeted_mmap"], 3),

@@ -1,8 +1,9 @@
 """Run a model inside a hard byte budget, streaming its weights from disk (FlexNN).
 
 :class:`BudgetedSession` plans each input shape and budget with :mod:`engine.memory.budget_plan`,
-binds every unit's kernel to fixed views of one arena of the budget (less ``RESERVE`` for the
-session's own objects, so the process's measured growth stays within the budget), and runs inference
+binds every unit's kernel to fixed views of one arena of the budget (less an allowance for the session's
+own objects, :meth:`BudgetedSession.reserve`, so the process's growth stays within the
+budget), and runs inference
 with two threads: a loader thread reading each load into its planned range (file reads release the
 GIL) and the calling thread computing (numpy/BLAS release it). A unit computes only after its loads
 are in; a load starts only after the units before its start unit are done, so it writes memory
@@ -36,7 +37,10 @@ from engine.plan import ExecutionPlan, StepPlan, compile_plan
 from engine.session import _thread_limiter
 from engine.tuning import calibrate
 
-RESERVE = 1 << 20  # of the budget, for the session's own Python objects (plans, views, thread); the arena gets the rest
+RESERVE = 1 << 20  # kept out of the arena for the session's own objects, plus RESERVE_PER_NODE per node
+RESERVE_PER_NODE = 32 << 10
+
+
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "k": 1 << 10, "kib": 1 << 10, "mb": 1 << 20, "m": 1 << 20, "mib": 1 << 20,
           "gb": 1 << 30, "g": 1 << 30, "gib": 1 << 30}
 
@@ -274,16 +278,24 @@ class BudgetedSession:
         key = (self._shape_key(shapes), budget)
         if key not in self._plans:
             pinned = {n: w.nbytes for n, w in self.pinned.items()}
+            plans = self._exec_plans(shapes)
+            reserve = self.reserve()
             try:
-                self._plans[key] = plan_budget(self._exec_plans(shapes), self.streamed, self.weight_bytes, pinned,
-                                               budget - RESERVE, self.load_bps, self.preload)
+                self._plans[key] = plan_budget(plans, self.streamed, self.weight_bytes, pinned,
+                                               budget - reserve, self.load_bps, self.preload)
             except BudgetError as e:
-                smallest = e.smallest + RESERVE
+                smallest = e.smallest + reserve
                 raise BudgetError(f"no plan fits a budget of {budget} bytes ({budget / 2**20:.2f} MiB, of which "
-                                  f"{RESERVE} bytes are kept for the session's own objects); the smallest feasible "
+                                  f"{reserve} bytes are kept for the session's own objects); the smallest feasible "
                                   f"budget is {smallest} bytes ({smallest / 2**20:.2f} MiB), with the finest slices "
                                   f"and no preloading", smallest) from None
         return self._plans[key]
+
+    def reserve(self) -> int:
+        """Bytes of the budget kept out of the arena for the session's own objects (header, graph,
+        plans, bound closures): ``RESERVE`` plus ``RESERVE_PER_NODE`` per graph node, an estimate
+        that ``bench.flexnn`` checks by measuring a fresh process's resident growth."""
+        return RESERVE + RESERVE_PER_NODE * len(self.graph.nodes)
 
     def set_budget(self, nbytes: int | str) -> None:
         """Use ``nbytes`` from the next inference on (re-planned now if a shape has run; a budget

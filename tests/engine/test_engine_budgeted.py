@@ -77,7 +77,7 @@ def test_outputs_equal_the_unsliced_model_at_every_budget(cnn):
         sess.set_budget(budget)
         y = sess.run(x)[sess.output_names[0]]
         plan = sess.plan_for({"x": x.shape})
-        assert plan.budget == budget - RESERVE and plan.peak_bytes() <= plan.budget
+        assert plan.budget <= budget - RESERVE and plan.peak_bytes() <= plan.budget
         assert np.abs(y - unsliced(path, plan, x)).max() <= 1e-5
         seen_sliced |= plan.sliced_steps > 0
         seen_preload |= plan.preload and any(ld.start_unit < ld.unit for ld in plan.loads)
