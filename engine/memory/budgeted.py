@@ -1,10 +1,9 @@
 """Run a model inside a hard byte budget, streaming its weights from disk (FlexNN).
 
 :class:`BudgetedSession` plans each input shape and budget with :mod:`engine.memory.budget_plan`,
-binds every unit's kernel to fixed views of one arena of the budget (less an allowance for the session's
-own objects, :meth:`BudgetedSession.reserve`, so the process's growth stays within the
-budget), and runs inference
-with two threads: a loader thread reading each load into its planned range (file reads release the
+binds every unit's kernel to fixed views of one arena of the budget (less an allowance for the
+session's own objects, :meth:`BudgetedSession.reserve`, so the process's growth stays within the
+budget), and runs inference with two threads: a loader thread reading each load into its planned range (file reads release the
 GIL) and the calling thread computing (numpy/BLAS release it). A unit computes only after its loads
 are in; a load starts only after the units before its start unit are done, so it writes memory
 compute has freed. ``set_budget`` re-plans between inferences (plans are cached per budget); the
@@ -38,7 +37,7 @@ from engine.session import _thread_limiter
 from engine.tuning import calibrate
 
 RESERVE = 1 << 20  # kept out of the arena for the session's own objects, plus RESERVE_PER_NODE per node
-RESERVE_PER_NODE = 32 << 10
+RESERVE_PER_NODE = 64 << 10
 
 
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "k": 1 << 10, "kib": 1 << 10, "mb": 1 << 20, "m": 1 << 20, "mib": 1 << 20,
