@@ -3,11 +3,11 @@
 :class:`BudgetedSession` plans each input shape and budget with :mod:`engine.memory.budget_plan`,
 binds every unit's kernel to fixed views of one arena of the budget (less an allowance for the
 session's own objects, :meth:`BudgetedSession.reserve`, so the process's growth stays within the
-budget), and runs inference with two threads: a loader thread reading each load into its planned range (file reads release the
-GIL) and the calling thread computing (numpy/BLAS release it). A unit computes only after its loads
-are in; a load starts only after the units before its start unit are done, so it writes memory
-compute has freed. ``set_budget`` re-plans between inferences (plans are cached per budget); the
-arena of the old budget is released before the new one is made.
+budget), and runs inference with two threads: a loader thread reading each load into its planned
+range (file reads release the GIL) and the calling thread computing (numpy/BLAS release it). A unit
+computes only after its loads are in; a load starts only after the units before its start unit are
+done, so it writes memory compute has freed. ``set_budget`` re-plans between inferences (plans are
+cached per budget); the arena of the old budget is released before the new one is made.
 
 >>> save_streamable(graph, "m.sfe")                                   # doctest: +SKIP
 >>> sess = BudgetedSession("m.sfe", memory_budget=8 << 20)             # doctest: +SKIP
