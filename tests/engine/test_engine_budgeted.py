@@ -218,3 +218,14 @@ def test_the_view_transform_kernel_list_is_right():
             assert transform_keeps_views(k, ctx, ["w"]) == (k.name in VIEW_TRANSFORM_KERNELS), k.name
             checked.add(k.name)
     assert VIEW_TRANSFORM_KERNELS - {"matmul_blas"} <= checked and len(checked) > len(VIEW_TRANSFORM_KERNELS) - 1
+
+
+def test_cli_prints_the_budgeted_plan(cnn, capsys):
+    from engine.__main__ import main
+
+    _, path, _ = cnn
+    assert main(["plan", path, "--budget", "64MB"]) == 0
+    out = capsys.readouterr().out
+    assert "loads (start here)" in out and "computes" in out and "frees" in out and "expected" in out
+    assert main(["plan", path, "--budget", "100KB"]) == 2
+    assert "smallest feasible budget" in capsys.readouterr().err
