@@ -126,10 +126,10 @@ def test_infer_budget_change_mid_job_takes_effect():
     weights = [(rng.standard_normal((3, 4096)) * 0.3).astype(np.float32), np.zeros(4096, np.float32),
                (rng.standard_normal((4096, 2)) * 0.03).astype(np.float32), np.zeros(2, np.float32)]
     graph = engine_mlp(*weights)
-    budget = MemoryBudget("4MB")
+    budget = MemoryBudget("8MB")
     op = copy.deepcopy(Infer(graph, features=features, into="y", memory_budget=budget))
     first = run_pipeline([op], ROWS[:5])
-    assert op._session.budget == 4 << 20
+    assert op._session.budget == 8 << 20
     budget.set(op._session.reserve() + 256 * 1024)
     second = run_pipeline([op], ROWS[5:])
     plan = op._session.plan_for({op._session.input_names[0]: (5, 3)})

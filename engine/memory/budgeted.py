@@ -36,8 +36,8 @@ from engine.plan import ExecutionPlan, StepPlan, compile_plan
 from engine.session import _thread_limiter
 from engine.tuning import calibrate
 
-RESERVE = 1 << 20  # kept out of the arena for the session's own objects, plus RESERVE_PER_NODE per node
-RESERVE_PER_NODE = 64 << 10
+RESERVE = 4 << 20  # kept out of the arena for the session's own objects, plus RESERVE_PER_NODE per node
+RESERVE_PER_NODE = 16 << 10
 
 
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "k": 1 << 10, "kib": 1 << 10, "mb": 1 << 20, "m": 1 << 20, "mib": 1 << 20,
