@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml | $(PY)
 # The Flink Kafka connector jars: downloaded once into ~/.cache/streamflow (never into the repository), each
 # checked against its pinned sha256; a no-op when the verified jars are there.
 flink-kafka-jars: $(STAMP)
-	$(PY) -m streamflow.flink_kafka fetch
+	$(PY) -m streamflow.flink.connector_jars fetch
 
 $(BROKER): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[kafka,broker]'

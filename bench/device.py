@@ -12,9 +12,15 @@ DuckDB file in a temp dir:
   trie, the IPV task, rows handed to collective storage, the final flush);
 - ``events_per_s_with_csv_parsing``: the same over the replayed CSV read through
   :class:`TaobaoBehaviorSource` (parsing, timestamp checks, page enter/exit derivation included);
+- ``events_per_cpu_s`` and ``events_per_cpu_s_with_csv_parsing``: the same events over the process's
+  CPU time during the run (all threads) instead of wall time: steadier on a shared, busy machine;
 - trigger-to-row-stored latency: ``DeviceRunner(record_latency=True).latencies_s``, from the start
   of firing to the rows being handed to storage (a buffer flush, when one happens, is inside it),
   recorded during the pre-parsed rounds and pooled;
+- ``peak_mb_1m_users``: peak RSS of a process running the IPV job over one million distinct users
+  (time-ordered, a new user every 2 s of event time) with a 30-minute state TTL, next to the same
+  without a TTL (every user's state kept to the end); ``--quick`` runs 100,000 users
+  (``bench/many_users.py``);
 - storage: the same IPV feature rows written one row per write (as the runner writes them) into
   :class:`CollectiveStorage` (buffered Arrow batches, flushed at the end) vs a writer doing one
   ``INSERT INTO ipv VALUES (?, ...)`` per row through duckdb (autocommit, table created up front and
@@ -23,7 +29,9 @@ DuckDB file in a temp dir:
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +52,15 @@ JOB_FILE = REPO / "jobs" / "ipv.py"
 MIN_EVENTS = {False: 1_000_000, True: 200_000}  # per run, by --quick
 STORAGE_ROWS = {False: 10_000, True: 600}
 TABLE = "ipv"
+MANY_USERS = {False: 1_000_000, True: 100_000}
+STATE_TTL_S = 1800
+
+
+def many_users(n_users: int, ttl_s: float | None) -> dict[str, Any]:
+    """``bench.many_users`` in a fresh process (its peak RSS is that process's own)."""
+    out = subprocess.run([sys.executable, "-m", "bench.many_users", str(n_users), str(ttl_s or "none")],
+                         cwd=REPO, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # -- input ------------------------------------------------------------------------------------------
@@ -78,18 +95,18 @@ def replay_csv(lines: list[str], rounds: int, period: int, path: Path) -> None:
 
 
 # -- timed runs ------------------------------------------------------------------------------------
-def run_job(job: Job, records: Any, db: Path, record_latency: bool) -> tuple[float, DeviceRunner]:
-    """Seconds for ``DeviceRunner.run(records)`` (final flush included) and the runner."""
+def run_job(job: Job, records: Any, db: Path, record_latency: bool) -> tuple[float, float, DeviceRunner]:
+    """Wall and CPU seconds for ``DeviceRunner.run(records)`` (final flush included), and the runner."""
     storage = CollectiveStorage(db)
     runner = DeviceRunner(job, storage, record_latency=record_latency)
     try:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         runner.run(records)
-        seconds = time.perf_counter() - started
+        seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     finally:
         runner.close()
         storage.close()
-    return seconds, runner
+    return seconds, cpu_seconds, runner
 
 
 def write_buffered(rows: list[dict[str, Any]], db: Path) -> float:
@@ -147,13 +164,15 @@ def main(argv: list[str] | None = None) -> None:
         csv_path = tmp / "replay.csv"
         replay_csv(lines, replays, period, csv_path)
         rates, csv_rates, latencies, fired, rows_stored, csv_events = [], [], [], 0, 0, 0
+        cpu_rates, csv_cpu_rates = [], []
         storage_rows: list[dict[str, Any]] = []
         schema = None
         for r in progress(range(args.rounds), "rounds (pre-parsed, csv)", total=args.rounds):
             db = tmp / f"events_{r}.duckdb"
-            seconds, runner = run_job(job, stream, db, record_latency=True)
+            seconds, cpu_seconds, runner = run_job(job, stream, db, record_latency=True)
             summary = runner.summary
             rates.append(summary.events_in / seconds)
+            cpu_rates.append(summary.events_in / cpu_seconds)
             latencies.extend(runner.latencies_s or [])
             fired, rows_stored = summary.tasks_fired, summary.rows_written.get(TABLE, 0)
             if summary.events_in != len(stream) or summary.rejected_total:
@@ -165,10 +184,11 @@ def main(argv: list[str] | None = None) -> None:
                     schema = con.sql(f'SELECT * FROM "{TABLE}" LIMIT {STORAGE_ROWS[quick]}').to_arrow_table()
                 storage_rows = schema.to_pylist()
             db.unlink()
-            seconds, runner = run_job(job, TaobaoBehaviorSource(csv_path), tmp / f"csv_{r}.duckdb",
-                                      record_latency=False)
+            seconds, cpu_seconds, runner = run_job(job, TaobaoBehaviorSource(csv_path), tmp / f"csv_{r}.duckdb",
+                                                   record_latency=False)
             csv_events = runner.summary.events_in
             csv_rates.append(csv_events / seconds)
+            csv_cpu_rates.append(csv_events / cpu_seconds)
             (tmp / f"csv_{r}.duckdb").unlink()
             log(f"  pre-parsed {rates[-1]:,.0f} events/s ({fired:,} tasks fired, {rows_stored:,} rows); "
                 f"with CSV parsing {csv_rates[-1]:,.0f} events/s ({csv_events:,} events)")
@@ -189,6 +209,15 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
+    n_users = MANY_USERS[quick]
+    log(f"{n_users:,} distinct users, state TTL {STATE_TTL_S} s vs none (one process each)")
+    bounded, unbounded = many_users(n_users, STATE_TTL_S), many_users(n_users, None)
+    if bounded["rows"] != unbounded["rows"]:
+        print(f"the TTL changed the IPV rows: {bounded['rows']:,} vs {unbounded['rows']:,}", file=sys.stderr)
+        raise SystemExit(1)
+    log(f"  with TTL: peak {bounded['peak_mb']} MB ({bounded['users_held_at_end']:,} users held at the end, "
+        f"{bounded['seconds']} s); without: peak {unbounded['peak_mb']} MB ({unbounded['users_held_at_end']:,} held)")
+
     latencies.sort()
     eps = median(rates)
     p50_ms, p99_ms = percentile(latencies, 50) * 1e3, percentile(latencies, 99) * 1e3
@@ -196,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     metrics = {
         "events_per_s": round(eps),
         "events_per_s_with_csv_parsing": round(median(csv_rates)),
+        "events_per_cpu_s": round(median(cpu_rates)),
+        "events_per_cpu_s_with_csv_parsing": round(median(csv_cpu_rates)),
         "trigger_to_stored_p50_ms": round(p50_ms, 4),
         "trigger_to_stored_p99_ms": round(p99_ms, 4),
         "trigger_to_stored_p999_ms": round(percentile(latencies, 99.9) * 1e3, 4),
@@ -211,7 +242,15 @@ def main(argv: list[str] | None = None) -> None:
         "rows_stored_per_run": rows_stored,
         "replays": replays,
         "rounds": args.rounds,
+        "peak_mb_1m_users": bounded["peak_mb"] if n_users == 1_000_000 else None,
+        f"peak_mb_{n_users // 1000}k_users_ttl": bounded["peak_mb"],
+        f"peak_mb_{n_users // 1000}k_users_no_ttl": unbounded["peak_mb"],
+        "many_users_events": bounded["events_in"],
+        "many_users_rows": bounded["rows"],
+        "many_users_held_at_end_ttl": bounded["users_held_at_end"],
+        "many_users_seconds_ttl": bounded["seconds"],
         "target_200k_events_per_s_met": eps >= 200_000,
+        "target_peak_1gb_1m_users_met": bounded["peak_mb"] <= 1024 if n_users == 1_000_000 else None,
         "target_p99_1ms_met": p99_ms <= 1.0,
         "cpu_count": cpu_count(),
         "quick": quick,

@@ -177,7 +177,7 @@ def run_handwritten(csv_path: Path, db: Path) -> None:
     from pyflink.datastream.connectors.file_system import FileSource, StreamFormat
     from pyflink.java_gateway import get_gateway
 
-    from streamflow.runners.flink import flink_environment
+    from streamflow.flink.runner import flink_environment
 
     ipv_pages, duckdb_sink = _handwritten_classes()
     env = flink_environment(parallelism=1)
@@ -196,7 +196,7 @@ def run_handwritten(csv_path: Path, db: Path) -> None:
 # -- runs ----------------------------------------------------------------------------------------------
 def run_streamflow(job: Any, csv_path: Path, db: Path) -> tuple[float, float, int]:
     """(execute() seconds, run_flink wall seconds, events in) of the translated job."""
-    from streamflow.runners.flink import run_flink
+    from streamflow.flink.runner import run_flink
 
     before = len(_EXECUTE_TIMES)
     started = time.perf_counter()
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{len(lines):,} sample rows replayed {replays}x -> {len(lines) * replays:,} CSV rows")
 
         # JVM start-up: the first flink_environment() launches the gateway JVM.
-        from streamflow.runners.flink import flink_environment
+        from streamflow.flink.runner import flink_environment
         jvm_startup_s, _ = _timed(lambda: flink_environment(parallelism=1))
         _time_execute()
         log(f"JVM up in {jvm_startup_s:.2f} s")

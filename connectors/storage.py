@@ -8,40 +8,111 @@ SIGTERM/SIGINT once :func:`flush_on_signals` is installed. A hard crash (SIGKILL
 loses at most the buffered rows: fewer than ``flush_rows`` per table, at most ``flush_interval_s``
 seconds old while writes keep coming.
 
-Rows a table cannot take (a value whose type clashes with the column's) are not dropped: the rest
-of the batch is stored and each refused row goes to the ``dead_letter`` table with the reason.
+Rows a table cannot take (a value whose type clashes with the column's, or that no column type
+holds) are not dropped: the rest of the batch is stored and each refused row goes to the
+``dead_letter`` table with the reason (naming the task that wrote it, see
+:meth:`CollectiveStorage.name_writer`) and the row as JSON (:func:`to_json`); ``refused`` counts them.
+
+**Held for checkpoints**: a runner that checkpoints (:mod:`streamflow.checkpoint`) calls
+:meth:`CollectiveStorage.hold`. From then on nothing is flushed on its own: a full or old buffer
+calls the runner's ``on_due`` instead, and rows become durable only through
+:meth:`CollectiveStorage.commit`, which stores them and the runner's checkpoint in one transaction,
+so the tables never hold a row the stored checkpoint does not cover. Reads then see the committed
+rows only, and :meth:`CollectiveStorage.close` drops the rows no checkpoint covers (a resumed run
+computes them again).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import reprlib
 import signal
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
-DEFAULT_DB = "streamflow.duckdb"
 DEAD_LETTER_TABLE = "dead_letter"
+log = logging.getLogger("streamflow.storage")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+#: What turning rows into Arrow and inserting them raises for a value the table cannot take.
+ROW_ENCODING_ERRORS = (pa.ArrowException, duckdb.Error, TypeError, ValueError, OverflowError, RecursionError)
+_SAFE_REPR = reprlib.Repr()  # bounded depth and size: safe on cycles and deep nesting
+_SAFE_REPR.maxlevel, _SAFE_REPR.maxstring, _SAFE_REPR.maxother = 20, 2000, 2000
+_SAFE_REPR.maxlist = _SAFE_REPR.maxdict = _SAFE_REPR.maxtuple = _SAFE_REPR.maxset = 1000
+
+
+def to_json(value: Any, sort_keys: bool = False) -> str:
+    """``value`` as JSON text for a text column (dead letters, late events, task errors); never raises.
+
+    A value JSON has no type for is written as its ``str``; dict keys JSON cannot take (a tuple; mixed
+    types when sorting) become their ``str``; what still cannot be encoded (a cycle, nesting deeper
+    than the recursion limit) is kept as a JSON string of its (bounded) ``repr``.
+
+    Example:
+        >>> print(to_json({"n": 2**70, "tags": {"a"}, "pair": {(1, 2): "x"}}))
+        {"n": 1180591620717411303424, "tags": "{'a'}", "pair": {"(1, 2)": "x"}}
+    """
+    for prepare in (_same, _string_keys):
+        try:
+            return json.dumps(prepare(value), default=str, sort_keys=sort_keys)
+        except (TypeError, ValueError, RecursionError):
+            pass
+    return json.dumps(_SAFE_REPR.repr(value))
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _string_keys(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _string_keys(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_string_keys(v) for v in value]
+    return value
+
+
+def is_identifier(name: object) -> bool:
+    """True if ``name`` is a plain SQL identifier: letters, digits, underscores, not starting with a digit, ≤ 63."""
+    return isinstance(name, str) and _IDENTIFIER.fullmatch(name) is not None
 
 
 def check_table_name(name: str) -> str:
     """``name`` if it is a plain SQL identifier (letters, digits, underscore), else ``ValueError``."""
-    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+    if not is_identifier(name):
         raise ValueError(f"table name {name!r} must be letters, digits and underscores, not starting with a digit")
     return name
 
 
+def quote_identifier(name: str) -> str:
+    """``name`` as a quoted SQL identifier: in double quotes, each ``"`` in it doubled (safe for any string).
+
+    Example:
+        >>> quote_identifier('dwell_s'), quote_identifier('a"; DROP TABLE t; --')
+        ('"dwell_s"', '"a""; DROP TABLE t; --"')
+    """
+    return '"' + str(name).replace('"', '""') + '"'
+
+
+def quoted_list(names: Iterable[str]) -> str:
+    """``names`` quoted and comma-separated, for a column list."""
+    return ", ".join(quote_identifier(n) for n in names)
+
+
 def resolve_db_path(path: str | os.PathLike[str] | None = None) -> Path:
-    """Explicit path first, then ``STREAMFLOW_DB``, then ``./streamflow.duckdb``."""
-    return Path(path or os.environ.get("STREAMFLOW_DB") or DEFAULT_DB)
+    """Explicit path first, then ``STREAMFLOW_DB``, then ``./streamflow.duckdb`` (:mod:`streamflow.settings`)."""
+    from streamflow.settings import settings  # not at import: streamflow's package imports this module
+
+    return settings(db=path).db
 
 
 class RowBuffer:
@@ -64,7 +135,7 @@ class RowBuffer:
     def __init__(self) -> None:
         self.segments: list[tuple[tuple[str, ...], list[tuple[Any, ...]]]] = []
         self.n = 0
-        self._keys: Any = None  # the current segment's field names (a dict keys view)
+        self._keys: tuple[str, ...] | None = None  # the current segment's field names
         self._values: list[tuple[Any, ...]] = []
 
     def __len__(self) -> int:
@@ -74,24 +145,73 @@ class RowBuffer:
         """Add ``rows``; how many were added."""
         before = self.n
         for row in rows:
-            keys = row.keys()
+            keys = tuple(row)  # in order: the same fields in another order start a new segment
             if keys != self._keys:
                 self._keys = keys
                 self._values = []
-                self.segments.append((tuple(keys), self._values))
+                self.segments.append((keys, self._values))
             self._values.append(tuple(row.values()))
             self.n += 1
         return self.n - before
 
     def to_arrow(self) -> list[pa.Table]:
-        tables = []
+        return [_arrow_table(names, values) for names, values in self.segments]
+
+    def to_batches(self) -> list[pa.Table | dict[str, np.ndarray]]:
+        """One batch per segment for DuckDB to scan: NumPy columns when every column holds values of
+        one plain type (``str``, ``int``, ``float`` but NaN or ``bool``; no ``None``), else an Arrow table.
+
+        NumPy columns give DuckDB the same column types Arrow would (VARCHAR, BIGINT, DOUBLE,
+        BOOLEAN) without building Arrow arrays from Python objects, which makes pyarrow import
+        pandas (over a second of start-up) when pandas is installed.
+
+        Example:
+            >>> buf = RowBuffer()
+            >>> buf.extend([{"a": 1, "s": "x"}, {"a": 2, "s": "y"}, {"a": None}])
+            3
+            >>> [type(b).__name__ for b in buf.to_batches()]
+            ['dict', 'Table']
+        """
+        batches: list[pa.Table | dict[str, np.ndarray]] = []
         for names, values in self.segments:
-            arrays = [pa.array(column) for column in zip(*values, strict=True)]
-            tables.append(pa.table({n: a for n, a in zip(names, arrays, strict=True) if not pa.types.is_null(a.type)}))
-        return tables
+            columns = _numpy_columns(names, values)
+            batches.append(columns if columns is not None else _arrow_table(names, values))
+        return batches
 
     def rows(self) -> list[dict[str, Any]]:
         return [dict(zip(names, row, strict=True)) for names, values in self.segments for row in values]
+
+
+def _arrow_table(names: tuple[str, ...], values: list[tuple[Any, ...]]) -> pa.Table:
+    arrays = [pa.array(column) for column in zip(*values, strict=True)]
+    return pa.table({n: a for n, a in zip(names, arrays, strict=True) if not pa.types.is_null(a.type)})
+
+
+_NUMPY_DTYPES: dict[type, Any] = {str: object, int: np.int64, float: np.float64, bool: np.bool_}
+
+
+def _numpy_columns(names: tuple[str, ...], values: list[tuple[Any, ...]]) -> dict[str, np.ndarray] | None:
+    """The segment as NumPy columns if each column holds one plain type (see RowBuffer.to_batches)."""
+    if not values:
+        return None
+    columns = {}
+    for name, column in zip(names, zip(*values, strict=True), strict=True):
+        kinds = set(map(type, column))
+        dtype = _NUMPY_DTYPES.get(kinds.pop()) if len(kinds) == 1 else None
+        if dtype is None:
+            return None
+        try:
+            array = np.array(column, dtype=dtype)
+        except OverflowError:  # an int beyond int64: Arrow's error path names it
+            return None
+        if dtype is np.float64 and np.isnan(array).any():  # DuckDB's NumPy scan reads NaN as NULL, Arrow as NaN
+            return None
+        columns[name] = array
+    return columns
+
+
+def _column_names(batch: pa.Table | dict[str, np.ndarray]) -> list[str]:
+    return list(batch) if isinstance(batch, dict) else batch.column_names
 
 
 def ensure_columns(con: duckdb.DuckDBPyConnection, table: str, relation: str, columns: Iterable[str],
@@ -100,14 +220,17 @@ def ensure_columns(con: duckdb.DuckDBPyConnection, table: str, relation: str, co
 
     ``known`` caches the table's columns between calls (pass an empty set the first time).
     """
+    quoted_table, source = quote_identifier(table), quote_identifier(relation)
     if not known:
-        con.execute(f'CREATE TABLE IF NOT EXISTS "{table}" AS SELECT * FROM {relation} WHERE false')
+        con.execute(f"CREATE TABLE IF NOT EXISTS {quoted_table} AS SELECT * FROM {source} WHERE false")
         known.update(row[0] for row in con.execute(
             "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [table]).fetchall())
-    for name in columns:
-        if name not in known:
-            sql_type = con.execute(f'SELECT typeof("{name}") FROM {relation} LIMIT 1').fetchone()[0]
-            con.execute(f'ALTER TABLE "{table}" ADD COLUMN "{name}" {sql_type}')
+    missing = [name for name in columns if name not in known]
+    if missing:
+        # the relation's own types (DuckDB quotes the field names inside nested types itself)
+        types = dict(con.execute(f"SELECT column_name, column_type FROM (DESCRIBE SELECT * FROM {source})").fetchall())
+        for name in missing:
+            con.execute(f"ALTER TABLE {quoted_table} ADD COLUMN {quote_identifier(name)} {types[name]}")
             known.add(name)
 
 
@@ -133,13 +256,23 @@ class CollectiveStorage:
         self.flush_rows = flush_rows
         self.flush_interval_s = flush_interval_s
         self.rows_written: dict[str, int] = {}
+        #: Rows each table refused (they are in the dead-letter table).
+        self.refused: dict[str, int] = {}
         self.flushes = 0
         self._con = duckdb.connect(str(self.path))
         self._buffers: dict[str, RowBuffer] = {}
         self._oldest: float | None = None
         self._lock = threading.RLock()
         self._columns: dict[str, set[str]] = {}
+        self._writers: dict[str, list[str]] = {}
         self._closed = False
+        self._on_due: Callable[[], None] | None = None  # set by hold(): flushes wait for commit()
+
+    def name_writer(self, table: str, writer: str) -> None:
+        """Say who writes ``table`` (e.g. ``"task ipv"``): the reason of a row it refuses names them."""
+        writers = self._writers.setdefault(check_table_name(table), [])
+        if writer not in writers:
+            writers.append(writer)
 
     # -- writing -----------------------------------------------------------------------------
     def write(self, table: str, rows: Iterable[Mapping[str, Any]]) -> None:
@@ -155,17 +288,105 @@ class CollectiveStorage:
             now = time.monotonic()
             if self._oldest is None and added:
                 self._oldest = now
-            if len(buffer) >= self.flush_rows:
-                self._flush_table(table)
+            if buffer.n >= self.flush_rows:
+                if self._on_due is not None:
+                    self._on_due()
+                else:
+                    self._flush_table(table)
             elif self._oldest is not None and now - self._oldest >= self.flush_interval_s:
-                self.flush()
+                if self._on_due is not None:
+                    self._on_due()
+                else:
+                    self.flush()
 
     def flush(self) -> None:
-        """Store every buffered row in the DuckDB file."""
+        """Store every buffered row in the DuckDB file (held storage: nothing, rows wait for :meth:`commit`)."""
         with self._lock:
+            if self._on_due is not None:
+                return
             for table in list(self._buffers):
                 self._flush_table(table)
             self._oldest = None
+
+    def hold(self, on_due: Callable[[], None]) -> None:
+        """Make rows durable only through :meth:`commit`; call ``on_due()`` when a flush would be due.
+
+        Rows buffered so far are flushed first (no checkpoint is about them).
+        """
+        with self._lock:
+            self.flush()
+            self._on_due = on_due
+
+    def release(self) -> None:
+        """End :meth:`hold`: flushes happen on their own again."""
+        with self._lock:
+            self._on_due = None
+
+    def commit(self, also: Callable[[duckdb.DuckDBPyConnection], None]) -> None:
+        """Store every buffered row and run ``also(connection)`` in one transaction: all or nothing.
+
+        Rows a table refuses go to the dead letter in the same transaction (see the module docstring).
+        """
+        with self._lock:
+            buffers = {table: buffer for table, buffer in self._buffers.items() if buffer}
+            try:
+                self._transaction([(table, buffer.to_batches()) for table, buffer in buffers.items()], also)
+            except ROW_ENCODING_ERRORS:
+                self._transaction(self._row_by_row_batches(buffers), also)
+            self._buffers = {}
+            self._oldest = None
+            self.flushes += 1
+
+    def _row_by_row_batches(self, buffers: dict[str, RowBuffer]) -> list[tuple[str, list[Any]]]:
+        """Find the rows the tables refuse, in a transaction that is rolled back (and replays the rows
+        accepted so far after each refusal); the others as one-row batches, the refusals as dead letters."""
+        accepted: list[tuple[str, list[Any]]] = []
+        refused: list[dict[str, Any]] = []
+        con = self._con
+        con.execute("BEGIN")
+        try:
+            for table, buffer in buffers.items():
+                for index, row in enumerate(buffer.rows()):
+                    try:
+                        single = RowBuffer()
+                        single.extend([row])
+                        batch = (table, single.to_batches())
+                        self._insert_batches(*batch)
+                        accepted.append(batch)
+                    except ROW_ENCODING_ERRORS as exc:
+                        refused.append(self._refusal(table, index, row, exc))
+                        self.rows_written[table] -= 1
+                        self.refused[table] = self.refused.get(table, 0) + 1
+                        con.execute("ROLLBACK")  # a failed statement aborts the transaction: start again
+                        self._columns.clear()
+                        con.execute("BEGIN")
+                        for done in accepted:
+                            self._insert_batches(*done)
+        finally:
+            con.execute("ROLLBACK")
+            self._columns.clear()
+        if refused:
+            if any(r["source"] == f"storage:{DEAD_LETTER_TABLE}" for r in refused):
+                raise RuntimeError(f"dead-letter rows could not be stored: {refused[0]['reason']}")
+            dead = RowBuffer()
+            dead.extend(refused)
+            accepted.append((DEAD_LETTER_TABLE, dead.to_batches()))
+            self.rows_written[DEAD_LETTER_TABLE] = self.rows_written.get(DEAD_LETTER_TABLE, 0) + len(refused)
+        return accepted
+
+    def _transaction(self, batches: list[tuple[str, list[Any]]],
+                     also: Callable[[duckdb.DuckDBPyConnection], None] | None) -> None:
+        self._con.execute("BEGIN")
+        try:
+            for table, tables in batches:
+                self._insert_batches(table, tables)
+            if also is not None:
+                also(self._con)
+        except BaseException:
+            self._con.execute("ROLLBACK")
+            self._columns.clear()  # re-read after a rolled-back CREATE/ALTER
+            raise
+        self._con.execute("COMMIT")
 
     def pending(self) -> int:
         """Rows buffered and not yet in the file."""
@@ -180,29 +401,33 @@ class CollectiveStorage:
         if not any(self._buffers.values()):
             self._oldest = None
         try:
-            self._insert(table, *buffer.to_arrow())
-        except (pa.ArrowException, duckdb.Error, TypeError, ValueError):
+            self._insert(table, *buffer.to_batches())
+        except ROW_ENCODING_ERRORS:
             self._insert_row_by_row(table, buffer.rows())
         self.flushes += 1
 
-    def _insert(self, table: str, *batches: pa.Table) -> None:
+    def _insert(self, table: str, *batches: pa.Table | dict[str, np.ndarray]) -> None:
         """Insert the batches in one transaction: all of them or none."""
-        self._con.execute("BEGIN")
-        try:
-            for batch in batches:
-                self._con.register("_sf_batch", batch)
-                try:
-                    ensure_columns(self._con, table, "_sf_batch", batch.column_names,
-                                   self._columns.setdefault(table, set()))
-                    names = ", ".join(f'"{c}"' for c in batch.column_names)
-                    self._con.execute(f'INSERT INTO "{table}" ({names}) SELECT {names} FROM _sf_batch')
-                finally:
-                    self._con.unregister("_sf_batch")
-            self._con.execute("COMMIT")
-        except BaseException:
-            self._con.execute("ROLLBACK")
-            self._columns.pop(table, None)  # re-read after a rolled-back ALTER
-            raise
+        self._transaction([(table, list(batches))], None)
+
+    def _insert_batches(self, table: str, batches: Iterable[pa.Table | dict[str, np.ndarray]]) -> None:
+        for batch in batches:
+            self._con.register("_sf_batch", batch)
+            try:
+                columns = _column_names(batch)
+                ensure_columns(self._con, table, "_sf_batch", columns, self._columns.setdefault(table, set()))
+                names = quoted_list(columns)
+                self._con.execute(f"INSERT INTO {quote_identifier(table)} ({names}) SELECT {names} FROM _sf_batch")
+            finally:
+                self._con.unregister("_sf_batch")
+
+    def _refusal(self, table: str, index: int, row: Mapping[str, Any], exc: BaseException) -> dict[str, Any]:
+        """The dead-letter row of a row ``table`` refused (naming who wrote it, see :meth:`name_writer`)."""
+        writers = self._writers.get(table)
+        whose = f"row of {', '.join(writers)}" if writers else "row"
+        return {"source": f"storage:{table}", "line": index,
+                "reason": f"{whose} refused by table {table}: {type(exc).__name__}: {exc}".strip()[:2000],
+                "raw": to_json(row)}
 
     def _insert_row_by_row(self, table: str, rows: list[Mapping[str, Any]]) -> None:
         refused = []
@@ -210,15 +435,12 @@ class CollectiveStorage:
             try:
                 single = RowBuffer()
                 single.extend([row])
-                self._insert(table, *single.to_arrow())
-            except (pa.ArrowException, duckdb.Error, TypeError, ValueError) as exc:
-                refused.append({
-                    "source": f"storage:{table}", "line": index,
-                    "reason": f"row refused by table {table}: {type(exc).__name__}: {exc}".strip()[:2000],
-                    "raw": json.dumps(row, default=str),
-                })
+                self._insert(table, *single.to_batches())
+            except ROW_ENCODING_ERRORS as exc:
+                refused.append(self._refusal(table, index, row, exc))
         if refused:
             self.rows_written[table] -= len(refused)
+            self.refused[table] = self.refused.get(table, 0) + len(refused)
             if table == DEAD_LETTER_TABLE:
                 raise RuntimeError(f"dead-letter rows could not be stored: {refused[0]['reason']}")
             self._buffers.setdefault(DEAD_LETTER_TABLE, RowBuffer()).extend(refused)
@@ -236,7 +458,7 @@ class CollectiveStorage:
         """A whole table as Arrow, after flushing."""
         with self._lock:
             self.flush()
-            return self._con.sql(f'SELECT * FROM "{check_table_name(table)}"').to_arrow_table()
+            return self._con.sql(f"SELECT * FROM {quote_identifier(check_table_name(table))}").to_arrow_table()
 
     def tables(self) -> list[str]:
         """Names of the tables in the file (after flushing)."""
@@ -248,15 +470,18 @@ class CollectiveStorage:
             for table in tables:
                 self._buffers.pop(check_table_name(table), None)
                 self._columns.pop(table, None)
-                self._con.execute(f'DROP TABLE IF EXISTS "{table}"')
+                self._con.execute(f"DROP TABLE IF EXISTS {quote_identifier(table)}")
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Flush and close; safe to call twice."""
+        """Flush and close; safe to call twice. Held storage drops the rows no :meth:`commit` stored."""
         with self._lock:
             if self._closed:
                 return
             try:
+                if self._on_due is not None and self.pending():
+                    log.info("%s: %d rows after the last checkpoint not stored (a resumed run computes them "
+                             "again)", self.path, self.pending())
                 self.flush()
             finally:
                 self._closed = True

@@ -1,5 +1,6 @@
-"""``python -m engine plan MODEL [--batch N] [--tune] [--arena-budget BYTES] [--json]``: per-node
-kernel, memory, expected time, and why each kernel was chosen.
+"""``python -m engine plan MODEL [--batch N] [--tune] [--arena-budget BYTES] [--json] [--cold]``:
+per-node kernel, memory, expected time, and why each kernel was chosen; ``--cold`` plans for the
+first run (:class:`engine.coldstart.session.ColdSession`) and adds its preparation/execution schedule.
 
 ``python -m engine plan MODEL --budget 8MB``: the budgeted (FlexNN) plan, weights included: per unit
 what is loaded, computed and freed, and the expected time (a non-streamable MODEL, e.g. ``.onnx``,
@@ -25,9 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--tune", action="store_true", help="time every candidate kernel instead of estimating")
     plan.add_argument("--arena-budget", type=int, help="cap the activation arena at this many bytes")
     plan.add_argument("--budget", help="run within this many bytes, weights streamed (e.g. 8MB)")
+    plan.add_argument("--cold", action="store_true",
+                      help="the cold path's plan (first-run costs) and its first run's prepare/execute schedule")
     args = parser.parse_args(argv)
     if args.budget is not None:
         return _budgeted(args, parser)
+    if args.cold:
+        return cold_plan(args.model, args.batch)
 
     sess = InferenceSession(args.model, tune=args.tune, memory_budget=args.arena_budget)
     shapes = {}
@@ -75,6 +80,20 @@ def _budgeted(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(bp.table())
     if args.json:
         print(json.dumps(bp.report()))
+    return 0
+
+
+def cold_plan(model: str, batch: int) -> int:
+    """Run a :class:`ColdSession` once on zeros; print its plan and the pipelined schedule."""
+    import numpy as np
+
+    from engine.coldstart.session import ColdSession
+
+    sess = ColdSession(model, warm_switch=False)
+    feeds = {t.name: np.zeros((batch, *t.shape[1:]), np.float32) for t in sess.graph.inputs}
+    sess.run(feeds)
+    print(sess.plan_for({k: v.shape for k, v in feeds.items()}).table())
+    print(sess.schedule())
     return 0
 
 

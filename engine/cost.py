@@ -1,6 +1,7 @@
 """Turn a kernel's analytic :class:`Cost` into seconds, with rates measured on this machine.
 
-The calibration runs a few tiny benchmarks once per process (~0.1 s): BLAS GEMM throughput,
+The calibration runs a few tiny benchmarks once per machine and engine version (~0.1 s; the
+result is persisted by :func:`engine.tuning.calibrate`): BLAS GEMM throughput,
 numpy vector throughput, memory bandwidth and the fixed cost of a Python-level numpy call.
 :mod:`engine.tuning` then corrects each kernel by a factor measured on representative shapes.
 """
@@ -13,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from engine.kernels.base import Cost
+from engine.kernels.base import Cost, Kernel
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class Calibration:
     vector_flops_per_s: float = 1.5e9
     bytes_per_s: float = 8e9
     call_s: float = 2e-6
+    jit_load_s: float = 1.2  # importing numba + loading its cached loops, once per process (kernels/accel.py)
+    disk_bytes_per_s: float = 2e8  # reading a file that is not in the page cache (a cold start's weights)
     kernel_factors: dict[str, float] = field(default_factory=dict)  # measured / analytic, per kernel
 
     def seconds(self, cost: Cost, kernel: str | None = None) -> float:
@@ -33,6 +36,20 @@ class Calibration:
 
     def with_factors(self, factors: dict[str, float]) -> Calibration:
         return replace(self, kernel_factors=dict(factors))
+
+    def first_run_extra(self, kernel: Kernel, weight_bytes: int, transform_bytes: int, cached: bool,
+                        jit_loaded: bool) -> float:
+        """What a kernel costs on a model's first run on top of its run time: reading from disk what
+        it needs (its transformed weights when ``cached``, else the original ``weight_bytes``),
+        computing its transformed weights when not cached (``transform_bytes`` written, inputs
+        read), and loading numba if the kernel needs it and it is not loaded yet."""
+        if transform_bytes and cached:
+            extra = transform_bytes / self.disk_bytes_per_s
+        else:
+            extra = weight_bytes / self.disk_bytes_per_s + 2 * transform_bytes / self.bytes_per_s
+        if kernel.needs_jit and not jit_loaded:
+            extra += self.jit_load_s
+        return extra
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -44,6 +44,29 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def graph_structure(graph: Graph) -> dict[str, Any]:
+    """The graph without its weight values, as JSON-able data (the file header's graph part)."""
+    return {
+        "name": graph.name,
+        "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": np.dtype(t.dtype).str}
+                   for t in graph.inputs],
+        "outputs": list(graph.outputs),
+        "nodes": [{"op": n.op, "name": n.name, "inputs": n.inputs, "outputs": n.outputs,
+                   "attrs": {k: _jsonable(v) for k, v in n.attrs.items()}} for n in graph.nodes],
+    }
+
+
+def graph_from_structure(h: dict[str, Any], weights: dict[str, np.ndarray]) -> Graph:
+    """The inverse of :func:`graph_structure`, with these weight values."""
+    return Graph(
+        inputs=[TensorInfo(t["name"], tuple(t["shape"]), np.dtype(t["dtype"])) for t in h["inputs"]],
+        outputs=list(h["outputs"]),
+        nodes=[Node(n["op"], n["inputs"], n["outputs"], n["attrs"], n["name"]) for n in h["nodes"]],
+        weights=weights,
+        name=h["name"],
+    )
+
+
 def save_model(graph: Graph, path: str | os.PathLike) -> int:
     """Write ``graph`` to ``path``; returns the file size in bytes.
 
@@ -59,15 +82,7 @@ def save_model(graph: Graph, path: str | os.PathLike) -> int:
         table.append({"name": name, "dtype": w.dtype.str, "shape": list(w.shape), "offset": offset,
                       "nbytes": int(w.nbytes), "crc32": zlib.crc32(np.ascontiguousarray(w).data)})
         offset = _align(offset + w.nbytes)
-    header = {
-        "name": graph.name,
-        "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": np.dtype(t.dtype).str}
-                   for t in graph.inputs],
-        "outputs": list(graph.outputs),
-        "nodes": [{"op": n.op, "name": n.name, "inputs": n.inputs, "outputs": n.outputs,
-                   "attrs": {k: _jsonable(v) for k, v in n.attrs.items()}} for n in graph.nodes],
-        "weights": table,
-    }
+    header = {**graph_structure(graph), "weights": table}
     blob = json.dumps(header, separators=(",", ":")).encode()
     data_start = _align(len(MAGIC) + 8 + len(blob))
     with open(path, "wb") as f:
@@ -124,13 +139,7 @@ class ModelFile:
                 weights[name] = raw.view(np.dtype(e["dtype"])).reshape(e["shape"])
         else:
             weights = {name: self.read_weight(name) for name in self._table}
-        return Graph(
-            inputs=[TensorInfo(t["name"], tuple(t["shape"]), np.dtype(t["dtype"])) for t in h["inputs"]],
-            outputs=list(h["outputs"]),
-            nodes=[Node(n["op"], n["inputs"], n["outputs"], n["attrs"], n["name"]) for n in h["nodes"]],
-            weights=weights,
-            name=h["name"],
-        )
+        return graph_from_structure(h, weights)
 
 
 def load_model(path: str | os.PathLike, mmap: bool = True) -> Graph:

@@ -107,6 +107,8 @@ class Graph:
                 if t not in producers:
                     raise GraphError(f"node {node} reads '{t}', which nothing produces")
                 deps[i].add(index[id(producers[t])])
+        if all(max(deps[i], default=-1) < i for i in deps):
+            return list(self.nodes)  # already sorted (the usual case): keep the stored order, O(n)
         order: list[Node] = []
         done: set[int] = set()
         # Kahn's algorithm over the stored order keeps already-sorted graphs unchanged.

@@ -4,6 +4,7 @@ and plan every activation and scratch buffer into one arena.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,6 +15,8 @@ from engine.kernels import Kernel, NodeCtx, by_name, candidates
 from engine.measure import time_kernel
 from engine.ops import VIEW_OPS, infer_shapes
 from engine.planner import ArenaPlan, Buffer, plan_arena
+
+FirstRunCost = Callable[[NodeCtx, Kernel], float]
 
 
 @dataclass
@@ -31,6 +34,8 @@ class StepPlan:
     tuned: bool = False
     options: list[Kernel] = field(default_factory=list)  # every kernel that applies
     budgeted: bool = False  # moved off the fastest kernel to fit a memory budget
+    cold: bool = False  # estimates include first-run costs (weight transform/read, numba load)
+    prepared: bool = True  # params hold the transformed weights (False while deferred)
 
     @property
     def node(self) -> Node:
@@ -56,7 +61,8 @@ class StepPlan:
         if len(self.estimates) == 1:
             return "only kernel"
         alts = sorted(self.estimates.items(), key=lambda kv: kv[1])
-        return "cheapest: " + ", ".join(f"{k} {v * 1e3:.3f}ms" for k, v in alts)
+        label = "cheapest first run: " if self.cold else "cheapest: "
+        return label + ", ".join(f"{k} {v * 1e3:.3f}ms" for k, v in alts)
 
 
 @dataclass
@@ -109,8 +115,14 @@ def _extra_bytes(params: dict[str, np.ndarray], originals: list[np.ndarray]) -> 
 
 def compile_plan(graph: Graph, input_shapes: dict[str, tuple[int, ...]], calibration: Calibration,
                  overrides: dict[str, str] | None = None, tune: bool = False,
-                 memory_budget: int | None = None) -> ExecutionPlan:
+                 memory_budget: int | None = None, first_run: FirstRunCost | None = None,
+                 transform: bool = True) -> ExecutionPlan:
     """Plan ``graph`` (already optimised) for ``input_shapes``.
+
+    ``first_run`` plans for a single (cold) run: it returns a kernel's extra first-run seconds on a
+    node (transforming or reading its weights, loading numba), added to each estimate, so a kernel
+    whose preparation costs more than it saves on one run loses. ``transform=False`` leaves the
+    weight transforms to the caller (:func:`prepare_step`, e.g. on a preparation thread).
 
     ``overrides`` maps a node name or an op type to a kernel name, to force a choice. ``tune``
     times every candidate kernel on the node's real shapes and keeps the fastest (the estimates
@@ -143,6 +155,8 @@ def compile_plan(graph: Graph, input_shapes: dict[str, tuple[int, ...]], calibra
             estimates = {k.name: time_kernel(k, ctx) for k in kernels}
         else:
             estimates = {k.name: calibration.seconds(k.cost(ctx), k.name) for k in kernels}
+        if first_run is not None and not tune:
+            estimates = {k.name: estimates[k.name] + first_run(ctx, k) for k in kernels}
         if forced:
             kernel = by_name(forced)
             if not kernel.applies(ctx) or node.op not in kernel.ops:
@@ -150,8 +164,8 @@ def compile_plan(graph: Graph, input_shapes: dict[str, tuple[int, ...]], calibra
         else:
             kernel = min(kernels, key=lambda k: estimates[k.name])
         step = StepPlan(ctx, kernel, estimates, forced=bool(forced), tuned=tune and len(kernels) > 1 and not forced,
-                        options=kernels)
-        steps.append(_use(step, kernel))
+                        options=kernels, cold=first_run is not None)
+        steps.append(_use(step, kernel, transform))
     steps = merge_rasters(steps, graph, aliases, calibration)
     arena = plan_arena(_buffers(graph, steps, consts, aliases, infos))
     if memory_budget is not None:
@@ -160,14 +174,24 @@ def compile_plan(graph: Graph, input_shapes: dict[str, tuple[int, ...]], calibra
     return ExecutionPlan(graph, infos, consts, steps, aliases, arena, calibration)
 
 
-def _use(step: StepPlan, kernel: Kernel) -> StepPlan:
-    """Make ``kernel`` the step's kernel: transform its weights and size its scratch."""
+def _use(step: StepPlan, kernel: Kernel, transform: bool = True) -> StepPlan:
+    """Make ``kernel`` the step's kernel: size its scratch and (unless deferred) transform its weights."""
+    step.kernel, step.params, step.prepared = kernel, {}, False
+    step.scratch_bytes = kernel.scratch_bytes(step.ctx)
+    if transform:
+        prepare_step(step)
+    return step
+
+
+def prepare_step(step: StepPlan, params: dict[str, np.ndarray] | None = None) -> StepPlan:
+    """Give the step its transformed weights: ``params`` (e.g. read from a cache) or the kernel's
+    :meth:`~engine.kernels.Kernel.transform` of the node's weights."""
     ctx = step.ctx
     originals = [np.asarray(ctx.consts[t]) for t in ctx.node.inputs if t in ctx.consts]
-    step.kernel, step.params = kernel, kernel.transform(ctx)
-    step.scratch_bytes = kernel.scratch_bytes(ctx)
+    step.params = step.kernel.transform(ctx) if params is None else params
     step.weight_bytes = sum(o.nbytes for o in originals)
     step.transformed_bytes = _extra_bytes(step.params, originals)
+    step.prepared = True
     return step
 
 

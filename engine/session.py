@@ -21,15 +21,20 @@ import numpy as np
 from engine.cost import Calibration
 from engine.format import load_model
 from engine.ir import Graph
+from engine.kernels import accel
 from engine.passes import optimize
-from engine.plan import ExecutionPlan, compile_plan
+from engine.plan import ExecutionPlan, StepPlan, compile_plan
 from engine.planner import ALIGN
 from engine.tuning import calibrate
 
 
 def _thread_limiter(threads: int):
     """A context manager capping BLAS threads (threadpoolctl if installed, else a no-op: then set
-    OPENBLAS_NUM_THREADS before numpy is imported)."""
+    OPENBLAS_NUM_THREADS before numpy is imported). When OPENBLAS_NUM_THREADS already says
+    ``threads`` (set before numpy started OpenBLAS, as the benchmarks and device launchers do), the
+    cap is already in force and scanning the loaded libraries (5-10 ms per process) is skipped."""
+    if os.environ.get("OPENBLAS_NUM_THREADS") == str(threads):
+        return lambda: contextlib.nullcontext()
     try:
         from threadpoolctl import ThreadpoolController
     except ImportError:  # pragma: no cover - optional dependency
@@ -51,9 +56,12 @@ def load_graph(model: Graph | str | os.PathLike) -> Graph:
 
 
 class BoundPlan:
-    """A plan bound to its arena: fixed views for every tensor and one closure per step."""
+    """A plan bound to its arena: fixed views for every tensor and one closure per step.
 
-    def __init__(self, plan: ExecutionPlan) -> None:
+    ``bind=False`` only lays out the arena; :meth:`bind_step` then binds the computing steps one by
+    one (in order), as the cold path's preparation thread does."""
+
+    def __init__(self, plan: ExecutionPlan, bind: bool = True) -> None:
         self.plan = plan
         raw = np.zeros(plan.arena.size + ALIGN, dtype=np.uint8)
         shift = (-raw.ctypes.data) % ALIGN
@@ -66,14 +74,18 @@ class BoundPlan:
                 info = plan.infos[name]
                 region = region.view(info.dtype).reshape(info.shape)
             self.views[name] = region
+        self.computing = [s for s in plan.steps if s.kernel is not None]
         self.calls = []
-        for s in plan.steps:
-            if s.kernel is None:
-                continue
-            ins = [self.array(t) for t in s.node.inputs if t]
-            outs = [self.views[t] for t in s.node.outputs]
-            scratch = self.views.get(f"{s.node.name}#scratch", self.arena[:0])
-            self.calls.append(s.kernel.bind(s.ctx, s.params, ins, outs, scratch))
+        if bind:
+            for s in self.computing:
+                self.calls.append(self.bind_step(s))
+
+    def bind_step(self, s: StepPlan):
+        """The closure running step ``s`` (a computing step of this plan) on the arena's views."""
+        ins = [self.array(t) for t in s.node.inputs if t]
+        outs = [self.views[t] for t in s.node.outputs]
+        scratch = self.views.get(f"{s.node.name}#scratch", self.arena[:0])
+        return s.kernel.bind(s.ctx, s.params, ins, outs, scratch)
 
     def array(self, tensor: str) -> np.ndarray:
         if tensor in self.plan.consts:
@@ -81,12 +93,18 @@ class BoundPlan:
         root = self.plan.location(tensor)
         return self.views[root].reshape(self.plan.infos[tensor].shape)
 
-    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def feed(self, feeds: Mapping[str, np.ndarray]) -> None:
         for t in self.plan.graph.inputs:
             np.copyto(self.views[t.name], feeds[t.name], casting="same_kind")
+
+    def fetch(self) -> dict[str, np.ndarray]:
+        return {o: self.array(o).copy() for o in self.plan.graph.outputs}
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.feed(feeds)
         for call in self.calls:
             call()
-        return {o: self.array(o).copy() for o in self.plan.graph.outputs}
+        return self.fetch()
 
     def profile(self, feeds: Mapping[str, np.ndarray], runs: int = 5) -> list[tuple[str, str, float, float]]:
         """(node, kernel, expected ms, measured median ms) per computing step."""
@@ -115,6 +133,8 @@ class InferenceSession:
     >>> sess.run({"x": np.zeros((2, 3, 224, 224), "float32")})  # doctest: +SKIP
     """
 
+    load_jit = True  # load numba before planning (the cold path does it in the background)
+
     def __init__(self, model: Graph | str | os.PathLike, *, threads: int = 1,
                  kernels: dict[str, str] | None = None, calibration: Calibration | None = None,
                  optimize_graph: bool = True, tune: bool = False, memory_budget: int | None = None) -> None:
@@ -125,6 +145,8 @@ class InferenceSession:
         self.tune = tune
         self.memory_budget = memory_budget
         self.calibration = calibration or calibrate()
+        if self.load_jit and accel.available():
+            accel.load()  # warm kernels from the start (a cold start defers this: engine/coldstart)
         self._limit = _thread_limiter(threads)
         self._bound: dict[tuple, BoundPlan] = {}
 
@@ -152,14 +174,18 @@ class InferenceSession:
             self._bound[key] = BoundPlan(plan)
         return self._bound[key]
 
-    def run(self, feeds: Mapping[str, Any] | np.ndarray) -> dict[str, np.ndarray]:
-        """Run on float32 inputs (a dict by input name, or one array for a single-input model)."""
+    def _feeds(self, feeds: Mapping[str, Any] | np.ndarray) -> dict[str, np.ndarray]:
         if not isinstance(feeds, Mapping):
             feeds = {self.input_names[0]: feeds}
         feeds = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()}
         missing = set(self.input_names) - set(feeds)
         if missing:
             raise ValueError(f"missing inputs: {sorted(missing)}")
+        return feeds
+
+    def run(self, feeds: Mapping[str, Any] | np.ndarray) -> dict[str, np.ndarray]:
+        """Run on float32 inputs (a dict by input name, or one array for a single-input model)."""
+        feeds = self._feeds(feeds)
         bound = self._bind({k: v.shape for k, v in feeds.items()})
         with self._limit():
             return bound.run(feeds)

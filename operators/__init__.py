@@ -26,11 +26,18 @@ from operators.filter import Filter
 from operators.keyby import KeyBy
 from operators.map import Map
 from operators.model import Infer, MemoryBudget, Train
-from operators.window import TimeWindow, window_starts
+from operators.process import (
+    KeyedProcessFunction,
+    ListStateDescriptor,
+    MapStateDescriptor,
+    Process,
+    ValueStateDescriptor,
+)
+from operators.window import CountWindow, SessionWindow, TimeWindow, window_starts
 
 __all__ = [
-    "Aggregate", "Aggregation", "Count", "CountBy", "CountDistinct", "Distinct", "Filter", "First", "Group",
-    "Infer", "KeyBy", "Last", "LastN", "Map", "Max", "MemoryBudget", "Min", "Operator", "Sum", "TimeWindow", "Train",
-    "get_field",
-    "run_pipeline", "window_starts",
+    "Aggregate", "Aggregation", "Count", "CountBy", "CountDistinct", "CountWindow", "Distinct", "Filter", "First",
+    "Group", "Infer", "KeyBy", "KeyedProcessFunction", "Last", "LastN", "ListStateDescriptor", "Map",
+    "MapStateDescriptor", "Max", "MemoryBudget", "Min", "Operator", "Process", "SessionWindow", "Sum", "TimeWindow",
+    "Train", "ValueStateDescriptor", "get_field", "run_pipeline", "window_starts",
 ]

@@ -25,16 +25,18 @@ class Aggregate(Operator):
             if not isinstance(agg, Aggregation):
                 raise TypeError(f"Aggregate({name}=...) needs an aggregation such as Count(), got {agg!r}")
         self.aggregations = aggregations
+        self._folds = tuple((name, agg.fold) for name, agg in aggregations.items())  # the per-group loop
 
     def apply(self, groups: list[Group]) -> list[Group]:
         rows = []
+        folds = self._folds
         for key, items in groups:
             row = dict(key)
             try:
-                for name, agg in self.aggregations.items():
-                    row[name] = agg.fold(items)
+                for name, fold in folds:
+                    row[name] = fold(items)
             except Exception as exc:
-                exc.add_note(f"in Aggregate({name}={agg!r}) over {len(items)} items")
+                exc.add_note(f"in Aggregate({name}={self.aggregations[name]!r}) over {len(items)} items")
                 raise
             rows.append(row)
         return [({}, rows)]

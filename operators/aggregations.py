@@ -245,8 +245,9 @@ class CountBy(Aggregation):
 
     def _fold(self, items: list[Any]) -> dict[Any, int]:
         counts: dict[Any, int] = {}
+        get = counts.get
         for value in map(self._read, items):
-            counts[value] = counts.get(value, 0) + 1
+            counts[value] = get(value, 0) + 1
         return counts
 
 

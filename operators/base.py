@@ -20,6 +20,9 @@ FieldSpec = str | Callable[[Any], Any]
 class Operator:
     """Base class: an operator turns the groups of a pipeline into new groups."""
 
+    #: Whether it keeps state from one run of its pipeline to the next (device checkpoints do not cover it).
+    keeps_state: bool = False
+
     def apply(self, groups: list[Group]) -> list[Group]:
         raise NotImplementedError
 
@@ -68,14 +71,24 @@ def run_pipeline(operators: Sequence[Operator], items: Iterable[Any]) -> list[di
         >>> run_pipeline([KeyBy("kind"), Aggregate(n=Count())], [{"kind": "a"}, {"kind": "b"}, {"kind": "a"}])
         [{'kind': 'a', 'n': 2}, {'kind': 'b', 'n': 1}]
     """
-    groups: list[Group] = [({}, items if isinstance(items, list) else list(items))]
+    groups: list[Group] = [({}, items if type(items) is list else list(items))]
     for op in operators:
         groups = op.apply(groups)
-    rows: list[dict[str, Any]] = []
+    if len(groups) == 1 and not groups[0][0]:  # no group key (the usual single group): rows as they are
+        rows = groups[0][1]
+        for item in rows:
+            if type(item) is not dict and not isinstance(item, Mapping):
+                _not_a_row(item)
+        return list(rows)  # never the caller's own list (a pipeline without operators passes it through)
+    rows = []
     for key, group_items in groups:
         for item in group_items:
             if type(item) is not dict and not isinstance(item, Mapping):
-                raise TypeError(f"the pipeline must end in rows (dicts), but it produced {item!r}; "
-                                "end it with Aggregate(...) or a Map that returns a dict")
+                _not_a_row(item)
             rows.append({**key, **item} if key else item)
     return rows
+
+
+def _not_a_row(item: Any) -> None:
+    raise TypeError(f"the pipeline must end in rows (dicts), but it produced {item!r}; "
+                    "end it with Aggregate(...) or a Map that returns a dict")

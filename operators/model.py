@@ -20,8 +20,9 @@ import numpy as np
 from operators.base import Group, Operator
 
 if TYPE_CHECKING:  # the engine (numba kernels, BLAS set-up) is imported on first use, not with operators
-    from engine import Graph, InferenceSession
+    from engine import Graph
     from engine.autograd import SGD, Adam, GraphModel
+    from engine.coldstart.session import ColdSession
     from engine.memory.budgeted import BudgetedSession
 
 Features = Callable[[Any], Sequence[float]]
@@ -74,6 +75,9 @@ class Infer(Operator):
     ``model`` is an engine :class:`~engine.Graph` or a model file (``engine.save_model``); its
     first input takes a ``(rows, features)`` float32 batch. ``output`` names the model output
     (default: the first). ``as_bytes=True`` stores the float32 vector as bytes (a compact encoding).
+    The first firing runs the model's cold path (:class:`engine.coldstart.session.ColdSession`:
+    cached optimised graph and weights, no numba on the critical path); later firings switch to the
+    warm kernels once a background thread has prepared them.
 
     Example:
         >>> import numpy as np
@@ -96,7 +100,7 @@ class Infer(Operator):
         self.output = output
         self.as_bytes = as_bytes
         self.threads = threads
-        self._session: InferenceSession | BudgetedSession | None = None  # built on first use: copies stay cheap
+        self._session: ColdSession | BudgetedSession | None = None  # built on first use: copies stay cheap
         self._streamable: str | None = None
 
     def apply(self, groups: list[Group]) -> list[Group]:
@@ -110,13 +114,13 @@ class Infer(Operator):
         return [(key, [{**row, self.into: next(values)} for row in items]) for key, items in groups]
 
 
-    def _ensure_session(self) -> InferenceSession | BudgetedSession:
+    def _ensure_session(self) -> ColdSession | BudgetedSession:
         if self.memory_budget is not None:
             return self._budgeted(self.memory_budget.bytes)
-        if self._session is None:
-            from engine import InferenceSession
+        if self._session is None:  # the first firing takes the cold path, then warm kernels in the background
+            from engine.coldstart.session import ColdSession
 
-            self._session = InferenceSession(self.model, threads=self.threads)
+            self._session = ColdSession(self.model, threads=self.threads)
         return self._session
 
     def _budgeted(self, budget: int) -> BudgetedSession:
@@ -152,6 +156,8 @@ class Train(Operator):
         >>> [round(r["loss"], 3) for r in run_pipeline([train], [{"x": 1.0}, {"x": -1.0}])]
         [0.693]
     """
+
+    keeps_state = True  # the weights, the optimiser and the rows of the batch being filled
 
     def __init__(self, model: Graph | str | os.PathLike[str], features: Features, label: Callable[[Any], Any],
                  loss: str = "cross_entropy", optimizer: str = "adam", lr: float = 0.01, momentum: float = 0.0,

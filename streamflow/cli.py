@@ -1,91 +1,225 @@
-"""The ``streamflow`` command: run a job, describe a job, run a local Flink cluster.
+"""The ``streamflow`` command: run a job, describe a job, the tunnel, a local Flink cluster.
 
     streamflow run JOB --events FILE [--runner device|flink] [--cluster HOST:PORT] [--db PATH]
     streamflow describe JOB
+    streamflow tunnel keys add DEVICE | list | remove DEVICE
+    streamflow tunnel consume --db CLOUD.duckdb [--idle-timeout S] [--runner python|flink]
     streamflow flink-cluster start|stop|status
-    streamflow tunnel keys|consume   (see streamflow.tunnel_commands)
+
+One command line (Typer), every default from :mod:`streamflow.settings` (explicit option first,
+``STREAMFLOW_*`` second, built-in default last). :func:`main` returns the exit code: 0 done, 1 the
+broker or the spool is unavailable or a cluster failed, 2 bad input (job file, events file, options).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+from pydantic import ValidationError
 
 from connectors.storage import CollectiveStorage, flush_on_signals
+from connectors.tunnel.kafka import TunnelUnavailable
+from connectors.tunnel.spool import SpoolLocked
 from streamflow import tunnel_commands
-from streamflow.flink_kafka import kafka_topic
+from streamflow.checkpoint import discard_checkpoint
+from streamflow.flink.connector_jars import kafka_topic  # reads kafka://TOPIC without PyFlink
 from streamflow.job import Job, JobLoadError, load_job
 from streamflow.progress import track
 from streamflow.runners.device import DeviceRunner
+from streamflow.settings import settings
 from streamflow.sources import FORMATS, open_source
 from streamflow.summary import SYSTEM_TABLES, RunSummary
 from streamflow.trie import TriggerTrie
+from streamflow.tunnel_commands import TunnelOptions
 
 RUNNERS = ("device", "flink")
+TUNNEL_PANEL = "tunnel (device runner: ship feature rows to the cloud over Kafka)"
+
+app = typer.Typer(name="streamflow", help=__doc__.splitlines()[0], add_completion=False, no_args_is_help=True,
+                  pretty_exceptions_enable=False, rich_markup_mode=None)
+tunnel_app = typer.Typer(help="the Kafka tunnel's key registry and cloud consumer", no_args_is_help=True)
+app.add_typer(tunnel_app, name="tunnel")
+
+FormatName = Literal[tuple(sorted(FORMATS))]  # type: ignore[valid-type]
+KeyRegistryOption = Annotated[str | None, typer.Option(
+    "--key-registry", help="key registry file (default: $STREAMFLOW_KEY_REGISTRY or .streamflow/keys.json)")]
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="streamflow", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    commands = parser.add_subparsers(dest="command", required=True)
+@dataclass(frozen=True)
+class RunOptions:
+    """What ``streamflow run`` was asked to do (besides the job and the tunnel)."""
 
-    run = commands.add_parser("run", help="run a job over an events file")
-    run.add_argument("job", help="job file (a Python module defining `job = Job(...)`)")
-    run.add_argument("--events", required=True, help="events file: Taobao CSV (.csv) or JSON lines (.jsonl); "
-                                                     "flink runner: also kafka://TOPIC (one raw line per record, "
-                                                     "--format required)")
-    run.add_argument("--format", choices=sorted(FORMATS), help="events format (default: from the extension)")
-    run.add_argument("--runner", choices=RUNNERS, default=os.environ.get("STREAMFLOW_RUNNER", "device"),
-                     help="where to run (default: device, or $STREAMFLOW_RUNNER)")
-    run.add_argument("--db", help="DuckDB file for feature rows (default: $STREAMFLOW_DB or ./streamflow.duckdb)")
-    run.add_argument("--workers", type=int, default=2, help="worker threads for tasks fired together")
-    run.add_argument("--quarantine-after", type=int, default=5,
-                     help="consecutive failures after which a task is quarantined")
-    run.add_argument("--cluster", metavar="HOST:PORT",
-                     help="flink runner: submit to this JobManager (REST endpoint) instead of a local MiniCluster")
-    run.add_argument("--parallelism", type=int, default=1, help="flink runner: job parallelism")
-    run.add_argument("--pace-ms", type=float, default=0.0,
-                     help="flink runner: replay one record per N ms, so that periodic watermarks decide "
-                          "lateness per event as the device runner does")
-    run.add_argument("--replace", action="store_true",
-                     help="drop the job's tables (and dead_letter, task_errors) before running")
-    run.add_argument("--show", type=int, default=3, help="sample rows to print per table")
-    tunnel_commands.add_run_arguments(run)
-
-    describe = commands.add_parser("describe", help="show a job's tasks and the trie of their triggers")
-    describe.add_argument("job")
-
-    cluster = commands.add_parser("flink-cluster", help="start/stop/status of a local Flink cluster (PyFlink's jars)")
-    cluster.add_argument("action", choices=("start", "stop", "status"))
-    cluster.add_argument("--port", type=int, default=None, help="REST port (default: 8081; status/stop: as started)")
-    cluster.add_argument("--dir", default=None,
-                         help="state dir (default: $STREAMFLOW_FLINK_HOME_DIR or ./.flink-cluster)")
-    tunnel_commands.add_commands(commands)
-    return parser
+    events: str
+    fmt: str | None
+    runner: str
+    db: str | None
+    workers: int
+    quarantine_after: int
+    cluster: str | None
+    parallelism: int
+    pace_ms: float
+    state_ttl: float | None
+    max_users: int | None
+    replace: bool
+    checkpoint_interval: float | None
+    checkpoint_dir: str | None
+    show: int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    tunnel_commands.quiet_kafka_logs(args.verbose)
-    if args.command == "flink-cluster":
-        return _flink_cluster(args)
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     try:
-        if args.command == "tunnel":
-            return tunnel_commands.run_command(args)
-        job = load_job(args.job)
-        if args.command == "describe":
-            print(describe(job))
-            return 0
-        return _run(job, args)
-    except (JobLoadError, FileNotFoundError, ValueError) as exc:
-        print(f"streamflow: error: {exc}", file=sys.stderr)
-        return 2
+        code = app(args=list(sys.argv[1:] if argv is None else argv), prog_name="streamflow", standalone_mode=False)
+    except (JobLoadError, FileNotFoundError, ValueError, ValidationError) as exc:
+        return _error(_message(exc), 2)
+    except (SpoolLocked, TunnelUnavailable) as exc:  # the spool is another process's, the broker stayed away
+        return _error(str(exc), 1)
+    except typer.Abort:
+        return _error("aborted", 1)
+    except typer.TyperException as exc:  # a usage error: the usage and what was wrong, as argparse printed it
+        show = getattr(exc, "show", None)
+        if show is None:
+            raise
+        show()
+        return int(getattr(exc, "exit_code", 2))
+    return code if isinstance(code, int) else 0
+
+
+def _error(message: str, code: int) -> int:
+    print(f"streamflow: error: {message}", file=sys.stderr)
+    return code
+
+
+def _message(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):  # a bad STREAMFLOW_* value
+        return "; ".join(f"STREAMFLOW_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors())
+    return str(exc)
+
+
+@app.callback()
+def _options(verbose: Annotated[bool, typer.Option("-v", "--verbose", help="debug logging")] = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    tunnel_commands.quiet_kafka_logs(verbose)
+
+
+@app.command(help="run a job over an events file")
+def run(
+    job: Annotated[str, typer.Argument(help="job file (a Python module defining `job = Job(...)`)")],
+    events: Annotated[str, typer.Option(help="events file: Taobao CSV (.csv) or JSON lines (.jsonl); flink runner: "
+                                             "also kafka://TOPIC (one raw line per record, --format required)")],
+    fmt: Annotated[FormatName | None, typer.Option("--format", help="events format (default: from the extension)")]
+    = None,
+    runner: Annotated[Literal["device", "flink"] | None, typer.Option(
+        help="where to run (default: device, or $STREAMFLOW_RUNNER)")] = None,
+    db: Annotated[str | None, typer.Option(help="DuckDB file for feature rows (default: $STREAMFLOW_DB or "
+                                                "./streamflow.duckdb)")] = None,
+    workers: Annotated[int, typer.Option(help="worker threads for tasks fired together")] = 2,
+    quarantine_after: Annotated[int, typer.Option(help="consecutive failures after which a task is quarantined")]
+    = 5,
+    cluster: Annotated[str | None, typer.Option(metavar="HOST:PORT", help="flink runner: submit to this JobManager "
+                                                "(REST endpoint) instead of a local MiniCluster")] = None,
+    parallelism: Annotated[int, typer.Option(help="flink runner: job parallelism")] = 1,
+    pace_ms: Annotated[float, typer.Option(help="flink runner: replay one record per N ms, so that periodic "
+                                                "watermarks decide lateness per event as the device runner does")]
+    = 0.0,
+    state_ttl: Annotated[float | None, typer.Option(metavar="SECONDS", help="device runner: drop a user's state "
+                         "after this long of event time without an event of theirs (at least the source's page "
+                         "inactivity gap, 1800 s for Taobao CSV)")] = None,
+    max_users: Annotated[int | None, typer.Option(help="device runner: cap on users held in memory (the least "
+                                                       "recently seen are evicted)")] = None,
+    replace: Annotated[bool, typer.Option("--replace", help="drop the job's tables (and dead_letter, task_errors) "
+                                                            "and its checkpoint before running")] = False,
+    checkpoint_interval: Annotated[float | None, typer.Option(metavar="SECONDS", help="device runner: checkpoint "
+                                   "state and source position into the DuckDB file every SECONDS (and on exit); a "
+                                   "run over the same file into the same file resumes from it; flink runner: Flink's "
+                                   "checkpoint interval with --checkpoint-dir, default 10 s)")] = None,
+    checkpoint_dir: Annotated[str | None, typer.Option(help="flink runner: enable Flink checkpointing into this "
+                                                            "directory")] = None,
+    show: Annotated[int, typer.Option(help="sample rows to print per table")] = 3,
+    tunnel: Annotated[Literal["none", "kafka"], typer.Option(rich_help_panel=TUNNEL_PANEL, help="kafka: also send "
+                      "every task's rows to the features topic ($STREAMFLOW_KAFKA_BOOTSTRAP)")] = "none",
+    device_id: Annotated[str | None, typer.Option(rich_help_panel=TUNNEL_PANEL, help="this device's id (default: "
+                                                  "$STREAMFLOW_DEVICE_ID or the host name)")] = None,
+    key_registry: KeyRegistryOption = None,
+    topic: Annotated[str, typer.Option(rich_help_panel=TUNNEL_PANEL, help="features topic")]
+    = tunnel_commands.DEFAULT_TOPIC,
+    compression: Annotated[Literal[tuple(tunnel_commands.COMPRESSION)], typer.Option(  # type: ignore[valid-type]
+        rich_help_panel=TUNNEL_PANEL, help="Kafka compression")] = "zstd",
+    spool: Annotated[str | None, typer.Option(rich_help_panel=TUNNEL_PANEL, help="durable send queue for rows the "
+                                              "broker has not acknowledged (default: DB.tunnel-spool)")] = None,
+    tunnel_wait: Annotated[float, typer.Option(rich_help_panel=TUNNEL_PANEL, help="seconds to wait at the end for "
+                           "the broker to acknowledge every row (the rest stays spooled and is sent by the next "
+                           "run)")] = 30.0,
+) -> int:
+    options = RunOptions(events, fmt, settings(runner=runner).runner, db, workers, quarantine_after, cluster,
+                         parallelism, pace_ms, state_ttl, max_users, replace, checkpoint_interval, checkpoint_dir,
+                         show)
+    tunnel_options = TunnelOptions(tunnel, device_id, key_registry, topic, compression, spool, tunnel_wait)
+    return _run(load_job(job), options, tunnel_options)
+
+
+@app.command("describe", help="show a job's tasks and the trie of their triggers")
+def describe_command(job: str) -> int:
+    print(describe(load_job(job)))
+    return 0
+
+
+@tunnel_app.command("keys", help="per-device signing keys")
+def tunnel_keys(action: Literal["add", "list", "remove"], device: Annotated[str | None, typer.Argument()] = None,
+                key_registry: KeyRegistryOption = None) -> int:
+    return tunnel_commands.keys(action, device, key_registry)
+
+
+@tunnel_app.command("consume", help="store the features topic in a cloud DuckDB (consumer group)")
+def tunnel_consume(
+    db: Annotated[str, typer.Option(help="cloud DuckDB file (offline tables, <table>_online, tunnel_dead_letter)")],
+    topic: str = tunnel_commands.DEFAULT_TOPIC,
+    group: Annotated[str, typer.Option(help="consumer group id")] = "streamflow-cloud",
+    online_key: Annotated[str, typer.Option(help="comma-separated columns keying the online tables")] = "user_id",
+    idle_timeout: Annotated[float | None, typer.Option(help="python: stop when nothing arrived for this many "
+                                                            "seconds (default: run until Ctrl-C)")] = None,
+    runner: Annotated[Literal["python", "flink"], typer.Option(help="python: a kafka-python consumer group member "
+                      "(runs until stopped); flink: a PyFlink job from the stored offsets to the offsets latest at "
+                      "its start")] = "python",
+    cluster: Annotated[str | None, typer.Option(metavar="HOST:PORT", help="flink: submit to this JobManager")]
+    = None,
+    parallelism: Annotated[int, typer.Option(help="flink: readers and decoders")] = 1,
+    key_registry: KeyRegistryOption = None,
+) -> int:
+    return tunnel_commands.consume(db, topic, group, online_key, idle_timeout, runner, cluster, parallelism,
+                                   key_registry)
+
+
+@app.command("flink-cluster", help="start/stop/status of a local Flink cluster (PyFlink's jars)")
+def flink_cluster_command(
+    action: Literal["start", "stop", "status"],
+    port: Annotated[int | None, typer.Option(help="REST port (default: 8081; status/stop: as started)")] = None,
+    directory: Annotated[str | None, typer.Option("--dir", help="state dir (default: $STREAMFLOW_FLINK_HOME_DIR "
+                                                                "or ./.flink-cluster)")] = None,
+) -> int:
+    """``streamflow flink-cluster start|stop|status``: see :mod:`streamflow.flink.cluster`."""
+    from streamflow.flink import cluster as flink_cluster
+
+    try:
+        if action == "start":
+            overview = flink_cluster.start(port=port or flink_cluster.DEFAULT_PORT, directory=directory)
+            print(f"Flink cluster up: http://127.0.0.1:{port or flink_cluster.DEFAULT_PORT} {overview}")
+        elif action == "stop":
+            print("stopped" if flink_cluster.stop(directory) else "no cluster running")
+        else:
+            overview = flink_cluster.status(port, directory)
+            print(overview if overview is not None else "no Flink cluster answers")
+            return 0 if overview is not None else 1
+    except flink_cluster.ClusterError as exc:
+        return _error(str(exc), 1)
+    return 0
 
 
 def describe(job: Job) -> str:
@@ -104,29 +238,32 @@ def describe(job: Job) -> str:
     return "\n".join(lines)
 
 
-def _run(job: Job, args: argparse.Namespace) -> int:
+def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
     from_kafka = kafka_topic(args.events) is not None
     if from_kafka and args.runner != "flink":
         raise ValueError(f"{args.events}: the device runner reads files; events from Kafka need --runner flink")
-    source = None if from_kafka else open_source(args.events, args.format)  # a missing file fails before any JVM
+    # a missing file fails before any JVM
+    source = None if from_kafka else open_source(args.events, args.fmt, state_ttl_s=args.state_ttl)
     flush_on_signals()
     tunnel_line = ""
     with CollectiveStorage(args.db) as storage:
         if args.replace:
             storage.drop([task.sink for task in job.tasks] + list(SYSTEM_TABLES))
+            discard_checkpoint(storage, job.name)
         if args.runner == "flink":
             storage.close()  # the Flink job's writer opens the file itself
             summary = _run_on_flink(job, args, storage.path)
         else:
-            tunnel = tunnel_commands.open_tunnel(args, storage)
+            tunnel = tunnel_commands.open_tunnel(tunnel_options, args.runner, storage)
             runner = DeviceRunner(job, storage, workers=args.workers, quarantine_after=args.quarantine_after,
-                                  tunnel=tunnel)
+                                  tunnel=tunnel, state_ttl_s=args.state_ttl, max_users=args.max_users,
+                                  checkpoint_interval_s=args.checkpoint_interval)
             try:
-                summary = runner.run(track(source, desc=f"{job.name} on {args.runner}"))
+                summary = runner.run(source, progress=lambda records: track(records, desc=f"{job.name} on device"))
             finally:
                 runner.close()
                 if tunnel is not None:
-                    tunnel_line = tunnel_commands.close_tunnel(tunnel, args.tunnel_wait)
+                    tunnel_line = tunnel_commands.close_tunnel(tunnel, tunnel_options.wait_s)
     where = f" (cluster {args.cluster})" if args.runner == "flink" and args.cluster else ""
     print(f"job {job.name} ran on the {args.runner} runner{where} over {args.events}")
     print(summary)
@@ -149,33 +286,14 @@ def _show(value: object) -> str:
     return f"<{len(value)} bytes>" if isinstance(value, bytes) else str(value)
 
 
-def _run_on_flink(job: Job, args: argparse.Namespace, db: Path) -> RunSummary:
+def _run_on_flink(job: Job, args: RunOptions, db: Path) -> RunSummary:
     try:
-        from streamflow.runners.flink import run_flink
+        from streamflow.flink.runner import run_flink
     except ImportError as exc:
         raise ValueError(str(exc)) from exc
-    return run_flink(job, args.events, args.format, db, cluster=args.cluster, parallelism=args.parallelism,
-                     pace_ms=args.pace_ms)
-
-
-def _flink_cluster(args: argparse.Namespace) -> int:
-    """``streamflow flink-cluster start|stop|status``: see :mod:`streamflow.flink_cluster`."""
-    from streamflow import flink_cluster
-
-    try:
-        if args.action == "start":
-            overview = flink_cluster.start(port=args.port or flink_cluster.DEFAULT_PORT, directory=args.dir)
-            print(f"Flink cluster up: http://127.0.0.1:{args.port or flink_cluster.DEFAULT_PORT} {overview}")
-        elif args.action == "stop":
-            print("stopped" if flink_cluster.stop(args.dir) else "no cluster running")
-        else:
-            overview = flink_cluster.status(args.port, args.dir)
-            print(overview if overview is not None else "no Flink cluster answers")
-            return 0 if overview is not None else 1
-    except flink_cluster.ClusterError as exc:
-        print(f"streamflow: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_flink(job, args.events, args.fmt, db, cluster=args.cluster, parallelism=args.parallelism,
+                     pace_ms=args.pace_ms, checkpoint_dir=args.checkpoint_dir,
+                     checkpoint_interval_ms=round((args.checkpoint_interval or 10) * 1000))
 
 
 if __name__ == "__main__":

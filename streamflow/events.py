@@ -21,6 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from operators.process import ValueStateDescriptor
+from streamflow.keyed import KeyedStore
+
 PAGE_ENTER = "page_enter"
 PAGE_EXIT = "page_exit"
 
@@ -93,9 +96,9 @@ class TimestampGuard:
     """Rejects absurd timestamps and timestamps that go backwards within a user's stream.
 
     Event time must be plausible (after 2000-01-01 and at most ``max_future_skew_s`` ahead of the
-    wall clock) and non-decreasing per user: the device runtime processes each user's events in
-    the order the app produced them, so a step back in time means a broken clock or a corrupt
-    record, not a late event.
+    wall clock at the time of the check) and non-decreasing per user: the device runtime processes
+    each user's events in the order the app produced them, so a step back in time means a broken
+    clock or a corrupt record, not a late event.
 
     Example:
         >>> guard = TimestampGuard()
@@ -105,21 +108,48 @@ class TimestampGuard:
         'timestamp goes backwards: 1511848000.0 < 1511848894.0, the previous event of user u1'
     """
 
-    def __init__(self, min_ts: float = MIN_PLAUSIBLE_TS, max_future_skew_s: float = MAX_FUTURE_SKEW_S):
+    def __init__(self, min_ts: float = MIN_PLAUSIBLE_TS, max_future_skew_s: float = MAX_FUTURE_SKEW_S,
+                 state_ttl_s: float | None = None):
         self.min_ts = min_ts
+        self.max_future_skew_s = max_future_skew_s
+        #: The upper bound as of the last clock reading; the clock is read again only when a stamp
+        #: exceeds it (the bound only grows, so a stamp within it is within the true bound too).
         self.max_ts = time.time() + max_future_skew_s
-        self._last: dict[str, float] = {}
+        #: Each user's last accepted timestamp; with ``state_ttl_s``, forgotten after that long of stream
+        #: time (the largest timestamp accepted) without an event of the user.
+        self._last = KeyedStore(ValueStateDescriptor("last_ts", ttl_s=state_ttl_s))
+        self._clock = 0
 
     def check(self, user_id: str, ts: float) -> str | None:
         """The reason ``ts`` is rejected for ``user_id``, or ``None`` (and remember it) if fine."""
-        reason = self.reason(user_id, ts, self._last.get(user_id))
+        last = self._last
+        reason = self.reason(user_id, ts, last.get(user_id, self._clock))
         if reason is None:
-            self._last[user_id] = ts
+            clock = round(ts * 1000)
+            if clock > self._clock:
+                self._clock = clock
+                last.expire(clock)
+            last.set(user_id, ts, self._clock)
         return reason
 
+    @property
+    def users_held(self) -> int:
+        """Users whose last timestamp is remembered."""
+        return len(self._last.data)
+
+    def snapshot(self) -> tuple[KeyedStore, int]:
+        """Each user's last accepted timestamp and the stream clock (for a checkpoint; the bounds follow
+        the wall clock, not it)."""
+        return self._last, self._clock
+
+    def restore(self, snapshot: tuple[KeyedStore, int]) -> None:
+        """Continue from a :meth:`snapshot`."""
+        self._last, self._clock = snapshot
     def reason(self, user_id: str, ts: float, last_ts: float | None) -> str | None:
         """The same check against a user's last accepted ``last_ts`` kept by the caller (e.g. in
         a runner's keyed state)."""
+        if ts > self.max_ts:
+            self.max_ts = time.time() + self.max_future_skew_s
         if not (self.min_ts <= ts <= self.max_ts):  # also catches NaN
             return (f"absurd timestamp: {ts!r} is outside [{self.min_ts:.0f}, {self.max_ts:.0f}] "
                     "(2000-01-01 .. now + skew)")

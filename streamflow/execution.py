@@ -1,38 +1,32 @@
-"""A job's trigger tasks compiled for execution: what every runner does per user and per event.
+"""A job's trigger tasks compiled for execution, and run as one keyed process function.
 
 :class:`TaskExecution` holds the trigger trie, each task's own copy of its pipeline and the bounds
-of the user sequences the tasks need. A runner keeps one :class:`UserState` per user (the device
-runner in a dict, the Flink runner in keyed state) and for every event calls :meth:`step`, then
-:meth:`run_task` for each task that fired. Runners add plumbing only: where events come from, where
-rows go, threads, state backends.
+of the user sequences the tasks need. :class:`TriggerTasks` is the keyed process function (key:
+the user) every runner executes: per event it appends to the user's sequences and steps the user's
+trie state, both in keyed state (a value state for the dynamic pending list, list states for the
+sequences), then runs each task that fired over the input it asked for. Rows go out as side outputs
+named by their table. Runners add plumbing only: where events come from, where rows go, threads,
+state backends.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from connectors.storage import to_json
 from operators import Operator, run_pipeline
+from operators.process import KeyedProcessFunction, ListStateDescriptor, ValueStateDescriptor
 from streamflow.events import Event
 from streamflow.job import Task
 from streamflow.sequences import UserSequence
 from streamflow.summary import TASK_ERRORS_TABLE, TaskStats
-from streamflow.trie import MatchState, TriggerTrie
+from streamflow.trie import TriggerTrie
 
 log = logging.getLogger("streamflow.execution")
-
-
-class UserState:
-    """One user's position: the trie match state and the recent sequences."""
-
-    __slots__ = ("match", "sequence")
-
-    def __init__(self, match: MatchState, sequence: UserSequence):
-        self.match = match
-        self.sequence = sequence
 
 
 class TaskExecution:
@@ -41,11 +35,9 @@ class TaskExecution:
     Example:
         >>> from operators import Aggregate, Count
         >>> execution = TaskExecution([Task("favs", ["fav"], [Aggregate(n=Count())], input="recent")])
-        >>> user = execution.user("u")
         >>> event = Event("u", "fav", "item", 1.6e9)
-        >>> fired = execution.step(user, event)
-        >>> fired, execution.run_task(fired[0], event, user.sequence)
-        (('favs',), [{'user_id': 'u', 'trigger_ts': 1600000000.0, 'n': 1}])
+        >>> execution.run_task("favs", event, [event])
+        [{'user_id': 'u', 'trigger_ts': 1600000000.0, 'n': 1}]
     """
 
     def __init__(self, tasks: list[Task] | tuple[Task, ...] = (), quarantine_after: int = 5):
@@ -56,11 +48,10 @@ class TaskExecution:
         self.tasks: dict[str, Task] = {}
         self.stats: dict[str, TaskStats] = {}
         self._pipelines: dict[str, list[Operator]] = {}
-        self._max_events = 1
-        self._max_pages = 1
-        #: Users this execution keeps in memory (the device runner's); runners that persist user
-        #: state elsewhere (Flink keyed state) restore it with :meth:`new_user` instead.
-        self.users: dict[str, UserState] = {}
+        #: How many recent events / completed page visits the tasks need (0: none).
+        self.max_events = 0
+        self.max_pages = 0
+        self.on_resize: list[Any] = []  # callbacks(max_events, max_pages) of the sequences kept
         for task in tasks:
             self.register(task)
 
@@ -74,13 +65,13 @@ class TaskExecution:
         self._pipelines[task.name] = copy.deepcopy(list(task.pipeline))
         self.stats.setdefault(task.name, TaskStats())
         # A "page" task needs only the current visit; keep as much history as the others ask for.
-        events = task.history_events if task.input == "recent" else 1
-        pages = task.history_events if task.input == "pages" else 1
-        if events > self._max_events or pages > self._max_pages:
-            self._max_events = max(self._max_events, events)
-            self._max_pages = max(self._max_pages, pages)
-            for user in self.users.values():
-                user.sequence.resize(self._max_events, self._max_pages)
+        events = task.history_events if task.input == "recent" else 0
+        pages = task.history_events if task.input == "pages" else 0
+        if events > self.max_events or pages > self.max_pages:
+            self.max_events = max(self.max_events, events)
+            self.max_pages = max(self.max_pages, pages)
+            for resize in self.on_resize:
+                resize(self.max_events, self.max_pages)
 
     def unregister(self, name: str) -> None:
         """Remove a task."""
@@ -88,39 +79,20 @@ class TaskExecution:
         del self.tasks[name]
         del self._pipelines[name]
 
-    def user(self, user_id: str) -> UserState:
-        """The in-memory state of ``user_id`` (new if unseen)."""
-        user = self.users.get(user_id)
-        if user is None:
-            user = self.users[user_id] = self.new_user()
-        return user
-
-    def new_user(self, sequence: UserSequence | None = None, pending_nodes: frozenset[int] = frozenset()) -> UserState:
-        """State for a user seen for the first time, or restored from a persisted sequence and
-        dynamic pending list. Not kept: see :meth:`user`."""
-        if sequence is None:
-            sequence = UserSequence(self._max_events, self._max_pages)
-        return UserState(self.trie.restore(pending_nodes), sequence)
-
-    def step(self, user: UserState, event: Event) -> tuple[str, ...]:
-        """Append ``event`` to the user's sequences and advance the trie; the tasks that fire."""
-        user.sequence.append(event)
-        user.match, fired = self.trie.step(user.match, event)
-        return fired
-
-    def run_task(self, name: str, event: Event, sequence: UserSequence) -> list[dict[str, Any]] | Exception:
-        """Run task ``name`` fired by ``event``: its rows (``user_id`` and ``trigger_ts`` first), or
-        the exception its pipeline raised (a task's failure is data for the runner, not a crash)."""
+    def inputs(self, name: str, event: Event, sequence: UserSequence) -> list[Any]:
+        """What task ``name``, fired by ``event``, runs over (see ``Task.input``)."""
         task = self.tasks[name]
+        if task.input == "page":
+            return sequence.current_page()
+        since = event.ts - task.history_s if task.history_s is not None else None
+        if task.input == "recent":
+            return sequence.recent_events(since, task.history_events)
+        return sequence.recent_pages(since, task.history_events)
+
+    def run_task(self, name: str, event: Event, items: list[Any]) -> list[dict[str, Any]] | Exception:
+        """Run task ``name`` fired by ``event`` over ``items``: its rows (``user_id`` and ``trigger_ts``
+        first), or the exception its pipeline raised (a task's failure is data for the runner, not a crash)."""
         try:
-            if task.input == "page":
-                items: list[Any] = sequence.current_page()
-            else:
-                since = event.ts - task.history_s if task.history_s is not None else None
-                if task.input == "recent":
-                    items = sequence.recent_events(since, task.history_events)
-                else:
-                    items = sequence.recent_pages(since, task.history_events)
             rows = run_pipeline(self._pipelines[name], items)
         except Exception as exc:
             return exc
@@ -151,8 +123,88 @@ class TaskExecution:
             self.unregister(name)
             log.error("task %s quarantined after %d consecutive failures; last: %s", name,
                       stats.consecutive_errors, error)
-        return TASK_ERRORS_TABLE, [{
-            "task": name, "user_id": event.user_id, "trigger_ts": event.ts,
-            "trigger_event": json.dumps(event.to_dict(), default=str), "error": error,
-            "traceback": "".join(traceback.format_exception(outcome)),
-        }]
+        return TASK_ERRORS_TABLE, [task_error_row(name, event, outcome)]
+
+
+def task_error_row(task: str, event: Event, error: Exception) -> dict[str, Any]:
+    """The ``task_errors`` row of a task that raised on ``event``."""
+    return {"task": task, "user_id": event.user_id, "trigger_ts": event.ts,
+            "trigger_event": to_json(event.to_dict()), "error": f"{type(error).__name__}: {error}",
+            "traceback": "".join(traceback.format_exception(error))}
+
+
+class TriggerTasks(KeyedProcessFunction):
+    """A job's trigger tasks as one keyed process function over app events, keyed by user.
+
+    State per user: ``match`` (the dynamic pending list in the trie) and the sequences
+    (:class:`~streamflow.sequences.UserSequence` over the list states ``recent``, ``pages`` and
+    ``open_page``), each dropped after ``state_ttl_s`` of stream time without a write. Rows go to
+    ``ctx.side(table, row)``: the task's sink, or ``task_errors``.
+    With ``workers > 1``, tasks that fire on the same event run concurrently (useful when their
+    operators release the GIL, as model inference does); their rows still come out in task order.
+
+    Example:
+        >>> from operators import Aggregate, Count
+        >>> from streamflow.keyed import KeyedRuntime
+        >>> tasks = TriggerTasks(TaskExecution([Task("favs", ["fav"], [Aggregate(n=Count())], input="recent")]))
+        >>> runtime = KeyedRuntime(tasks)
+        >>> runtime.process("u", Event("u", "fav", "item", 1.6e9))
+        [('favs', {'user_id': 'u', 'trigger_ts': 1600000000.0, 'n': 1})]
+    """
+
+    def __init__(self, execution: TaskExecution, workers: int = 1, state_ttl_s: float | None = None):
+        self.execution = execution
+        self.workers = workers
+        self.state_ttl_s = state_ttl_s
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("_pool", "match", "sequence"):  # threads and state handles are per runtime
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pool = None
+
+    def open(self, ctx: Any) -> None:
+        execution = self.execution
+        ttl = self.state_ttl_s
+        self.match = ctx.get_state(ValueStateDescriptor("match", ttl))
+        self.sequence = UserSequence(execution.max_events, execution.max_pages,
+                                     recent=ctx.get_state(ListStateDescriptor("recent", ttl)),
+                                     pages=ctx.get_state(ListStateDescriptor("pages", ttl)),
+                                     open_page=ctx.get_state(ListStateDescriptor("open_page", ttl)))
+        execution.on_resize.append(self.sequence.resize)
+
+    def on_event(self, event: Event, ctx: Any) -> None:
+        execution, sequence = self.execution, self.sequence
+        sequence.append(event)
+        trie = execution.trie
+        if trie.single_step:  # nothing to remember between events: no state access
+            fired = trie.step(trie.initial_state(), event)[1]
+        else:
+            before = self.match.value() or trie.initial_state()
+            state, fired = trie.step(before, event)
+            if state is not before:
+                self.match.update(state)
+        if not fired:
+            return
+        if len(fired) == 1 or self.workers <= 1:
+            outcomes = [execution.run_task(name, event, execution.inputs(name, event, sequence)) for name in fired]
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="streamflow-task")
+            futures = [self._pool.submit(execution.run_task, name, event, execution.inputs(name, event, sequence))
+                       for name in fired]
+            outcomes = [future.result() for future in futures]
+        for name, outcome in zip(fired, outcomes, strict=True):
+            table, rows = execution.settle(name, event, outcome)
+            for row in rows:
+                ctx.side(table, row)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from operators import Operator
+from operators import Operator, Process, TimeWindow
 from streamflow.trie import normalize_condition
 from streamflow.windowing import StreamPlan
 
@@ -79,11 +79,30 @@ class Task:
             StreamPlan.of(self.name, self.pipeline)
         else:
             self.trigger = normalize_condition(self.trigger or ())
+            _refuse_stream_only_options(self.name, self.pipeline)
         if self.history_events < 1:
             raise ValueError(f"task {self.name!r}: history_events must be >= 1")
         self.sink = self.sink or self.name
         if not _NAME.match(self.sink):
             raise ValueError(f"task {self.name!r}: sink {self.sink!r} must be letters, digits and underscores")
+
+
+def _refuse_stream_only_options(task: str, pipeline: list[Operator]) -> None:
+    """A trigger task's pipeline has no watermark: refuse what would be silently ignored or cannot run there."""
+    for op in pipeline:
+        if isinstance(op, Process):
+            raise TypeError(f"task {task!r}: Process keeps state across events and fires timers, so it runs in a "
+                            "stream task (input='stream'), not over a trigger task's finite list")
+        if not isinstance(op, TimeWindow):
+            continue
+        for option in ("allowed_lateness", "out_of_orderness"):
+            if getattr(op, option):
+                raise ValueError(
+                    f"task {task!r}: TimeWindow({option}={getattr(op, option)}) has no effect in a trigger task: "
+                    "its pipeline runs over a finite sequence once per firing, so there is no watermark and "
+                    "nothing is late; drop the option, or make it a stream task (input=\"stream\") where "
+                    "windows close as event time passes")
+
 
 
 class Job:

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -66,8 +65,34 @@ class PageVisit:
         return PageVisit, (self.user_id, self.page_id, self.enter_ts, self.exit_ts, self.events)
 
 
+class MemoryList:
+    """A list state of one key, in memory: what :class:`UserSequence` keeps when no runner gives it state."""
+
+    __slots__ = ("values",)
+
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+
+    def get(self) -> list[Any]:
+        return self.values
+
+    def add(self, value: Any) -> None:
+        self.values.append(value)
+
+    def update(self, values: Iterable[Any]) -> None:
+        self.values = list(values)
+
+    def clear(self) -> None:
+        self.values = []
+
+
 class UserSequence:
-    """The recent time-level and page-level sequences of one user.
+    """The recent time-level and page-level sequences of one user, kept in three list states.
+
+    ``recent``, ``pages`` and ``open_page`` are list-state handles (``get``, ``add``, ``update``,
+    ``clear``): a runner's keyed state, so a sequence is never stored as one blob, or in-memory lists
+    by default. ``max_events`` / ``max_pages`` bound what is kept (0: that sequence is not kept at
+    all); a bounded list is trimmed when it reaches twice its bound, so an append costs O(1) amortized.
 
     Example:
         >>> seq = UserSequence(max_events=10, max_pages=5)
@@ -77,46 +102,58 @@ class UserSequence:
         ['page_enter', 'fav']
     """
 
-    __slots__ = ("recent", "pages", "_open")
+    __slots__ = ("recent", "pages", "open_page", "max_events", "max_pages", "_current")
 
-    def __init__(self, max_events: int = 256, max_pages: int = 32):
-        self.recent: deque[Event] = deque(maxlen=max_events)
-        self.pages: deque[PageVisit] = deque(maxlen=max_pages)
-        self._open: list[Event] | None = None
-
-    def __reduce__(self) -> tuple:
-        return _restore_sequence, (self.recent.maxlen, self.pages.maxlen, list(self.recent), list(self.pages),
-                                   self._open)
+    def __init__(self, max_events: int = 256, max_pages: int = 32, recent: Any = None, pages: Any = None,
+                 open_page: Any = None):
+        self.recent = recent if recent is not None else MemoryList()
+        self.pages = pages if pages is not None else MemoryList()
+        self.open_page = open_page if open_page is not None else MemoryList()
+        self.max_events = max_events
+        self.max_pages = max_pages
+        self._current: list[Event] = []  # the current page, as of the latest append
 
     def resize(self, max_events: int, max_pages: int) -> None:
-        """Change the bounds, keeping the most recent events and visits."""
-        self.recent = deque(self.recent, maxlen=max_events)
-        self.pages = deque(self.pages, maxlen=max_pages)
+        """Change the bounds (of every user's sequences, when the handles are keyed state)."""
+        self.max_events = max_events
+        self.max_pages = max_pages
 
     def append(self, event: Event) -> PageVisit | None:
         """Add the next event; return the page visit it completes, if it is a page exit."""
-        self.recent.append(event)
+        if self.max_events:
+            _append_bounded(self.recent, event, self.max_events)
         kind = event.event_id
         if kind == PAGE_ENTER:
-            if self._open is not None:
-                self.pages.append(PageVisit.of(self._open))
-            self._open = [event]
+            opened = self.open_page.get()
+            if opened:
+                self._add_page(PageVisit.of(list(opened)))
+            self.open_page.update([event])
+            self._current = [event]
             return None
         if kind == PAGE_EXIT:
-            opened = self._open
-            if opened is not None and opened[0].page_id == event.page_id:
-                opened.append(event)
-                visit = PageVisit.of(opened)
+            opened = self.open_page.get()
+            if opened and opened[0].page_id == event.page_id:
+                visit = PageVisit.of([*opened, event])
             else:
-                if opened is not None:  # that page's exit was never reported: it ends at its last event
-                    self.pages.append(PageVisit.of(opened))
+                if opened:  # that page's exit was never reported: it ends at its last event
+                    self._add_page(PageVisit.of(list(opened)))
                 visit = PageVisit.of([event])
-            self._open = None
-            self.pages.append(visit)
+            if opened:
+                self.open_page.clear()
+            self._add_page(visit)
+            self._current = visit.events
             return visit
-        if self._open is not None:
-            self._open.append(event)
+        opened = self.open_page.get()
+        if opened:
+            self._current = [*opened, event]
+            self.open_page.add(event)
+        else:
+            self._current = [event]
         return None
+
+    def _add_page(self, visit: PageVisit) -> None:
+        if self.max_pages:
+            _append_bounded(self.pages, visit, self.max_pages)
 
     def current_page(self) -> list[Event]:
         """Events of the page visit in progress (or just completed by the latest event).
@@ -124,21 +161,25 @@ class UserSequence:
         If the latest event is a page exit, that completed visit; if no page is open, just the
         latest event.
         """
-        if self._open is not None:
-            return list(self._open)
-        if self.recent and self.recent[-1].event_id == PAGE_EXIT and self.pages:
-            return list(self.pages[-1].events)
-        return list(self.recent)[-1:]
+        return list(self._current)
 
     def recent_events(self, since_ts: float | None = None, limit: int | None = None) -> list[Event]:
         """The time-level sequence, oldest first, optionally only events at or after ``since_ts``
         and only the last ``limit``."""
-        return _tail(self.recent, lambda e: e.ts, since_ts, limit)
+        return _tail(self.recent.get()[-self.max_events:] if self.max_events else [], lambda e: e.ts, since_ts, limit)
 
     def recent_pages(self, since_ts: float | None = None, limit: int | None = None) -> list[PageVisit]:
         """The page-level sequence (completed visits), oldest first, filtered like :meth:`recent_events`
         (by exit time)."""
-        return _tail(self.pages, lambda p: p.exit_ts, since_ts, limit)
+        return _tail(self.pages.get()[-self.max_pages:] if self.max_pages else [], lambda p: p.exit_ts,
+                     since_ts, limit)
+
+
+def _append_bounded(values: Any, item: Any, bound: int) -> None:
+    held = values.get()
+    if len(held) >= 2 * bound:
+        values.update(held[-(bound - 1):] if bound > 1 else [])
+    values.add(item)
 
 
 def _tail(items: Iterable[T], ts_of: Callable[[T], float], since_ts: float | None, limit: int | None) -> list[T]:
@@ -146,12 +187,3 @@ def _tail(items: Iterable[T], ts_of: Callable[[T], float], since_ts: float | Non
     if since_ts is not None:
         out = [item for item in out if ts_of(item) >= since_ts]
     return out[-limit:] if limit is not None else out
-
-
-def _restore_sequence(max_events: int, max_pages: int, recent: list[Event], pages: list[PageVisit],
-                      open_page: list[Event] | None) -> UserSequence:
-    sequence = UserSequence(max_events, max_pages)
-    sequence.recent.extend(recent)
-    sequence.pages.extend(pages)
-    sequence._open = open_page
-    return sequence

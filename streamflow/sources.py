@@ -1,6 +1,7 @@
 """Event sources: files that become app events, with every bad record reported, never dropped.
 
-Each source iterates ``Event | Rejected`` in file order. Two formats:
+Each source iterates ``Event | Rejected`` in file order (a line that is not valid UTF-8 is a
+``Rejected`` too, never rewritten). Two formats:
 
 - :class:`TaobaoBehaviorSource` reads the Taobao UserBehavior CSV and turns it into app events.
 - :class:`JsonLinesSource` reads one JSON event per line (``user_id, event_id, page_id, ts,
@@ -11,14 +12,17 @@ Each source iterates ``Event | Rejected`` in file order. Two formats:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from operators.process import ValueStateDescriptor
 from streamflow.events import PAGE_ENTER, PAGE_EXIT, Event, Rejected, TimestampGuard
+from streamflow.keyed import KeyedStore
 
 ITEM_PAGE = "item"
 TAOBAO_BEHAVIORS = frozenset(("pv", "fav", "cart", "buy"))
@@ -26,6 +30,9 @@ TAOBAO_BEHAVIORS = frozenset(("pv", "fav", "cart", "buy"))
 DEFAULT_INACTIVITY_GAP_S = 1800.0
 # Plain ASCII digits, at most 15 of them (int() would also take "1_000", "١٢" or 5,000 digits).
 _INTEGER = re.compile(r"-?[0-9]{1,15}")
+# A line TaobaoBehaviorSource.parse accepts without stripping anything (its fast path).
+_CLEAN_LINE = re.compile(r"([^,\s]+),([^,\s]+),([^,\s]+),(pv|fav|cart|buy),(-?[0-9]{1,15})").fullmatch
+_IDENTITY_BYTES = 1 << 20
 
 
 class LineSource:
@@ -40,11 +47,16 @@ class LineSource:
     - ``end_events(user, state)``: the events still owed at the end of the input.
     """
 
-    def __init__(self, path: str | Path, guard: TimestampGuard | None = None):
+    def __init__(self, path: str | Path, guard: TimestampGuard | None = None, state_ttl_s: float | None = None):
         self.path = Path(path)
         self.name = str(path)
         self._guard = guard
         self._lines: list[str] | None = None
+        #: A user's per-user state (and last timestamp) is dropped after this long of stream time (the
+        #: largest timestamp read) without a record of the user, once its owed events (``end_events``)
+        #: are out: memory stays bounded by the users active within the TTL. It assumes records arrive
+        #: roughly in time order across users (as on a live device); by default nothing is dropped.
+        self.state_ttl_s = state_ttl_s
 
     @classmethod
     def from_lines(cls, lines: list[str], name: str = "<lines>", **kwargs: Any) -> Self:
@@ -59,26 +71,27 @@ class LineSource:
             lines: Iterable[str] = self._lines
             yield from _numbered(lines)
         else:
-            with open(self.path, encoding="utf-8", errors="replace") as f:
+            # Bytes that are not UTF-8 become lone surrogates, so that reading can reject their line.
+            with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
                 yield from _numbered(f)
 
     def __iter__(self) -> Iterator[Event | Rejected]:
-        guard = self._guard or TimestampGuard()
-        states: dict[str, Any] = {}
-        for line_no, raw in self.numbered_lines():
-            parsed = self.parse(raw)
-            if isinstance(parsed, str):
-                yield Rejected(self.name, line_no, parsed, raw)
-                continue
-            user = self.user_of(parsed)
-            reason = guard.check(user, self.ts_of(parsed))
-            if reason is not None:
-                yield Rejected(self.name, line_no, reason, raw)
-                continue
-            states[user], events = self.user_events(states.get(user), parsed)
-            yield from events
-        for user, state in states.items():
-            yield from self.end_events(user, state)
+        return iter(self.read())
+
+    def read(self, resume: SourcePosition | None = None) -> SourceReader:
+        """The records, from the start or from where a checkpoint's ``resume`` position left off."""
+        return SourceReader(self, resume)
+
+    def identity(self) -> dict[str, Any]:
+        """What identifies this input across runs (checkpoints): its size and a digest of its first MiB."""
+        if self._lines is None:
+            with open(self.path, "rb") as f:
+                head = f.read(_IDENTITY_BYTES)
+            size = self.path.stat().st_size
+        else:
+            text = "\n".join(self._lines).encode()
+            head, size = text[:_IDENTITY_BYTES], len(text)
+        return {"size": size, "head_sha256": hashlib.sha256(head).hexdigest()}
 
     def parse(self, raw: str) -> Any:
         raise NotImplementedError
@@ -94,6 +107,130 @@ class LineSource:
 
     def end_events(self, user: str, state: Any) -> list[Event]:
         return []
+
+
+def invalid_utf8(raw: str) -> tuple[str, str] | None:
+    r"""``(reason, the line with its bad bytes escaped)`` for a line read with ``surrogateescape``
+    that was not valid UTF-8, or ``None`` for a good line.
+
+    Example:
+        >>> reason, raw = invalid_utf8(b"1,10\xff,7".decode("utf-8", "surrogateescape"))
+        >>> print(reason, raw, sep="\n")
+        invalid UTF-8: invalid start byte b'\xff' at byte 4 of the line
+        1,10\xff,7
+    """
+    try:
+        raw.encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        pass
+    try:
+        data = raw.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as exc:  # a surrogate that no undecodable byte made (in-memory lines)
+        return (f"invalid UTF-8: unpaired surrogate {raw[exc.start:exc.end]!r} at character {exc.start} of the line",
+                raw.encode("utf-8", "backslashreplace").decode("utf-8"))
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        reason = f"invalid UTF-8: {exc.reason} {data[exc.start:exc.end]!r} at byte {exc.start} of the line"
+        return reason, data.decode("utf-8", "backslashreplace")
+    return None
+
+
+@dataclass
+class SourcePosition:
+    """Where a read of a :class:`LineSource` stands, as a checkpoint keeps it.
+
+    ``line``: the last line read (1-based; later lines are still to come); ``states``: the format's
+    per-user state; ``last_ts``: the source's timestamp guard (each user's last accepted time);
+    ``pending``: records of the last line (or of the end of the input) not handed out yet; ``clock``:
+    the largest timestamp read (ms), on which per-user state expires (``state_ttl_s``).
+    """
+
+    line: int = 0
+    states: KeyedStore | None = None
+    last_ts: Any = None
+    pending: list[Event | Rejected] = field(default_factory=list)
+    clock: int = 0
+
+
+class SourceReader:
+    """One read of a :class:`LineSource`: iterate it for the records; :meth:`position_after` says where
+    it stands, so that a checkpoint can resume it (:meth:`LineSource.read`).
+
+    Example:
+        >>> src = TaobaoBehaviorSource.from_lines(["1,10,7,pv,1511848894", "1,10,7,buy,1511848900"])
+        >>> reader = src.read()
+        >>> records = iter(reader)
+        >>> first = next(records)
+        >>> position = reader.position_after(first)
+        >>> [e.event_id for e in src.read(position)]
+        ['buy', 'page_exit']
+    """
+
+    def __init__(self, source: LineSource, resume: SourcePosition | None = None):
+        self.source = source
+        start = resume or SourcePosition()
+        self.line = start.line
+        self.states = start.states or KeyedStore(ValueStateDescriptor("adapter", ttl_s=source.state_ttl_s))
+        self.clock = start.clock
+        self.guard = source._guard or TimestampGuard(state_ttl_s=source.state_ttl_s)
+        if resume is not None and start.last_ts is not None:
+            self.guard.restore(start.last_ts)
+        self.pending: list[Event | Rejected] = start.pending
+
+    def position_after(self, record: Event | Rejected | None) -> SourcePosition:
+        """The position once ``record`` (the last record taken from this reader) is processed."""
+        pending = self.pending
+        remaining = next((pending[i + 1:] for i, p in enumerate(pending) if p is record), [])
+        return SourcePosition(self.line, self.states, self.guard.snapshot(), remaining, self.clock)
+
+    def __iter__(self) -> Iterator[Event | Rejected]:
+        source, states = self.source, self.states
+        owed: list[Event] = []
+
+        def expired(user: str, state: Any) -> None:
+            owed.extend(source.end_events(user, state))
+
+        yield from self.pending
+        lines = source.numbered_lines()
+        if self.line:
+            skip = self.line
+            lines = (numbered for numbered in lines if numbered[0] > skip)
+        # bound once: this loop runs per line
+        name, parse, user_of, ts_of, user_events = source.name, source.parse, source.user_of, source.ts_of, \
+            source.user_events
+        check, ttl = self.guard.check, states.ttl
+        for line_no, raw in lines:
+            self.line = line_no
+            if not raw.isascii() and (bad := invalid_utf8(raw)) is not None:
+                yield Rejected(name, line_no, *bad)
+                continue
+            parsed = parse(raw)
+            if type(parsed) is str:
+                yield Rejected(name, line_no, parsed, raw)
+                continue
+            user, ts = user_of(parsed), ts_of(parsed)
+            reason = check(user, ts)
+            if reason is not None:
+                yield Rejected(name, line_no, reason, raw)
+                continue
+            if ttl is not None and round(ts * 1000) > self.clock:
+                self.clock = round(ts * 1000)
+                states.expire(self.clock, expired)  # the pages idle users still owe come out first
+            state, events = user_events(states.get(user, self.clock), parsed)
+            states.set(user, state, self.clock)
+            if owed:
+                events = [*owed, *events]
+                owed.clear()
+            self.pending = events
+            yield from events
+        self.pending = [event for user, state in states.data.items() for event in source.end_events(user, state)]
+        states.data.clear()
+        if states.written is not None:
+            states.written.clear()
+        yield from self.pending
+        self.pending = []
 
 
 def _numbered(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
@@ -137,8 +274,11 @@ class TaobaoBehaviorSource(LineSource):
     """
 
     def __init__(self, path: str | Path, inactivity_gap_s: float = DEFAULT_INACTIVITY_GAP_S,
-                 guard: TimestampGuard | None = None):
-        super().__init__(path, guard)
+                 guard: TimestampGuard | None = None, state_ttl_s: float | None = None):
+        if state_ttl_s is not None and state_ttl_s < inactivity_gap_s:
+            raise ValueError(f"state_ttl_s ({state_ttl_s}) must be >= the page inactivity gap ({inactivity_gap_s} s): "
+                             "a page is exited after that gap, and its state must live until then")
+        super().__init__(path, guard, state_ttl_s)
         self.inactivity_gap_s = inactivity_gap_s
 
     def user_of(self, parsed: tuple[str, str, str, str, float]) -> str:
@@ -156,6 +296,15 @@ class TaobaoBehaviorSource(LineSource):
 
     @staticmethod
     def parse(raw: str) -> tuple[str, str, str, str, float] | str:
+        clean = _CLEAN_LINE(raw)
+        if clean is not None:  # the usual line, accepted in one regex match: what parse_checked gives it
+            user, item, category, behavior, ts_text = clean.groups()
+            return user, item, category, behavior, float(ts_text)
+        return TaobaoBehaviorSource.parse_checked(raw)
+
+    @staticmethod
+    def parse_checked(raw: str) -> tuple[str, str, str, str, float] | str:
+        """:meth:`parse` field by field: the fields, or the reason for the first check that fails."""
         parts = raw.split(",")
         if len(parts) != 5:
             return (f"malformed CSV line: expected 5 comma-separated fields "
@@ -179,17 +328,16 @@ def item_page_events(page: OpenPage | None, user: str, item: str, category: str,
     The per-user state machine of :class:`TaobaoBehaviorSource` (see its docstring), separate so
     that a runner can keep ``page`` in its own per-user state.
     """
-    events = []
     contents = {"item_id": item, "category_id": category}
-    if page is not None and ts - page.last_ts > gap:
-        events.append(page_exit(user, page, page.last_ts))
-        page = None
-    if page is not None and page.item_id == item:
+    if page is None:
+        events = []
+    elif ts - page.last_ts > gap:
+        events = [page_exit(user, page, page.last_ts)]
+    elif page.item_id == item:
         page.last_ts = ts
-        events.append(Event(user, behavior, ITEM_PAGE, ts, contents))
-        return page, events
-    if page is not None:
-        events.append(page_exit(user, page, ts))
+        return page, [Event(user, behavior, ITEM_PAGE, ts, contents)]
+    else:
+        events = [page_exit(user, page, ts)]
     page = OpenPage(item, category, ts)
     if behavior == "pv":
         events.append(Event(user, PAGE_ENTER, ITEM_PAGE, ts, contents))
@@ -269,7 +417,8 @@ def event_from_json(raw: str) -> Event | str:
 FORMATS = {"taobao": TaobaoBehaviorSource, "jsonl": JsonLinesSource}
 
 
-def open_source(path: str | Path, fmt: str | None = None) -> TaobaoBehaviorSource | JsonLinesSource:
+def open_source(path: str | Path, fmt: str | None = None,
+                state_ttl_s: float | None = None) -> TaobaoBehaviorSource | JsonLinesSource:
     """The source for ``path``: ``fmt`` if given, else ``.csv`` → taobao, ``.jsonl``/``.json`` → jsonl.
 
     Example:
@@ -286,4 +435,4 @@ def open_source(path: str | Path, fmt: str | None = None) -> TaobaoBehaviorSourc
         raise ValueError(f"unknown event format {fmt!r}; expected one of {', '.join(FORMATS)}")
     if not Path(path).is_file():
         raise FileNotFoundError(f"events file not found: {path}")
-    return FORMATS[fmt](path)
+    return FORMATS[fmt](path, state_ttl_s=state_ttl_s)

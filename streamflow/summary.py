@@ -30,9 +30,13 @@ class RunSummary:
     events_in: int = 0
     tasks_fired: int = 0
     rows_written: dict[str, int] = field(default_factory=dict)
+    #: Rows each table refused (a value no column could take); they are in the dead-letter table.
+    refused_rows: dict[str, int] = field(default_factory=dict)
     rejected: Counter[str] = field(default_factory=Counter)
     task_stats: dict[str, TaskStats] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    #: Users (keys) whose state was dropped to stay under the runner's cap on users held in memory.
+    evicted_users: int = 0
 
     @property
     def rejected_total(self) -> int:
@@ -54,10 +58,15 @@ class RunSummary:
             state = "  QUARANTINED" if stats.quarantined else ""
             lines.append(f"  task {name:<18} fired {stats.fired:>7,}  rows {stats.rows:>7,}  "
                          f"errors {stats.errors:,}{state}")
+        if self.evicted_users:
+            lines.append(f"evicted users    {self.evicted_users:,}  (state dropped: over the cap on users in memory)")
         lines.append(f"rejected records {self.rejected_total:,}" +
                      (f"  (in table {DEAD_LETTER_TABLE})" if self.rejected_total else ""))
         for reason, n in self.rejected.most_common():
             lines.append(f"  {n:>7,}  {reason}")
+        if self.refused_rows:
+            lines.append(f"rows refused     {sum(self.refused_rows.values()):,}  (in table {DEAD_LETTER_TABLE})")
+            lines.extend(f"  {n:>7,}  by table {table}" for table, n in self.refused_rows.items())
         errors = sum(s.errors for s in self.task_stats.values())
         if errors:
             lines.append(f"task errors      {errors:,}  (in table {TASK_ERRORS_TABLE})")

@@ -106,6 +106,11 @@ class MatchState:
         self.exit_steps: dict[str, _Step] = {}  # page exits, by page id
         self.generation = generation
 
+    def __reduce__(self) -> tuple:
+        # Persisted (keyed state, checkpoints) as the pending list alone, never with the cached steps;
+        # no trie has generation -1, so the trie that steps it next re-interns it.
+        return MatchState, (self.pending_nodes, -1)
+
 
 class TriggerTrie:
     """All tasks' trigger conditions in one trie; steps users' events and says which tasks fire.
@@ -134,6 +139,7 @@ class TriggerTrie:
         self._order: dict[str, int] = {}
         self._states: dict[frozenset[int], MatchState] = {}
         self._initial = self._intern(frozenset())
+        self.single_step = True
 
     # -- registration -------------------------------------------------------------------------
     @property
@@ -192,6 +198,8 @@ class TriggerTrie:
 
     def _invalidate(self) -> None:
         self._generation += 1
+        #: Every condition is one trigger id: no user ever has a partial match to keep.
+        self.single_step = all(len(cond) == 1 for cond in self._conditions.values())
         self._order = {name: i for i, name in enumerate(self._conditions)}  # registration order
         self._states = {}
         self._initial = self._intern(frozenset())

@@ -7,6 +7,7 @@ take a broker down and up again get a private one (``private_broker``), so the o
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -61,3 +62,21 @@ class LocalBroker:
                 return True
         except OSError:
             return False
+
+    def pid(self) -> int:
+        """The process listening on this broker's port (to stall it with SIGSTOP, say)."""
+        inodes = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as lines:
+                for line in list(lines)[1:]:
+                    fields = line.split()
+                    if int(fields[1].rsplit(":", 1)[1], 16) == self.port and fields[3] == "0A":  # 0A: LISTEN
+                        inodes.add(f"socket:[{fields[9]}]")
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit():
+                try:
+                    if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                        return int(proc.name)
+                except OSError:
+                    continue
+        raise RuntimeError(f"no process of ours listens on {self.bootstrap}")

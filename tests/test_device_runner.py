@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from connectors.storage import CollectiveStorage
-from operators import Aggregate, Count, KeyBy, Last, Map, Operator, Sum
+from operators import Aggregate, Count, KeyBy, Last, Map, Operator, Sum, TimeWindow
 from streamflow.events import PAGE_ENTER, PAGE_EXIT, Event
 from streamflow.job import Job, Task
 from streamflow.runners.device import DeviceRunner
@@ -112,6 +112,66 @@ def test_success_resets_the_failure_streak(store):
     runner = DeviceRunner(job, store, quarantine_after=2)
     summary = runner.run([ev("u", "fav", t, bad=(t % 2 == 0)) for t in range(6)])
     assert not summary.quarantined and summary.task_stats["flaky"].errors == 3
+
+
+UNSTORABLE = {"tuple_key": {(1, 2): "no JSON key"}, "huge_int": 2**70, "object": object(), "set": {1, 2}}
+
+
+@pytest.mark.parametrize("bad", list(UNSTORABLE))
+@pytest.mark.parametrize("kind", ["trigger", "stream"])
+def test_unstorable_row_goes_to_dead_letter_naming_task_and_row_and_the_run_goes_on(tmp_path, kind, bad):
+    """User x's rows carry a value no table column can take (used to crash the whole run in the
+    storage flush): each such row is dead-lettered with the task and the row, counted, and every
+    other row is stored."""
+    def mark(row):
+        return {**row, "extra": UNSTORABLE[bad] if row["who"] == "x" else 7}
+
+    if kind == "trigger":
+        pipeline = [Aggregate(n=Count(), who=Last("user_id")), Map(mark)]
+        task = Task("t", ["fav"], pipeline, input="recent")
+    else:
+        pipeline = [KeyBy("user_id"), TimeWindow(10), Aggregate(n=Count(), who=Last("user_id")), Map(mark)]
+        task = Task("t", None, pipeline, input="stream")
+    store = CollectiveStorage(tmp_path / "f.duckdb", flush_rows=2)  # flushes in the middle of the run too
+    runner = DeviceRunner(Job("j", [task, Task("steady", ["fav"], [Aggregate(n=Count())], input="page")]), store)
+    events = [ev(user, "fav", t) for t in (0, 15, 30) for user in ("a", "x", "b")]
+    summary = runner.run(events)
+    runner.close()
+
+    assert store.query("SELECT DISTINCT user_id FROM t ORDER BY 1") == [("a",), ("b",)]
+    assert store.query("SELECT count(*) FROM t") == [(6,)]
+    assert store.query("SELECT count(*) FROM steady") == [(9,)]
+    dead = store.query("SELECT source, reason, raw FROM dead_letter")
+    assert len(dead) == 3 and summary.refused_rows == {"t": 3}
+    for source, reason, raw in dead:
+        assert source == "storage:t" and reason.startswith("row of task t refused by table t: "), reason
+        assert json.loads(raw)["user_id"] == "x"
+    assert "rows refused     3  (in table dead_letter)" in str(summary)
+
+
+def test_late_item_json_cannot_take_is_still_stored(store):
+    """A late item whose dict mixes key types (sort_keys fails) or has tuple keys (JSON has none)."""
+    def item(event):
+        return {"user_id": event.user_id, "ts": event.ts, "odd": {1: "a", "b": 2, (3, 4): "c"}}
+
+    job = Job("j", [Task("w", None, [Map(item), KeyBy("user_id"), TimeWindow(10), Aggregate(n=Count())],
+                         input="stream")])
+    runner = DeviceRunner(job, store)
+    runner.run([ev("u", "fav", 0), ev("u", "fav", 100), ev("v", "fav", 1)])  # v's event is late
+    [(task, raw)] = store.query("SELECT task, item FROM late_events")
+    assert task == "w" and json.loads(raw)["odd"] == {"1": "a", "b": 2, "(3, 4)": "c"}
+
+
+def test_events_json_cannot_take_are_still_dead_lettered_and_their_task_errors_recorded(store):
+    job = Job("j", [Task("broken", ["fav"], [Map(lambda e: 1 / 0)], input="page")])
+    runner = DeviceRunner(job, store)
+    odd = {(1, 2): "tuple key"}
+    summary = runner.run([Event("u", "fav", "item", 12.0, odd), ev("u", "fav", 1, **{"k": odd})])
+    assert summary.rejected_total == 1 and summary.task_stats["broken"].errors == 1
+    [(raw,)] = store.query("SELECT raw FROM dead_letter")
+    assert json.loads(raw)["contents"] == {"(1, 2)": "tuple key"}
+    [(trigger_event,)] = store.query(f"SELECT trigger_event FROM {TASK_ERRORS_TABLE}")
+    assert json.loads(trigger_event)["contents"] == {"k": {"(1, 2)": "tuple key"}}
 
 
 class Rendezvous(Operator):

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("pyflink")
+pytest.importorskip("pyflink", reason="needs the flink extra: pip install 'streamflow[flink]'", exc_type=ImportError)
 if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
     pytest.skip("no Java runtime (Flink needs Java 11+)", allow_module_level=True)
 
-from streamflow import flink_cluster  # noqa: E402
+from streamflow.flink import cluster as flink_cluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,9 +117,9 @@ def test_ipv_job_on_the_cluster_matches_the_device_runner(cluster, tmp_path):
     import duckdb
 
     from connectors.storage import CollectiveStorage
+    from streamflow.flink.runner import run_flink
     from streamflow.job import load_job
     from streamflow.runners.device import DeviceRunner
-    from streamflow.runners.flink import run_flink
     from streamflow.sources import open_source
 
     events = tmp_path / "events.csv"

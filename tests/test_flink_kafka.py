@@ -15,7 +15,7 @@ import duckdb
 import pyarrow as pa
 import pytest
 
-pytest.importorskip("pyflink")
+pytest.importorskip("pyflink", reason="needs the flink extra: pip install 'streamflow[flink]'", exc_type=ImportError)
 pytest.importorskip("kafka")
 if shutil.which("java") is None:
     pytest.skip("the Flink runner needs a Java runtime", allow_module_level=True)
@@ -26,11 +26,11 @@ from connectors.storage import CollectiveStorage  # noqa: E402
 from connectors.tunnel.envelope import encode  # noqa: E402
 from connectors.tunnel.kafka import ensure_topic  # noqa: E402
 from connectors.tunnel.keys import KeyRegistry  # noqa: E402
-from streamflow import flink_kafka  # noqa: E402
+from streamflow.flink import connector_jars as flink_kafka  # noqa: E402
+from streamflow.flink.runner import run_flink  # noqa: E402
+from streamflow.flink.tunnel import run_flink_features  # noqa: E402
 from streamflow.job import load_job  # noqa: E402
 from streamflow.runners.device import DeviceRunner  # noqa: E402
-from streamflow.runners.flink import run_flink  # noqa: E402
-from streamflow.runners.flink_tunnel import run_flink_features  # noqa: E402
 from streamflow.sources import TaobaoBehaviorSource  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,8 @@ def test_a_tampered_jar_in_the_cache_is_refused(cached_jars, tmp_path):
 
 
 def test_a_missing_jar_says_how_to_fetch_it(tmp_path):
-    with pytest.raises(flink_kafka.JarError, match=r"missing; run `make test` or `python -m streamflow.flink_kafka"):
+    hint = r"missing; run `make test` or `python -m streamflow\.flink\.connector_jars fetch`"
+    with pytest.raises(flink_kafka.JarError, match=hint):
         flink_kafka.kafka_jar_urls(tmp_path)
 
 

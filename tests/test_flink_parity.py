@@ -1,6 +1,8 @@
 """Same job, two runners: the device runner and Flink (real PyFlink MiniCluster) emit the same rows.
 
-Both tests run in this pytest process, so they share one JVM (PyFlink starts it once).
+Every test goes through ``streamflow.testing.assert_same_on_runners``, which compares every table
+and the run counters (events in, tasks fired, rejected records, per-task counts). All tests run in
+this pytest process, so they share one JVM (PyFlink starts it once; each run gets a local MiniCluster).
 """
 
 from __future__ import annotations
@@ -9,70 +11,117 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
-import duckdb
 import pytest
 
-pytest.importorskip("pyflink")
+pytest.importorskip("pyflink", reason="needs the flink extra: pip install 'streamflow[flink]'", exc_type=ImportError)
 if shutil.which("java") is None:
     pytest.skip("the Flink runner needs a Java runtime", allow_module_level=True)
 
-from connectors.storage import CollectiveStorage  # noqa: E402
-from streamflow.job import load_job  # noqa: E402
-from streamflow.runners.device import DeviceRunner  # noqa: E402
-from streamflow.runners.flink import run_flink  # noqa: E402
-from streamflow.sources import open_source  # noqa: E402
+from operators import Aggregate, Count, CountDistinct, Filter, KeyBy, Last, Map, TimeWindow  # noqa: E402
+from streamflow.events import Event  # noqa: E402
+from streamflow.job import Job, Task, load_job  # noqa: E402
+from streamflow.testing import assert_same_on_runners  # noqa: E402
+from tests.test_ipv_job import COLUMNS, reference_ipv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "jobs" / "data" / "taobao_user_behavior_10k.csv"
 ACTIVITY = ROOT / "tests" / "data" / "activity.jsonl"
 
 
-def run_device(job_file: Path, events: Path, db: Path):
-    job = load_job(job_file)
-    with CollectiveStorage(db) as storage:
-        runner = DeviceRunner(job, storage)
-        summary = runner.run(open_source(events))
-        runner.close()
-    return summary
+@pytest.fixture(scope="module")
+def sample_in_time_order(tmp_path_factory):
+    """A slice of the shared sample with all users' lines in time order (each user's own order kept):
+    with no event out of order, Flink's periodic watermarks make no event late, as on the device."""
+    lines = SAMPLE.read_text(encoding="utf-8").splitlines()[:3000]
+    path = tmp_path_factory.mktemp("sample") / "slice_by_time.csv"
+    path.write_text("\n".join(sorted(lines, key=lambda line: int(line.rsplit(",", 1)[1]))) + "\n", encoding="utf-8")
+    return path
 
 
-def table(db: Path, name: str) -> list[tuple]:
-    with duckdb.connect(str(db), read_only=True) as con:
-        return sorted(con.sql(f"SELECT * FROM {name}").fetchall(), key=repr)
-
-
-def test_ipv_job_gives_the_same_rows_on_both_runners(tmp_path):
+def test_ipv_job_gives_the_same_rows_on_both_runners_and_the_independent_reference(tmp_path):
     events = tmp_path / "sample_with_bad_lines.csv"
     lines = SAMPLE.read_text(encoding="utf-8").splitlines()
     lines[100:100] = ["999477,1,2,pv", "999477,1,2,teleport,1511848894", "999477,1,2,pv,1e9"]  # malformed
     lines.insert(5000, lines[4999].rsplit(",", 1)[0] + ",1511000000")  # goes back in time for that user
     events.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
-    device = run_device(ROOT / "jobs" / "ipv.py", events, tmp_path / "device.duckdb")
-    flink = run_flink(load_job(ROOT / "jobs" / "ipv.py"), events, db=tmp_path / "flink.duckdb")
+    rows = assert_same_on_runners(load_job(ROOT / "jobs" / "ipv.py"), events)
 
-    device_rows, flink_rows = table(tmp_path / "device.duckdb", "ipv"), table(tmp_path / "flink.duckdb", "ipv")
-    assert len(device_rows) == 10_000
-    assert flink_rows == device_rows
-    assert table(tmp_path / "flink.duckdb", "dead_letter") == table(tmp_path / "device.duckdb", "dead_letter")
-    assert device.rejected_total == flink.rejected_total == 4
-    assert flink.events_in == device.events_in and flink.tasks_fired == device.tasks_fired
+    expected, rejected = reference_ipv(events)
+    assert len(rows["ipv"]) == len(expected) == 10_000
+    assert Counter(tuple(row[c] for c in COLUMNS) for row in rows["ipv"]) == Counter(expected)
+    assert len(rows["dead_letter"]) == rejected == 4
 
 
-def test_sliding_window_job_with_out_of_order_and_late_events(tmp_path):
+def test_sliding_window_job_with_out_of_order_and_late_events():
     """Events of user u3 arrive 8 s after their time (beyond the 5 s watermark bound, within the 10 s
     allowed lateness: late firings), u4's 90 s after (too late for every window: late_events)."""
-    job_file = ROOT / "jobs" / "activity_windows.py"
-    run_device(job_file, ACTIVITY, tmp_path / "device.duckdb")
-    run_flink(load_job(job_file), ACTIVITY, db=tmp_path / "flink.duckdb", pace_ms=150)
-
-    device_rows = table(tmp_path / "device.duckdb", "activity")
-    assert table(tmp_path / "flink.duckdb", "activity") == device_rows
-    assert table(tmp_path / "flink.duckdb", "late_events") == table(tmp_path / "device.duckdb", "late_events")
-    assert table(tmp_path / "flink.duckdb", "dead_letter") == table(tmp_path / "device.duckdb", "dead_letter")
+    rows = assert_same_on_runners(load_job(ROOT / "jobs" / "activity_windows.py"), ACTIVITY, pace_ms=150)
 
     # The input really exercises lateness: u3 has windows fired twice, u4 has events no window took.
-    fired = Counter((row[0], row[1]) for row in device_rows)
+    fired = Counter((row["user_id"], row["window_start"]) for row in rows["activity"])
     assert any(n > 1 for (user, _), n in fired.items() if user == "u3")
-    late = table(tmp_path / "device.duckdb", "late_events")
-    assert late and all('"user_id": "u4"' in row[2] for row in late)
+    assert rows["late_events"] and all('"user_id": "u4"' in row["item"] for row in rows["late_events"])
+
+
+def test_activity_windows_job_on_the_shared_sample(sample_in_time_order):
+    rows = assert_same_on_runners(load_job(ROOT / "jobs" / "activity_windows.py"), sample_in_time_order)
+    assert len(rows["activity"]) > 1000 and "late_events" not in rows
+    assert any(row["buys"] > 0 for row in rows["activity"]) and any(row["items"] > 1 for row in rows["activity"])
+
+
+def test_fractional_windows_and_an_offset_beyond_the_slide_on_both_runners(sample_in_time_order):
+    """Windows of 2.5 s sliding by 0.75 s, offset 7.3 s (Flink itself takes only |offset| < slide).
+    Page exits are left out: the adapter emits them at the page's last activity, out of time order."""
+    job = Job("fractional", [Task("views", None, [
+        Filter(lambda e: e.event_id != "page_exit"),
+        Map(lambda e: {"user_id": e.user_id, "ts": e.ts, "item_id": e["item_id"]}),
+        KeyBy("user_id"), TimeWindow(2.5, slide=0.75, offset=7.3), Aggregate(n=Count(), items=CountDistinct("item_id")),
+    ], input="stream")])
+    rows = assert_same_on_runners(job, sample_in_time_order)
+    starts = {round(row["window_start"] * 1000) for row in rows["views"]}
+    assert all((start - 7300) % 750 == 0 for start in starts) and len(starts) > 100
+    assert "late_events" not in rows
+
+
+def test_a_row_no_table_can_take_is_dead_lettered_alike_on_both_runners():
+    """User x's rows carry an integer beyond 64 bits (it used to crash the run in the storage flush)."""
+    def mark(row):
+        return {**row, "extra": 2**70 if row["who"] == "x" else 7}
+
+    job = Job("unstorable", [Task("t", ["fav"], [Aggregate(n=Count(), who=Last("user_id")), Map(mark)],
+                                  input="recent")])
+    events = [Event(user, "fav", "item", 1511848894.0 + t) for t in (0, 15, 30) for user in ("a", "x", "b")]
+    rows = assert_same_on_runners(job, events)
+    assert [row["who"] for row in rows["t"]] == ["a"] * 3 + ["b"] * 3
+    assert len(rows["dead_letter"]) == 3
+    assert all(row["reason"].startswith("row of task t refused by table t: OverflowError") and '"user_id": "x"'
+               in row["raw"] for row in rows["dead_letter"])
+
+
+def test_assert_same_on_runners_catches_a_job_whose_rows_differ_between_runners():
+    """A job keeping state outside the runner (a counter in a closure) numbers rows 1, 2, 3 on the
+    device; Flink gets its own copy of the closure, shipped after the device run: 4, 5, 6."""
+    calls = {"n": 0}
+
+    def number(row):
+        calls["n"] += 1
+        return {**row, "call": calls["n"]}
+
+    job = Job("hidden_state", [Task("favs", ["fav"], [Aggregate(n=Count()), Map(number)], input="recent")])
+    events = [Event("u", "fav", "item", 1511848894.0 + i) for i in range(3)]
+    with pytest.raises(AssertionError) as failure:
+        assert_same_on_runners(job, events)
+    message = str(failure.value)
+    assert message.startswith("job 'hidden_state': the device and Flink runners disagree")
+    assert "table favs: 3 rows only on the device, 3 only on Flink" in message
+    assert "device only: {'user_id': 'u', 'trigger_ts': 1511848894.0, 'n': 1, 'call': 1}" in message
+    assert "Flink only:  {'user_id': 'u', 'trigger_ts': 1511848894.0, 'n': 1, 'call': 4}" in message
+
+
+def test_session_count_and_process_tasks_give_the_same_rows_on_both_runners():
+    """jobs/sessions.py: session windows (merging, late events), count windows and a user's keyed process
+    function with state, TTL and event-time timers, all on the keyed-state primitive on both runners."""
+    rows = assert_same_on_runners(load_job(ROOT / "jobs" / "sessions.py"), ACTIVITY, pace_ms=150)
+    for name in ("sessions", "every_3_items", "cart_abandoned", "late_events"):
+        assert rows[name], name  # the input exercises every task

@@ -28,6 +28,7 @@ from operators import (
     window_starts,
 )
 from streamflow.events import Event
+from streamflow.job import Task
 
 # --------------------------------------------------------------------------------------------------
 # Filter / Map
@@ -217,6 +218,18 @@ def test_time_window_offset():
 def test_time_window_refuses_bad_sizes(size, slide):
     with pytest.raises(ValueError):
         TimeWindow(size, slide=slide)
+
+
+@pytest.mark.parametrize("option", [{"allowed_lateness": 10}, {"out_of_orderness": 5}])
+@pytest.mark.parametrize("task_input", ["page", "recent", "pages"])
+def test_trigger_task_refuses_stream_only_window_options(option, task_input):
+    """A trigger task's pipeline runs over a finite sequence once per firing: no watermark, nothing
+    late, so these options would be silently ignored there; the job is refused instead."""
+    window = TimeWindow(60, **option)
+    with pytest.raises(ValueError, match=rf"task 't': .*{next(iter(option))}.* finite sequence once per firing"):
+        Task("t", ["fav"], [window, Aggregate(n=Count())], input=task_input)
+    Task("t", None, [KeyBy("user_id"), window, Aggregate(n=Count())], input="stream")  # where they mean something
+    Task("t", ["fav"], [TimeWindow(60), Aggregate(n=Count())], input=task_input)  # plain windows are fine
 
 
 def test_keyby_then_sliding_window_then_aggregate():

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from connectors.storage import CollectiveStorage
 from operators import Aggregate, Count, LastN
@@ -86,6 +89,16 @@ def test_guard_rejects_backwards_per_user_only_and_forgets_rejected():
     assert guard.check("u1", T + 1) is None  # neither rejected stamp moved u1's clock
 
 
+def test_guard_upper_bound_follows_the_clock():
+    """A runtime that runs longer than the allowed skew still takes events stamped now (defect: the
+    bound was fixed at start-up, so every later event became 'absurd')."""
+    guard = TimestampGuard(max_future_skew_s=0.05)
+    time.sleep(0.2)  # the runtime has been up longer than the skew
+    assert guard.check("u", time.time()) is None
+    reason = guard.check("u", time.time() + 60)
+    assert reason is not None and reason.startswith("absurd timestamp")  # the future is still refused
+
+
 # --------------------------------------------------------------------------------------------------
 # sequences
 
@@ -145,7 +158,12 @@ def test_user_sequence_recent_events_bounds():
     assert [e.ts for e in seq.current_page()] == [5.0]  # no page open: the latest event
     seq.resize(5, 2)
     seq.append(Event("u", "fav", "item", 6.0))
-    assert [e.ts for e in seq.recent_events()] == [3.0, 4.0, 5.0, 6.0]
+    # a bound raised keeps the most recent events still held (up to twice the old bound are held)
+    assert [e.ts for e in seq.recent_events()] == [2.0, 3.0, 4.0, 5.0, 6.0]
+    for t in range(7, 20):
+        seq.append(Event("u", "fav", "item", float(t)))
+    assert [e.ts for e in seq.recent_events()] == [15.0, 16.0, 17.0, 18.0, 19.0]
+    assert len(seq.recent.get()) <= 10  # trimmed at twice the bound
 
 
 # --------------------------------------------------------------------------------------------------
@@ -501,6 +519,34 @@ def test_each_bad_jsonl_line_lands_in_dead_letter_and_the_run_goes_on(tmp_path):
     assert rows["favs"][-1]["ts"] == [T + len(cases) - 1, T + len(cases)]
 
 
+def test_bad_utf8_line_goes_to_dead_letter_and_the_rest_of_the_file_is_read(ipv_job, tmp_path):
+    """A line that is not valid UTF-8 is not rewritten (it used to be read with errors="replace" and
+    its item id silently became '10\ufffd\ufffd'): it is rejected with the byte offset and the bad
+    bytes, its raw text kept with those bytes escaped; valid UTF-8 (also multi-byte) reads normally."""
+    path = tmp_path / "events.csv"
+    path.write_bytes(b"\n".join([
+        f"1,10,7,pv,{T}".encode(),
+        f"2,10,7,pv,{T}".encode().replace(b"10", b"10\xff\xfe", 1),  # item id with invalid bytes
+        f"3,caf\u00e9,7,pv,{T}".encode(),  # valid two-byte UTF-8
+        f"4,20,7,pv,{T}".encode() + b"\xc3",  # a multi-byte sequence cut short at the end of the line
+        f"1,10,7,buy,{T + 4}".encode(),
+    ]) + b"\n")
+    summary, dead, rows = _run(ipv_job, open_source(path), tmp_path / "f.duckdb")
+
+    assert dead == [
+        (str(path), 2, "invalid UTF-8: invalid start byte b'\\xff' at byte 4 of the line", f"2,10\\xff\\xfe,7,pv,{T}"),
+        (str(path), 4, f"invalid UTF-8: unexpected end of data b'\\xc3' at byte {len(f'4,20,7,pv,{T}')} of the line",
+         f"4,20,7,pv,{T}\\xc3"),
+    ]
+    assert summary.rejected == {"invalid UTF-8": 2}
+    ipv = sorted((r["user_id"], r["item_id"], r["n_buy"]) for r in rows["ipv"])
+    assert ipv == [("1", "10", 1), ("3", "caf\u00e9", 0)]
+    # in-memory lines cannot hold bad bytes, but can hold a lone surrogate no encoder takes
+    recs = taobao([f"1,10\ud800,7,pv,{T}", f"1,10,7,pv,{T}"])
+    assert recs[0].reason == "invalid UTF-8: unpaired surrogate '\\ud800' at character 4 of the line"
+    assert [e.event_id for e in recs[1:]] == [PAGE_ENTER, PAGE_EXIT]
+
+
 def test_runner_rejects_absurd_and_backward_events_given_directly(tmp_path):
     """Events that bypass a source still meet the runner's own TimestampGuard."""
     job = Job("favs", [Task("favs", ["fav"], [Aggregate(n=Count())], input="recent")])
@@ -515,3 +561,22 @@ def test_runner_rejects_absurd_and_backward_events_given_directly(tmp_path):
     assert sum(r.startswith("timestamp goes backwards") for r in reasons) == 1
     assert all(json.loads(d[3])["user_id"] == "u" for d in dead)
     assert [r["n"] for r in rows["favs"]] == [1, 2]
+
+
+# --------------------------------------------------------------------------------------------------
+# Taobao adapter: the parse fast path
+
+
+_LINE_PARTS = st.sampled_from(["1", "10", "7", "999477", "pv", "fav", "cart", "buy", "click", "PV", "1511848894",
+                               "-5", "1.5", "0" * 16, "\u0661\u0662", " ", "\t", "\u3000", "\x1c", "", "a b", "_"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.lists(_LINE_PARTS, max_size=3).map("".join), min_size=1, max_size=7).map(",".join))
+def test_taobao_parse_fast_path_gives_what_the_field_checks_give(raw):
+    assert TaobaoBehaviorSource.parse(raw) == TaobaoBehaviorSource.parse_checked(raw)
+
+
+def test_taobao_parse_fast_path_keeps_the_clean_line_fields():
+    assert TaobaoBehaviorSource.parse(f"1,10,7,cart,{T}") == ("1", "10", "7", "cart", float(T))
+    assert TaobaoBehaviorSource.parse(f" 1,10,7,cart,{T}") == ("1", "10", "7", "cart", float(T))  # stripped

@@ -143,3 +143,74 @@ def test_db_path_resolution(monkeypatch, tmp_path):
     monkeypatch.setenv("STREAMFLOW_DB", str(tmp_path / "env.duckdb"))
     assert resolve_db_path() == tmp_path / "env.duckdb"
     assert str(resolve_db_path("explicit.duckdb")) == "explicit.duckdb"
+
+
+def test_column_names_are_quoted_so_a_name_with_sql_in_it_is_just_a_name(tmp_path):
+    store = CollectiveStorage(tmp_path / "f.duckdb", flush_rows=1)
+    store.write("keep", [{"user_id": "u"}])
+    store.write("t", [{"user_id": "u"}])
+    evil = 'user_id") FROM _sf_batch; COMMIT; DROP TABLE keep; SELECT typeof("user_id'
+    store.write("t", [{"user_id": "v", evil: 1}])
+    assert "keep" in store.tables()
+    assert store.query(f'SELECT user_id, "{evil.replace(chr(34), chr(34) * 2)}" FROM t ORDER BY user_id') == [
+        ("u", None), ("v", 1)]
+    assert DEAD_LETTER_TABLE not in store.tables()
+    store.close()
+
+
+def test_quote_identifier_doubles_quotes():
+    from connectors.storage import quote_identifier
+
+    con = duckdb.connect()
+    name = 'a"b""; DROP TABLE x; --'
+    con.execute(f"CREATE TABLE x ({quote_identifier(name)} INTEGER)")
+    assert con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'x'").fetchall() == [
+        (name,)]
+
+
+def test_rows_with_the_same_fields_in_another_order_keep_their_columns(tmp_path):
+    store = CollectiveStorage(tmp_path / "f.duckdb")
+    store.write("t", [{"a": 1, "b": "x"}, {"b": "y", "a": 2}])
+    assert store.query("SELECT a, b FROM t ORDER BY a") == [(1, "x"), (2, "y")]
+    store.close()
+
+
+def test_plain_and_mixed_rows_get_the_column_types_arrow_gives(tmp_path):
+    """Plain-typed segments go to DuckDB as NumPy columns, others as Arrow: the same SQL types."""
+    plain = [{"s": "x", "i": 1, "f": 1.5, "b": True}, {"s": "y", "i": -(2**63), "f": float("inf"), "b": False},
+             {"s": "w", "i": 0, "f": float("nan"), "b": False}]  # NaN stays NaN (not NULL)
+    mixed = [{"s": "z", "i": 3, "f": 2, "b": None}]  # an int among floats, a None: the Arrow path
+    store = CollectiveStorage(tmp_path / "f.duckdb")
+    store.write("plain", plain)
+    store.write("mixed", mixed)
+    types = "SELECT typeof(s), typeof(i), typeof(f), typeof(b) FROM {} LIMIT 1"
+    assert store.query(types.format("plain")) == [("VARCHAR", "BIGINT", "DOUBLE", "BOOLEAN")]
+    store.write("plain", mixed)
+    assert store.query("SELECT s, i, f, b FROM plain WHERE s IN ('x', 'y', 'z') ORDER BY s") == [
+        ("x", 1, 1.5, True), ("y", -(2**63), float("inf"), False), ("z", 3, 2.0, None)]
+    assert store.query("SELECT isnan(f) FROM plain WHERE s = 'w'") == [(True,)]
+    store.close()
+
+
+def test_an_integer_beyond_int64_is_refused_with_its_reason(tmp_path):
+    store = CollectiveStorage(tmp_path / "f.duckdb")
+    store.write("t", [{"n": 1}, {"n": 2**70}])
+    assert store.query("SELECT n FROM t") == [(1,)]
+    (reason,) = store.query(f"SELECT reason FROM {DEAD_LETTER_TABLE}")[0]
+    assert "row refused by table t" in reason
+    store.close()
+
+
+def test_storing_plain_rows_does_not_import_pandas(tmp_path):
+    """pyarrow's pa.array imports pandas when it is installed (over a second and tens of MB per run)."""
+    code = textwrap.dedent(f"""
+        import sys
+        from connectors.storage import CollectiveStorage
+        with CollectiveStorage({str(tmp_path / "f.duckdb")!r}) as store:
+            store.write("ipv", [{{"user_id": "u", "trigger_ts": 1.5e9, "n": 3, "ok": True}}])
+            assert store.query("SELECT n FROM ipv") == [(3,)]
+        print("pandas" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.stdout.strip() == "False"

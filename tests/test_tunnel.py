@@ -156,7 +156,7 @@ def test_dead_letters_and_offsets_are_stored_with_the_rows(tmp_path):
         assert all(isinstance(d, DeadLetter) for d in (dead, reserved, spoofed))
         assert store.apply([], [dead, reserved, spoofed], {("t", 0): 7, ("t", 1): 1}).dead == 3
         assert store.query("SELECT kafka_offset, reason FROM tunnel_dead_letter ORDER BY kafka_partition, 1") == [
-            (5, "garbage"), (6, "bad_payload"), (0, "bad_key")]
+            (5, "garbage"), (6, "bad_schema"), (0, "bad_key")]
         assert store.offsets("t") == {0: 7, 1: 1}
 
 
@@ -277,3 +277,61 @@ def test_without_on_refused_refused_rows_land_in_a_json_lines_file_next_to_the_s
     assert [(r["table"], r["row"]) for r in lines] == [("ipv", {"user_id": "u1", "n": 1}),
                                                       ("ipv", {"user_id": "u2", "n": 2})]
     assert lines[0]["reason"].startswith("tunnel spool full") and sink.stats.rows_refused == 2
+
+
+# -- names from batches never reach SQL as code ------------------------------------------------------
+#: a signed column name that, spliced into SQL, ends the transaction and drops a table (issue 10, defect 1)
+INJECTION = 'n") FROM _sf_rows; COMMIT; DROP TABLE tunnel_dead_letter; SELECT typeof("n'
+
+
+def test_a_column_name_with_sql_in_it_is_dead_lettered_and_the_good_rows_after_it_are_stored(tmp_path):
+    good = lambda first, n: pa.table({"user_id": ["u"] * n, "n": list(range(first, first + n))})  # noqa: E731
+    with CloudStore(tmp_path / "c.duckdb") as store:
+        assert store.apply([open_message("t", 0, 0, encode("phone-1", "ipv", 0, good(0, 1), KEY), KEYS)]).stored == 1
+        evil = encode("phone-1", "ipv", 1, pa.table({"user_id": ["u"], INJECTION: [1]}), KEY)
+        # as the store sees it when a batch reaches apply() without open_message's checks (the Flink writer's path)
+        evil_batch = decode(evil, KEYS)
+        result = store.apply([evil_batch, open_message("t", 0, 2, encode("phone-1", "ipv", 2, good(2, 3), KEY), KEYS)],
+                             [], {("t", 0): 3})
+        tables = {name for (name,) in store.query("SELECT table_name FROM information_schema.tables")}
+        assert {"tunnel_dead_letter", "ipv", "ipv_online"} <= tables, "the column name ran as SQL"
+        assert (result.stored, result.duplicates) == (3, 0)
+        assert [(d.reason, d.device) for d in result.dead_letters] == [("bad_schema", "phone-1")]
+        assert "not a plain identifier" in result.dead_letters[0].detail
+        assert store.query("SELECT seq, n FROM ipv ORDER BY seq") == [(0, 0), (2, 2), (3, 3), (4, 4)]
+        assert store.query("SELECT reason FROM tunnel_dead_letter") == [("bad_schema",)]
+        # the refused batch is not recorded: a fixed resend under its numbers is stored, not called a repeat
+        assert store.query("SELECT first_seq FROM tunnel_batches ORDER BY 1") == [(0,), (2,)]
+        assert store.offsets("t") == {0: 3}
+        # open_message refuses it before the store, with the same reason
+        opened = open_message("t", 0, 1, evil, KEYS)
+        assert isinstance(opened, DeadLetter) and opened.reason == "bad_schema"
+
+
+@pytest.mark.parametrize(("columns", "says"), [
+    (["user_id", "seq"], "the store's own"),
+    (["user_id", "dwell s"], "not a plain identifier"),
+    (["user_id", "n\n"], "not a plain identifier"),
+    (["user_id", "coupon"], "not in table ipv's declared schema"),
+])
+def test_undeclared_reserved_or_odd_columns_send_the_batch_to_the_dead_letter(tmp_path, columns, says):
+    rows = pa.Table.from_arrays([pa.array(["u"]), pa.array([1])], names=columns)
+    with CloudStore(tmp_path / "c.duckdb", schemas={"ipv": ["user_id", "n", "dwell_s"]}) as store:
+        fine = Batch("phone-1", "ipv", 1, pa.table({"user_id": ["v"]}))
+        result = store.apply([Batch("phone-1", "ipv", 0, rows), fine])
+        assert result.stored == 1 and [d.reason for d in result.dead_letters] == ["bad_schema"]
+        assert says in result.dead_letters[0].detail
+        assert store.query("SELECT seq, user_id FROM ipv") == [(1, "v")]
+        undeclared = store.apply([Batch("phone-1", "favs", 2, pa.table({"user_id": ["u"]}))])
+        assert undeclared.stored == 0 and "not declared" in undeclared.dead_letters[0].detail
+
+
+def test_a_batch_is_recorded_only_in_the_transaction_that_stores_its_rows(tmp_path):
+    """A batch the tables refuse leaves no trace in tunnel_batches, so its numbers stay free."""
+    with CloudStore(tmp_path / "c.duckdb") as store:
+        store.apply([Batch("phone-1", "t", 0, pa.table({"user_id": ["u"], "n": [1]}))])
+        clash = Batch("phone-1", "t", 1, pa.table({"user_id": ["u"], "n": ["not a number"]}))
+        assert [d.reason for d in store.apply([clash]).dead_letters] == ["unstorable"]
+        assert store.query("SELECT first_seq FROM tunnel_batches") == [(0,)]
+        fixed = store.apply([Batch("phone-1", "t", 1, pa.table({"user_id": ["u"], "n": [2]}))])
+        assert (fixed.stored, fixed.duplicates) == (1, 0)

@@ -13,8 +13,14 @@
 :class:`CloudConsumer` is a Kafka consumer group around it. Offsets live in DuckDB, in the same
 transaction as the rows, and a consumer seeks to them when it is assigned a partition, so a crash
 between storing and committing to Kafka neither loses nor repeats a row: the effect is exactly
-once. (It also commits to Kafka, for lag monitoring.) Refused messages also go, with their reason
-in the headers, to the dead-letter topic ``<topic>.dlq``; the consumer counts them and goes on.
+once. (It also commits to Kafka, for lag monitoring.) It assigns itself every partition of the topic
+rather than waiting for a group rebalance (see :meth:`CloudConsumer._connect` for why). Refused
+messages also go, with their reason in the headers, to the dead-letter topic ``<topic>.dlq``; the
+consumer counts them and goes on.
+
+What may reach SQL: every name built into a statement is quoted (:func:`connectors.storage.quote_identifier`),
+and a batch whose table or column names are not plain identifiers, or fall outside the declared
+``schemas``, is dead-lettered as ``bad_schema`` before any SQL (:func:`schema_problem`).
 
 Example (no broker needed for the store):
     >>> import os, tempfile, pyarrow as pa
@@ -40,7 +46,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,15 +55,24 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from connectors.storage import check_table_name, ensure_columns
+from connectors.storage import ensure_columns, is_identifier, quote_identifier, quoted_list
 from connectors.tunnel.envelope import Batch, EnvelopeError, Origin, decode
-from connectors.tunnel.kafka import CLIENT_TIMEOUTS, DEFAULT_TOPIC, bootstrap_servers, dead_letter_topic, ensure_topic
+from connectors.tunnel.kafka import (
+    CLIENT_TIMEOUTS,
+    DEFAULT_TOPIC,
+    Retry,
+    bootstrap_servers,
+    dead_letter_topic,
+    ensure_topic,
+)
 from connectors.tunnel.keys import KeyRegistry
 
 log = logging.getLogger("streamflow.cloud")
 
 DEAD_LETTER_TABLE = "tunnel_dead_letter"
 _META_COLUMNS = ("device_id", "seq", "ingested_at")
+#: How often a consumer looks for partitions added to its topic (from its cached metadata).
+_ASSIGNMENT_CHECK_S = 10.0
 #: What the tables can refuse a batch with (e.g. a value whose type clashes with its column's).
 _STORE_ERRORS = (duckdb.Error, pa.ArrowException, ValueError, TypeError)
 _SCHEMA = """
@@ -123,8 +138,10 @@ class CloudStats:
 class CloudStore:
     """The cloud's DuckDB tables for tunnelled features (see the module docstring)."""
 
-    def __init__(self, path: str | os.PathLike[str], online_key: Sequence[str] = ("user_id",)):
+    def __init__(self, path: str | os.PathLike[str], online_key: Sequence[str] = ("user_id",),
+                 schemas: Mapping[str, Collection[str]] | None = None):
         self.path = Path(path)
+        self.schemas = schemas  # table → declared columns; None: any table and columns with plain names
         if self.path.parent != Path(""):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.online_key = tuple(online_key)
@@ -142,6 +159,7 @@ class CloudStore:
         If the tables refuse the batches together (a column whose type changed, say), each batch is
         stored alone and those still refused become ``unstorable`` dead letters.
         """
+        batches, dead = self._checked(batches, dead)
         with self._lock:
             try:
                 return self._transaction(batches, dead, offsets)
@@ -161,6 +179,17 @@ class CloudStore:
                 result.dead_letters += self._transaction((), [*dead, *refused], offsets).dead_letters
                 return result
 
+    def _checked(self, batches: Sequence[Batch], dead: Sequence[DeadLetter]) -> tuple[list[Batch], list[DeadLetter]]:
+        """``batches`` whose table and columns may reach SQL; the others join ``dead`` as ``bad_schema``."""
+        fit, refused = [], list(dead)
+        for batch in batches:
+            problem = schema_problem(batch.table, batch.rows.column_names, self.schemas)
+            if problem is None:
+                fit.append(batch)
+            else:
+                refused.append(_dead_letter(batch, "bad_schema", problem))
+        return fit, refused
+
     def _transaction(self, batches: Sequence[Batch], dead: Sequence[DeadLetter],
                      offsets: dict[tuple[str, int], int] | None) -> ApplyResult:
         con = self._con
@@ -174,6 +203,7 @@ class CloudStore:
                 by_table.setdefault(batch.table, []).append(batch)
             for table, group in by_table.items():
                 result.stored += self._store(table, group, now)
+            self._record(fresh, now)  # after the rows: a batch is recorded only together with its rows
             if result.dead_letters:
                 con.executemany("INSERT INTO tunnel_dead_letter VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [
                     [d.topic, d.partition, d.offset, d.device, d.reason, d.detail[:2000], d.raw, now]
@@ -191,7 +221,7 @@ class CloudStore:
         return result
 
     def _classify(self, batches: Sequence[Batch], now: datetime) -> tuple[list[Batch], list[Batch], list[DeadLetter]]:
-        """New batches (recorded in ``tunnel_batches`` here), exact repeats, and batches reusing stored numbers.
+        """New batches, exact repeats, and batches reusing stored numbers (nothing is written here).
 
         A device resends a batch byte for byte (same first seq, rows and signature): that is a repeat,
         dropped. Any other overlap with stored numbers means the device numbered different rows the
@@ -230,17 +260,19 @@ class CloudStore:
                                            f"seq {batch.first_seq}..{batch.last_seq}, already stored"))
             else:  # below the device's highest number but in a gap: new
                 fresh.append(batch)
-        if fresh:
-            con.execute("INSERT INTO tunnel_batches VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?)"] * len(fresh)),
-                        [v for b in fresh for v in (b.device, b.first_seq, b.rows.num_rows, b.mac, b.table, now)])
         return fresh, repeats, reused
+
+    def _record(self, fresh: Sequence[Batch], now: datetime) -> None:
+        """Note ``fresh`` batches in ``tunnel_batches`` (in the transaction that stored their rows)."""
+        if fresh:
+            self._con.execute("INSERT INTO tunnel_batches VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?)"] * len(fresh)),
+                              [v for b in fresh for v in (b.device, b.first_seq, b.rows.num_rows, b.mac, b.table, now)])
 
     def _store(self, table: str, batches: list[Batch], now: datetime) -> int:
         """Append ``batches`` of one table to ``table`` and upsert them into ``<table>_online``; rows stored."""
-        table = check_table_name(table)
         parts = []
         for batch in batches:
-            rows = batch.rows.drop_columns([c for c in _META_COLUMNS if c in batch.rows.column_names])
+            rows = batch.rows
             n = rows.num_rows
             meta = [pa.array([batch.device] * n, pa.string()), pa.array(batch.seqs, pa.int64()),
                     pa.array([now] * n, pa.timestamp("us"))]
@@ -249,9 +281,9 @@ class CloudStore:
         con = self._con
         con.register("_sf_rows", full)
         try:
-            names = _quoted(full.column_names)
+            names = quoted_list(full.column_names)
             ensure_columns(con, table, "_sf_rows", full.column_names, self._columns.setdefault(table, set()))
-            con.execute(f'INSERT INTO "{table}" ({names}) SELECT {names} FROM _sf_rows')
+            con.execute(f"INSERT INTO {quote_identifier(table)} ({names}) SELECT {names} FROM _sf_rows")
             self._upsert_online(f"{table}_online", full)
         finally:
             con.unregister("_sf_rows")
@@ -268,8 +300,8 @@ class CloudStore:
                 key = ["device_id"] + [k for k in self.online_key if k in full.column_names]
                 types = dict(con.execute("SELECT column_name, column_type FROM (DESCRIBE SELECT * FROM _sf_rows)")
                              .fetchall())
-                columns = ", ".join(f'"{c}" {types[c]}' for c in full.column_names)
-                con.execute(f'CREATE TABLE "{online}" ({columns}, PRIMARY KEY ({_quoted(key)}))')
+                columns = ", ".join(f"{quote_identifier(c)} {types[c]}" for c in full.column_names)
+                con.execute(f"CREATE TABLE {quote_identifier(online)} ({columns}, PRIMARY KEY ({quoted_list(key)}))")
             else:
                 key = [row[0] for row in con.execute(
                     "SELECT unnest(constraint_column_names) FROM duckdb_constraints() "
@@ -279,13 +311,13 @@ class CloudStore:
         ensure_columns(con, online, "_sf_rows", full.column_names, known)
         if any(k not in full.column_names for k in key):
             return  # these rows lack a key column: offline only
-        names = _quoted(full.column_names)
-        not_null = " AND ".join(f'"{k}" IS NOT NULL' for k in key)
-        updates = ", ".join(f'"{c}" = excluded."{c}"' if c in full.column_names else f'"{c}" = NULL'
-                            for c in sorted(known) if c not in key)
-        con.execute(f'INSERT INTO "{online}" ({names}) SELECT {names} FROM _sf_rows WHERE {not_null} '
-                    f'QUALIFY row_number() OVER (PARTITION BY {_quoted(key)} ORDER BY seq DESC) = 1 '
-                    f'ON CONFLICT DO UPDATE SET {updates} WHERE excluded.seq > "{online}".seq')
+        names, target = quoted_list(full.column_names), quote_identifier(online)
+        not_null = " AND ".join(f"{quote_identifier(k)} IS NOT NULL" for k in key)
+        updates = ", ".join(f"{quote_identifier(c)} = excluded.{quote_identifier(c)}" if c in full.column_names
+                            else f"{quote_identifier(c)} = NULL" for c in sorted(known) if c not in key)
+        con.execute(f"INSERT INTO {target} ({names}) SELECT {names} FROM _sf_rows WHERE {not_null} "
+                    f"QUALIFY row_number() OVER (PARTITION BY {quoted_list(key)} ORDER BY seq DESC) = 1 "
+                    f"ON CONFLICT DO UPDATE SET {updates} WHERE excluded.seq > {target}.seq")
 
     def offsets(self, topic: str) -> dict[int, int]:
         """Partition → next offset to consume, as stored with the rows."""
@@ -308,8 +340,44 @@ class CloudStore:
         self.close()
 
 
-def _quoted(names: Sequence[str]) -> str:
-    return ", ".join(f'"{n}"' for n in names)
+def schema_problem(table: str, columns: Sequence[str],
+                   schemas: Mapping[str, Collection[str]] | None = None) -> str | None:
+    """Why a batch of ``table`` with ``columns`` may not be stored, or None if it may.
+
+    Table and column names must be plain identifiers (letters, digits, underscores), the table no
+    ``tunnel_`` or ``_online`` name, the columns unique and none of the store's own (``device_id``,
+    ``seq``, ``ingested_at``); with ``schemas`` (table → its declared columns), the table must be
+    declared and every column among its declared ones.
+
+    Example:
+        >>> schema_problem("ipv", ["user_id", "dwell_s"]) is None
+        True
+        >>> print(schema_problem("ipv", ["x'); DROP TABLE ipv; --"]))
+        column name "x'); DROP TABLE ipv; --" of table ipv is not a plain identifier (letters, digits, underscores)
+        >>> schema_problem("ipv", ["user_id", "coupon"], {"ipv": ["user_id", "dwell_s"]})
+        "column 'coupon' is not in table ipv's declared schema (dwell_s, user_id)"
+    """
+    if not is_identifier(table):
+        return f"table name {table!r} is not a plain identifier (letters, digits, underscores)"
+    if table.startswith("tunnel_") or table.endswith("_online"):
+        return f"reserved table name {table!r}"
+    declared = None
+    if schemas is not None:
+        if table not in schemas:
+            return f"table {table!r} is not declared (declared: {', '.join(sorted(schemas)) or 'none'})"
+        declared = set(schemas[table])
+    seen: set[str] = set()
+    for name in columns:
+        if not is_identifier(name):
+            return f"column name {name!r} of table {table} is not a plain identifier (letters, digits, underscores)"
+        if name in _META_COLUMNS:
+            return f"column {name!r} of table {table} is the store's own"
+        if name in seen:
+            return f"column {name!r} of table {table} appears twice"
+        if declared is not None and name not in declared:
+            return f"column {name!r} is not in table {table}'s declared schema ({', '.join(sorted(declared))})"
+        seen.add(name)
+    return None
 
 
 def _dead_letter(batch: Batch, reason: str, detail: str) -> DeadLetter:
@@ -326,13 +394,12 @@ def open_message(topic: str, partition: int, offset: int, value: bytes | None, k
         return DeadLetter(topic, partition, offset, exc.reason, str(exc), exc.device, bytes(value or b""))
     if message_key is not None and message_key != batch.device.encode():
         return _dead_letter(batch, "bad_key", f"message key {message_key!r} is not the signed device {batch.device!r}")
-    if batch.table.startswith("tunnel_") or batch.table.endswith("_online"):
-        return _dead_letter(batch, "bad_payload", f"reserved table name {batch.table!r}")
-    return batch
+    problem = schema_problem(batch.table, batch.rows.column_names)
+    return batch if problem is None else _dead_letter(batch, "bad_schema", problem)
 
 
 class CloudConsumer:
-    """A consumer-group member storing the tunnel's features in a :class:`CloudStore` (see the module docstring).
+    """A consumer storing the tunnel's features in a :class:`CloudStore` (see the module docstring).
 
     Example (needs a broker)::
 
@@ -342,36 +409,38 @@ class CloudConsumer:
 
     def __init__(self, db: str | os.PathLike[str], registry: KeyRegistry, *, topic: str = DEFAULT_TOPIC,
                  bootstrap: str | None = None, group_id: str = "streamflow-cloud",
-                 online_key: Sequence[str] = ("user_id",), max_records: int = 500, partitions: int = 4):
+                 online_key: Sequence[str] = ("user_id",), max_records: int = 500, partitions: int = 4,
+                 schemas: Mapping[str, Collection[str]] | None = None):
         self.topic = topic
         self.dlq_topic = dead_letter_topic(topic)
         self.bootstrap = bootstrap_servers(bootstrap)
         self.group_id = group_id
         self.registry = registry
-        self.store = CloudStore(db, online_key=online_key)
+        self.store = CloudStore(db, online_key=online_key, schemas=schemas)
         self.stats = CloudStats()
         self.max_records = max_records
         self.partitions = partitions
         self._stop = threading.Event()
         self._consumer: Any = None
         self._dlq_producer: Any = None
+        self._assigned: set[Any] = set()
+        self._assignment_checked = 0.0
 
     def _connect(self) -> Any:
-        from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer
+        """A consumer assigned every partition of the topic (no group rebalance), and the dead-letter producer.
 
-        store, topic = self.store, self.topic
-
-        class SeekToStored(ConsumerRebalanceListener):
-            """Start each assigned partition where the stored rows end (the offsets in DuckDB)."""
-
-            def on_partitions_revoked(self, revoked: Any) -> None:
-                pass
-
-            def on_partitions_assigned(self, assigned: Any) -> None:
-                stored = store.offsets(topic)
-                for tp in assigned:
-                    if tp.partition in stored:
-                        consumer.seek(tp, stored[tp.partition])
+        The partitions are assigned by hand, not by the group coordinator: this consumer is the DuckDB
+        file's only writer and its offsets live in that file, so the group has nothing to share out.
+        And a coordinator holds a rebalance until a killed member rejoins or is expired; noida-db 0.2.3
+        never expires one (measured: with kafka-python's defaults a successor got nothing for 150 s; a
+        6 s session timeout changed nothing; an 8 s rebalance timeout let it join, after which its
+        SyncGroup timed out every 5 s, the dead member still counted; static membership resumed at once
+        but static members never leave, so a closed one would block every other member for good).
+        Assigned by hand, a successor resumes at once on any broker. The group id is still used for
+        the Kafka offset commits that lag monitoring reads. Partitions added to the topic are picked up
+        within ``_ASSIGNMENT_CHECK_S`` once the client's metadata shows them.
+        """
+        from kafka import KafkaConsumer, KafkaProducer
 
         ensure_topic(self.bootstrap, self.topic, self.partitions)
         ensure_topic(self.bootstrap, self.dlq_topic, 1)
@@ -379,15 +448,33 @@ class CloudConsumer:
                                  client_id=f"streamflow-cloud-{os.getpid()}", enable_auto_commit=False,
                                  auto_offset_reset="earliest", max_poll_records=self.max_records,
                                  isolation_level="read_committed", **CLIENT_TIMEOUTS)
-        consumer.subscribe([self.topic], listener=SeekToStored())
+        self._assigned = set()
+        self._assign(consumer)
         self._dlq_producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True,
                                            compression_type="zstd", **CLIENT_TIMEOUTS)
         return consumer
+
+    def _assign(self, consumer: Any) -> None:
+        """Take every partition the topic has now; each new one starts where the stored rows end (DuckDB's offsets)."""
+        from kafka import TopicPartition
+
+        partitions = {TopicPartition(self.topic, p) for p in consumer.partitions_for_topic(self.topic)}
+        self._assignment_checked = time.monotonic()
+        if partitions <= self._assigned:
+            return
+        consumer.assign(sorted(partitions))  # positions of partitions already held are kept
+        stored = self.store.offsets(self.topic)
+        for tp in partitions - self._assigned:
+            if tp.partition in stored:
+                consumer.seek(tp, stored[tp.partition])
+        self._assigned = partitions
 
     def poll_once(self, timeout_s: float = 0.2) -> ApplyResult:
         """Consume what one poll returns and store it; returns what was stored."""
         if self._consumer is None:
             self._consumer = self._connect()
+        elif time.monotonic() - self._assignment_checked >= _ASSIGNMENT_CHECK_S:
+            self._assign(self._consumer)  # partitions added to the topic since
         records = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
         if not records:
             return ApplyResult()
@@ -423,21 +510,36 @@ class CloudConsumer:
         except Exception as exc:  # noqa: BLE001 - a rebalance or a broker hiccup must not stop consuming
             log.debug("kafka offset commit skipped: %s", exc)
 
-    def run(self, idle_timeout_s: float | None = None, max_s: float | None = None) -> CloudStats:
-        """Consume until :meth:`stop`, or until nothing arrived for ``idle_timeout_s``, or ``max_s`` passed."""
-        started = last = time.monotonic()
+    def run(self, idle_timeout_s: float | None = None, max_s: float | None = None,
+            retry_for_s: float | None = 300.0) -> CloudStats:
+        """Consume until :meth:`stop`, until ``idle_timeout_s`` passed without a record, or until ``max_s`` passed.
+
+        Idle time counts from the last record polled (or from when the consumer got its partitions),
+        never from the start, so a slow start or a broker outage does not end the run early. While the
+        broker fails, the consumer reconnects with exponential backoff (0.1 s doubling to 5 s) and raises
+        :class:`~connectors.tunnel.kafka.TunnelUnavailable` once it failed for ``retry_for_s`` on end
+        (None: retry forever).
+        Records it did not store stay on the topic, and the next consumer starts at DuckDB's offsets.
+        """
+        started = time.monotonic()
+        last_record = None  # set when the consumer holds its partitions
+        retry = Retry(f"cloud consumer of {self.topic} on {self.bootstrap}", give_up_after_s=retry_for_s)
         while not self._stop.is_set():
+            messages = self.stats.messages
             try:
-                result = self.poll_once()
-            except Exception as exc:  # noqa: BLE001 - broker gone: say so, wait, reconnect
-                log.warning("cloud consumer: %s; retrying in 1 s", exc)
+                self.poll_once()
+            except Exception as exc:  # noqa: BLE001 - broker gone: say so, back off, reconnect
                 self._reset()
-                self._stop.wait(1.0)
+                delay = retry.failed(exc)  # raises TunnelUnavailable past the budget
+                log.warning("cloud consumer: %s; retrying in %.1f s (attempt %d)", exc, delay, retry.failures)
+                last_record = None
+                self._stop.wait(delay)
                 continue
+            retry.succeeded()
             now = time.monotonic()
-            if result.stored or result.duplicates or result.dead:
-                last = now
-            if idle_timeout_s is not None and now - last >= idle_timeout_s:
+            if last_record is None or self.stats.messages > messages:
+                last_record = now
+            if idle_timeout_s is not None and now - last_record >= idle_timeout_s:
                 break
             if max_s is not None and now - started >= max_s:
                 break

@@ -7,11 +7,10 @@ names it, ``127.0.0.1:9092`` otherwise (the docker compose broker, or ``make bro
 from __future__ import annotations
 
 import logging
-import os
+import time
 
 log = logging.getLogger("streamflow.tunnel")
 
-DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 DEFAULT_TOPIC = "streamflow.features"
 #: Kafka record-batch codecs the sink offers (``none`` is for measuring what compression saves).
 COMPRESSION = ("zstd", "gzip", "lz4", "none")
@@ -21,9 +20,58 @@ CLIENT_TIMEOUTS = {"bootstrap_timeout_ms": 3000, "reconnect_backoff_max_ms": 100
 _known_topics: set[tuple[str, str]] = set()
 
 
+class TunnelUnavailable(ConnectionError):
+    """The broker did not answer within the retry budget; what was not delivered is kept (spool, topic)."""
+
+
+class Retry:
+    """Bounded exponential backoff with a give-up budget, for a loop that talks to the broker.
+
+    :meth:`failed` returns how long to wait before the next attempt (``first_s``, doubling, at most
+    ``max_s``) and raises :class:`TunnelUnavailable` once failures have lasted ``give_up_after_s``
+    without a success in between (``None``: never give up); :meth:`succeeded` resets both.
+
+    Example:
+        >>> retry = Retry("sending to 127.0.0.1:9", first_s=0.1, max_s=0.3, give_up_after_s=60)
+        >>> [retry.failed(OSError("refused")) for _ in range(4)]
+        [0.1, 0.2, 0.3, 0.3]
+        >>> retry.succeeded(); retry.failed(OSError("refused"))
+        0.1
+        >>> Retry("sending", give_up_after_s=0).failed(OSError("refused"))
+        Traceback (most recent call last):
+        ...
+        connectors.tunnel.kafka.TunnelUnavailable: sending: failed 1 times over 0 s, giving up; last error: refused
+    """
+
+    def __init__(self, what: str, first_s: float = 0.1, max_s: float = 5.0, give_up_after_s: float | None = 300.0):
+        self.what = what
+        self.first_s = first_s
+        self.max_s = max_s
+        self.give_up_after_s = give_up_after_s
+        self.failures = 0
+        self._since = 0.0
+
+    def failed(self, exc: BaseException) -> float:
+        """Count a failure: the delay before the next attempt, or :class:`TunnelUnavailable` past the budget."""
+        now = time.monotonic()
+        if not self.failures:
+            self._since = now
+        self.failures += 1
+        failing_for = now - self._since
+        if self.give_up_after_s is not None and failing_for >= self.give_up_after_s:
+            raise TunnelUnavailable(f"{self.what}: failed {self.failures} times over {failing_for:.0f} s, "
+                                    f"giving up; last error: {exc}")
+        return min(self.max_s, self.first_s * 2 ** min(self.failures - 1, 30))
+
+    def succeeded(self) -> None:
+        self.failures = 0
+
+
 def bootstrap_servers(bootstrap: str | None = None) -> str:
     """Explicit value first, then ``STREAMFLOW_KAFKA_BOOTSTRAP``, then ``127.0.0.1:9092``."""
-    return bootstrap or os.environ.get("STREAMFLOW_KAFKA_BOOTSTRAP") or DEFAULT_BOOTSTRAP
+    from streamflow.settings import settings  # not at import: streamflow's package imports the connectors
+
+    return settings(kafka_bootstrap=bootstrap).kafka_bootstrap
 
 
 def dead_letter_topic(topic: str) -> str:

@@ -28,8 +28,6 @@ import secrets
 import time
 from pathlib import Path
 
-#: The registry path when none is given: ``$STREAMFLOW_KEY_REGISTRY`` or ``./.streamflow/keys.json``.
-DEFAULT_REGISTRY = Path(".streamflow") / "keys.json"
 #: How often at most an unknown device makes the registry look at its file again.
 RELOAD_EVERY_S = 1.0
 _DEVICE_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
@@ -44,7 +42,9 @@ def check_device_id(device: str) -> str:
 
 def resolve_registry_path(path: str | os.PathLike[str] | None = None) -> Path:
     """Explicit path first, then ``STREAMFLOW_KEY_REGISTRY``, then ``./.streamflow/keys.json``."""
-    return Path(path or os.environ.get("STREAMFLOW_KEY_REGISTRY") or DEFAULT_REGISTRY)
+    from streamflow.settings import settings  # not at import: streamflow's package imports the connectors
+
+    return settings(key_registry=path).key_registry
 
 
 class KeyRegistry:

@@ -1,7 +1,8 @@
 """The device side of the tunnel: a sink any task can write feature rows to, shipped to Kafka.
 
     rows ─ write(table, rows) ─ batch (≤ batch_rows rows, ≤ linger_s old)
-         ─ seal: sequence numbers, Arrow IPC, HMAC ─ spool (durable, bounded)
+         ─ seal (on write, or by the sealer thread at linger_s): sequence numbers, Arrow IPC, HMAC
+         ─ spool (durable, bounded, locked to this process)
          ─ sender thread: one persistent idempotent producer, key = device id, zstd
          ─ broker ack ─ batch leaves the spool
 
@@ -16,7 +17,12 @@ Guarantees:
   the broker acknowledged it (``acks=all``). While the broker is unreachable, batches pile up in the
   spool and are resent in order when it answers again; a restarted device resends what its spool
   still holds. Rows not yet sealed (younger than ``linger_s``, fewer than ``batch_rows``) are in
-  memory only: that is the durability window, as in the storage's.
+  memory only: that is the durability window, as in the storage's. Sealing never waits on the
+  broker: a sealer thread of its own seals by age while the sender waits for an acknowledgement.
+- **Gives up loudly.** The sender retries a failed batch with exponential backoff (0.1 s doubling
+  to 5 s); after ``retry_for_s`` of failures without a success it stops, logs an ERROR and
+  :meth:`TunnelSink.write` raises :class:`~connectors.tunnel.kafka.TunnelUnavailable`. What was
+  sealed stays in the spool for the next run.
 - **Bounded.** The spool holds at most ``spool_max_bytes``; rows that would pass it are refused,
   logged at WARNING (the first time and at every doubling) and handed to ``on_refused`` (the device
   runner's ``dead_letter`` table) with the reason. Nothing is silently dropped.
@@ -30,6 +36,7 @@ Example (needs a broker; see the README's tunnel section)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -45,7 +52,15 @@ import pyarrow as pa
 
 from connectors.storage import RowBuffer, check_table_name
 from connectors.tunnel.envelope import encode
-from connectors.tunnel.kafka import CLIENT_TIMEOUTS, COMPRESSION, DEFAULT_TOPIC, bootstrap_servers, ensure_topic
+from connectors.tunnel.kafka import (
+    CLIENT_TIMEOUTS,
+    COMPRESSION,
+    DEFAULT_TOPIC,
+    Retry,
+    TunnelUnavailable,
+    bootstrap_servers,
+    ensure_topic,
+)
 from connectors.tunnel.keys import check_device_id
 from connectors.tunnel.spool import Spool, SpoolEntry, SpoolFull
 
@@ -82,7 +97,7 @@ class TunnelSink:
                  topic: str = DEFAULT_TOPIC, bootstrap: str | None = None, compression: str = "zstd",
                  batch_rows: int = 1000, linger_s: float = 0.005, spool_max_bytes: int = 256 << 20,
                  on_refused: Refused | None = None, on_ack: Callable[[SpoolEntry], None] | None = None,
-                 send_timeout_s: float = 30.0, partitions: int = 4):
+                 send_timeout_s: float = 30.0, partitions: int = 4, retry_for_s: float | None = 600.0):
         if compression not in COMPRESSION:
             raise ValueError(f"compression must be one of {', '.join(COMPRESSION)}, got {compression!r}")
         if batch_rows < 1 or linger_s < 0:
@@ -95,6 +110,9 @@ class TunnelSink:
         self.linger_s = linger_s
         self.send_timeout_s = send_timeout_s
         self.partitions = partitions
+        self.retry_for_s = retry_for_s
+        #: set when the sender gave up (see the module docstring); write() raises it from then on
+        self.error: TunnelUnavailable | None = None
         self.stats = TunnelStats()
         self.spool = Spool(spool_path, max_bytes=spool_max_bytes)
         self._key = key
@@ -113,8 +131,10 @@ class TunnelSink:
         if self.spool.batches_pending:
             log.info("tunnel spool %s holds %d rows in %d batches from an earlier run; resending them first",
                      self.spool.path, self.spool.rows_pending, self.spool.batches_pending)
-        self._sender = threading.Thread(target=self._send_loop, name=f"tunnel-{device}", daemon=True)
-        self._sender.start()
+        self._seal_thread = threading.Thread(target=self._seal_loop, name=f"tunnel-seal-{device}", daemon=True)
+        self._send_thread = threading.Thread(target=self._send_loop, name=f"tunnel-send-{device}", daemon=True)
+        self._seal_thread.start()
+        self._send_thread.start()
 
     # -- the device side -------------------------------------------------------------------------
     def write(self, table: str, rows: Iterable[Mapping[str, Any]]) -> None:
@@ -122,6 +142,8 @@ class TunnelSink:
         with self._lock:
             if self._closing:
                 raise RuntimeError("tunnel sink is closed")
+            if self.error is not None:
+                raise self.error
             buffer = self._pending.get(table)
             if buffer is None:
                 buffer = self._pending[check_table_name(table)] = RowBuffer()
@@ -131,25 +153,26 @@ class TunnelSink:
             self.stats.rows_written += added
             first = not self._pending_rows
             self._pending_rows += added
-            if self._pending_rows >= self.batch_rows:
-                self._seal_locked()
-                self._wake.notify()
-            elif first:  # the sender times the linger from now on
+            if first:
                 self._pending_since = time.monotonic()
-                self._wake.notify()
+            if self._pending_rows >= self.batch_rows or time.monotonic() - self._pending_since >= self.linger_s:
+                self._seal_locked()
+                self._wake.notify_all()
+            elif first:  # the sealer times the linger from now on
+                self._wake.notify_all()
 
     def flush(self) -> None:
         """Seal what is queued now (it is then durable in the spool)."""
         with self._lock:
             self._seal_locked()
-            self._wake.notify()
+            self._wake.notify_all()
 
     def wait_delivered(self, timeout_s: float) -> bool:
         """Seal, then wait until the broker acknowledged every spooled row; False on timeout."""
         self.flush()
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self.spool.batches_pending and time.monotonic() < deadline:
+            while self.spool.batches_pending and self.error is None and time.monotonic() < deadline:
                 self._wake.wait(min(0.05, max(0.0, deadline - time.monotonic())))
             return not self.spool.batches_pending
 
@@ -160,9 +183,12 @@ class TunnelSink:
         """
         delivered = self.wait_delivered(timeout_s)
         with self._lock:
+            self._seal_locked()  # rows another thread wrote meanwhile: spooled for the next run, never dropped
             self._closing = True
             self._wake.notify_all()
-        self._sender.join(timeout=self.send_timeout_s + 5)
+        self._seal_thread.join(timeout=5)
+        self._send_thread.join(timeout=self.send_timeout_s + 5)
+        delivered = delivered and not self.spool.batches_pending
         self._drop_producer()
         if not delivered:
             log.warning("tunnel: %d rows in %d batches not yet acknowledged by %s; they stay in %s for the next run",
@@ -234,38 +260,62 @@ class TunnelSink:
                 out.write(json.dumps({"table": table, "reason": reason, "row": row}, default=repr) + "\n")
 
     # -- sending ---------------------------------------------------------------------------------
+    def _seal_loop(self) -> None:
+        """Seal the open batch when it is ``linger_s`` old; never touches the broker, so a slow one cannot hold it."""
+        with self._lock:
+            while not self._closing:
+                if not self._pending_rows:
+                    self._wake.wait()
+                    continue
+                due = self._pending_since + self.linger_s - time.monotonic()
+                if due > 0:
+                    self._wake.wait(due)
+                    continue
+                self._seal_locked()
+                self._wake.notify_all()
+
     def _send_loop(self) -> None:
-        backoff = 0.1
+        retry = Retry(f"tunnel sender to {self.bootstrap}", give_up_after_s=self.retry_for_s)
         while True:
             with self._lock:
-                if self._pending_rows and time.monotonic() - self._pending_since >= self.linger_s:
-                    self._seal_locked()
+                while not self.spool.batches_pending and not self._closing:
+                    self._wake.wait()
                 if self._closing:
                     return  # close() waited for delivery; what is left stays spooled for the next run
-                if not self.spool.batches_pending:
-                    due = self._pending_since + self.linger_s - time.monotonic() if self._pending_rows else 0.5
-                    self._wake.wait(max(0.0, due))
-                    continue
             entry = self.spool.oldest(1)[0]
             try:
                 self._deliver(entry)
-                backoff = 0.1
+                retry.succeeded()
             except Exception as exc:  # noqa: BLE001 - any failure: keep the batch, back off, retry in order
                 self.stats.send_failures += 1
                 self._drop_producer()  # the retry gets a fresh producer (see _drop_producer)
-                if self.stats.send_failures == 1 or backoff >= 2.0:
-                    log.warning("tunnel: broker %s did not take batch %d (%s); %d rows wait in the spool, retrying",
-                                self.bootstrap, entry.first_seq, exc, self.spool.rows_pending)
+                try:
+                    delay = retry.failed(exc)
+                except TunnelUnavailable as gave_up:
+                    self._give_up(gave_up)
+                    return
+                if retry.failures == 1 or delay >= 2.0:
+                    log.warning("tunnel: broker %s did not take batch %d (%s); %d rows wait in the spool, retrying "
+                                "in %.1f s", self.bootstrap, entry.first_seq, exc, self.spool.rows_pending, delay)
                 with self._lock:
                     if self._closing:
                         return
-                    self._wake.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                    self._wake.wait(delay)
+
+    def _give_up(self, gave_up: TunnelUnavailable) -> None:
+        error = TunnelUnavailable(f"{gave_up}; {self.spool.rows_pending} rows in {self.spool.batches_pending} "
+                                  f"batches stay in the spool {self.spool.path} and are sent by the next run")
+        log.error("TUNNEL GAVE UP: %s", error)
+        with self._lock:
+            self.error = error
+            self._wake.notify_all()
 
     def _deliver(self, entry: SpoolEntry) -> None:
         producer = self._connect()
         future = producer.send(self.topic, key=self._device_key, value=entry.value)
-        future.get(timeout=self.send_timeout_s)
+        # the producer fails the batch itself at delivery_timeout_ms (= send_timeout_s); waiting a little longer
+        # leaves it no record pending, so _drop_producer can close it at once
+        future.get(timeout=self.send_timeout_s + 2.0)
         if self._on_ack is not None:  # before the spool forgets the batch: a crash in between repeats the call
             self._on_ack(entry)
         self.spool.ack(entry.first_seq)
@@ -296,23 +346,29 @@ class TunnelSink:
         return self._producer
 
     def _drop_producer(self) -> None:
-        """Close the producer (the next send makes a new one) without ever raising or leaking its I/O thread.
+        """Close the producer (the next send makes a new one) without ever raising.
 
         After a failed delivery the producer may be wedged: when a batch it had already sent expires, kafka-python
         (3.0) resets its idempotent producer id but never asks for a new one, so it sends nothing again, even once
-        the broker is back. And its ``close()`` raises from ``flush()`` while records are pending, before it stops
-        its I/O thread. The records it still holds are in the spool, so dropping them is safe.
+        the broker is back. So it is closed and replaced, with public calls only: ``close(timeout=0)`` stops its
+        I/O thread at once, but raises while a record is pending (:meth:`_deliver` waits past the delivery
+        timeout, so that is rare); then the record is left to expire (``flush``) and it is closed again. The
+        records it holds are in the spool, so dropping them is safe.
         """
         producer, self._producer = self._producer, None
         if producer is None:
             return
         try:
-            producer.close(timeout=1)
+            producer.close(timeout=0)
+            return
+        except Exception as exc:  # noqa: BLE001 - a record still pending: let it expire, then close again
+            log.debug("tunnel: the old producer still holds a record (%s); waiting for it to expire", exc)
+        try:
+            with contextlib.suppress(Exception):
+                producer.flush(timeout=self.send_timeout_s + 2.0)  # its delivery timeout fails the record
+            producer.close(timeout=0)
         except Exception as exc:  # noqa: BLE001 - a producer we throw away must not stop the sink
-            log.debug("tunnel: closing the old producer: %s; stopping its I/O thread", exc)
-            sender = getattr(producer, "_sender", None)
-            if sender is not None:
-                sender.force_close()
+            log.warning("tunnel: the old producer did not close (%s); its I/O thread ends with the process", exc)
 
 
 class _TooBig(Exception):

@@ -9,6 +9,9 @@ The spool is a SQLite database in WAL mode with ``synchronous=FULL``: every seal
 :meth:`Spool.seal` returns, and SIGKILL or power loss cannot tear a batch. SQLite, not DuckDB, because
 this is a small transactional queue with one insert and one delete per batch, SQLite's home ground.
 
+One process at a time: a spool takes an exclusive lock (``flock`` on ``<spool>.lock``, released by
+the kernel when the process dies, even by SIGKILL); a second process opening it gets :class:`SpoolLocked`.
+
 Bound: at most ``max_bytes`` of envelopes. Policy when full: a seal that would pass the bound is
 refused with :class:`SpoolFull` and the caller stores the rows elsewhere (the tunnel sink puts them
 in the device's ``dead_letter`` table with the reason and counts them); nothing already spooled is
@@ -29,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sqlite3
 import threading
@@ -39,6 +43,10 @@ from pathlib import Path
 
 class SpoolFull(Exception):
     """Sealing these rows would pass the spool's byte bound."""
+
+
+class SpoolLocked(RuntimeError):
+    """Another process (or another open Spool) holds this spool."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,7 @@ class Spool:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
+        self._lock_file = _lock_exclusively(Path(f"{self.path}.lock"))
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -115,3 +124,19 @@ class Spool:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            os.close(self._lock_file)  # releases the flock
+
+
+def _lock_exclusively(path: Path) -> int:
+    """An open descriptor of ``path`` holding an exclusive ``flock``, with this process's pid in it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise SpoolLocked(f"tunnel spool {path.with_suffix('')} is in use by another process (pid {holder}); "
+                          "one device process per spool: stop it or give this one another spool") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.kernels import conv, elementwise, gemm, pool, raster
+from engine.kernels import accel, conv, elementwise, gemm, pool, raster
 from engine.kernels.base import Cost, Kernel, NodeCtx
 
 REGISTRY: dict[str, list[Kernel]] = {}
@@ -31,11 +31,9 @@ for _module in (conv, gemm, elementwise, pool, raster):
     for _k in _module.KERNELS:
         register(_k)
 
-try:  # numba is an optional accelerator; numpy kernels cover every op without it
+if accel.available():  # numba is an optional accelerator, loaded on first use; numpy covers every op
     from engine.kernels import numba_kernels
-except ImportError:  # pragma: no cover - depends on the environment
-    numba_kernels = None
-else:
+
     for _k in numba_kernels.KERNELS:
         register(_k)
 

@@ -26,6 +26,7 @@ class NodeCtx:
     ins: list[TensorInfo]
     outs: list[TensorInfo]
     consts: dict[str, np.ndarray] = field(default_factory=dict)
+    memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # derived facts, e.g. ConvGeom
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -92,6 +93,7 @@ class Kernel:
 
     name: str = "kernel"
     ops: tuple[str, ...] = ()
+    needs_jit: bool = False  # runs numba loops: binding it loads numba (see kernels/accel.py)
 
     def applies(self, ctx: NodeCtx) -> bool:
         return True
@@ -102,6 +104,11 @@ class Kernel:
         return Cost(vector_flops=n, bytes=moved)
 
     def scratch_bytes(self, ctx: NodeCtx) -> int:
+        return 0
+
+    def transform_bytes(self, ctx: NodeCtx) -> int:
+        """Bytes of new arrays :meth:`transform` writes (0 when it only takes views): the
+        preparation cost a cold (single) run pays on top of :meth:`cost`."""
         return 0
 
     def transform(self, ctx: NodeCtx) -> dict[str, np.ndarray]:

@@ -35,7 +35,14 @@ class ConvGeom:
 
     @classmethod
     def of(cls, ctx: NodeCtx) -> ConvGeom:
-        """Geometry of a Conv, or of a pool (seen as a depthwise conv with no weights)."""
+        """Geometry of a Conv, or of a pool (seen as a depthwise conv with no weights); computed once per node."""
+        g = ctx.memo.get("conv_geom")
+        if g is None:
+            g = ctx.memo["conv_geom"] = cls._of(ctx)
+        return g
+
+    @classmethod
+    def _of(cls, ctx: NodeCtx) -> ConvGeom:
         x, y = ctx.ins[0].shape, ctx.outs[0].shape
         w = ctx.ins[1].shape if ctx.node.op == "Conv" else (x[1], 1, *ctx.attrs["kernel_shape"])
         a = conv_attrs(ctx.node, w)
@@ -216,6 +223,9 @@ class ConvDirect(ConvBase):
         return Cost(gemm_flops=2 * g.macs, vector_flops=2 * win + acc, bytes=4 * (2 * win + 3 * acc),
                     calls=g.n * taps * 3) + self.epilogue_cost(g)
 
+    def transform_bytes(self, ctx):
+        return int(ctx.const(1).nbytes)
+
     def transform(self, ctx):
         p = super().transform(ctx)
         w = p["w"]
@@ -262,6 +272,10 @@ class WinogradConv(ConvBase):
 
     def tiles(self, g: ConvGeom) -> tuple[int, int]:
         return -(-g.oh // self.m), -(-g.ow // self.m)
+
+    def transform_bytes(self, ctx):
+        taps = self.g_matrix.shape[0] ** 2
+        return int(ctx.const(1).nbytes) * taps // 9 * 3  # float64 einsum, then the float32 copy
 
     def transform(self, ctx):
         p = super().transform(ctx)

@@ -11,11 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from engine.ir import Node
-
-try:
-    from engine.kernels import jit
-except ImportError:  # pragma: no cover - numba is optional
-    jit = None
+from engine.kernels import accel
 
 CHUNK = 16384  # floats; the chunk stays in L2
 CHUNK_BYTES = CHUNK * 4
@@ -23,10 +19,12 @@ CHUNK_BYTES = CHUNK * 4
 
 def bias_residual_act(y: np.ndarray, bias: np.ndarray | None, residual: np.ndarray | None, kind: str | None,
                       params: Sequence[float] = (), scratch: np.ndarray | None = None) -> None:
-    """In place on ``y`` (C, M): ``y = act(y + bias[:, None] + residual)``; one pass with numba."""
+    """In place on ``y`` (C, M): ``y = act(y + bias[:, None] + residual)``; one pass with numba
+    once it is loaded (:mod:`engine.kernels.accel`)."""
+    jit = accel.loaded()
     if jit is not None and y.flags.c_contiguous:
-        code, p0, p1 = jit.act_code(kind, params)
-        b = bias.reshape(-1) if bias is not None else y[:, 0]
+        code, p0, p1 = accel.act_code(kind, params)
+        b = bias.reshape(-1) if bias is not None else y.reshape(-1)[: y.shape[0]]  # unread; contiguous
         jit.bias_act(y, b, residual if residual is not None else y, bias is not None, residual is not None,
                      code, p0, p1)
         return
@@ -54,8 +52,8 @@ def activation_of(node: Node, consts: dict[str, np.ndarray]) -> tuple[str, tuple
 
 
 def needs_scratch(kind: str | None) -> bool:
-    """Whether an in-place activation needs the chunk scratch (only without numba)."""
-    return jit is None and kind in ("hardswish", "sigmoid")
+    """Whether an in-place activation needs the chunk scratch (only while numba is not loaded)."""
+    return accel.loaded() is None and kind in ("hardswish", "sigmoid")
 
 
 def apply(x: np.ndarray, out: np.ndarray, kind: str | None, params: Sequence[float] = (),

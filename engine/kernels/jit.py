@@ -10,12 +10,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-ACT_CODES = {None: 0, "relu": 1, "clip": 2, "hardswish": 3, "hardsigmoid": 4, "sigmoid": 5}
-
-
-def act_code(kind: str | None, params) -> tuple[int, float, float]:
-    p = list(params) + [0.0, 0.0]
-    return ACT_CODES[kind], float(p[0]), float(p[1])
+from engine.kernels.accel import ACT_CODES, act_code  # noqa: F401 - re-exported for the loops' callers
 
 
 @numba.njit(inline="always")

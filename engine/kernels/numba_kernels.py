@@ -1,10 +1,11 @@
-"""Kernels that need numba (optional): registered only when ``import numba`` works."""
+"""Kernels that need numba (optional): registered when numba is installed; numba itself is loaded
+by :func:`engine.kernels.accel.load` when one of them is first bound (``needs_jit``)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from engine.kernels import jit
+from engine.kernels import accel
 from engine.kernels.base import Cost, Step, carve, scratch_size
 from engine.kernels.conv import ConvGeom, ConvWinograd23, DepthwiseNumpy
 
@@ -14,6 +15,7 @@ class DepthwiseNumba(DepthwiseNumpy):
     the same pass, no scratch."""
 
     name = "depthwise_numba"
+    needs_jit = True
 
     def cost(self, ctx):
         g = ConvGeom.of(ctx)
@@ -35,8 +37,9 @@ class DepthwiseNumba(DepthwiseNumpy):
         return p
 
     def bind(self, ctx, params, ins, outs, scratch) -> Step:
+        jit = accel.loops()
         g = ConvGeom.of(ctx)
-        code, p0, p1 = jit.act_code(ctx.attrs.get("act"), ctx.attrs.get("act_params", ()))
+        code, p0, p1 = accel.act_code(ctx.attrs.get("act"), ctx.attrs.get("act_params", ()))
         has_r = len(ins) > 3 and ctx.has_input(3)
         w3, b1 = params["w3"], np.ascontiguousarray(params["b1"])
         (phases,) = carve(scratch, self.phases_shape(g))
@@ -56,6 +59,7 @@ class ConvWinograd23Numba(ConvWinograd23):
     and activation fused into the output transform); the 16 GEMMs stay on BLAS."""
 
     name = "conv_winograd_f23_numba"
+    needs_jit = True
 
     def parts(self, g: ConvGeom):
         th, tw = self.tiles(g)
@@ -75,7 +79,8 @@ class ConvWinograd23Numba(ConvWinograd23):
         g = ConvGeom.of(ctx)
         th, tw = self.tiles(g)
         v, m = carve(scratch, *self.parts(g))
-        code, p0, p1 = jit.act_code(ctx.attrs.get("act"), ctx.attrs.get("act_params", ()))
+        jit = accel.loops()
+        code, p0, p1 = accel.act_code(ctx.attrs.get("act"), ctx.attrs.get("act_params", ()))
         has_r = len(ins) > 3 and ctx.has_input(3)
         b = np.ascontiguousarray(params["b"].reshape(-1))
         u = params["u"]

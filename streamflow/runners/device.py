@@ -4,6 +4,14 @@ Per event: check its timestamp, append it to the user's sequences, step the user
 every task whose trigger condition completes runs its pipeline over the input it asked for, and
 its rows go to collective storage.
 
+Execution model: the job's trigger tasks are one keyed process function
+(:class:`~streamflow.execution.TriggerTasks`), each stream task another, each run by a
+:class:`~streamflow.keyed.KeyedRuntime` (state in dicts, timers in a heap), keyed by user.
+
+Bounded state: ``state_ttl_s`` drops a user's state (trie position, sequences, last timestamp) after
+that long of stream time without an event of the user; ``max_users`` caps the users held in memory,
+evicting the least recently seen (counted in the summary's ``evicted_users``).
+
 Isolation: every task gets its own copy of its pipeline (operator state is never shared between
 tasks) and writes its own table. A task's exception is caught and stored in ``task_errors`` with
 the triggering event; the other tasks and the stream go on. After ``quarantine_after`` consecutive
@@ -20,22 +28,36 @@ When several tasks fire on one event they run concurrently on a small worker poo
 their operators release the GIL, as model inference does); the runner waits for all of them
 before the next event, so every task sees the user's events in order and output order is
 deterministic. A single fired task runs inline.
+
+**Checkpoints** (``checkpoint_interval_s``): the run's whole state (every keyed runtime, the
+timestamp guard, the summary counters, the source's position and per-user adapter state) is stored
+in the storage's DuckDB file every ``checkpoint_interval_s`` seconds, when the storage's buffers are
+due a flush, at the end of the input (marked complete) and on SIGTERM/SIGINT (then the run stops),
+each time in one transaction with the rows buffered since the previous checkpoint
+(:mod:`streamflow.checkpoint`). A run of the same job over the same file into the same DuckDB file
+resumes from the checkpoint: the rows come out as if the run had never stopped, none missing and
+none twice. Not covered: operators that keep state between firings (``Train``; such jobs are
+refused) and rows already shipped to the tunnel (a resumed run ships the rows after the checkpoint
+again).
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import signal
+import threading
 import time
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
+from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, to_json
+from streamflow.checkpoint import Checkpoint, CheckpointError, has_checkpoint, job_fingerprint, load_checkpoint
 from streamflow.events import Event, Rejected, TimestampGuard
-from streamflow.execution import TaskExecution
+from streamflow.execution import TaskExecution, TriggerTasks, task_error_row
 from streamflow.job import Job, Task
-from streamflow.summary import LATE_EVENTS_TABLE, RunSummary, TaskStats
+from streamflow.keyed import KeyedRuntime
+from streamflow.sources import LineSource, SourcePosition, SourceReader
+from streamflow.summary import TASK_ERRORS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamTaskRun
 
 if TYPE_CHECKING:
@@ -61,19 +83,35 @@ class DeviceRunner:
     """
 
     def __init__(self, job: Job, storage: CollectiveStorage, workers: int = 2, quarantine_after: int = 5,
-                 guard: TimestampGuard | None = None, record_latency: bool = False, tunnel: TunnelSink | None = None):
+                 guard: TimestampGuard | None = None, record_latency: bool = False, tunnel: TunnelSink | None = None,
+                 max_users: int | None = None, state_ttl_s: float | None = None,
+                 checkpoint_interval_s: float | None = None):
+        if checkpoint_interval_s is not None and not checkpoint_interval_s > 0:
+            raise ValueError(f"checkpoint_interval_s must be > 0 seconds, got {checkpoint_interval_s!r}")
+        if checkpoint_interval_s is not None:
+            stateful = [f"{task.name}: {type(op).__name__}" for task in job.tasks for op in task.pipeline
+                        if getattr(op, "keeps_state", False)]
+            if stateful:
+                raise ValueError(f"checkpoints do not cover operators that keep state between firings "
+                                 f"({', '.join(stateful)}); run this job without checkpoints")
         self.job = job
         self.storage = storage
         self.tunnel = tunnel
         self.workers = workers
         self.execution = TaskExecution(quarantine_after=quarantine_after)
         self.trie = self.execution.trie
+        self.triggers = KeyedRuntime(TriggerTasks(self.execution, workers, state_ttl_s), max_keys=max_users)
         self.summary = RunSummary(db_path=str(storage.path), task_stats=self.execution.stats)
         self.latencies_s: list[float] | None = [] if record_latency else None
-        self._guard = guard or TimestampGuard()
+        self.guard = guard or TimestampGuard(state_ttl_s=state_ttl_s)
         self._streams: dict[str, StreamTaskRun] = {}
         self._shipped: set[str] = set()  # sink tables whose rows also go to the tunnel
-        self._pool: ThreadPoolExecutor | None = None
+        self.max_users = max_users
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self.checkpoints_taken = 0
+        self._next_checkpoint = float("inf")  # monotonic time of the next checkpoint
+        self._stop_signal: int | None = None
+        self._input: dict[str, Any] = {}
         for task in job.tasks:
             self.register(task)
 
@@ -83,12 +121,13 @@ class DeviceRunner:
         if task.input == "stream":
             if task.name in self._streams or task.name in self.execution.tasks:
                 raise ValueError(f"task {task.name!r} is already registered")
-            self._streams[task.name] = StreamTaskRun(task)
+            self._streams[task.name] = StreamTaskRun(task, self.max_users)
             self.summary.task_stats[task.name] = TaskStats()
         elif task.name in self._streams:
             raise ValueError(f"task {task.name!r} is already registered")
         else:
             self.execution.register(task)
+        self.storage.name_writer(task.sink, f"task {task.name}")
         if task.tunnel:
             self._shipped.add(task.sink)
 
@@ -98,21 +137,128 @@ class DeviceRunner:
             self.execution.unregister(name)
 
     # -- the stream --------------------------------------------------------------------------
-    def run(self, records: Iterable[Event | Rejected]) -> RunSummary:
-        """Process every record (events and rejected records) and flush storage."""
-        started = time.perf_counter()
+    def run(self, records: Iterable[Event | Rejected] | LineSource,
+            progress: Callable[[Iterable[Any]], Iterator[Any]] | None = None) -> RunSummary:
+        """Process every record (events and rejected records) and flush storage.
+
+        ``progress`` wraps the record iterator (e.g. :func:`streamflow.progress.track`). With
+        checkpoints, ``records`` must be a :class:`~streamflow.sources.LineSource` (a file, whose
+        position is checkpointed): the run resumes from the job's checkpoint in the storage, if any.
+        Without, a storage holding a checkpoint of the job is refused (a run would duplicate its rows).
+        """
+        self._started = time.perf_counter()
+        reader = None
+        if self.checkpoint_interval_s is None:
+            if has_checkpoint(self.storage, self.job.name):
+                raise CheckpointError(f"{self.storage.path} holds a checkpoint of job {self.job.name!r}: resume it "
+                                      f"with checkpoints on (--checkpoint-interval), or start over with --replace")
+        else:
+            records = reader = self._resume(records)
+        if progress is not None:
+            records = progress(records)
+        try:
+            if reader is None:
+                for record in records:
+                    if isinstance(record, Event):
+                        self.process(record)
+                    else:
+                        self.reject(record)
+            else:
+                self._run_checkpointed(records, reader)
+            self.finish()
+            if reader is not None:
+                self.checkpoint(reader.position_after(None), complete=True)
+                self.storage.release()
+        finally:
+            self.summary.elapsed_s += time.perf_counter() - self._started
+            self._count()
+            self.storage.flush()
+            self.summary.rows_written = dict(self.storage.rows_written)
+            self.summary.refused_rows = dict(self.storage.refused)
+        return self.summary
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def checkpoint(self, position: SourcePosition, complete: bool = False) -> None:
+        """Store the run's state at ``position`` with the rows buffered so far, in one transaction."""
+        state = None if complete else {
+            "triggers": self.triggers.snapshot(),
+            "streams": {name: stream.runtime.snapshot() for name, stream in self._streams.items()},
+            "guard": self.guard.snapshot(),
+            "summary": {"events_in": self.summary.events_in, "rejected": self.summary.rejected,
+                        "task_stats": self.summary.task_stats,
+                        "elapsed_s": self.summary.elapsed_s + time.perf_counter() - self._started},
+            "rows_written": self.storage.rows_written,  # pickled inside the commit: after refusals are counted
+            "source": position,
+        }
+        saved = Checkpoint(self.job.name, job_fingerprint(self.job), self._input, complete, position.line, state)
+        self.storage.commit(saved.save)
+        self.checkpoints_taken += 1
+        log.debug("checkpoint %d of job %s after line %d%s", self.checkpoints_taken, self.job.name, position.line,
+                  " (complete)" if complete else "")
+        self._next_checkpoint = time.monotonic() + self.checkpoint_interval_s
+
+    def _resume(self, source: Iterable[Event | Rejected] | LineSource) -> SourceReader:
+        """Restore the job's checkpoint, if any; hold the storage's rows for checkpoints; the reader."""
+        if not isinstance(source, LineSource):
+            raise TypeError("a checkpointed run reads a file source (streamflow.sources.open_source), whose "
+                            f"position it can checkpoint, not a {type(source).__name__}")
+        self._input = source.identity()
+        saved = load_checkpoint(self.storage, self.job.name)
+        position = None
+        if saved is not None:
+            saved.check(self.job, self._input, self.storage.path)
+            self._restore(saved.state)
+            position = saved.state["source"]
+            log.info("job %s resumes from its checkpoint after line %d of %s", self.job.name, saved.line,
+                     source.name)
+        self.storage.hold(self._checkpoint_due)
+        self._next_checkpoint = time.monotonic() + self.checkpoint_interval_s
+        return source.read(position)
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.triggers.restore(state["triggers"])
+        for name, snapshot in state["streams"].items():
+            self._streams[name].runtime.restore(snapshot)
+        self.guard.restore(state["guard"])
+        saved = state["summary"]
+        self.summary.events_in, self.summary.rejected = saved["events_in"], saved["rejected"]
+        self.summary.elapsed_s = saved["elapsed_s"]
+        for name, stats in saved["task_stats"].items():
+            vars(self.summary.task_stats[name]).update(vars(stats))  # the same objects the execution counts in
+            if stats.quarantined and name in self.execution.tasks:
+                self.execution.unregister(name)
+        self.storage.rows_written.clear()
+        self.storage.rows_written.update(state["rows_written"])
+
+    def _run_checkpointed(self, records: Iterable[Event | Rejected], reader: SourceReader) -> None:
+        """The record loop with checkpoints between records; SIGTERM/SIGINT checkpoint, then stop."""
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             for record in records:
                 if isinstance(record, Event):
                     self.process(record)
                 else:
                     self.reject(record)
-            self.finish()
+                if time.monotonic() >= self._next_checkpoint:
+                    self.checkpoint(reader.position_after(record))
+                    if self._stop_signal is not None:
+                        log.info("job %s stopped by signal %d after a checkpoint", self.job.name, self._stop_signal)
+                        if self._stop_signal == signal.SIGINT:
+                            raise KeyboardInterrupt
+                        raise SystemExit(128 + self._stop_signal)
         finally:
-            self.summary.elapsed_s += time.perf_counter() - started
-            self.storage.flush()
-            self.summary.rows_written = dict(self.storage.rows_written)
-        return self.summary
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        # Only flags: the checkpoint is taken between records, never in the middle of one.
+        self._stop_signal = signum
+        self._next_checkpoint = float("-inf")
+
+    def _checkpoint_due(self) -> None:
+        self._next_checkpoint = float("-inf")
 
     def reject(self, record: Rejected) -> None:
         """Store a rejected record in the dead-letter table and count it."""
@@ -126,50 +272,49 @@ class DeviceRunner:
         """Process one event of any user."""
         started = time.perf_counter() if self.latencies_s is not None else 0.0
         summary = self.summary
-        reason = self._guard.check(event.user_id, event.ts)
+        reason = self.guard.check(event.user_id, event.ts)
         if reason is not None:
             self.reject(Rejected("runner", summary.events_in + summary.rejected_total + 1, reason,
-                                 json.dumps(event.to_dict(), default=str)))
+                                 to_json(event.to_dict())))
             return
         summary.events_in += 1
         for stream in self._streams.values():
-            self._write_stream(stream, *stream.process(event))
-        user = self.execution.user(event.user_id)
-        fired = self.execution.step(user, event)
-        if not fired:
+            try:
+                self._write_stream(stream, *stream.process(event))
+            except Exception as exc:  # a stream task's failure is data, as a trigger task's is
+                self.summary.task_stats[stream.name].errors += 1
+                log.warning("stream task %s failed on %s of user %s: %s", stream.name, event.event_id,
+                            event.user_id, exc)
+                self.storage.write(TASK_ERRORS_TABLE, [task_error_row(stream.name, event, exc)])
+        outputs = self.triggers.process(event.user_id, event, round(event.ts * 1000))
+        if not outputs:
             return
-        run_task = self.execution.run_task
-        if len(fired) == 1:
-            self._record(fired[0], event, run_task(fired[0], event, user.sequence))
-        else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="streamflow-task")
-            futures = [self._pool.submit(run_task, name, event, user.sequence) for name in fired]
-            for name, future in zip(fired, futures, strict=True):
-                self._record(name, event, future.result())
+        for table, row in outputs:
+            self._write(table, [row])
         if self.latencies_s is not None:
             self.latencies_s.append(time.perf_counter() - started)
 
     def finish(self) -> None:
         """End of input: close every stream task's open windows (later events count as late)."""
         for stream in self._streams.values():
-            self._write_stream(stream, stream.finish(), [])
+            self._write_stream(stream, *stream.finish())
+        for table, row in self.triggers.finish():
+            self._write(table, [row])
 
-    def _write_stream(self, stream: StreamTaskRun, rows: list[dict[str, Any]], late: list[dict[str, Any]]) -> None:
+    def _count(self) -> None:
+        summary = self.summary
+        summary.tasks_fired = sum(stats.fired for stats in summary.task_stats.values())
+        summary.evicted_users = self.triggers.evicted + sum(s.runtime.evicted for s in self._streams.values())
+
+    def _write_stream(self, stream: StreamTaskRun, rows: list[dict[str, Any]],
+                      sides: list[tuple[str, dict[str, Any]]]) -> None:
         if rows:
             stats = self.summary.task_stats[stream.name]
             stats.fired += len(rows)
             stats.rows += len(rows)
-            self.summary.tasks_fired += len(rows)
             self._write(stream.sink, rows)
-        if late:
-            self.storage.write(LATE_EVENTS_TABLE, late)
-
-    def _record(self, name: str, event: Event, outcome: list[dict[str, Any]] | Exception) -> None:
-        self.summary.tasks_fired += 1
-        table, rows = self.execution.settle(name, event, outcome)
-        if rows:
-            self._write(table, rows)
+        for table, row in sides:
+            self.storage.write(table, [row])
 
     def _write(self, table: str, rows: list[dict[str, Any]]) -> None:
         self.storage.write(table, rows)
@@ -178,10 +323,9 @@ class DeviceRunner:
 
     def close(self) -> None:
         """Flush storage, seal the tunnel's open batch, stop the worker pool (storage stays open for reading)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self.triggers.function.close()
         if self.tunnel is not None:
             self.tunnel.flush()
         self.storage.flush()
         self.summary.rows_written = dict(self.storage.rows_written)
+        self.summary.refused_rows = dict(self.storage.refused)

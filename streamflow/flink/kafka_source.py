@@ -34,7 +34,7 @@ from pyflink.datastream.connectors.kafka import KafkaOffsetsInitializer, KafkaSo
 from pyflink.java_gateway import get_gateway
 
 from connectors.tunnel.kafka import bootstrap_servers
-from streamflow.flink_kafka import kafka_jar_urls, kafka_topic
+from streamflow.flink.connector_jars import kafka_jar_urls, kafka_topic
 
 __all__ = ["add_kafka_jars", "kafka_lines", "kafka_records", "kafka_source", "kafka_topic"]
 

@@ -11,8 +11,8 @@ needs), checks theirs, and moves them into the cache
 
 From the shell (``make test`` runs it)::
 
-    python -m streamflow.flink_kafka fetch      # no-op when the verified jars are there
-    python -m streamflow.flink_kafka path       # the jars' file:// URLs
+    python -m streamflow.flink.connector_jars fetch      # no-op when the verified jars are there
+    python -m streamflow.flink.connector_jars path       # the jars' file:// URLs
 
 It also reads ``kafka://TOPIC`` event arguments (:func:`kafka_topic`) without importing PyFlink, so a
 command line can tell a topic from a file before it starts a JVM.
@@ -34,6 +34,8 @@ import zipfile
 from pathlib import Path
 from urllib.parse import unquote
 
+from streamflow.settings import env_name, settings
+
 WHEEL = "shigawire-apache-flink-libraries==2.0.0.post1"
 WHEEL_SHA256 = "aaa65537d3f0c0ff279185d8243024f0efd95788ba044bf249ba0f40b69289cd"
 #: Jar name -> (member in the wheel, sha256).
@@ -47,10 +49,10 @@ JARS = {
     "zstd-jni.jar": ("pyflink/lib/zstd-jni.jar",
                      "793ca8734aa15687e7e64564eab8b6ae9ee2720eae27aa663074682144b1c386"),
 }
-JARS_DIR_ENV = "STREAMFLOW_FLINK_JARS_DIR"
+JARS_DIR_ENV = env_name("flink_jars_dir")
 KAFKA_SCHEME = "kafka://"
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")  # Kafka's own rule for topic names
-FETCH_HINT = "run `make test` or `python -m streamflow.flink_kafka fetch` to download and verify them"
+FETCH_HINT = "run `make test` or `python -m streamflow.flink.connector_jars fetch` to download and verify them"
 
 
 class JarError(RuntimeError):
@@ -60,10 +62,7 @@ class JarError(RuntimeError):
 def jars_dir(directory: str | os.PathLike[str] | None = None) -> Path:
     """The cache directory: explicit first, then ``$STREAMFLOW_FLINK_JARS_DIR``, then
     ``~/.cache/streamflow/flink-kafka-2.0/``."""
-    if directory is not None:
-        return Path(directory)
-    env = os.environ.get(JARS_DIR_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "streamflow" / "flink-kafka-2.0"
+    return settings(flink_jars_dir=directory).flink_jars_dir
 
 
 def sha256_of(path: str | os.PathLike[str]) -> str:
@@ -96,8 +95,8 @@ def kafka_jar_urls(directory: str | os.PathLike[str] | None = None) -> list[str]
     >>> kafka_jar_urls("/no/such/dir")
     Traceback (most recent call last):
     ...
-    streamflow.flink_kafka.JarError: the Flink Kafka connector jar /no/such/dir/flink-connector-kafka.jar is \
-missing; run `make test` or `python -m streamflow.flink_kafka fetch` to download and verify them
+    streamflow.flink.connector_jars.JarError: the Flink Kafka connector jar /no/such/dir/flink-connector-kafka.jar is \
+missing; run `make test` or `python -m streamflow.flink.connector_jars fetch` to download and verify them
     """
     return [path.as_uri() for path in verified_jars(directory)]
 
@@ -168,7 +167,7 @@ def kafka_topic(events: str | os.PathLike[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args not in (["fetch"], ["path"]):
-        print("usage: python -m streamflow.flink_kafka fetch|path", file=sys.stderr)
+        print("usage: python -m streamflow.flink.connector_jars fetch|path", file=sys.stderr)
         return 2
     try:
         if args == ["fetch"]:

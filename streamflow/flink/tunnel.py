@@ -44,10 +44,10 @@ from connectors.tunnel.cloud import CloudStats, CloudStore, DeadLetter, open_mes
 from connectors.tunnel.envelope import Batch
 from connectors.tunnel.kafka import bootstrap_servers
 from connectors.tunnel.keys import KeyRegistry, resolve_registry_path
-from streamflow.runners.flink import flink_environment
-from streamflow.runners.flink_kafka_source import kafka_records
+from streamflow.flink.kafka_source import kafka_records
+from streamflow.flink.runner import flink_environment
 
-log = logging.getLogger("streamflow.flink_tunnel")
+log = logging.getLogger("streamflow.flink.tunnel")
 
 _PICKLED = Types.PICKLED_BYTE_ARRAY()
 #: Messages stored per ``CloudStore.apply`` (one transaction); the last group is stored when the input ends.

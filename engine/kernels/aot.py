@@ -1,0 +1,154 @@
+"""The numba loops compiled ahead of time into an extension module, so a cold process runs them
+without importing numba (loading the module takes milliseconds; numba's JIT, about a second).
+
+The module is built for this CPU (``target_cpu="host"``) by numba's ``pycc`` in a separate, niced
+process (``python -m engine.kernels.aot CACHE_DIR``, started in the background by the cold path when
+the module is missing), once per CPU model/features and engine version
+(:func:`engine.coldstart.fingerprint.machine_key`). It is written atomically into
+``CACHE_DIR/aot-<key>/``; its CRC-32 is kept in the engine cache, and a module whose bytes do not
+match is deleted, not loaded.
+
+The exported functions take C-contiguous arrays (the kernels pass arena views and contiguous weights).
+
+>>> module = load("/nonexistent/cache")    # None until built
+>>> module is None
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+import zlib
+from pathlib import Path
+from types import ModuleType
+
+MODULE = "sf_engine_aot"
+STALE_LOCK_S = 600.0  # a build lock older than this belonged to a build that died
+A1, A2, A3 = "f4[::1]", "f4[:,::1]", "f4[:,:,::1]"
+SIGNATURES = {
+    "bias_act": f"void({A2}, {A1}, {A2}, b1, b1, i8, f8, f8)",
+    "depthwise_taps": "i8[:,::1](i8, i8, i8, i8, i8, i8)",
+    "depthwise": f"void({A3}, {A3}, {A1}, {A3}, b1, {A3}, {A3}, i8[:,::1], i8, i8, i8, i8, i8, f8, f8)",
+    "winograd23_in": f"void({A3}, {A3}, i8, i8, i8, i8)",
+    "winograd23_out": f"void({A3}, {A3}, {A1}, {A3}, b1, i8, i8, i8, f8, f8)",
+}
+
+
+def _key() -> str:
+    from engine.coldstart.fingerprint import machine_key
+
+    return f"aot-{machine_key()}"
+
+
+def _suffix() -> str:
+    import sysconfig
+
+    return sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+
+
+def module_path(cache_dir: str | os.PathLike) -> Path:
+    return Path(cache_dir) / _key() / (MODULE + _suffix())
+
+
+def load(cache_dir: str | os.PathLike) -> ModuleType | None:
+    """The compiled module for this machine and engine version, if built and intact; else None."""
+    from engine.coldstart.store import EntryStore
+
+    path = module_path(cache_dir)
+    if not path.exists():
+        return None
+    entry = EntryStore(cache_dir).get(_key())
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return None
+    if entry is None or entry[1].get("crc32") != zlib.crc32(raw) or entry[1].get("size") != len(raw):
+        shutil.rmtree(path.parent, ignore_errors=True)  # corrupt or unrecorded: rebuilt, never loaded
+        return None
+    spec = importlib.util.spec_from_file_location(MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError:
+        return None
+    return module
+
+
+def build(cache_dir: str | os.PathLike) -> Path:
+    """Compile the loops of :mod:`engine.kernels.jit` for this CPU into the cache (imports numba)."""
+    with warnings.catch_warnings():  # pycc is "pending deprecation" with no replacement yet (numba 0.68)
+        warnings.simplefilter("ignore")
+        from numba.pycc import CC
+
+    from engine.coldstart.store import EntryStore
+    from engine.kernels import jit
+
+    final = module_path(cache_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=".build-") as tmp:
+        cc = CC(MODULE)
+        cc.output_dir = tmp
+        cc.target_cpu = "host"
+        cc.verbose = False
+        for name, signature in SIGNATURES.items():
+            cc.export(name, signature)(getattr(jit, name).py_func)
+        cc.compile()
+        (built,) = Path(tmp).glob(MODULE + "*")
+        raw = built.read_bytes()
+        os.replace(built, final)
+    EntryStore(cache_dir).put(_key(), {}, meta={"crc32": zlib.crc32(raw), "size": len(raw), "file": final.name})
+    return final
+
+
+def copy_built(src_dir: str | os.PathLike, dest_dir: str | os.PathLike) -> None:
+    """Copy this machine's compiled module (and its checksum entry) from one cache to another,
+    building it in ``src_dir`` first if missing (e.g. seed a test's or a benchmark's fresh cache)."""
+    if load(src_dir) is None:
+        subprocess.run([sys.executable, "-m", "engine.kernels.aot", str(src_dir)], check=True,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    src = module_path(src_dir).parent
+    Path(dest_dir).mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, Path(dest_dir) / src.name, dirs_exist_ok=True)
+    shutil.copy2(Path(src_dir) / f"{src.name}.sfc", Path(dest_dir) / f"{src.name}.sfc")
+
+
+def build_in_background(cache_dir: str | os.PathLike) -> subprocess.Popen | None:
+    """Start :func:`build` in a niced child process unless a build is already running; returns it."""
+    lock = Path(cache_dir) / f".{_key()}.building"
+    with contextlib.suppress(OSError):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:  # a build that died: try again
+            lock.unlink()
+    try:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return None
+    os.close(fd)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen([sys.executable, "-m", "engine.kernels.aot", str(cache_dir), str(lock)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def main(argv: list[str]) -> int:
+    cache_dir, lock = argv[0], argv[1] if len(argv) > 1 else None
+    with contextlib.suppress(OSError):
+        os.nice(10)
+    try:
+        build(cache_dir)
+    finally:
+        if lock:
+            Path(lock).unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,364 @@
+"""Cold start (engine/coldstart): the cache store, cache keys and invalidation, the cold plan,
+the pipelined first run and the warm switch; every path's output equals the warm session's."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.builder import GraphBuilder
+from engine.coldstart.session import ColdSession, graph_digest
+from engine.coldstart.store import EntryStore
+from engine.session import InferenceSession
+from engine.tuning import calibrate
+
+TOL = 1e-5  # every path against the warm path, as the issue states
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def small_net(seed: int = 0, scale: float = 1.0):
+    """3x3 conv, depthwise 3x3 (strided), pointwise, hardswish, residual, pooling, linear."""
+    rng = np.random.default_rng(seed)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.3 * scale).astype(np.float32)
+
+    b = GraphBuilder("small")
+    x = b.input("x", (None, 3, 16, 16))
+    y = b.relu(b.conv(x, w(8, 3, 3, 3), w(8), pads=1))
+    y = b.hard_swish(b.conv(y, w(8, 1, 3, 3), w(8), strides=2, pads=1, group=8))
+    z = b.conv(y, w(8, 8, 1, 1), w(8))
+    y = b.relu(b.add(z, y))
+    y = b.conv(y, w(16, 8, 3, 3), None, pads=1)  # a 3x3 conv the warm plan may run as Winograd
+    b.output(b.softmax(b.linear(b.flatten(b.global_avg_pool(y)), w(16, 4), w(4))))
+    return b.build()
+
+
+def direct_convs(graph) -> dict[str, str]:
+    """Force conv_direct (it copies its weights into per-tap matrices) on the dense 3x3 convs."""
+    forced = {n.name: "conv_direct" for n in graph.nodes
+            if n.op == "Conv" and n.attrs.get("group", 1) == 1 and graph.weights[n.inputs[1]].shape[2] == 3}
+    assert len(forced) == 2
+    return forced
+
+
+@pytest.fixture
+def x():
+    return np.random.default_rng(1).standard_normal((2, 3, 16, 16), dtype=np.float32)
+
+
+@pytest.fixture
+def cache(tmp_path):
+    calibrate(tmp_path / "cache")  # measured once per cache dir; keeps later timings out of the tests
+    return tmp_path / "cache"
+
+
+def warm_output(graph, x):
+    return next(iter(InferenceSession(graph).run(x).values()))
+
+
+def first(out):
+    return next(iter(out.values()))
+
+
+# --- the store --------------------------------------------------------------------------------------
+def test_store_roundtrip_and_meta(tmp_path):
+    store = EntryStore(tmp_path)
+    arrays = {"u": np.arange(12, dtype=np.float32).reshape(3, 4), "s": np.float32(2.5), "i": np.arange(3)}
+    store.put("k1", arrays, meta={"kernel": "conv"})
+    got, meta = store.get("k1")
+    assert meta == {"kernel": "conv"}
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(got[k], v)
+        assert got[k].dtype == np.asarray(v).dtype
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]  # temp file renamed away
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "magic", "garbage"])
+def test_store_detects_corrupt_entry_and_deletes_it(tmp_path, damage):
+    store = EntryStore(tmp_path)
+    store.put("k", {"w": np.ones(1000, np.float32)})
+    path = store.path("k")
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[-10] ^= 0xFF
+    elif damage == "truncate":
+        raw = raw[:-100]
+    elif damage == "magic":
+        raw[:8] = b"XXXXXXXX"
+    else:
+        raw = bytearray(b"\x00" * 5)
+    path.write_bytes(bytes(raw))
+    assert store.get("k") is None
+    assert store.stats["corrupt"] == 1
+    assert not path.exists()
+
+
+def test_store_evicts_least_recently_used(tmp_path):
+    store = EntryStore(tmp_path, limit_bytes=3 * 5000)
+    for i, key in enumerate(["a", "b", "c"]):
+        store.put(key, {"w": np.zeros(1000, np.float32)})
+        os.utime(store.path(key), ns=(10**18 + i, 10**18 + i))  # a, b, c: oldest to newest
+    assert store.get("a") is not None  # a hit makes "a" the most recently used
+    store.put("d", {"w": np.zeros(1000, np.float32)})
+    assert set(store.keys()) == {"a", "c", "d"}
+    assert store.stats["evicted"] == 1
+    assert store.size_bytes() <= store.limit_bytes
+
+
+def test_store_rejects_keys_that_are_not_plain_names(tmp_path):
+    with pytest.raises(ValueError, match="cache key"):
+        EntryStore(tmp_path).path("../escape")
+
+
+def test_calibration_is_persisted_and_reread(tmp_path):
+    cal = calibrate(tmp_path)
+    (entry,) = EntryStore(tmp_path).keys("calibration-")
+    code = textwrap.dedent(f"""
+        import json, time
+        from engine.tuning import calibrate
+        t = time.perf_counter(); cal = calibrate({str(tmp_path)!r})
+        print(json.dumps([time.perf_counter() - t, cal.gemm_flops_per_s, sorted(cal.kernel_factors)]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    import json
+
+    seconds, gemm, kernels = json.loads(out)
+    assert gemm == cal.gemm_flops_per_s and kernels == sorted(cal.kernel_factors)  # read, not re-measured
+    assert entry.startswith("calibration-")
+
+
+# --- every path equals the warm path ------------------------------------------------------------------
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_cold_paths_match_warm(cache, x, pipeline):
+    graph = small_net()
+    ref = warm_output(graph, x)
+    cold = ColdSession(graph, cache_dir=cache, pipeline=pipeline, build_aot=False)
+    np.testing.assert_allclose(first(cold.run(x)), ref, atol=TOL, rtol=0)  # cache empty
+    assert cold.wait_warm(60) and cold.warm, cold.warm_error
+    np.testing.assert_allclose(first(cold.run(x)), ref, atol=TOL, rtol=0)  # warm plan
+    again = ColdSession(graph, cache_dir=cache, pipeline=pipeline, warm_switch=False)
+    assert again.store.stats["hits"] >= 1  # optimised graph from the cache
+    np.testing.assert_allclose(first(again.run(x)), ref, atol=TOL, rtol=0)  # cache warm
+    np.testing.assert_allclose(first(again.run(x)), ref, atol=TOL, rtol=0)  # cold plan, second run
+
+
+def test_forced_transforming_kernel_is_cached_then_read(cache, x):
+    graph = small_net()
+    forced = direct_convs(graph)
+    ref = first(InferenceSession(graph, kernels=forced).run(x))
+    a = ColdSession(graph, cache_dir=cache, kernels=forced, warm_switch=False)
+    np.testing.assert_allclose(first(a.run(x)), ref, atol=TOL, rtol=0)
+    assert {t.source for t in a.timings if t.kernel == "conv_direct"} == {"transform"}  # graph was in memory
+    b = ColdSession(graph, cache_dir=cache, kernels=forced, warm_switch=False)
+    np.testing.assert_allclose(first(b.run(x)), ref, atol=TOL, rtol=0)
+    assert {t.source for t in b.timings if t.kernel == "conv_direct"} == {"cache"}
+    weight = {n.name: n.inputs[1] for n in b.graph.nodes if n.name in forced}
+    big = [w for w in weight.values() if np.asarray(b.graph.weights[w]).nbytes >= 4096]
+    assert big and all(w in b._pending for w in big)  # the original weights were never read
+
+
+def test_corrupt_weight_entry_is_rebuilt_not_used(cache, x):
+    graph = small_net()
+    forced = direct_convs(graph)
+    ref = first(InferenceSession(graph, kernels=forced).run(x))
+    ColdSession(graph, cache_dir=cache, kernels=forced, warm_switch=False).run(x)
+    store = EntryStore(cache)
+    for key in store.keys("w-"):
+        p = store.path(key)
+        raw = bytearray(p.read_bytes())
+        raw[-4:] = b"\x00\x00\xc0\x7f"  # a NaN where a weight was: only the checksum can tell
+        p.write_bytes(bytes(raw))
+    sess = ColdSession(graph, cache_dir=cache, kernels=forced, warm_switch=False)
+    out = first(sess.run(x))
+    np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
+    assert sess.store.stats["corrupt"] == len(store.keys("w-"))
+    assert {t.source.split("+")[-1] for t in sess.timings if t.kernel == "conv_direct"} == {"transform"}
+
+
+@pytest.mark.parametrize("damage", ["weight_byte", "truncate"])
+def test_corrupt_graph_file_is_rebuilt_not_used(cache, x, damage):
+    """The cached graph is an engine model file read through the shared WeightLoader: a flipped
+    weight byte fails that weight's CRC-32 when its layer is read (mid first run), a truncated file
+    fails on open; either way the graph is rebuilt from the model and the output is right."""
+    graph = small_net()
+    ColdSession(graph, cache_dir=cache, warm_switch=False)
+    (path,) = Path(cache).glob("graph-*.sfe")
+    raw = bytearray(path.read_bytes())
+    if damage == "weight_byte":
+        from engine.memory.loader import WeightLoader
+
+        with WeightLoader(path) as loader:
+            big = max(loader.blocks.values(), key=lambda b: b.nbytes)  # a conv weight, read lazily
+        raw[big.offset + big.nbytes // 2] ^= 0x40
+    else:
+        raw = raw[: len(raw) // 2]
+    path.write_bytes(bytes(raw))
+    sess = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    np.testing.assert_allclose(first(sess.run(x)), warm_output(graph, x), atol=TOL, rtol=0)
+    assert sess.store.stats["corrupt"] == 1
+    again = ColdSession(graph, cache_dir=cache, warm_switch=False)  # the rebuilt file is intact
+    np.testing.assert_allclose(first(again.run(x)), warm_output(graph, x), atol=TOL, rtol=0)
+    assert again.store.stats["corrupt"] == 0
+
+
+def test_cached_graph_reads_big_weights_layer_by_layer(cache, x):
+    graph = small_net()
+    ColdSession(graph, cache_dir=cache, warm_switch=False)
+    sess = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    assert sess._pending  # big conv weights still on disk after opening
+    sess.run(x)
+    assert not sess._pending and sess._loader.bytes_read > 0
+
+
+def test_changed_weights_never_use_stale_entries(cache, x):
+    """What Train does: same structure, new weight values -> a new digest, nothing old is read."""
+    forced = direct_convs(small_net())
+    old, new = small_net(seed=0), small_net(seed=0, scale=1.5)
+    assert graph_digest(old) != graph_digest(new)
+    ColdSession(old, cache_dir=cache, kernels=forced, warm_switch=False).run(x)
+    sess = ColdSession(new, cache_dir=cache, kernels=forced, warm_switch=False)
+    out = first(sess.run(x))
+    np.testing.assert_allclose(out, first(InferenceSession(new, kernels=forced).run(x)), atol=TOL, rtol=0)
+    assert sess.store.stats["hits"] == 0  # no graph, no weights from the old model
+
+
+def test_model_file_rewritten_is_rehashed(cache, x, tmp_path):
+    from engine.format import save_model
+
+    path = tmp_path / "m.sfe"
+    save_model(small_net(seed=0), path)
+    first(ColdSession(path, cache_dir=cache, warm_switch=False).run(x))
+    save_model(small_net(seed=0, scale=2.0), path)
+    os.utime(path, ns=(1, 1))  # even with a different mtime only, the stamp does not match: rehash
+    sess = ColdSession(path, cache_dir=cache, warm_switch=False)
+    np.testing.assert_allclose(first(sess.run(x)), warm_output(small_net(seed=0, scale=2.0), x), atol=TOL, rtol=0)
+
+
+def test_schedule_records_prepare_before_execute(cache, x):
+    sess = ColdSession(small_net(), cache_dir=cache, warm_switch=False)
+    sess.run(x)
+    steps = [s for s in sess.plan_for({"x": x.shape}).steps if s.kernel is not None]
+    assert [t.node for t in sess.timings] == [s.node.name for s in steps]
+    for t in sess.timings:
+        assert t.prep_start <= t.prep_end <= t.exec_start + 1e-9 <= t.exec_end + 1e-9
+    assert "execution thread waited" in sess.schedule()
+
+
+def test_cold_process_plans_without_numba_and_switches_to_it(cache):
+    """A fresh process: the first output needs no numba; the warm switch brings numba kernels."""
+    pytest.importorskip("numba")
+    code = textwrap.dedent(f"""
+        import sys, json
+        sys.path.insert(0, {str(ROOT / "tests" / "engine")!r})
+        import numpy as np
+        from test_engine_coldstart import small_net
+        from engine.coldstart.session import ColdSession
+        x = np.ones((1, 3, 16, 16), np.float32)
+        first = ColdSession(small_net(), cache_dir={str(cache)!r}, warm_switch=False, build_aot=False)
+        first.run(x)
+        numba_at_first_output = "numba" in sys.modules
+        cold = [s.kernel.name for s in first.plan_for({{"x": x.shape}}).steps if s.kernel]
+        sess = ColdSession(small_net(), cache_dir={str(cache)!r}, build_aot=False)
+        sess.run(x)
+        sess.wait_warm(120)
+        warm = [s.kernel.name for s in sess.plan_for({{"x": x.shape}}).steps if s.kernel]
+        print(json.dumps([cold, warm, numba_at_first_output, repr(sess.warm_error)]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    import json
+
+    cold, warm, numba_loaded, err = json.loads(out.strip().splitlines()[-1])
+    assert err == "None"
+    assert "depthwise_numba" not in cold and "depthwise_numba" in warm
+    assert not numba_loaded
+
+
+# --- loops compiled ahead of time ---------------------------------------------------------------------
+def test_aot_module_with_wrong_checksum_is_deleted_not_loaded(tmp_path):
+    from engine.kernels import aot
+
+    path = aot.module_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"\x7fELF not really a module")
+    assert aot.load(tmp_path) is None  # no checksum entry: never loaded
+    assert not path.exists()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"\x7fELF not really a module")
+    EntryStore(tmp_path).put(aot._key(), {}, meta={"crc32": 0, "size": 5})
+    assert aot.load(tmp_path) is None and not path.exists()
+
+
+def test_cold_process_with_aot_loops_matches_warm_without_numba(cache, tmp_path):
+    """With the loops compiled ahead of time (built once per machine into the user's engine cache,
+    ~20-40 s, then copied), a fresh process runs the numba kernels cold without importing numba,
+    and its first output equals the warm session's."""
+    pytest.importorskip("numba")
+    from engine.coldstart.store import default_dir
+    from engine.kernels import aot
+
+    aot.copy_built(default_dir(), cache)
+    x_path, ref_path = tmp_path / "x.npy", tmp_path / "ref.npy"
+    x = np.random.default_rng(3).standard_normal((2, 3, 16, 16), dtype=np.float32)
+    np.save(x_path, x)
+    np.save(ref_path, warm_output(small_net(), x))
+    code = textwrap.dedent(f"""
+        import sys, json
+        sys.path.insert(0, {str(ROOT / "tests" / "engine")!r})
+        import numpy as np
+        from test_engine_coldstart import small_net
+        from engine.coldstart.session import ColdSession
+        sess = ColdSession(small_net(), cache_dir={str(cache)!r}, warm_switch=False)
+        x = np.load({str(x_path)!r})
+        y = next(iter(sess.run(x).values()))
+        err = float(np.abs(y - np.load({str(ref_path)!r})).max())
+        kernels = [s.kernel.name for s in sess.plan_for({{"x": x.shape}}).steps if s.kernel]
+        print(json.dumps([err, kernels, "numba" in sys.modules]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    import json
+
+    err, kernels, numba_imported = json.loads(out.strip().splitlines()[-1])
+    assert err <= TOL
+    assert "depthwise_numba" in kernels
+    assert not numba_imported
+
+
+def test_background_build_runs_once_while_its_lock_is_held(tmp_path):
+    from engine.kernels import aot
+
+    lock = tmp_path / f".{aot._key()}.building"
+    lock.write_text("")
+    assert aot.build_in_background(tmp_path) is None  # a build is under way: no second one
+
+
+def test_cli_cold_plan_prints_plan_and_schedule(cache, tmp_path):
+    from engine.format import save_model
+
+    path = tmp_path / "m.sfe"
+    save_model(small_net(), path)
+    out = subprocess.run([sys.executable, "-m", "engine", "plan", str(path), "--cold", "--batch", "2"],
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "STREAMFLOW_ENGINE_CACHE": str(cache)}).stdout
+    assert "cheapest first run" in out
+    assert "execution thread waited" in out
+
+
+def test_first_run_cost_counts_disk_reads_transforms_and_jit_load():
+    from engine.cost import Calibration
+    from engine.kernels import by_name
+
+    cal = Calibration(bytes_per_s=1e9, disk_bytes_per_s=1e8, jit_load_s=1.0)
+    im2col, winograd = by_name("conv_im2col"), by_name("conv_winograd_f23_numba")
+    w, u = 1_000_000, 1_777_777
+    assert cal.first_run_extra(im2col, w, 0, False, False) == pytest.approx(w / 1e8)  # read the weights
+    assert cal.first_run_extra(winograd, w, u, True, True) == pytest.approx(u / 1e8)  # read U only
+    assert cal.first_run_extra(winograd, w, u, False, True) == pytest.approx(w / 1e8 + 2 * u / 1e9)
+    assert cal.first_run_extra(winograd, w, u, True, False) == pytest.approx(u / 1e8 + 1.0)  # + numba load

@@ -1,0 +1,40 @@
+"""The layout: the device core, the operators and the connectors never import Flink."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DEVICE_JOB = textwrap.dedent("""
+    import json, sys
+    import streamflow, streamflow.runners.device, operators, connectors
+    from connectors.storage import CollectiveStorage
+    from operators import Aggregate, Count
+    from streamflow.events import PAGE_ENTER, PAGE_EXIT, Event
+    from streamflow.job import Job, Task
+    from streamflow.runners.device import DeviceRunner
+
+    store = CollectiveStorage(sys.argv[1])
+    job = Job("tiny", [Task("visits", ["item"], [Aggregate(n=Count())], input="page")])
+    DeviceRunner(job, store).run([Event("u", PAGE_ENTER, "item", 1.6e9 + 1, {"item_id": "i"}),
+                                  Event("u", "fav", "item", 1.6e9 + 2, {"item_id": "i"}),
+                                  Event("u", PAGE_EXIT, "item", 1.6e9 + 3, {"item_id": "i"})])
+    rows = store.query("SELECT n FROM visits")
+    store.close()
+    flink = sorted(m for m in sys.modules if m.startswith(("pyflink", "streamflow.flink")))
+    print(json.dumps({"rows": rows, "flink_modules": flink}))
+""")
+
+
+def test_device_core_never_imports_flink(tmp_path):
+    done = subprocess.run([sys.executable, "-c", DEVICE_JOB, str(tmp_path / "tiny.duckdb")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["rows"] == [[3]]  # the job really ran: one visit of three events
+    assert report["flink_modules"] == []

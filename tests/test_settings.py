@@ -1,0 +1,106 @@
+"""One settings object (explicit > STREAMFLOW_* > default), read by every part; the CLI's exit codes for
+a bad setting, a spool another process holds and a broker that stays away."""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+
+import pytest
+
+from connectors.storage import resolve_db_path
+from connectors.tunnel.kafka import bootstrap_servers
+from connectors.tunnel.keys import KeyRegistry, resolve_registry_path
+from connectors.tunnel.spool import Spool
+from streamflow.cli import main
+from streamflow.settings import Settings, env_name, settings
+
+ROOT = Path(__file__).resolve().parents[1]
+IPV_JOB = ROOT / "jobs" / "ipv.py"
+SOURCE_DIRS = ("streamflow", "connectors", "operators")
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch):
+    for field in Settings.model_fields:
+        monkeypatch.delenv(env_name(field), raising=False)
+
+
+def test_explicit_beats_the_environment_beats_the_default(monkeypatch, tmp_path):
+    assert settings().db == Path("streamflow.duckdb") and settings().runner == "device"
+    monkeypatch.setenv("STREAMFLOW_DB", str(tmp_path / "env.duckdb"))
+    monkeypatch.setenv("STREAMFLOW_RUNNER", "flink")
+    assert settings().db == tmp_path / "env.duckdb" and settings().runner == "flink"
+    assert settings(db="explicit.duckdb", runner="device").db == Path("explicit.duckdb")
+    assert settings(runner=None).runner == "flink"  # None means "not given"
+    monkeypatch.setenv("STREAMFLOW_DB", "")  # empty counts as unset
+    assert settings().db == Path("streamflow.duckdb")
+
+
+def test_the_parts_read_the_settings(monkeypatch, tmp_path):
+    monkeypatch.setenv("STREAMFLOW_DB", str(tmp_path / "a.duckdb"))
+    monkeypatch.setenv("STREAMFLOW_KAFKA_BOOTSTRAP", "broker-a:9092")
+    monkeypatch.setenv("STREAMFLOW_KEY_REGISTRY", str(tmp_path / "keys.json"))
+    assert resolve_db_path() == tmp_path / "a.duckdb" and resolve_db_path("b.duckdb") == Path("b.duckdb")
+    assert bootstrap_servers() == "broker-a:9092" and bootstrap_servers("broker-b:1") == "broker-b:1"
+    assert resolve_registry_path() == tmp_path / "keys.json"
+
+
+def test_a_bad_value_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("STREAMFLOW_FLINK_EXECUTION_MODE", "fibres")
+    with pytest.raises(ValueError, match="flink_execution_mode"):
+        settings()
+
+
+def test_no_part_reads_streamflow_variables_itself():
+    """Only streamflow/settings.py turns STREAMFLOW_* variables into values."""
+    direct = re.compile(r"""(environ(\.get)?\s*[\[(]|getenv\s*\()\s*["']STREAMFLOW_""")
+    offenders = [f"{path.relative_to(ROOT)}:{n}" for top in SOURCE_DIRS for path in sorted((ROOT / top).rglob("*.py"))
+                 for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if direct.search(line)]
+    assert offenders == []
+
+
+def test_cli_refuses_a_bad_setting_with_exit_2(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("STREAMFLOW_RUNNER", "cloud")
+    events = tmp_path / "e.csv"
+    events.write_text("1,10,7,pv,1511848894\n")
+    assert main(["run", str(IPV_JOB), "--events", str(events), "--db", str(tmp_path / "f.duckdb")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("streamflow: error: STREAMFLOW_RUNNER:") and "Traceback" not in err
+
+
+def test_cli_says_the_spool_is_taken_and_exits_1(tmp_path, capsys):
+    pytest.importorskip("kafka")
+    registry = tmp_path / "keys.json"
+    KeyRegistry(registry).add("phone-1")
+    events = tmp_path / "e.csv"
+    events.write_text("1,10,7,pv,1511848894\n")
+    spool = tmp_path / "device.spool"
+    held = Spool(spool)  # another open spool: the kernel's flock refuses a second one
+    try:
+        code = main(["run", str(IPV_JOB), "--events", str(events), "--db", str(tmp_path / "f.duckdb"),
+                     "--tunnel", "kafka", "--device-id", "phone-1", "--key-registry", str(registry),
+                     "--spool", str(spool), "--tunnel-wait", "0"])
+    finally:
+        held.close()
+    assert code == 1
+    err = capsys.readouterr().err
+    assert re.search(r"^streamflow: error: tunnel spool .* is in use by another process", err, re.MULTILINE), err
+    assert "Traceback" not in err
+
+
+def test_cli_gives_up_on_an_absent_broker_with_exit_1(monkeypatch, tmp_path, capsys):
+    pytest.importorskip("kafka")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("STREAMFLOW_KAFKA_BOOTSTRAP", f"127.0.0.1:{port}")
+    monkeypatch.setenv("STREAMFLOW_CONSUMER_RETRY_S", "1")
+    code = main(["tunnel", "consume", "--db", str(tmp_path / "cloud.duckdb"), "--key-registry",
+                 str(tmp_path / "keys.json")])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert re.search(rf"^streamflow: error: cloud consumer of .* on 127.0.0.1:{port}: failed .* giving up", err,
+                     re.MULTILINE), err
+    assert "Traceback" not in err
