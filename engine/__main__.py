@@ -1,6 +1,10 @@
-"""``python -m engine plan MODEL [--batch N] [--tune] [--budget BYTES] [--json] [--cold]``: per-node
-kernel, memory, expected time, and why each kernel was chosen; ``--cold`` plans for the first run
-(:class:`engine.coldstart.session.ColdSession`) and adds its preparation/execution schedule."""
+"""``python -m engine plan MODEL [--batch N] [--tune] [--arena-budget BYTES] [--json] [--cold]``:
+per-node kernel, memory, expected time, and why each kernel was chosen; ``--cold`` plans for the
+first run (:class:`engine.coldstart.session.ColdSession`) and adds its preparation/execution schedule.
+
+``python -m engine plan MODEL --budget 8MB``: the budgeted (FlexNN) plan, weights included: per unit
+what is loaded, computed and freed, and the expected time (a non-streamable MODEL, e.g. ``.onnx``,
+is first written as a streamable copy in a temporary file)."""
 
 from __future__ import annotations
 
@@ -20,14 +24,17 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--batch", type=int, default=1)
     plan.add_argument("--json", action="store_true", help="print the memory report as JSON as well")
     plan.add_argument("--tune", action="store_true", help="time every candidate kernel instead of estimating")
-    plan.add_argument("--budget", type=int, help="cap the arena at this many bytes")
+    plan.add_argument("--arena-budget", type=int, help="cap the activation arena at this many bytes")
+    plan.add_argument("--budget", help="run within this many bytes, weights streamed (e.g. 8MB)")
     plan.add_argument("--cold", action="store_true",
                       help="the cold path's plan (first-run costs) and its first run's prepare/execute schedule")
     args = parser.parse_args(argv)
+    if args.budget is not None:
+        return _budgeted(args, parser)
     if args.cold:
         return cold_plan(args.model, args.batch)
 
-    sess = InferenceSession(args.model, tune=args.tune, memory_budget=args.budget)
+    sess = InferenceSession(args.model, tune=args.tune, memory_budget=args.arena_budget)
     shapes = {}
     for t in sess.graph.inputs:
         if any(d is None for d in t.shape[1:]):
@@ -41,6 +48,38 @@ def main(argv: list[str] | None = None) -> int:
     print(p.table())
     if args.json:
         print(json.dumps(p.memory_report()))
+    return 0
+
+
+def _budgeted(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import tempfile
+
+    from engine.memory.budgeted import BudgetedSession, parse_bytes
+    from engine.memory.streamable import save_streamable
+
+    try:
+        budget = parse_bytes(args.budget)
+    except ValueError as e:
+        parser.error(str(e))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model
+        try:
+            sess = BudgetedSession(path, budget)
+        except (GraphError, ValueError):  # not laid out for streaming: write a streamable copy
+            path = f"{tmp}/model.sfe"
+            save_streamable(args.model, path)
+            sess = BudgetedSession(path, budget)
+        shapes = {t.name: (args.batch, *t.shape[1:]) for t in sess.graph.inputs}
+        try:
+            bp = sess.plan_for(shapes)
+        except GraphError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        finally:
+            sess.close()
+    print(bp.table())
+    if args.json:
+        print(json.dumps(bp.report()))
     return 0
 
 

@@ -25,7 +25,7 @@ from operators.base import Group, Operator, get_field, run_pipeline
 from operators.filter import Filter
 from operators.keyby import KeyBy
 from operators.map import Map
-from operators.model import Infer, Train
+from operators.model import Infer, MemoryBudget, Train
 from operators.process import (
     KeyedProcessFunction,
     ListStateDescriptor,
@@ -38,6 +38,6 @@ from operators.window import CountWindow, SessionWindow, TimeWindow, window_star
 __all__ = [
     "Aggregate", "Aggregation", "Count", "CountBy", "CountDistinct", "CountWindow", "Distinct", "Filter", "First",
     "Group", "Infer", "KeyBy", "KeyedProcessFunction", "Last", "LastN", "ListStateDescriptor", "Map",
-    "MapStateDescriptor", "Max", "Min", "Operator", "Process", "SessionWindow", "Sum", "TimeWindow", "Train",
-    "ValueStateDescriptor", "get_field", "run_pipeline", "window_starts",
+    "MapStateDescriptor", "Max", "MemoryBudget", "Min", "Operator", "Process", "SessionWindow", "Sum", "TimeWindow",
+    "Train", "ValueStateDescriptor", "get_field", "run_pipeline", "window_starts",
 ]

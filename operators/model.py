@@ -10,6 +10,8 @@ its own copy, so tasks never share weights by accident.
 from __future__ import annotations
 
 import os
+import tempfile
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,8 +20,10 @@ import numpy as np
 from operators.base import Group, Operator
 
 if TYPE_CHECKING:  # the engine (numba kernels, BLAS set-up) is imported on first use, not with operators
-    from engine import Graph, InferenceSession
+    from engine import Graph
     from engine.autograd import SGD, Adam, GraphModel
+    from engine.coldstart.session import ColdSession
+    from engine.memory.budgeted import BudgetedSession
 
 Features = Callable[[Any], Sequence[float]]
 
@@ -30,6 +34,39 @@ def _rows(groups: list[Group], op: str) -> list[Mapping[str, Any]]:
         if not isinstance(row, Mapping):
             raise TypeError(f"{op} works on rows (dicts); put it after an Aggregate or a Map, got {row!r}")
     return rows
+
+
+class MemoryBudget:
+    """A byte budget that every copy of the operators given it shares, changeable while a job runs
+    (a runner deep-copies operators per task; this knob stays one object).
+
+    Example:
+        >>> budget = MemoryBudget("8MB"); budget.set("4MB"); budget.bytes
+        4194304
+    """
+
+    def __init__(self, nbytes: int | str) -> None:
+        self._lock = threading.Lock()
+        self.set(nbytes)
+
+    def set(self, nbytes: int | str) -> None:
+        from engine.memory.budgeted import parse_bytes
+
+        value = parse_bytes(nbytes)
+        if value <= 0:
+            raise ValueError(f"a memory budget must be positive, got {nbytes!r}")
+        with self._lock:
+            self._bytes = value
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def __deepcopy__(self, memo: dict) -> MemoryBudget:
+        return self
+
+    def __copy__(self) -> MemoryBudget:
+        return self
 
 
 class Infer(Operator):
@@ -53,28 +90,52 @@ class Infer(Operator):
     """
 
     def __init__(self, model: Graph | str | os.PathLike[str], features: Features, into: str = "prediction",
-                 output: str | None = None, as_bytes: bool = False, threads: int = 1):
+                 output: str | None = None, as_bytes: bool = False, threads: int = 1,
+                 memory_budget: int | str | MemoryBudget | None = None):
         self.model = model
+        self.memory_budget = (memory_budget if memory_budget is None or isinstance(memory_budget, MemoryBudget)
+                              else MemoryBudget(memory_budget))
         self.features = features
         self.into = into
         self.output = output
         self.as_bytes = as_bytes
         self.threads = threads
-        self._session: InferenceSession | None = None  # built on first use: copies stay cheap
+        self._session: ColdSession | BudgetedSession | None = None  # built on first use: copies stay cheap
+        self._streamable: str | None = None
 
     def apply(self, groups: list[Group]) -> list[Group]:
         rows = _rows(groups, "Infer")
         if not rows:
             return groups
-        if self._session is None:  # the first firing takes the cold path, then warm kernels in the background
-            from engine.coldstart.session import ColdSession
-
-            self._session = ColdSession(self.model, threads=self.threads)
-        session = self._session
+        session = self._ensure_session()
         x = np.asarray([self.features(row) for row in rows], dtype=np.float32)
         y = session.run({session.input_names[0]: x})[self.output or session.output_names[0]]
         values = iter([v.astype(np.float32).tobytes() if self.as_bytes else v.tolist() for v in y])
         return [(key, [{**row, self.into: next(values)} for row in items]) for key, items in groups]
+
+
+    def _ensure_session(self) -> ColdSession | BudgetedSession:
+        if self.memory_budget is not None:
+            return self._budgeted(self.memory_budget.bytes)
+        if self._session is None:  # the first firing takes the cold path, then warm kernels in the background
+            from engine.coldstart.session import ColdSession
+
+            self._session = ColdSession(self.model, threads=self.threads)
+        return self._session
+
+    def _budgeted(self, budget: int) -> BudgetedSession:
+        from engine.memory.budgeted import BudgetedSession
+        from engine.memory.streamable import save_streamable
+
+        if self._session is None:
+            if self._streamable is None:  # weights are streamed from a file laid out for it
+                fd, self._streamable = tempfile.mkstemp(suffix=".sfe")
+                os.close(fd)
+                save_streamable(self.model, self._streamable)
+            self._session = BudgetedSession(self._streamable, budget, threads=self.threads)
+        elif self._session.budget != budget:
+            self._session.set_budget(budget)
+        return self._session
 
 
 class Train(Operator):

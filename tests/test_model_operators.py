@@ -113,3 +113,28 @@ def test_model_operators_inside_a_job_on_the_device_runner(tmp_path):
     # Stated margin: online training on the sample brings the loss of the last 50 steps below 70% of
     # the first 5 steps' (measured: 0.25 -> 0.14).
     assert np.mean(losses[-50:]) < 0.7 * np.mean(losses[:5])
+
+
+def test_infer_budget_change_mid_job_takes_effect():
+    """A runner deep-copies the operator; the shared MemoryBudget still reaches the copy, and the
+    next batch runs under the new budget with the same outputs as the unbudgeted model."""
+    import copy
+
+    from operators.model import MemoryBudget
+
+    rng = np.random.default_rng(5)
+    weights = [(rng.standard_normal((3, 4096)) * 0.3).astype(np.float32), np.zeros(4096, np.float32),
+               (rng.standard_normal((4096, 2)) * 0.03).astype(np.float32), np.zeros(2, np.float32)]
+    graph = engine_mlp(*weights)
+    budget = MemoryBudget("8MB")
+    op = copy.deepcopy(Infer(graph, features=features, into="y", memory_budget=budget))
+    first = run_pipeline([op], ROWS[:5])
+    assert op._session.budget == 8 << 20
+    budget.set(op._session.reserve() + 256 * 1024)
+    second = run_pipeline([op], ROWS[5:])
+    plan = op._session.plan_for({op._session.input_names[0]: (5, 3)})
+    assert op._session.budget == budget.bytes and plan.budget <= 256 * 1024 + 4096
+    assert plan.peak_bytes() <= plan.budget and plan.loads  # weights streamed under the small budget
+    plain = run_pipeline([Infer(graph, features=features, into="y")], ROWS)
+    np.testing.assert_allclose(np.array([r["y"] for r in first + second]), np.array([r["y"] for r in plain]),
+                               atol=1e-5)

@@ -143,6 +143,10 @@ class WeightLoader:
             raise ModelFileError(f"{self.path}: weight {b.name!r} fails its checksum (crc32 {crc:#010x}, "
                                  f"header says {b.crc32:#010x}): corrupt or changed on disk")
 
+    def evict(self) -> None:
+        """Advise the kernel to drop the whole file from the page cache (a cold read follows)."""
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

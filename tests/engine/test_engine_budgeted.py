@@ -1,0 +1,231 @@
+"""Budgeted inference (FlexNN): same outputs as the unsliced plan at every budget, the measured
+resident memory within the budget (subprocess), clear errors, budget changes taking effect."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.builder import GraphBuilder
+from engine.cost import Calibration
+from engine.kernels import NodeCtx, candidates
+from engine.memory.budget_plan import BudgetError
+from engine.memory.budgeted import RESERVE, VIEW_TRANSFORM_KERNELS, BudgetedSession, parse_bytes, transform_keeps_views
+from engine.memory.loader import ModelFileError
+from engine.memory.streamable import placeholder, save_streamable
+from engine.session import InferenceSession
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def small_cnn():
+    rng = np.random.default_rng(0)
+
+    def w(*s):
+        return (rng.standard_normal(s) / np.sqrt(np.prod(s[1:]))).astype(np.float32)
+
+    def bias(n):
+        return (rng.standard_normal(n) * 0.1).astype(np.float32)
+
+    b = GraphBuilder("small")
+    x = b.input("x", (1, 3, 24, 24))
+    h = b.relu(b.conv(x, w(32, 3, 3, 3), bias(32), pads=1))
+    h2 = b.conv(h, w(64, 32, 3, 3), bias(64), pads=1, strides=2)
+    h3 = b.relu(b.conv(h2, w(64, 64, 3, 3), bias(64), pads=1))
+    h4 = b.relu(b.add(b.conv(h3, w(64, 64, 1, 1), bias(64)), h2))
+    dw = b.relu(b.conv(h4, w(64, 1, 3, 3), bias(64), pads=1, group=64))
+    y = b.linear(b.flatten(b.global_avg_pool(dw)), w(300, 64).T.copy(), bias(300))
+    b.output(b.linear(b.relu(y), w(10, 300).T.copy(), bias(10)))
+    return b.build()
+
+
+@pytest.fixture(scope="module")
+def cnn(tmp_path_factory):
+    path = tmp_path_factory.mktemp("budget") / "small.sfe"
+    g = small_cnn()
+    save_streamable(g, path)
+    x = np.random.default_rng(1).standard_normal((1, 3, 24, 24)).astype(np.float32)
+    return g, str(path), x
+
+
+def unsliced(path, plan, x):
+    """The same kernels, weights resident, no slicing: the reference for a budgeted run."""
+    kernels = {s.node.name: s.kernel.name for s in plan.exec_plan.steps if s.kernel is not None}
+    sess = InferenceSession(path, calibration=Calibration(), kernels=kernels)
+    return sess.run(x)[sess.output_names[0]]
+
+
+def test_outputs_equal_the_unsliced_model_at_every_budget(cnn):
+    g, path, x = cnn
+    sess = BudgetedSession(path, memory_budget="64MB", calibration=Calibration())
+    full = sess.run(x)[sess.output_names[0]]
+    default = InferenceSession(g, calibration=Calibration()).run(x)[g.outputs[0]]
+    assert np.abs(full - default).max() < 1e-4  # other kernels than the engine's default: close, not equal
+    smallest = None
+    try:
+        sess.plan_for({"x": x.shape}, 1)
+    except BudgetError as e:
+        smallest = e.smallest
+    assert smallest is not None and smallest > 0
+    seen_sliced = seen_preload = False
+    for budget in (64 << 20, 2 * smallest, int(1.3 * smallest), smallest):
+        sess.set_budget(budget)
+        y = sess.run(x)[sess.output_names[0]]
+        plan = sess.plan_for({"x": x.shape})
+        assert plan.budget <= budget - RESERVE and plan.peak_bytes() <= plan.budget
+        assert np.abs(y - unsliced(path, plan, x)).max() <= 1e-5
+        seen_sliced |= plan.sliced_steps > 0
+        seen_preload |= plan.preload and any(ld.start_unit < ld.unit for ld in plan.loads)
+    assert seen_sliced and seen_preload
+    sess.close()
+
+
+def test_no_preload_baseline_gives_the_same_outputs(cnn):
+    _, path, x = cnn
+    a = BudgetedSession(path, memory_budget="64MB", calibration=Calibration())
+    b = BudgetedSession(path, memory_budget="64MB", calibration=Calibration(), preload=False)
+    assert np.array_equal(a.run(x)[a.output_names[0]], b.run(x)[b.output_names[0]])
+    assert all(ld.start_unit == ld.unit for ld in b.plan_for({"x": x.shape}).loads)
+
+
+def test_budget_below_the_minimum_names_the_smallest_and_keeps_the_old_budget(cnn):
+    _, path, x = cnn
+    sess = BudgetedSession(path, memory_budget="64MB", calibration=Calibration())
+    sess.run(x)
+    with pytest.raises(BudgetError, match="smallest feasible budget is") as err:
+        sess.set_budget(1000)
+    assert sess.budget == 64 << 20
+    sess.set_budget(err.value.smallest)
+    sess.run(x)
+
+
+def test_corrupt_and_changed_files_are_clear_errors(cnn, tmp_path):
+    _, path, x = cnn
+    bad = tmp_path / "bad.sfe"
+    bad.write_bytes(Path(path).read_bytes())
+    sess = BudgetedSession(bad, memory_budget="64MB", calibration=Calibration())
+    sess.run(x)
+    name = max(sess.streamed, key=lambda n: sess.loader.blocks[n].nbytes)
+    data = bytearray(bad.read_bytes())
+    data[sess.loader.blocks[name].offset + 3] ^= 0x55
+    bad.write_bytes(bytes(data))  # same size; the mtime may not move within the clock's tick
+    with pytest.raises(ModelFileError, match=f"changed while in use|{name}.*checksum"):
+        sess.run(x)
+    with pytest.raises(ModelFileError, match=f"{name}.*checksum"):  # opened after the change
+        BudgetedSession(bad, memory_budget="64MB", calibration=Calibration()).run(x)
+    grown = tmp_path / "grown.sfe"
+    grown.write_bytes(Path(path).read_bytes())
+    sess = BudgetedSession(grown, memory_budget="64MB", calibration=Calibration())
+    sess.run(x)
+    with open(grown, "ab") as f:  # grown under a running session
+        f.write(b"x" * 64)
+    with pytest.raises(ModelFileError, match="changed while in use"):
+        sess.run(x)
+    trunc = tmp_path / "trunc.sfe"
+    trunc.write_bytes(Path(path).read_bytes()[:-1000])
+    with pytest.raises(ModelFileError, match="truncated"):
+        BudgetedSession(trunc, memory_budget="64MB", calibration=Calibration())
+
+
+def test_parse_bytes():
+    assert parse_bytes("8MB") == 8 << 20 and parse_bytes("512kb") == 512 << 10 and parse_bytes(7) == 7
+    with pytest.raises(ValueError, match="not a byte size"):
+        parse_bytes("eight")
+
+
+RSS_CHILD = textwrap.dedent("""
+    import json, sys, threading, time
+    import numpy as np
+    from engine.builder import GraphBuilder
+    from engine.cost import Calibration
+    from engine.memory.budgeted import BudgetedSession
+    from engine.memory.streamable import save_streamable
+    from engine.session import InferenceSession
+
+    def anon():  # anonymous resident memory: the heap and arenas (shared libraries are file-backed)
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon"))
+
+    path, budget = sys.argv[1], int(sys.argv[2])
+    rng = np.random.default_rng(0)
+    b = GraphBuilder("mlp")
+    h = b.input("x", (1, 1024))
+    for _ in range(4):  # 4 x 8 MiB of weights
+        h = b.relu(b.linear(h, (rng.standard_normal((1024, 2048)) * 0.03).astype(np.float32)))
+        h = b.linear(h, (rng.standard_normal((2048, 1024)) * 0.03).astype(np.float32))
+    b.output(h)
+    save_streamable(b.build(), path)
+    del b, h
+    x = np.ones((1, 1024), np.float32)
+    warm = GraphBuilder("warm")  # load and compile the engine's kernels before the baseline
+    warm.output(warm.linear(warm.relu(warm.linear(warm.input("x", (1, 1024)), np.ones((1024, 8), "float32"))),
+                            np.ones((8, 4), "float32")))
+    InferenceSession(warm.build(), calibration=Calibration()).run(x)
+    base, peak, done = anon(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], anon())
+            time.sleep(0.0005)
+
+    threading.Thread(target=sample, daemon=True).start()
+    sess = BudgetedSession(path, memory_budget=budget, calibration=Calibration())
+    for _ in range(3):
+        y = sess.run(x)
+    done.set()
+    mapped = path in open("/proc/self/maps").read()
+    plan = sess.plan_for({"x": x.shape})
+    print(json.dumps({"growth": max(peak[0], anon()) - base, "plan_peak": plan.peak_bytes(), "mapped": mapped,
+                      "sliced": plan.sliced_steps}))
+""")
+
+
+def test_rss_growth_stays_within_a_ten_percent_budget(tmp_path):
+    budget = (64 << 20) // 10  # 10% of the weights alone (the unbudgeted peak is larger still)
+    env = {**os.environ, "PYTHONPATH": ROOT, "OPENBLAS_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", RSS_CHILD, str(tmp_path / "mlp.sfe"), str(budget)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["sliced"] > 0 and r["plan_peak"] <= budget and not r["mapped"]
+    assert r["growth"] <= budget, r
+
+
+def test_the_view_transform_kernel_list_is_right():
+    """Every listed kernel keeps a streamed weight a view; the ones left out (Winograd, tap packing) copy it."""
+    from engine.ir import Node, TensorInfo
+
+    f32 = np.dtype("float32")
+    cases = [  # (node, input infos, output info)
+        (Node("Conv", ["x", "w", "b"], ["y"], {"pads": [1, 1, 1, 1]}, "c3"), [(1, 8, 12, 12), (16, 8, 3, 3), (16,)],
+         (1, 16, 12, 12)),
+        (Node("Conv", ["x", "w", "b"], ["y"], {}, "c1"), [(1, 8, 12, 12), (16, 8, 1, 1), (16,)], (1, 16, 12, 12)),
+        (Node("Conv", ["x", "w", "b"], ["y"], {"group": 8, "pads": [1, 1, 1, 1]}, "dw"),
+         [(1, 8, 12, 12), (8, 1, 3, 3), (8,)], (1, 8, 12, 12)),
+        (Node("Gemm", ["x", "w", "b"], ["y"], {"transB": 1}, "fc"), [(1, 8), (16, 8), (16,)], (1, 16)),
+    ]
+    checked = set()
+    for node, shapes, out in cases:
+        ins = [TensorInfo(t, s, f32) for t, s in zip(node.inputs, shapes, strict=True)]
+        consts = {"w": placeholder(shapes[1], f32), "b": np.ones(shapes[2], np.float32)}
+        ctx = NodeCtx(node, ins, [TensorInfo("y", out, f32)], consts)
+        for k in candidates(ctx):
+            assert transform_keeps_views(k, ctx, ["w"]) == (k.name in VIEW_TRANSFORM_KERNELS), k.name
+            checked.add(k.name)
+    assert VIEW_TRANSFORM_KERNELS - {"matmul_blas"} <= checked and len(checked) > len(VIEW_TRANSFORM_KERNELS) - 1
+
+
+def test_cli_prints_the_budgeted_plan(cnn, capsys):
+    from engine.__main__ import main
+
+    _, path, _ = cnn
+    assert main(["plan", path, "--budget", "64MB"]) == 0
+    out = capsys.readouterr().out
+    assert "loads (start here)" in out and "computes" in out and "frees" in out and "expected" in out
+    assert main(["plan", path, "--budget", "100KB"]) == 2
+    assert "smallest feasible budget" in capsys.readouterr().err
