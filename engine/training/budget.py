@@ -13,6 +13,8 @@ import numpy as np
 
 from engine.training.program import NodeCost, Program, StepPlan, plan_program
 
+HEADROOM = 0.1  # of the budget, for what the calibration does not see (allocator rounding, small temporaries)
+
 
 class BudgetError(ValueError):
     """The step cannot fit the budget; ``smallest`` is the least total bytes any plan reached."""
@@ -38,11 +40,32 @@ def fit_recompute(prog: Program, batch: int, budget: int, micro_batches: int, st
     n = len(nodes)
     m = -(-batch // micro_batches)
     dropped: set[int] = set()
+    producer = {node.outputs[0]: i for i, node in enumerate(nodes)}
+    consumers: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        for t in dict.fromkeys(node.inputs):
+            consumers.setdefault(t, []).append(i)
+
+    def size_of(t: str) -> int:
+        i = producer.get(t)
+        return NodeCost.at(costs[i].out_bytes, m) if i is not None else 0
+
     best: tuple[int, frozenset[int]] | None = None
-    for _ in range(n + 1):
+    refused: set[int] = set()  # dropping them did not lower the peak
+    last_peak: int | None = None
+    last_drop = -1
+    for _ in range(2 * n + 2):
         plan = plan_program(prog, batch, frozenset(dropped), micro_batches, state_bytes, update_bytes, arena=False)
         live = live_profile(plan.buffers, 2 * n + 1)
         peak = int(live.max()) + plan.pinned_bytes
+        if last_peak is not None and peak > last_peak:
+            dropped.discard(last_drop)
+            refused.add(last_drop)
+            plan = plan_program(prog, batch, frozenset(dropped), micro_batches, state_bytes, update_bytes,
+                                arena=False)
+            live = live_profile(plan.buffers, 2 * n + 1)
+            peak = int(live.max()) + plan.pinned_bytes
+        last_peak = peak
         if best is None or peak < best[0]:
             best = (peak, frozenset(dropped))
         if peak <= budget:
@@ -52,16 +75,20 @@ def fit_recompute(prog: Program, batch: int, budget: int, micro_batches: int, st
         at = int(live.argmax())
         scored = []
         for i, c in enumerate(costs):
-            if i in dropped or not i <= at <= 2 * n - i:
+            if i in dropped or i in refused or not i <= at < 2 * n - i:  # its state must be freed across the peak
                 continue
             freed = NodeCost.at(c.context_bytes, m) + (NodeCost.at(c.out_bytes, m) if c.keeps_output else 0)
+            for t in c.keeps_inputs:  # an input only it keeps for its backward is freed after the forward
+                if all(j == i or j in dropped or t not in costs[j].keeps_inputs for j in consumers.get(t, ())):
+                    freed += size_of(t)
             if freed <= 0:
                 continue
             seconds = max(c.forward_s[0] + c.forward_s[1] * m, 1e-6)
             scored.append((freed * (2 * n - 2 * i) / seconds, i))
         if not scored:
             break
-        dropped.add(max(scored)[1])
+        last_drop = max(scored)[1]
+        dropped.add(last_drop)
     assert best is not None
     smallest = plan_program(prog, batch, best[1], micro_batches, state_bytes, update_bytes).total_bytes
     raise BudgetError(f"batch {batch} ({micro_batches} micro-batch(es)) does not fit {budget} bytes: the smallest "
@@ -76,6 +103,7 @@ def fit(prog: Program, batch: int, budget: int | None, state_bytes: int, update_
                          "running mean/variance) would be computed per micro-batch and change the result")
     if budget is None:
         return plan_program(prog, batch, frozenset(), micro_batches or 1, state_bytes, update_bytes)
+    budget = int(budget * (1 - HEADROOM))
     choices = [micro_batches] if micro_batches else [1] if prog.has_batchnorm else \
         [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= batch]
     error: BudgetError | None = None
@@ -88,5 +116,6 @@ def fit(prog: Program, batch: int, budget: int | None, state_bytes: int, update_
     assert error is not None
     why = "" if len(choices) > 1 else (" (micro-batching is off: the model has BatchNorm)"
                                        if prog.has_batchnorm else "")
-    raise BudgetError(f"batch {batch} does not fit a {budget}-byte budget{why}; the smallest feasible budget "
-                      f"found is {error.smallest} bytes", error.smallest)
+    smallest = -(-error.smallest * 10 // 9)  # what the plan needs, plus the headroom
+    raise BudgetError(f"batch {batch} does not fit a {int(budget / (1 - HEADROOM))}-byte budget{why}; the smallest "
+                      f"feasible budget found is {smallest} bytes", smallest)
