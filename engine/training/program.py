@@ -319,6 +319,8 @@ def _time_forward(prog: Program, nodes: list[Node], x: np.ndarray) -> list[float
 
 
 def _trace(prog: Program, nodes: list[Node], x: np.ndarray, target: np.ndarray, times: list[float]) -> dict:
+    for p in prog.model.params.values():  # as after zero_grad: no accumulation into earlier gradients
+        p.grad = None
     weights = [p.data for p in prog.model.params.values()]
     env: dict[str, np.ndarray] = {prog.input: x}
     per_node, ctx = [], []
