@@ -116,10 +116,19 @@ def child(framework: str, kind: str, batch: int, budget: int, onnx_path: str) ->
         step(x[:2], labels[:2])
         fn = step
     elif framework == "ours":
+        from engine.training import BudgetError
+
         trainer, _ = budgeted_trainer(graph, budget)
         trainer.step(x[:2], labels[:2])
-        plan = trainer.plan_for(batch, shape)
-        result.update(planned=plan.total_bytes, micro_batches=plan.micro_batches, recomputed=len(plan.dropped))
+        while True:  # this process's calibration may differ slightly from the parent's
+            try:
+                plan = trainer.plan_for(batch, shape)
+                break
+            except BudgetError:
+                batch -= 1
+        x, labels = x[:batch], labels[:batch]
+        result.update(planned=plan.total_bytes, micro_batches=plan.micro_batches, recomputed=len(plan.dropped),
+                      batch=batch)
         fn = lambda: trainer.step(x, labels)  # noqa: E731
     else:
         import torch
@@ -163,8 +172,9 @@ def linear_max_batch(framework: str, kind: str, budget: int, onnx_path: str, pro
     return max(0, int(probes[0] + (budget - a) // slope))
 
 
-def ours_max_batch(kind: str, budget: int, onnx_path: str, start: int) -> tuple[int, object]:
-    """Largest batch the budgeted planner fits into ``budget`` (doubling, then bisection)."""
+def ours_max_batch(kind: str, budget: int, onnx_path: str, start: int, cap: int) -> tuple[int, object]:
+    """Largest batch up to ``cap`` the budgeted planner fits into ``budget`` (doubling, then bisection);
+    the cap keeps the unbudgeted comparison run at that batch within the machine's memory."""
     from engine.training import BudgetError
 
     graph, shape, _ = load(kind, onnx_path)
@@ -178,8 +188,11 @@ def ours_max_batch(kind: str, budget: int, onnx_path: str, start: int) -> tuple[
             return False
 
     lo, hi = 0, max(start, 1)
-    while fits(hi):
+    while hi <= cap and fits(hi):
         lo, hi = hi, hi * 2
+    if lo * 2 > cap and fits(cap):
+        return cap, trainer
+    hi = min(hi, cap)
     while hi - lo > max(1, lo // 16):  # within ~6%
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -249,11 +262,13 @@ def run_model(kind: str, budget: int, onnx_path: str, rounds: int, probes: tuple
     r: dict = {}
     vanilla = linear_max_batch("vanilla", kind, budget, onnx_path, probes)
     torch_max = linear_max_batch("torch", kind, budget, onnx_path, probes)
-    ours, trainer = ours_max_batch(kind, budget, onnx_path, max(vanilla, 1))
+    cap = 8 * max(vanilla, 1)
+    ours, trainer = ours_max_batch(kind, budget, onnx_path, max(vanilla, 1), cap)
     print(f"{kind} @ {budget // MB} MB: max batch vanilla {vanilla}, torch {torch_max}, ours {ours}", flush=True)
-    plan = trainer.plans[(ours, budget)]
     checked = measure("ours", kind, ours, budget, onnx_path)
-    r.update(vanilla_max_batch=vanilla, torch_max_batch=torch_max, ours_max_batch=ours,
+    plan = trainer.plan_for(checked["batch"], load(kind, onnx_path)[1])
+    ours = checked["batch"]  # what this budget fits when planned afresh in the measuring process
+    r.update(capped=ours >= cap, vanilla_max_batch=vanilla, torch_max_batch=torch_max, ours_max_batch=ours,
              max_batch_ratio_vs_vanilla=ours / max(vanilla, 1), peak_over_budget=checked["rss_growth"] / budget,
              ours_planned_mb=checked["planned"] / MB, ours_rss_growth_mb=checked["rss_growth"] / MB,
              micro_batches=plan.micro_batches, recomputed_nodes=len(plan.dropped), **{
@@ -286,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  os.path.join(tmp, "m.onnx"), size=SIZE, fold=False)
         peaks = []
         for budget in budgets:
-            for kind, suffix, probes in (("mnv2", "", (2, 6)), ("vgg", "_nobn", (8, 32))):
+            for kind, probes in (("mnv2", (2, 6)), ("vgg", (8, 32))):
                 r = run_model(kind, budget, path, rounds, probes)
                 for k, v in r.items():
                     results[f"{kind}_{budget // MB}mb_{k}"] = v
