@@ -209,3 +209,16 @@ def test_rss_growth_of_a_budgeted_step_stays_under_the_budget(kind):
         assert tight["budget"] < free["growth"] / 4, (tight, free)
     assert tight["planned"] <= tight["budget"]
     assert tight["growth"] <= tight["budget"], (tight, free)
+
+
+def test_cli_prints_the_training_plan(tmp_path, capsys):
+    from engine.__main__ import main
+    from engine.format import save_model
+
+    path = tmp_path / "small.engine"
+    save_model(mlp_cnn(batchnorm=True), str(path))
+    assert main(["plan", str(path), "--train", "--batch", "64", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch" in out and "conv_1#context" in out and json.loads(out.strip().splitlines()[-1])["batch"] == 64
+    assert main(["plan", str(path), "--train", "--batch", "64", "--budget", "1000"]) == 2
+    assert "smallest feasible budget" in capsys.readouterr().err
