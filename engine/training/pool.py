@@ -20,7 +20,7 @@ def plan_pool(buffers: list[Buffer]) -> ArenaPlan:
 
     >>> p = plan_pool([Buffer("w", 100, 0, 9), Buffer("a", 200, 0, 1), Buffer("b", 200, 2, 3)])
     >>> p.size, p.offsets["a"] == p.offsets["b"]
-    (320, True)
+    (384, True)
     """
     melon = plan_arena(buffers, by_lifetime_then_size)
     greedy = plan_arena(buffers, greedy_by_size)
