@@ -199,15 +199,13 @@ def ours_max_batch(kind: str, budget: int, onnx_path: str, start: int, cap: int)
     return lo, trainer
 
 
-def throughput(kind: str, batch: int, budget: int, onnx_path: str, rounds: int) -> tuple[float, float]:
-    """Samples/s of today's trainer (unbudgeted) and ours (budgeted) at ``batch``, interleaved."""
+def throughput(kind: str, batch: int, trainer, onnx_path: str, rounds: int) -> tuple[float, float]:
+    """Samples/s of today's trainer (unbudgeted) and ours (budgeted, already planned) at ``batch``."""
     graph, shape, classes = load(kind, onnx_path)
     x, labels = batch_data(batch, shape, classes)
     vanilla, _ = vanilla_step_fn(graph, x, labels)
-    trainer, _ = budgeted_trainer(graph, budget)
     vanilla(x[:2], labels[:2])
     trainer.step(x[:2], labels[:2])
-    trainer.plan_for(batch, shape)
     times: dict[str, list[float]] = {"vanilla": [], "ours": []}
     for _ in range(rounds):
         for name, fn in (("vanilla", vanilla), ("ours", lambda: trainer.step(x, labels))):
@@ -266,16 +264,16 @@ def run_model(kind: str, budget: int, onnx_path: str, rounds: int, probes: tuple
     ours, trainer = ours_max_batch(kind, budget, onnx_path, max(vanilla, 1), cap)
     print(f"{kind} @ {budget // MB} MB: max batch vanilla {vanilla}, torch {torch_max}, ours {ours}", flush=True)
     checked = measure("ours", kind, ours, budget, onnx_path)
-    plan = trainer.plan_for(checked["batch"], load(kind, onnx_path)[1])
-    ours = checked["batch"]  # what this budget fits when planned afresh in the measuring process
+    plan = trainer.plan_for(ours, load(kind, onnx_path)[1])
     r.update(capped=ours >= cap, vanilla_max_batch=vanilla, torch_max_batch=torch_max, ours_max_batch=ours,
+             measured_batch=checked["batch"],  # the measuring process's own calibration may fit fewer
              max_batch_ratio_vs_vanilla=ours / max(vanilla, 1), peak_over_budget=checked["rss_growth"] / budget,
              ours_planned_mb=checked["planned"] / MB, ours_rss_growth_mb=checked["rss_growth"] / MB,
              micro_batches=plan.micro_batches, recomputed_nodes=len(plan.dropped), **{
                  k: v for k, v in plan.report().items() if k.endswith("_bytes") and k != "total_bytes"})
     print(f"  measured peak {checked['rss_growth'] / MB:.1f} MB (planned {checked['planned'] / MB:.1f} MB), "
           f"{plan.micro_batches} micro-batch(es), {len(plan.dropped)} recomputed", flush=True)
-    v_sps, o_sps = throughput(kind, ours, budget, onnx_path, rounds)
+    v_sps, o_sps = throughput(kind, ours, trainer, onnx_path, rounds)
     r.update(vanilla_samples_per_s=v_sps, ours_samples_per_s=o_sps, throughput_ratio_vs_unbudgeted=o_sps / v_sps)
     return r
 
