@@ -4,7 +4,10 @@ first run (:class:`engine.coldstart.session.ColdSession`) and adds its preparati
 
 ``python -m engine plan MODEL --budget 8MB``: the budgeted (FlexNN) plan, weights included: per unit
 what is loaded, computed and freed, and the expected time (a non-streamable MODEL, e.g. ``.onnx``,
-is first written as a streamable copy in a temporary file)."""
+is first written as a streamable copy in a temporary file).
+
+``python -m engine plan MODEL --train --batch N --budget 64MB``: the training step's plan (SGD with
+momentum, cross-entropy) under the budget: what is recomputed, micro-batched and where each tensor lives."""
 
 from __future__ import annotations
 
@@ -25,10 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--json", action="store_true", help="print the memory report as JSON as well")
     plan.add_argument("--tune", action="store_true", help="time every candidate kernel instead of estimating")
     plan.add_argument("--arena-budget", type=int, help="cap the activation arena at this many bytes")
-    plan.add_argument("--budget", help="run within this many bytes, weights streamed (e.g. 8MB)")
+    plan.add_argument("--budget", help="run (or, with --train, train) within this many bytes (e.g. 8MB); "
+                                       "inference streams the weights")
     plan.add_argument("--cold", action="store_true",
                       help="the cold path's plan (first-run costs) and its first run's prepare/execute schedule")
+    plan.add_argument("--train", action="store_true", help="plan a training step instead (engine.training)")
     args = parser.parse_args(argv)
+    if args.train:
+        return _train_plan(args, parser)
     if args.budget is not None:
         return _budgeted(args, parser)
     if args.cold:
@@ -94,6 +101,33 @@ def cold_plan(model: str, batch: int) -> int:
     sess.run(feeds)
     print(sess.plan_for({k: v.shape for k, v in feeds.items()}).table())
     print(sess.schedule())
+
+
+def _train_plan(args, parser) -> int:
+    from engine.autograd import SGD, GraphModel
+    from engine.session import load_graph
+    from engine.training import BudgetedTrainer, BudgetError
+
+    graph = load_graph(args.model)
+    shape = graph.inputs[0].shape[1:]
+    if any(d is None for d in shape):
+        parser.error(f"input {graph.inputs[0].name} has unknown dims {graph.inputs[0].shape}")
+    model = GraphModel(graph)
+    from engine.memory.budgeted import parse_bytes
+
+    try:
+        budget = parse_bytes(args.budget) if args.budget is not None else None
+    except ValueError as e:
+        parser.error(str(e))
+    trainer = BudgetedTrainer(model, SGD(model.parameters(), lr=0.01, momentum=0.9), memory_budget=budget)
+    try:
+        plan = trainer.plan_for(args.batch, tuple(shape))
+    except BudgetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(plan.table())
+    if args.json:
+        print(json.dumps(plan.report()))
     return 0
 
 

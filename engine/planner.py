@@ -6,6 +6,7 @@ does not overlap a buffer whose lifetime intersects its own (TFLite/TVM "greedy 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 ALIGN = 64
@@ -61,9 +62,14 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def plan_arena(buffers: list[Buffer]) -> ArenaPlan:
-    """Place ``buffers`` in one arena (greedy by size, then lifetime length)."""
-    order = sorted(buffers, key=lambda b: (-b.size, -(b.end - b.start), b.start, b.name))
+def greedy_by_size(b: Buffer) -> tuple:
+    return -b.size, -(b.end - b.start), b.start, b.name
+
+
+def plan_arena(buffers: list[Buffer], order_key: Callable[[Buffer], tuple] = greedy_by_size) -> ArenaPlan:
+    """Place ``buffers`` in one arena, in ``order_key`` order (default: greedy by size, then lifetime
+    length), each at the best-fitting gap among the buffers whose lifetimes overlap its own."""
+    order = sorted(buffers, key=order_key)
     placed: list[tuple[int, Buffer]] = []
     offsets: dict[str, int] = {}
     size = 0

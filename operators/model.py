@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the engine (numba kernels, BLAS set-up) is imported on firs
     from engine.autograd import SGD, Adam, GraphModel
     from engine.coldstart.session import ColdSession
     from engine.memory.budgeted import BudgetedSession
+    from engine.training import BudgetedTrainer
 
 Features = Callable[[Any], Sequence[float]]
 
@@ -146,6 +147,12 @@ class Train(Operator):
     ``"mse"`` on vector ones). :meth:`export` gives the trained model as an inference graph, e.g.
     for :class:`Infer` or ``engine.save_model``.
 
+    ``memory_budget`` (bytes) runs each step as a static program fitted to that budget
+    (``engine.training``: micro-batches for models without BatchNorm, recomputation, a lifetime-aware
+    arena); the math is unchanged. The budget changes while the job runs with :meth:`set_budget` or
+    a control row: ``budget_control(row)`` returning bytes makes that row a budget change (taking
+    effect at the next step) instead of a training example.
+
     Example:
         >>> import numpy as np
         >>> from engine import GraphBuilder
@@ -161,7 +168,8 @@ class Train(Operator):
 
     def __init__(self, model: Graph | str | os.PathLike[str], features: Features, label: Callable[[Any], Any],
                  loss: str = "cross_entropy", optimizer: str = "adam", lr: float = 0.01, momentum: float = 0.0,
-                 batch_size: int = 32, output: str | None = None):
+                 batch_size: int = 32, output: str | None = None, memory_budget: int | None = None,
+                 budget_control: Callable[[Any], int | None] | None = None):
         if loss not in ("cross_entropy", "mse"):
             raise ValueError(f"loss must be 'cross_entropy' or 'mse', got {loss!r}")
         if optimizer not in ("adam", "sgd"):
@@ -177,6 +185,9 @@ class Train(Operator):
         self.momentum = momentum
         self.batch_size = batch_size
         self.output = output
+        self.memory_budget = memory_budget
+        self.budget_control = budget_control
+        self._trainer: BudgetedTrainer | None = None
         self.steps = 0
         self._graph_model: GraphModel | None = None
         self._opt: SGD | Adam | None = None
@@ -194,9 +205,19 @@ class Train(Operator):
                          else SGD(params, lr=self.lr, momentum=self.momentum))
         return self._graph_model
 
+    def set_budget(self, memory_budget: int | None) -> None:
+        """Change the memory budget (bytes, or None for unbudgeted) from the next step on."""
+        self.memory_budget = memory_budget
+        if self._trainer is not None:
+            self._trainer.set_budget(memory_budget)
+
     def apply(self, groups: list[Group]) -> list[Group]:
         log = []
         for row in _rows(groups, "Train"):
+            budget = self.budget_control(row) if self.budget_control is not None else None
+            if budget is not None:
+                self.set_budget(int(budget))
+                continue
             self._x.append(self.features(row))
             self._y.append(self.label(row))
             if len(self._x) >= self.batch_size:
@@ -208,6 +229,8 @@ class Train(Operator):
         from engine.autograd import cross_entropy, mse
 
         x = np.asarray(self._x, dtype=np.float32)
+        if self.memory_budget is not None or self._trainer is not None:
+            return self._budgeted_step(model, x)
         out = model(x)[self.output or model.graph.outputs[0]]
         if self.loss == "cross_entropy":
             loss = cross_entropy(out, np.asarray(self._y, dtype=np.int64))
@@ -220,6 +243,21 @@ class Train(Operator):
         self.steps += 1
         self._x, self._y = [], []
         return {"step": self.steps, "loss": float(loss.data), "examples": len(x)}
+
+    def _budgeted_step(self, model: GraphModel, x: np.ndarray) -> dict[str, Any]:
+        if self._trainer is None:
+            from engine.training import BudgetedTrainer
+
+            if self.output not in (None, model.graph.outputs[0]) or len(model.graph.outputs) != 1:
+                raise ValueError("a memory budget needs a model with one output (the one trained)")
+
+            assert self._opt is not None
+            self._trainer = BudgetedTrainer(model, self._opt, loss=self.loss, memory_budget=self.memory_budget)
+        target = np.asarray(self._y, dtype=np.int64 if self.loss == "cross_entropy" else np.float32)
+        loss = self._trainer.step(x, target)
+        self.steps += 1
+        self._x, self._y = [], []
+        return {"step": self.steps, "loss": loss, "examples": len(x)}
 
     def export(self) -> Graph:
         """The model with its trained weights, as an inference graph."""

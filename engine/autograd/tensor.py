@@ -64,6 +64,7 @@ class Tensor:
                     p.grad = pg if p.grad is None else p.grad + pg
                 else:
                     grads[id(p)] = grads[id(p)] + pg if id(p) in grads else pg
+        order.clear()  # ``visit`` refers to itself (a cycle): do not let it keep the saved arrays until a gc
 
     # operator sugar
     def __add__(self, o):

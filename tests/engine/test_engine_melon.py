@@ -1,0 +1,224 @@
+"""Training under a memory budget (engine/training): the static program, recomputation and
+micro-batches give the same updates as today's trainer (<= 1e-5) and PyTorch (<= 1e-4); budgets
+are enforced (RSS growth measured in a subprocess) and can change between steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.autograd import SGD, Adam, GraphModel, cross_entropy, mse
+from engine.builder import GraphBuilder
+from engine.planner import Buffer
+from engine.training import BudgetedTrainer, BudgetError, plan_pool
+from engine.training.pool import compare
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def mlp_cnn(batchnorm: bool = False, seed: int = 0):
+    """conv(+BN)-relu-maxpool-conv-relu-flatten-linear on 1x8x8 inputs."""
+    rng = np.random.default_rng(seed)
+    b = GraphBuilder("small")
+    x = b.input("x", (None, 1, 8, 8))
+    y = b.conv(x, rng.standard_normal((8, 1, 3, 3), dtype=np.float32) * 0.5, np.zeros(8, np.float32), pads=1)
+    if batchnorm:
+        y = b.batch_norm(y, np.ones(8, np.float32), np.zeros(8, np.float32), np.zeros(8, np.float32),
+                         np.ones(8, np.float32))
+    y = b.max_pool(b.relu(y), 2, strides=2)
+    y = b.relu(b.conv(y, rng.standard_normal((8, 8, 3, 3), dtype=np.float32) * 0.2, np.zeros(8, np.float32), pads=1))
+    w = rng.standard_normal((128, 10), dtype=np.float32) * np.float32(1 / np.sqrt(128))
+    b.output(b.linear(b.flatten(y), w, np.zeros(10, np.float32)))
+    return b.build()
+
+
+def data(batch: int = 16, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((batch, 1, 8, 8), dtype=np.float32), rng.integers(0, 10, batch)
+
+
+def reference_steps(graph, x, labels, steps, make_opt):
+    model = GraphModel(graph)
+    opt = make_opt(model.parameters())
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = cross_entropy(model(x)[graph.outputs[0]], labels)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.data))
+    return model, losses
+
+
+def max_param_diff(a: GraphModel, b: GraphModel) -> float:
+    return max(float(np.abs(a.params[k].data - b.params[k].data).max()) for k in a.params)
+
+
+@pytest.mark.parametrize("make_opt", [lambda p: SGD(p, lr=0.1, momentum=0.9), lambda p: Adam(p, lr=0.01)],
+                         ids=["sgd", "adam"])
+def test_program_equals_todays_trainer_unbudgeted_and_under_a_tight_budget(make_opt):
+    graph = mlp_cnn(batchnorm=True)
+    x, labels = data(batch=128)
+    ref, ref_losses = reference_steps(graph, x, labels, 3, make_opt)
+    model = GraphModel(graph)
+    trainer = BudgetedTrainer(model, make_opt(model.parameters()))
+    free = trainer.plan_for(128, (1, 8, 8))
+    losses = [trainer.step(x, labels)]
+    with pytest.raises(BudgetError) as err:
+        trainer.set_budget(1000)
+        trainer.plan_for(128, (1, 8, 8))
+    trainer.set_budget(err.value.smallest)
+    tight = trainer.plan_for(128, (1, 8, 8))
+    assert tight.dropped, "a smaller budget must recompute something"
+    assert tight.total_bytes < free.total_bytes
+    losses += [trainer.step(x, labels), trainer.step(x, labels)]
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
+    assert max_param_diff(ref, model) <= 1e-5
+    for k in ref.buffers:  # recomputation must not touch BatchNorm's running statistics twice
+        np.testing.assert_allclose(model.buffers[k], ref.buffers[k], atol=1e-6, rtol=0)
+
+
+def test_micro_batches_update_equals_the_full_batch():
+    graph = mlp_cnn()
+    x, labels = data(batch=18)
+    ref, _ = reference_steps(graph, x, labels, 2, lambda p: Adam(p, lr=0.01))
+    for k in (2, 4):
+        model = GraphModel(graph)
+        trainer = BudgetedTrainer(model, Adam(model.parameters(), lr=0.01), micro_batches=k)
+        trainer.step(x, labels)
+        trainer.step(x, labels)
+        assert trainer.last_plan.micro_batches == k
+        assert max_param_diff(ref, model) <= 1e-5
+
+
+def test_budget_picks_micro_batches_without_batchnorm_and_refuses_them_with_batchnorm():
+    x, labels = data(batch=32)
+    model = GraphModel(mlp_cnn())
+    full = BudgetedTrainer(model, SGD(model.parameters(), lr=0.1)).plan_for(32, (1, 8, 8))
+    trainer = BudgetedTrainer(model, SGD(model.parameters(), lr=0.1), memory_budget=full.total_bytes // 3)
+    trainer.step(x, labels)
+    assert trainer.last_plan.micro_batches > 1 and trainer.last_plan.total_bytes <= full.total_bytes // 3
+    bn = GraphModel(mlp_cnn(batchnorm=True))
+    with pytest.raises(ValueError, match="BatchNorm: its batch statistics"):
+        BudgetedTrainer(bn, SGD(bn.parameters(), lr=0.1), micro_batches=2).step(x, labels)
+
+
+def test_an_impossible_budget_names_the_smallest_feasible_one():
+    model = GraphModel(mlp_cnn(batchnorm=True))
+    trainer = BudgetedTrainer(model, SGD(model.parameters(), lr=0.1), memory_budget=1000)
+    with pytest.raises(BudgetError, match=r"smallest feasible budget found is \d+ bytes") as err:
+        trainer.plan_for(16, (1, 8, 8))
+    trainer.set_budget(err.value.smallest)
+    assert trainer.plan_for(16, (1, 8, 8)).total_bytes <= err.value.smallest
+
+
+def test_program_matches_pytorch_gradients_and_updates():
+    torch = pytest.importorskip("torch")
+    graph = mlp_cnn()
+    x, labels = data()
+    model = GraphModel(graph)
+    trainer = BudgetedTrainer(model, SGD(model.parameters(), lr=0.1, momentum=0.9))
+    w = {k: torch.tensor(np.array(v), requires_grad=True) for k, v in graph.weights.items()
+         if k in model.params}
+    names = list(model.params)
+    opt = torch.optim.SGD(list(w.values()), lr=0.1, momentum=0.9)
+    conv1_w, conv1_b, conv2_w, conv2_b, fc_w, fc_b = (w[n] for n in names)
+    for _ in range(2):
+        trainer.step(x, labels)
+        opt.zero_grad()
+        h = torch.relu(torch.nn.functional.conv2d(torch.from_numpy(x), conv1_w, conv1_b, padding=1))
+        h = torch.relu(torch.nn.functional.conv2d(torch.nn.functional.max_pool2d(h, 2), conv2_w, conv2_b, padding=1))
+        loss = torch.nn.functional.cross_entropy(h.flatten(1) @ fc_w + fc_b, torch.from_numpy(labels))
+        loss.backward()
+        opt.step()
+    for n in names:
+        np.testing.assert_allclose(model.params[n].data, w[n].detach().numpy(), atol=1e-4, rtol=0)
+
+
+def test_mse_loss_program_equals_trainer():
+    rng = np.random.default_rng(0)
+    b = GraphBuilder("reg")
+    h = b.relu(b.linear(b.input("x", (None, 6)), rng.standard_normal((6, 16), dtype=np.float32), np.zeros(16, "f4")))
+    graph = (b.output(b.linear(h, rng.standard_normal((16, 3), dtype=np.float32), np.zeros(3, "f4"))), b.build())[1]
+    x, y = rng.standard_normal((10, 6), dtype=np.float32), rng.standard_normal((10, 3), dtype=np.float32)
+    ref = GraphModel(graph)
+    ropt = SGD(ref.parameters(), lr=0.05)
+    ropt.zero_grad()
+    mse(ref(x)[graph.outputs[0]], y).backward()
+    ropt.step()
+    model = GraphModel(graph)
+    BudgetedTrainer(model, SGD(model.parameters(), lr=0.05), loss="mse", micro_batches=3).step(x, y)
+    assert max_param_diff(ref, model) <= 1e-5
+
+
+def test_pool_reports_against_the_live_peak_and_never_collides():
+    rng = np.random.default_rng(0)
+    bufs = [Buffer(f"t{i}", int(rng.integers(1, 5000)), s, s + int(rng.integers(0, 20)))
+            for i, s in enumerate(rng.integers(0, 50, 200))]
+    plan = plan_pool(bufs)
+    plan.check()
+    report = compare(bufs)
+    assert plan.live_peak <= plan.size <= min(report["pool_arena_bytes"], report["greedy_arena_bytes"])
+
+
+CHILD = """
+import json, sys, numpy as np
+sys.path.insert(0, {tests!r})
+from test_engine_melon import mlp_cnn, data
+from engine.autograd import GraphModel, SGD
+from engine.training import BudgetedTrainer, BudgetError
+from bench.engine import peak_rss_growth
+mode, bn = sys.argv[1], sys.argv[2] == "bn"
+model = GraphModel(mlp_cnn(batchnorm=bn))
+x, labels = data(batch=2048)
+trainer = BudgetedTrainer(model, SGD(model.parameters(), lr=0.1, momentum=0.9))
+trainer.step(x[:16], labels[:16])  # compile, calibrate, warm up
+unbudgeted = trainer.plan_for(2048, (1, 8, 8)).total_bytes
+if mode == "tight":
+    try:
+        trainer.set_budget(unbudgeted // 8)
+        trainer.plan_for(2048, (1, 8, 8))
+    except BudgetError as e:
+        trainer.set_budget(e.smallest)
+    trainer.plan_for(2048, (1, 8, 8))
+growth = peak_rss_growth(lambda: trainer.step(x, labels))
+print(json.dumps({{"growth": growth, "planned": trainer.last_plan.total_bytes, "budget": trainer.budget,
+                  "unbudgeted_plan": unbudgeted}}))
+"""
+
+
+@pytest.mark.parametrize("kind", ["bn", "nobn"])
+def test_rss_growth_of_a_budgeted_step_stays_under_the_budget(kind):
+    """With BatchNorm only recomputation helps; without it micro-batches do too."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536", "OPENBLAS_NUM_THREADS": "1"}
+
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", CHILD.format(tests=str(ROOT / "tests" / "engine")), mode, kind],
+                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    free, tight = run("free"), run("tight")
+    if kind == "nobn":  # micro-batches: far below what the unbudgeted step grows by
+        assert tight["budget"] < free["growth"] / 4, (tight, free)
+    assert tight["planned"] <= tight["budget"]
+    assert tight["growth"] <= tight["budget"], (tight, free)
+
+
+def test_cli_prints_the_training_plan(tmp_path, capsys):
+    from engine.__main__ import main
+    from engine.format import save_model
+
+    path = tmp_path / "small.engine"
+    save_model(mlp_cnn(batchnorm=True), str(path))
+    assert main(["plan", str(path), "--train", "--batch", "64", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch" in out and "conv_1#context" in out and json.loads(out.strip().splitlines()[-1])["batch"] == 64
+    assert main(["plan", str(path), "--train", "--batch", "64", "--budget", "1000"]) == 2
+    assert "smallest feasible budget" in capsys.readouterr().err
