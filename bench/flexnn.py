@@ -33,6 +33,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import REPO, finish, log, parse_args  # noqa: E402
+from bench.engine import interleaved_median_ms  # noqa: E402
 
 CHILD = textwrap.dedent("""
     import json, sys, threading, time
@@ -79,6 +80,11 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def interleaved_ms(fns: dict[str, object], runs: int) -> dict[str, float]:
+    """:func:`bench.engine.interleaved_median_ms` (one warm-up round), rounded to 0.01 ms."""
+    return {k: round(v, 2) for k, v in interleaved_median_ms(fns, runs, warmup=1).items()}
+
+
 def measured_growth(mode: str, path: str, budget: int, shape: tuple[int, ...]) -> int:
     """Peak resident growth of a fresh process running the model twice (after the engine is warm)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -90,18 +96,6 @@ def measured_growth(mode: str, path: str, budget: int, shape: tuple[int, ...]) -
     log(f"  fresh process ({mode}): growth {r['growth'] / 2**20:.1f} MiB, "
         f"after opening {r['after_open'] / 2**20:.1f} MiB")
     return r["growth"]
-
-
-def round_robin_ms(fns: dict[str, object], runs: int) -> dict[str, float]:
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(runs):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()}
 
 
 def unsliced_run(session, x):
@@ -172,7 +166,7 @@ def bench_model(name: str, make, fractions: list[float], runs: int, tmp: str, me
         bp = sess.plan_for({sess.input_names[0]: shape})
         kernels = {s.node.name: s.kernel.name for s in bp.exec_plan.steps if s.kernel is not None}
         unsliced = InferenceSession(plain, calibration=calib, kernels=kernels)  # same kernels, weights resident
-        ms = round_robin_ms({"unbudgeted_mmap": lambda: ref.run(x), "budgeted": lambda: sess.run(x),
+        ms = interleaved_ms({"unbudgeted_mmap": lambda: ref.run(x), "budgeted": lambda: sess.run(x),
                              "no_preload": lambda: lazy.run(x), "same_kernels_resident": unsliced_run(unsliced, x)},
                             runs)
         y = sess.run(x)[sess.output_names[0]]

@@ -120,7 +120,24 @@ class BoundPlan:
                 for s, t in zip(steps, times, strict=True)]
 
 
-class InferenceSession:
+class GraphInputs:
+    """What every session of a ``graph`` says about its inputs and outputs, and its plan-cache key."""
+
+    graph: Graph
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.graph.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self.graph.outputs)
+
+    def _key(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple:
+        return tuple(tuple(shapes[n]) for n in self.input_names)
+
+
+class InferenceSession(GraphInputs):
     """Load, optimise (BN folding, fusion), plan per input shape and run a model.
 
     ``threads`` caps the BLAS threads used during :meth:`run` (default 1). ``kernels`` forces a
@@ -149,17 +166,6 @@ class InferenceSession:
             accel.load()  # warm kernels from the start (a cold start defers this: engine/coldstart)
         self._limit = _thread_limiter(threads)
         self._bound: dict[tuple, BoundPlan] = {}
-
-    @property
-    def input_names(self) -> list[str]:
-        return [t.name for t in self.graph.inputs]
-
-    @property
-    def output_names(self) -> list[str]:
-        return list(self.graph.outputs)
-
-    def _key(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple:
-        return tuple(tuple(shapes[n]) for n in self.input_names)
 
     def plan_for(self, shapes: Mapping[str, tuple[int, ...]]) -> ExecutionPlan:
         """The execution plan for these input shapes (compiled and bound on first use)."""

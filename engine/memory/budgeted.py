@@ -33,7 +33,7 @@ from engine.memory.loader import WeightLoader
 from engine.memory.streamable import open_streamable
 from engine.ops import VIEW_OPS, infer_shapes
 from engine.plan import ExecutionPlan, StepPlan, compile_plan
-from engine.session import _thread_limiter
+from engine.session import GraphInputs, _thread_limiter
 from engine.tuning import calibrate
 
 RESERVE = 4 << 20  # kept out of the arena for the session's own objects, plus RESERVE_PER_NODE per node
@@ -217,7 +217,7 @@ class _Run:
         self.done = threading.Event()
 
 
-class BudgetedSession:
+class BudgetedSession(GraphInputs):
     """Inference within ``memory_budget`` bytes (weights included), weights streamed from a file
     written by :func:`~engine.memory.streamable.save_streamable`.
 
@@ -246,20 +246,9 @@ class BudgetedSession:
         self._thread = threading.Thread(target=self._loader_loop, name="weight-loader", daemon=True)
         self._thread.start()
 
-    @property
-    def input_names(self) -> list[str]:
-        return [t.name for t in self.graph.inputs]
-
-    @property
-    def output_names(self) -> list[str]:
-        return list(self.graph.outputs)
-
-    def _shape_key(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple:
-        return tuple(tuple(shapes[n]) for n in self.input_names)
-
     def _exec_plans(self, shapes: Mapping[str, tuple[int, ...]]) -> list[ExecutionPlan]:
         """The fastest view-safe execution plan, then one with the least scratch (for tight budgets)."""
-        key = self._shape_key(shapes)
+        key = self._key(shapes)
         if key not in self._exec:
             shapes = {n: tuple(s) for n, s in shapes.items()}
             with self._limit():
@@ -274,7 +263,7 @@ class BudgetedSession:
     def plan_for(self, shapes: Mapping[str, tuple[int, ...]], budget: int | str | None = None) -> BudgetPlan:
         """The budgeted plan for these input shapes (cached per shapes and budget)."""
         budget = self.budget if budget is None else parse_bytes(budget)
-        key = (self._shape_key(shapes), budget)
+        key = (self._key(shapes), budget)
         if key not in self._plans:
             pinned = {n: w.nbytes for n, w in self.pinned.items()}
             plans = self._exec_plans(shapes)
@@ -308,7 +297,7 @@ class BudgetedSession:
             self.budget = budget
 
     def _bind(self, shapes: Mapping[str, tuple[int, ...]]) -> _Bound:
-        key = (self._shape_key(shapes), self.budget)
+        key = (self._key(shapes), self.budget)
         if self._bound is None or self._bound[0] != key:
             bp = self.plan_for(shapes)
             self._bound = None  # release the old arena before making the new one
