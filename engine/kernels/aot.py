@@ -111,6 +111,10 @@ def build(cache_dir: str | os.PathLike) -> Path:
 def copy_built(src_dir: str | os.PathLike, dest_dir: str | os.PathLike) -> None:
     """Copy this machine's compiled module (and its checksum entry) from one cache to another,
     building it in ``src_dir`` first if missing (e.g. seed a test's or a benchmark's fresh cache)."""
+    lock = Path(src_dir) / f".{_key()}.building"
+    deadline = time.time() + STALE_LOCK_S
+    while load(src_dir) is None and lock.exists() and time.time() < deadline:
+        time.sleep(0.5)  # a background build of the same module is under way: wait for it, never race it
     if load(src_dir) is None:
         subprocess.run([sys.executable, "-m", "engine.kernels.aot", str(src_dir)], check=True,
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
