@@ -136,6 +136,16 @@ class GraphInputs:
     def _key(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple:
         return tuple(tuple(shapes[n]) for n in self.input_names)
 
+    def _feeds(self, feeds: Mapping[str, Any] | np.ndarray) -> dict[str, np.ndarray]:
+        """Float32 contiguous inputs by name (one array: the single input); missing inputs refused."""
+        if not isinstance(feeds, Mapping):
+            feeds = {self.input_names[0]: feeds}
+        feeds = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()}
+        missing = set(self.input_names) - set(feeds)
+        if missing:
+            raise ValueError(f"missing inputs: {sorted(missing)}")
+        return feeds
+
 
 class InferenceSession(GraphInputs):
     """Load, optimise (BN folding, fusion), plan per input shape and run a model.
@@ -179,15 +189,6 @@ class InferenceSession(GraphInputs):
                                     self.overrides, self.tune, self.memory_budget)
             self._bound[key] = BoundPlan(plan)
         return self._bound[key]
-
-    def _feeds(self, feeds: Mapping[str, Any] | np.ndarray) -> dict[str, np.ndarray]:
-        if not isinstance(feeds, Mapping):
-            feeds = {self.input_names[0]: feeds}
-        feeds = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()}
-        missing = set(self.input_names) - set(feeds)
-        if missing:
-            raise ValueError(f"missing inputs: {sorted(missing)}")
-        return feeds
 
     def run(self, feeds: Mapping[str, Any] | np.ndarray) -> dict[str, np.ndarray]:
         """Run on float32 inputs (a dict by input name, or one array for a single-input model)."""

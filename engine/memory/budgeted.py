@@ -307,12 +307,7 @@ class BudgetedSession(GraphInputs):
 
     def run(self, feeds: Mapping[str, Any] | np.ndarray) -> dict[str, np.ndarray]:
         """Run on float32 inputs (a dict by input name, or one array for a single-input model)."""
-        if not isinstance(feeds, Mapping):
-            feeds = {self.input_names[0]: feeds}
-        feeds = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()}
-        missing = set(self.input_names) - set(feeds)
-        if missing:
-            raise ValueError(f"missing inputs: {sorted(missing)}")
+        feeds = self._feeds(feeds)
         shapes = {k: v.shape for k, v in feeds.items()}
         bound = self._bind(shapes)
         self._last_shapes = shapes
