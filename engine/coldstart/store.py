@@ -120,17 +120,7 @@ class EntryStore:
         header = json.dumps({"arrays": table, "meta": meta or {}, "data_bytes": len(data),
                              "crc32": zlib.crc32(data)}, separators=(",", ":")).encode()
         head = MAGIC + struct.pack("<Q", len(header)) + header
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=SUFFIX)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(head + b"\0" * (_align(len(head)) - len(head)) + data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        self.stats["writes"] += 1
-        self.evict()
+        self._replace(path, lambda tmp: tmp.write_bytes(head + b"\0" * (_align(len(head)) - len(head)) + data))
 
     def file(self, key: str, suffix: str) -> Path | None:
         """The path of a whole file kept by :meth:`put_file` (marked recently used), or None. The
@@ -149,8 +139,13 @@ class EntryStore:
         if suffix not in FILE_SUFFIXES:
             raise ValueError(f"suffix {suffix!r} is not one of {FILE_SUFFIXES}")
         path = self.path(key).with_suffix(suffix)
+        self._replace(path, write)
+        return path
+
+    def _replace(self, path: Path, write) -> None:
+        """``write(tmp_path)`` a temporary file beside ``path``, rename it into place atomically, evict."""
         self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=suffix)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=path.suffix)
         os.close(fd)
         try:
             write(Path(tmp))
@@ -160,7 +155,6 @@ class EntryStore:
             raise
         self.stats["writes"] += 1
         self.evict()
-        return path
 
     def delete(self, key: str, suffix: str = SUFFIX) -> None:
         self.path(key).with_suffix(suffix).unlink(missing_ok=True)
