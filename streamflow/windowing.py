@@ -42,10 +42,9 @@ from operators import Aggregate, CountWindow, Filter, KeyBy, Map, Operator, Proc
 from operators.base import field_reader
 from operators.process import LATE, KeyedProcessFunction, ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from operators.window import to_millis, window_starts_ms
-from streamflow.keyed import END_OF_TIME, KeyedRuntime
+from streamflow.keyed import KeyedRuntime
 
 WINDOWS = (TimeWindow, SessionWindow, CountWindow)
-__all__ = ["END_OF_TIME", "StreamPlan", "StreamTaskRun", "to_millis", "window_row", "late_row"]
 
 
 @dataclass

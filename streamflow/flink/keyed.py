@@ -18,7 +18,8 @@ from typing import Any
 from operators.base import field_reader
 from operators.process import KeyedProcessFunction as StreamflowFunction
 from operators.process import StateDescriptor
-from streamflow.keyed import START_OF_TIME, to_millis
+from operators.window import to_millis
+from streamflow.keyed import START_OF_TIME
 
 try:
     from pyflink.common import Types

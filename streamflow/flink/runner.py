@@ -37,6 +37,7 @@ from operators import Filter, TimeWindow
 from operators.base import field_reader
 from operators.process import LATE
 from operators.process import ValueStateDescriptor as TypedValue
+from operators.window import to_millis
 from streamflow.events import TimestampGuard
 from streamflow.execution import TaskExecution, TriggerTasks
 from streamflow.flink.cluster import python_path, remote_environment
@@ -46,7 +47,7 @@ from streamflow.job import Job
 from streamflow.settings import settings
 from streamflow.sources import FORMATS, LineSource, open_source
 from streamflow.summary import LATE_EVENTS_TABLE, RunSummary, TaskStats
-from streamflow.windowing import StreamPlan, apply_elementwise, late_row, to_millis, window_row
+from streamflow.windowing import StreamPlan, apply_elementwise, late_row, window_row
 
 try:
     from pyflink.common import Configuration, Types, WatermarkStrategy
