@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import socket
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
+from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, to_json
 from connectors.tunnel.kafka import COMPRESSION, DEFAULT_TOPIC, bootstrap_servers
 from connectors.tunnel.keys import KeyRegistry, check_device_id
 from streamflow.settings import settings
@@ -75,7 +74,7 @@ def open_tunnel(options: TunnelOptions, runner: str, storage: CollectiveStorage)
 
     def refused(table: str, rows: list[dict[str, Any]], reason: str) -> None:
         storage.write(DEAD_LETTER_TABLE, [{"source": f"tunnel:{table}", "line": i, "reason": reason,
-                                           "raw": json.dumps(row, default=str)} for i, row in enumerate(rows)])
+                                           "raw": to_json(row)} for i, row in enumerate(rows)])
 
     spool = options.spool or f"{storage.path}.tunnel-spool"
     return TunnelSink(device, key, spool, topic=options.topic, compression=options.compression, on_refused=refused)

@@ -335,3 +335,22 @@ def test_a_batch_is_recorded_only_in_the_transaction_that_stores_its_rows(tmp_pa
         assert store.query("SELECT first_seq FROM tunnel_batches") == [(0,)]
         fixed = store.apply([Batch("phone-1", "t", 1, pa.table({"user_id": ["u"], "n": [2]}))])
         assert (fixed.stored, fixed.duplicates) == (1, 0)
+
+
+def test_rows_no_column_can_hold_are_refused_into_the_file_not_raised(tmp_path):
+    """An int beyond int64 (OverflowError in Arrow) and a row with a tuple key are refused with the reason,
+    and written to the dead-letter file (the JSON of a tuple key is its str), never raised into the runner."""
+    import json
+
+    from tests.kafka_broker import free_port
+
+    sink = TunnelSink("phone-1", KEY, tmp_path / "spool", topic=_topic(), bootstrap=f"127.0.0.1:{free_port()}",
+                      spool_max_bytes=1)  # nothing would fit, so a row that encodes is refused as "spool full"
+    sink.write("t", [{"user_id": "u", "n": 2**70}])
+    sink.write("t", [{"user_id": "u", "pair": {(1, 2): "x"}}])
+    assert sink.close(timeout_s=0.2)
+    lines = [json.loads(line) for line in sink.refused_path.read_text().splitlines()]
+    assert lines[0]["reason"].startswith("row cannot be encoded: OverflowError")
+    assert lines[0]["row"] == {"user_id": "u", "n": 2**70}
+    assert [line["row"].get("pair") for line in lines[1:]] == [{"(1, 2)": "x"}]
+    assert sink.stats.rows_refused == 2

@@ -37,7 +37,6 @@ Example (needs a broker; see the README's tunnel section)::
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import sqlite3
@@ -50,7 +49,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from connectors.storage import RowBuffer, check_table_name
+from connectors.storage import ROW_ENCODING_ERRORS, RowBuffer, check_table_name, to_json
 from connectors.tunnel.envelope import encode
 from connectors.tunnel.kafka import (
     CLIENT_TIMEOUTS,
@@ -202,7 +201,7 @@ class TunnelSink:
         for table, buffer in pending.items():
             try:
                 tables = buffer.to_arrow()
-            except (pa.ArrowException, TypeError, ValueError):
+            except ROW_ENCODING_ERRORS:
                 tables = self._rows_one_by_one(table, buffer)  # values whose types clash within a column
             for rows in tables:
                 self._seal_table(table, rows)
@@ -215,7 +214,7 @@ class TunnelSink:
             single.extend([row])
             try:
                 tables += single.to_arrow()
-            except (pa.ArrowException, TypeError, ValueError) as exc:
+            except ROW_ENCODING_ERRORS as exc:
                 self._refuse(table, [row], f"row cannot be encoded: {type(exc).__name__}: {exc}")
         return tables
 
@@ -257,7 +256,7 @@ class TunnelSink:
         """The default dead-letter place: JSON lines next to the spool."""
         with open(self.refused_path, "a", encoding="utf-8") as out:
             for row in rows:
-                out.write(json.dumps({"table": table, "reason": reason, "row": row}, default=repr) + "\n")
+                out.write(to_json({"table": table, "reason": reason, "row": row}) + "\n")
 
     # -- sending ---------------------------------------------------------------------------------
     def _seal_loop(self) -> None:
