@@ -77,6 +77,7 @@ def test_the_built_zoo_is_profiled_sorted_and_reloads(zoo, pages):
     assert zoo.get("pplcnet_224").accuracy >= 0.75  # far above chance (0.25): preprocessing and labels agree
     assert Zoo.load(zoo.path).models == zoo.models
     images, labels = pages
+    zoo.warm_up(["pplcnet_224"])
     predict = zoo.predictor("pplcnet_224")
     hits = sum(predict(img) == label for img, label in zip(images, labels, strict=True))
     assert hits / len(labels) == zoo.get("pplcnet_224").accuracy
