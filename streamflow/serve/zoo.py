@@ -16,7 +16,7 @@ installed): the same class for 200 of 200 evaluation pages and 100 of 100 pages 
 
 Build the zoo once per machine (it writes ``zoo.json`` and the model files, default ``settings().zoo_dir``)::
 
-    python -m streamflow.serve.zoo build [--eval-size 400] [--seed 0] [--repeats 30] [--out PATH]
+    python -m streamflow.serve.zoo build [--eval-size 400] [--seed 0] [--repeats 50] [--out PATH]
 
 Then::
 
@@ -80,6 +80,8 @@ class ZooModel:
     latency_std_ms: float
     onnx_path: Path
     sha256: str = ""  # of the ONNX file, checked before the file is run ("" skips the check)
+    latency_p50_ms: float = 0.0  # the median and 90th percentile of the same runs: on a busy machine the mean and
+    latency_p90_ms: float = 0.0  # std carry other processes' interference; these show how much
 
 
 def default_path() -> Path:
@@ -217,7 +219,9 @@ class Zoo:
                 model = ZooModel(name=str(entry["name"]), input_size=int(entry["input_size"]),
                                  accuracy=float(entry["accuracy"]), latency_mean_ms=float(entry["latency_mean_ms"]),
                                  latency_std_ms=float(entry["latency_std_ms"]),
-                                 onnx_path=path.parent / entry["onnx"], sha256=str(entry.get("sha256", "")))
+                                 onnx_path=path.parent / entry["onnx"], sha256=str(entry.get("sha256", "")),
+                                 latency_p50_ms=float(entry.get("latency_p50_ms", 0.0)),
+                                 latency_p90_ms=float(entry.get("latency_p90_ms", 0.0)))
             except (KeyError, TypeError, ValueError) as e:
                 raise ZooError(f"the model zoo at {path} has a bad entry {entry!r} ({e!r}): {BUILD_HINT}") from None
             if not model.onnx_path.is_file():
@@ -283,9 +287,9 @@ class Zoo:
             runner.session.wait_warm(timeout_s)
 
     def table(self) -> str:
-        lines = [f"{'model':<14}{'size':>6}{'accuracy':>10}{'mean ms':>10}{'std ms':>9}"]
+        lines = [f"{'model':<14}{'size':>6}{'accuracy':>10}{'mean ms':>10}{'std ms':>9}{'p50 ms':>9}{'p90 ms':>9}"]
         lines += [f"{m.name:<14}{m.input_size:>6}{m.accuracy:>10.3f}{m.latency_mean_ms:>10.2f}{m.latency_std_ms:>9.2f}"
-                  for m in self.models]
+                  f"{m.latency_p50_ms:>9.2f}{m.latency_p90_ms:>9.2f}" for m in self.models]
         return "\n".join(lines)
 
 
@@ -319,7 +323,7 @@ def _latencies(runners: list[_Runner], images: np.ndarray, repeats: int, seed: i
     return times
 
 
-def build_zoo(path: Path | None = None, *, eval_size: int = 400, seed: int = 0, repeats: int = 30,
+def build_zoo(path: Path | None = None, *, eval_size: int = 400, seed: int = 0, repeats: int = 50,
               sizes: Sequence[int] = SIZES) -> Zoo:
     """Write the size variants next to ``path`` (default :func:`default_path`), measure each model's accuracy on
     ``eval_set(eval_size, seed)`` and its latency over ``repeats`` warm runs, save and return the zoo."""
@@ -336,7 +340,9 @@ def build_zoo(path: Path | None = None, *, eval_size: int = 400, seed: int = 0, 
     accuracy = {r.model.name: _accuracy(r, images, labels) for r in runners}
     times = _latencies(runners, images, repeats, seed)
     profiled = [ZooModel(m.name, m.input_size, accuracy[m.name], float(np.mean(times[m.name])),
-                         float(np.std(times[m.name], ddof=1)), m.onnx_path, m.sha256) for m in models]
+                         float(np.std(times[m.name], ddof=1)), m.onnx_path, m.sha256,
+                         float(np.percentile(times[m.name], 50)), float(np.percentile(times[m.name], 90)))
+                for m in models]
     import PIL
 
     meta = {"built_unix": round(time.time(), 3), "eval_size": eval_size, "seed": seed, "repeats": repeats,
@@ -354,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     build = commands.add_parser("build", help="write the size variants, measure accuracy and latency, save zoo.json")
     build.add_argument("--eval-size", type=int, default=400, help="labelled pages to measure accuracy on")
     build.add_argument("--seed", type=int, default=0, help="seed of the evaluation set")
-    build.add_argument("--repeats", type=int, default=30, help="timed warm runs per model")
+    build.add_argument("--repeats", type=int, default=50, help="timed warm runs per model")
     build.add_argument("--out", type=Path, default=None, help="zoo.json to write (default: settings' zoo_dir)")
     commands.add_parser("show", help="print the zoo").add_argument("--path", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -370,7 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(zoo.table())
     print(json.dumps({"zoo": str(zoo.path), "models": [
         {"name": m.name, "input_size": m.input_size, "accuracy": m.accuracy,
-         "latency_mean_ms": round(m.latency_mean_ms, 3), "latency_std_ms": round(m.latency_std_ms, 3)}
+         "latency_mean_ms": round(m.latency_mean_ms, 3), "latency_std_ms": round(m.latency_std_ms, 3),
+         "latency_p50_ms": round(m.latency_p50_ms, 3), "latency_p90_ms": round(m.latency_p90_ms, 3)}
         for m in zoo.models], **{k: zoo.meta[k] for k in ("eval_size", "seed", "load_average") if k in zoo.meta}}))
     return 0
 

@@ -73,6 +73,7 @@ def test_the_built_zoo_is_profiled_sorted_and_reloads(zoo, pages):
     assert latencies == sorted(latencies) and zoo.fastest() == zoo.models[0]
     for m in zoo.models:
         assert 0.0 <= m.accuracy <= 1.0 and m.latency_mean_ms > 0 and m.latency_std_ms >= 0
+        assert 0 < m.latency_p50_ms <= m.latency_p90_ms
         assert m.onnx_path.is_file() and len(m.sha256) == 64
     assert zoo.get("pplcnet_224").accuracy >= 0.75  # far above chance (0.25): preprocessing and labels agree
     assert Zoo.load(zoo.path).models == zoo.models
