@@ -57,26 +57,29 @@ def _word(rng: np.random.Generator) -> str:
     return word
 
 
-def _lines(rng: np.random.Generator, font: Any, width: float, form: bool) -> list[tuple[float, str]]:
-    """Text lines (indent, text) for one page: ragged prose paragraphs, or a form/list of short lines."""
-    space = font.getlength(" ")
-    lines: list[tuple[float, str]] = []
-    for _ in range(200):
-        if form:
-            indent = float(rng.choice([0.0, 2.0, 4.0])) * space
-            right = width * float(rng.uniform(0.2, 0.7))
-        else:
-            indent = 4 * space if rng.random() < 0.1 else 0.0
-            right = width * (float(rng.uniform(0.3, 1.0)) if rng.random() < 0.15 else 1.0)
-        words, x = [], indent
-        while True:
-            word = _word(rng)
-            x += font.getlength(word) + space
-            if x > right and words:
-                break
-            words.append(word)
-        lines.append((indent, " ".join(words)))
-    return lines
+def _line(rng: np.random.Generator, font: Any, width: float, form: bool, lengths: dict[str, float]
+          ) -> tuple[float, str]:
+    """One text line (indent, text): of a ragged prose paragraph, or of a form/list of short lines.
+    ``lengths`` remembers each word's drawn length for ``font``."""
+    def length(text: str) -> float:
+        if text not in lengths:
+            lengths[text] = font.getlength(text)
+        return lengths[text]
+
+    space = length(" ")
+    if form:
+        indent = float(rng.choice([0.0, 2.0, 4.0])) * space
+        right = width * float(rng.uniform(0.2, 0.7))
+    else:
+        indent = 4 * space if rng.random() < 0.1 else 0.0
+        right = width * (float(rng.uniform(0.3, 1.0)) if rng.random() < 0.15 else 1.0)
+    words, x = [], indent
+    while True:
+        word = _word(rng)
+        x += length(word) + space
+        if x > right and words:
+            return indent, " ".join(words)
+        words.append(word)
 
 
 def render_page(rng: np.random.Generator) -> np.ndarray:
@@ -105,11 +108,11 @@ def render_page(rng: np.random.Generator) -> np.ndarray:
         draw.text((margin, y), " ".join(_word(rng) for _ in range(int(rng.integers(1, 5)))).title(),
                   font=heading, fill=ink)
         y += heading.size * 1.8
-    lines = iter(_lines(rng, body, side - margin - (side - PAGE * factor) / 2, form))
+    width, lengths = side - margin - (side - PAGE * factor) / 2, {}
     while y < side:
         if rng.random() < (0.25 if form else 0.08):  # a paragraph or section break
             y += spacing
-        indent, text = next(lines)
+        indent, text = _line(rng, body, width, form, lengths)
         draw.text((margin + indent, y), text, font=body, fill=ink)
         y += spacing
     page = page.rotate(float(rng.uniform(-3, 3)), resample=Image.Resampling.BICUBIC, fillcolor=paper)
