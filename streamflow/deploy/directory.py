@@ -9,7 +9,7 @@ signature and every digest as it does for bytes from the network.
 Example:
     >>> import tempfile, pathlib
     >>> client = DirectoryClient(pathlib.Path(tempfile.mkdtemp()))
-    >>> client.report(task="ipv", version="3", ok=False, reason="tampered: ...")
+    >>> client.report("ipv", "3", False, "tampered: ...")
     >>> client.reports
     [{'task': 'ipv', 'version': '3', 'ok': False, 'reason': 'tampered: ...'}]
 """
@@ -36,6 +36,8 @@ class DirectoryClient:
         self.bundles = Path(bundles)
         self.report_file = report_file
         self.reports: list[dict[str, Any]] = []
+        #: What the device runs (task → version), kept current by the updater.
+        self.tasks: dict[str, str] = {}
         #: How often each file (by sha256) was fetched: a shared file is fetched once per device.
         self.fetched: Counter[str] = Counter()
         self._index: dict[str, Path] = {}
@@ -43,9 +45,9 @@ class DirectoryClient:
 
     def fetch_manifest(self, directive: Mapping[str, Any]) -> tuple[bytes, bytes]:
         try:
-            root = self.bundles / check_task_name(directive["task"]) / directive["version"]
             version_key(directive["version"])
-        except (KeyError, ValueError) as exc:
+            root = self.bundles / check_task_name(directive["task"]) / directive["version"]
+        except (KeyError, ValueError, TypeError) as exc:
             raise DirectiveInvalid(f"directive {dict(directive)!r}: {exc}") from None
         return (read_regular(root / MANIFEST, MAX_MANIFEST_BYTES, self.bundles),
                 read_regular(root / SIGNATURE, SIGNATURE_BYTES + 1, self.bundles))
@@ -61,7 +63,7 @@ class DirectoryClient:
             raise FileNotFoundError(f"no bundle under {self.bundles} lists a file with sha256 {entry.sha256}")
         return read_regular(path, entry.size + 1, self.bundles)
 
-    def report(self, *, task: str, version: str, ok: bool, reason: str | None = None) -> None:
+    def report(self, task: str, version: str, ok: bool, reason: str = "") -> None:
         row = {"task": task, "version": version, "ok": ok, "reason": reason}
         with self._lock:
             self.reports.append(row)

@@ -66,6 +66,10 @@ class ContentCache:
             raise ValueError(f"{sha256!r} is not a sha256 hex digest")
         return self.root / sha256[:2] / sha256
 
+    def holds(self, sha256: str) -> bool:
+        """True if the file is cached and still matches its digest (one that no longer does is dropped)."""
+        return self.get(sha256) is not None
+
     def get(self, sha256: str) -> bytes | None:
         """The file, or None if it is not cached (a cached file that no longer matches is dropped)."""
         path = self.path(sha256)

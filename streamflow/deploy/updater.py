@@ -75,17 +75,32 @@ log = logging.getLogger("streamflow.deploy")
 ACTIONS = ("update", "rollback")
 
 
-class DeployClient(Protocol):
-    """What the updater needs from the device's HTTP client (``streamflow.deploy.client.DeployClient``)."""
+class BundleSource(Protocol):
+    """Where the updater gets bundles from and reports to: the device's HTTP client
+    (``streamflow.deploy.client.DeployClient``) or a bundles directory
+    (:class:`~streamflow.deploy.directory.DirectoryClient`).
+
+    ``tasks`` is what the device runs (task → version); the updater keeps it current, so that the
+    client's next request carries it.
+    """
+
+    tasks: dict[str, str]
 
     def fetch_manifest(self, directive: Mapping[str, Any]) -> tuple[bytes, bytes]:
         """``(manifest bytes, signature bytes)`` from the directive's ``manifest`` and ``signature`` paths."""
 
     def fetch_file(self, entry: FileEntry) -> bytes:
-        """A file's bytes: shared ones from the static path, exclusive ones from the API (at most size + 1)."""
+        """A file's bytes: shared ones from the static path, exclusive ones from the API (at most its size)."""
 
-    def report(self, *, task: str, version: str, ok: bool, reason: str | None = None) -> object:
+    def report(self, task: str, version: str, ok: bool, reason: str = "") -> object:
         """Tell the server how a version did on this device."""
+
+
+class AppClient(BundleSource, Protocol):
+    """A bundle source that also carries the app's own requests (the piggyback protocol)."""
+
+    def request(self, path: str, **options: Any) -> tuple[Any, list[dict[str, str]]]:
+        """An app request carrying ``tasks``; the response and the deploy directives on it."""
 
 
 @dataclass(frozen=True)
@@ -135,8 +150,8 @@ class Updater:
     Thread-safe: app requests may call :meth:`apply` from any thread while the runner runs.
     """
 
-    def __init__(self, runner: DeviceRunner, client: DeployClient | None, trusted: TrustedKeys, store_dir: Path,
-                 *, limits: Limits | None = None, probation_firings: int = 3, swap_timeout_s: float = 5.0):
+    def __init__(self, runner: DeviceRunner, client: BundleSource | None, trusted: TrustedKeys, store_dir: Path,
+                 *, limits: Limits | None = None, probation_firings: int = 3, swap_timeout_s: float = 1.0):
         if probation_firings < 1:
             raise ValueError(f"probation_firings must be >= 1, got {probation_firings}")
         self.runner = runner
@@ -163,6 +178,12 @@ class Updater:
         return ",".join(f"{task}={version}" for task, version in self.versions().items())
 
     # -- directives --------------------------------------------------------------------------
+    def request(self, path: str, **options: Any) -> tuple[Any, list[Outcome]]:
+        """Make an app request through the client (an :class:`AppClient`) carrying this device's task
+        versions, and apply the directives its response carries; ``(response, outcomes)``."""
+        response, directives = self.client.request(path, tasks=self.versions(), **options)  # type: ignore[union-attr]
+        return response, self.apply(directives)
+
     def apply(self, directives: Iterable[Mapping[str, Any]] | None) -> list[Outcome]:
         """Apply the directives of one server response (None or empty: only :meth:`check`)."""
         with self._lock:
@@ -172,12 +193,15 @@ class Updater:
                 log.info("deploy %s@%s: %s%s", outcome.task, outcome.version, outcome.status,
                          f" ({outcome.reason})" if outcome.reason else "")
                 outcomes.append(outcome)
+            self._publish()
             return outcomes
 
     def check(self) -> list[Outcome]:
         """Settle swaps the runner has applied since, and judge new versions on probation."""
         with self._lock:
-            return self._check()
+            outcomes = self._check()
+            self._publish()
+            return outcomes
 
     def resume(self) -> list[Outcome]:
         """After a restart: load each task's current version from the store (verified again), or its N-1 if
@@ -203,6 +227,7 @@ class Updater:
                     outcomes.append(self._swap(task, _Pending(
                         self.runner.swap_tasks(add=new.job.tasks), new, None, "resume")))
                     break
+            self._publish()
         return outcomes
 
     def _apply_one(self, directive: Mapping[str, Any]) -> Outcome:
@@ -320,7 +345,7 @@ class Updater:
         if pending.kind == "update":
             stats = self.runner.summary.task_stats
             self._probation[task] = {name: self._ok_and_errors(name, stats) for name in new.names}
-        self._report(task, version, True, None)
+        self._report(task, version, True, "")
         return Outcome(task, version, "installed" if pending.kind == "update" else "rolled_back")
 
     def _check(self) -> list[Outcome]:
@@ -356,7 +381,8 @@ class Updater:
         if task_stats is None:
             return 0, 0
         # a trigger task counts every run as fired (failures too); a stream task counts rows as fired
-        stream = name in self.runner.tasks and self.runner.tasks[name].input == "stream"
+        task = self.runner.tasks.get(name)  # read from another thread than the runner's: one lookup
+        stream = task is not None and task.input == "stream"
         ok = task_stats.fired if stream else task_stats.fired - task_stats.errors
         return ok, task_stats.errors
 
@@ -379,6 +405,11 @@ class Updater:
             if outcome.status != "refused" else outcome
 
     # -- reporting -----------------------------------------------------------------------------
+    def _publish(self) -> None:
+        """Let the client's next request carry the versions now running."""
+        if self.client is not None:
+            self.client.tasks = {task: running.manifest.version for task, running in sorted(self._running.items())}
+
     def _refuse(self, task: str, version: str, error: Exception) -> Outcome:
         reason = error.report() if isinstance(error, BundleError) else f"fetch_failed: {type(error).__name__}: {error}"
         log.warning("deploy %s@%s refused: %s", task, version, reason)
@@ -389,11 +420,11 @@ class Updater:
         self._report(task, version, False, reason)
         return Outcome(task, version, "refused", reason)
 
-    def _report(self, task: str, version: str, ok: bool, reason: str | None) -> None:
+    def _report(self, task: str, version: str, ok: bool, reason: str) -> None:
         if self.client is None:
             return
         try:
-            self.client.report(task=task, version=version, ok=ok, reason=reason)
+            self.client.report(task, version, ok, reason)
         except Exception as exc:  # reporting is best effort: the device goes on
             log.warning("deploy %s@%s: report to the server failed: %s", task, version, exc)
 

@@ -104,8 +104,9 @@ def test_hot_swap_in_a_running_runner_loses_no_event_and_keeps_other_state(devic
         assert n == seen[user]
     # the app's stream task never noticed: one window per user holding all of its events
     assert storage.query("SELECT user_id, n FROM per_user ORDER BY user_id") == [(u, total // 4) for u in USERS]
-    assert client.reports == [{"task": "counter", "version": "1", "ok": True, "reason": None},
-                              {"task": "counter", "version": "2", "ok": True, "reason": None}]
+    assert client.tasks == {"counter": "2"}  # the client's next request carries the new version
+    assert client.reports == [{"task": "counter", "version": "1", "ok": True, "reason": ""},
+                              {"task": "counter", "version": "2", "ok": True, "reason": ""}]
 
 
 def test_shared_files_are_fetched_once_and_n_minus_1_is_kept(device, bundles, trusted):
@@ -119,6 +120,9 @@ def test_shared_files_are_fetched_once_and_n_minus_1_is_kept(device, bundles, tr
     store = updater.store
     assert store.state("counter").current == "2" and store.state("counter").previous == "1"
     assert store.installed("counter") == ["1", "2"]
+    # the model is on the disk once: both installs are hard links to the cache's copy
+    inodes = {(store.bundle_dir("counter", v) / FILES / "models/weights.bin").stat().st_ino for v in ("1", "2")}
+    assert inodes == {store.cache.path(sha["models/weights.bin"]).stat().st_ino}
     runner.run(events(0, 4))
     runner.close()
     assert {v for *_, v in counter_rows(storage)} == {"2"}
