@@ -22,13 +22,16 @@ is reported to the server and changes nothing: the old version keeps running.
 
 **Failing at load, and the local rollback.** A new version *fails at load* when its job module does
 not import or defines no valid job (step 3, before the swap: the old version never stopped), when the
-runner refuses its tasks (a name clash, say), or when during its probation — until each of its tasks
-has run ``probation_firings`` times without raising — a task is quarantined, or raised on
-``probation_firings`` runs without one success. The last two are found by :meth:`check` (called by
-:meth:`apply`, i.e. on every app request, or by the app directly); the device then swaps the kept
-N-1 back in (from memory, or verified from disk after a restart), blocks the failed manifest locally
-(the same manifest is not installed again, however often the server names it) and reports
-``failed_on_first_events``. A first install that fails is simply removed.
+runner refuses its tasks (a name clash, an operator checkpoints cannot hold), or during its
+*probation* — until each of its tasks has run ``probation_firings`` times without raising — when a
+task is quarantined or has raised on ``probation_firings`` runs without one success. Probation is
+judged at the runner's safe point (a hook armed by the swap itself, so it counts from the new
+version's first event and does not wait for an app request): the device swaps the kept N-1 back in
+before the next event, so the failing runs are the only events the new version saw (they are in
+``task_errors`` with their events, as any task failure) and every later event runs on N-1. The
+failed manifest is blocked locally (not installed again, however often the server names it; that
+refusal is reported once) and ``failed_on_first_events`` is reported; :meth:`check` (called by every
+:meth:`apply`) does the bookkeeping. A first install that fails is removed.
 
 Example:
     >>> import tempfile, pathlib

@@ -21,6 +21,11 @@ With a ``tunnel`` (a :class:`~connectors.tunnel.sink.TunnelSink`), the feature r
 (but those with ``tunnel=False``) are also shipped to the cloud over Kafka; dead letters, task
 errors and late events stay on the device.
 
+Tasks change while events flow at the *safe point* before each event: :meth:`DeviceRunner.swap_tasks`
+(callable from any thread) replaces tasks there, all or nothing, keeping every other task's state
+and the users' sequences; safe-point hooks (:meth:`DeviceRunner.add_safe_point_hook`) look at what
+the last event did before the next one (deployment judges a new task version that way).
+
 Stream tasks (``input="stream"``) see every event and close event-time windows as the watermark
 passes them (:mod:`streamflow.windowing`); their late events go to ``late_events``.
 
