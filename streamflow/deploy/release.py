@@ -469,6 +469,7 @@ class ReleaseManager:
         self.store.add_event(release.release_id, now, "rollback", reason + (" (digest blocked)" if block else ""))
         log.warning("release %s rolled back: %s", release.release_id, reason)
         self._rebuild()
+        self.flush()  # the reports that led to it are stored with it
 
     def releases_of(self, task: str, status: str | None = None) -> list[Release]:
         return [r for r in self.releases.values() if r.task == task and (status is None or r.status == status)]
