@@ -89,8 +89,12 @@ class PublishedBundle:
 class Simulator(Protocol):
     """Replays recorded events through the stable and the new version; see :mod:`streamflow.deploy.simulation`."""
 
-    def __call__(self, old: StoredBundle | None, new: StoredBundle) -> Mapping[str, Any]:
-        """A JSON-able report with at least ``ok`` (bool) and ``summary`` (str); raising refuses the release."""
+    def __call__(self, old: StoredBundle | None, new: StoredBundle, fetch: Callable[[str], bytes]
+                 ) -> Mapping[str, Any]:
+        """A JSON-able report with at least ``ok`` (bool) and ``summary`` (str); raising refuses the release.
+
+        ``fetch`` gives a stored file's bytes by sha256.
+        """
 
 
 @dataclass(frozen=True)
@@ -380,7 +384,7 @@ class ReleaseManager:
         old = self.store.bundle(release.task, stable)
         new = self.store.bundle(release.task, release.version)
         try:
-            report = dict(self.simulator(old, new))
+            report = dict(self.simulator(old, new, self._stored_file))
         except Exception as exc:  # noqa: BLE001 - any failure of the new version refuses the release
             report = {"ok": False, "summary": f"simulation raised {type(exc).__name__}: {exc}"}
         with self._lock:
@@ -392,6 +396,12 @@ class ReleaseManager:
                 release.reason = f"simulation: {report.get('summary', 'failed')}"
                 self.store.add_event(release.release_id, now, "refused", release.reason)
             self.store.save_release(release.row())
+
+    def _stored_file(self, sha256: str) -> bytes:
+        path = self.store.file_path(sha256)
+        if path is None:
+            raise ReleaseError(f"file {sha256} is not in the server's file store")
+        return path.read_bytes()
 
     def advance(self, task: str) -> Release:
         """Move the task's release to its next stage now."""
