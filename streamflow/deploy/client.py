@@ -25,12 +25,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamflow.deploy.manifest import check_task_name
 from streamflow.deploy.policy import (
     ATTRS_HEADER,
     DEPLOY_HEADER,
     DEVICE_HEADER,
     TASKS_HEADER,
     USER_HEADER,
+    check_version,
+    directive,
     format_pairs,
 )
 
@@ -60,8 +63,9 @@ def parse_directives(value: str | None) -> list[dict[str, str]]:
     """The directives of an ``X-Streamflow-Deploy`` value; ``DeployClientError`` naming what is malformed.
 
     Example:
-        >>> parse_directives('[{"task":"ipv","version":"3","manifest":"/m","signature":"/s","action":"update"}]')
-        [{'task': 'ipv', 'version': '3', 'manifest': '/m', 'signature': '/s', 'action': 'update'}]
+        >>> parse_directives('[{"task":"ipv","version":"3","manifest":"/deploy/bundles/ipv/3/manifest.json",'
+        ...                  '"signature":"/deploy/bundles/ipv/3/manifest.sig","action":"update"}]')[0]["action"]
+        'update'
         >>> parse_directives('[{"task":"ipv"}]')
         Traceback (most recent call last):
         ...
@@ -84,9 +88,15 @@ def parse_directives(value: str | None) -> list[dict[str, str]]:
             raise DeployClientError(f"directive {json.dumps(item)} lacks {', '.join(missing)}")
         if item["action"] not in ACTIONS:
             raise DeployClientError(f"directive {json.dumps(item)}: unknown action {item['action']!r}")
+        try:
+            check_task_name(item["task"])
+            check_version(item["version"])
+        except ValueError as exc:
+            raise DeployClientError(f"directive {json.dumps(item)}: {exc}") from None
+        expected = directive(item["task"], item["version"], item["action"])
         for key in ("manifest", "signature"):
-            if not item[key].startswith("/deploy/bundles/"):
-                raise DeployClientError(f"directive {json.dumps(item)}: {key} must be a path under /deploy/bundles/")
+            if item[key] != expected[key]:
+                raise DeployClientError(f"directive {json.dumps(item)}: {key} must be {expected[key]}")
         out.append({f: item[f] for f in DIRECTIVE_FIELDS})
     return out
 

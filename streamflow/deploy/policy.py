@@ -42,6 +42,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamflow.deploy.manifest import version_key
+
 #: Headers of the piggyback protocol.
 TASKS_HEADER = "X-Streamflow-Tasks"
 DEVICE_HEADER = "X-Streamflow-Device"
@@ -49,8 +51,6 @@ ATTRS_HEADER = "X-Streamflow-Attrs"
 USER_HEADER = "X-Streamflow-User"
 DEPLOY_HEADER = "X-Streamflow-Deploy"
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-_VERSION = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,9}){0,3}$")
 _RULE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_.-]{0,62})\s*(>=|<=|!=|=|>|<)\s*(.*?)\s*$")
 _TWO64 = float(1 << 64)
 
@@ -68,23 +68,16 @@ def cohort_point(release_id: str, device_id: str) -> float:
 
 
 def version_order(version: str) -> tuple[int, ...] | None:
-    """A version's sort key (``"3"`` < ``"3.1"`` < ``"10"``), None if it is not dotted numbers."""
-    if not _VERSION.match(version):
+    """A version's sort key (``"3"`` < ``"3.1"`` < ``"10"``), None if it is not a version."""
+    try:
+        return version_key(version)
+    except ValueError:
         return None
-    return tuple(int(part) for part in version.split("."))
-
-
-def check_name(kind: str, value: str) -> str:
-    """``value`` if it is a plain task name (letters, digits, underscores), else ``ValueError``."""
-    if not isinstance(value, str) or not _NAME.match(value):
-        raise ValueError(f"{kind} {value!r} must be letters, digits and underscores (not starting with a digit)")
-    return value
 
 
 def check_version(value: str) -> str:
-    """``value`` if it is a version (1 to 4 dot-separated numbers), else ``ValueError``."""
-    if not isinstance(value, str) or version_order(value) is None:
-        raise ValueError(f"version {value!r} must be 1 to 4 dot-separated numbers, e.g. 3 or 1.2.0")
+    """``value`` if it is a version (:func:`~streamflow.deploy.manifest.version_key`), else ``ValueError``."""
+    version_key(value)
     return value
 
 

@@ -53,12 +53,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from streamflow.deploy.manifest import check_task_name
 from streamflow.deploy.policy import (
     Layer,
     Policy,
     Target,
     TaskPolicy,
-    check_name,
     check_version,
     cohort_point,
     parse_pairs,
@@ -292,7 +292,7 @@ class ReleaseManager:
     def add_bundle(self, bundle: PublishedBundle, manifest: bytes, signature: bytes,
                    files: Iterable[tuple[str, str, int, str]]) -> PublishedBundle:
         """Record a bundle whose signature and files the caller verified (:func:`streamflow.deploy.server`)."""
-        check_name("task", bundle.task)
+        check_task_name(bundle.task)
         check_version(bundle.version)
         with self._lock:
             if bundle.digest in self.blocked:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from streamflow.deploy.manifest import check_task_name
 from streamflow.deploy.policy import (
     ATTRS_HEADER,
     DEPLOY_HEADER,
@@ -53,7 +54,6 @@ from streamflow.deploy.policy import (
     TASKS_HEADER,
     USER_HEADER,
     Target,
-    check_name,
     check_version,
 )
 from streamflow.deploy.release import PublishedBundle, ReleaseError, ReleaseManager, ReleasePlan, Simulator
@@ -212,7 +212,7 @@ class DeployServer:
             header = request.headers.get(DEVICE_HEADER)
             if header is not None and header != device:
                 raise ValueError(f"report for device {device!r} sent with {DEVICE_HEADER} {header!r}")
-            task = check_name("task", body.get("task"))
+            task = check_task_name(body.get("task"))
             version = check_version(body.get("version"))
             ok = body.get("ok")
             if not isinstance(ok, bool):
@@ -308,7 +308,7 @@ class DeployServer:
         self._admin(request)
         body = await _json_body(request)
         try:
-            task = check_name("task", body.get("task"))
+            task = check_task_name(body.get("task"))
             version = check_version(str(body.get("version")))
             plan = plan_from_json(body.get("plan") or {})
             release = await asyncio.to_thread(self.manager.start, task, version, plan)
@@ -323,7 +323,7 @@ class DeployServer:
         task, command = request.match_info["task"], request.match_info["command"]
         body = await _json_body(request) if request.can_read_body else {}
         try:
-            check_name("task", task)
+            check_task_name(task)
             if command == "advance":
                 result = self.manager.advance(task).to_json()
             elif command == "rollback":

@@ -237,7 +237,7 @@ def test_bad_protocol_input_is_refused_with_a_reason(running, built, server):
     client = DeployClient(base_url, "ok-1")
     for body, reason in [(b"not json", "not JSON"), (b"[1]", "JSON object"),
                          (json.dumps({"device": "ok-1", "task": "x;drop", "version": "1", "ok": False}).encode(),
-                          "task 'x;drop' must be letters"),
+                          "task name 'x;drop' must be letters"),
                          (json.dumps({"device": "ok-1", "task": "counter", "version": "1'", "ok": False}).encode(),
                           "version"),
                          (json.dumps({"device": "ok-1", "task": "counter", "version": "1", "ok": "no"}).encode(),
@@ -247,7 +247,7 @@ def test_bad_protocol_input_is_refused_with_a_reason(running, built, server):
         response = client._send("POST", "/deploy/api/report", body, {"X-Streamflow-Device": "ok-1"})
         assert response.status == 400 and reason in response.body.decode(), (body, response.body)
     assert server.stats["refused_reports"] == 4  # the two non-objects fail before the report checks
-    with pytest.raises(DeployClientError, match="must be a path under /deploy/bundles/"):
+    with pytest.raises(DeployClientError, match="manifest must be /deploy/bundles/c/1/manifest.json"):
         from streamflow.deploy.client import parse_directives
         parse_directives('[{"task":"c","version":"1","manifest":"http://evil/m","signature":"/s","action":"update"}]')
 
