@@ -277,6 +277,14 @@ def parse_pairs(header: str) -> dict[str, str]:
         >>> parse_pairs("ipv=2,sessions=1,junk,=3")
         {'ipv': '2', 'sessions': '1'}
     """
+    if " " not in header:  # the usual, well-formed header: one split per item
+        try:
+            pairs = dict(item.split("=", 1) for item in header.split(","))
+        except ValueError:  # an item without "=": the careful path below
+            pass
+        else:
+            if "" not in pairs:
+                return pairs
     pairs = {}
     for item in header.split(","):
         key, sep, value = item.partition("=")
