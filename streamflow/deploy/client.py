@@ -23,7 +23,7 @@ import threading
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamflow.deploy.manifest import check_task_name
 from streamflow.deploy.policy import (
@@ -36,6 +36,9 @@ from streamflow.deploy.policy import (
     directive,
     format_pairs,
 )
+
+if TYPE_CHECKING:
+    from connectors.tunnel.sink import TunnelSink
 
 DIRECTIVE_FIELDS = ("task", "version", "manifest", "signature", "action")
 ACTIONS = ("update", "rollback")
@@ -108,7 +111,7 @@ class DeployClient:
     """
 
     def __init__(self, base_url: str, device_id: str, attrs: Mapping[str, str] | None = None, *,
-                 user: str | None = None, timeout_s: float = 10.0):
+                 user: str | None = None, timeout_s: float = 10.0, tunnel: TunnelSink | None = None):
         url = urllib.parse.urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"release server URL {base_url!r} must be http(s)://HOST[:PORT]")
@@ -120,6 +123,7 @@ class DeployClient:
         self.user = user
         self.tasks: dict[str, str] = {}
         self.timeout_s = timeout_s
+        self.tunnel = tunnel
         self._conn: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()
 
@@ -147,20 +151,30 @@ class DeployClient:
     def fetch_file(self, entry: Any, max_bytes: int | None = None) -> bytes:
         """A bundle file's bytes (shared: the static path; exclusive: the API); its digest is the caller's to check.
 
-        ``entry`` has ``sha256``, ``size`` and ``scope`` (a manifest's file entry). At most ``entry.size``
-        bytes (or ``max_bytes``) are read: a server sending more is refused.
+        ``entry`` has ``sha256``, ``size`` and ``scope`` (a manifest's file entry). At most ``entry.size + 1``
+        bytes (or ``max_bytes``) are read.
         """
         sha256 = str(entry.sha256)
         if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
             raise DeployClientError(f"file digest {sha256!r} is not 64 hex digits")
         path = f"/deploy/static/{sha256}" if entry.scope == "shared" else f"/deploy/api/files/{sha256}"
-        limit = entry.size if max_bytes is None else min(entry.size, max_bytes)
+        # one byte more than declared: a longer file then fails the caller's size check with its reason
+        limit = entry.size + 1 if max_bytes is None else min(entry.size + 1, max_bytes)
         return self._get(path, limit, {DEVICE_HEADER: self.device_id})
 
-    def report(self, task: str, version: str, ok: bool, reason: str = "") -> None:
-        """Tell the server ``task@version`` loaded and runs (``ok``) or failed, and why."""
+    def report(self, task: str, version: str, ok: bool, reason: str | None = None) -> None:
+        """Tell the server ``task@version`` loaded and runs (``ok``) or failed, and why.
+
+        With a ``tunnel``, the report is a ``deploy_reports`` row on it (signed, spooled while the broker
+        is away; :mod:`streamflow.deploy.tunnel_reports`); otherwise ``POST /deploy/api/report``.
+        """
+        if self.tunnel is not None:
+            from streamflow.deploy.tunnel_reports import REPORTS_TABLE, report_row
+
+            self.tunnel.write(REPORTS_TABLE, [report_row(task, version, ok, reason)])
+            return
         body = json.dumps({"device": self.device_id, "task": task, "version": version, "ok": ok,
-                           "reason": reason[:2000]}).encode()
+                           "reason": (reason or "")[:2000]}).encode()
         response = self._send("POST", "/deploy/api/report", body, {DEVICE_HEADER: self.device_id,
                                                                    "Content-Type": "application/json"})
         if response.status != 200:

@@ -1,7 +1,7 @@
 """``streamflow deploy-server`` and ``streamflow release publish|pin|start|status|advance|rollback``.
 
     streamflow deploy-server --trusted-key KEY.pub [--dir DIR] [--host 127.0.0.1] [--port 8470]
-                             [--replay-events FILE]
+                             [--replay-events FILE] [--tunnel-reports [--key-registry F] [--topic T]]
     streamflow release publish BUNDLE_DIR
     streamflow release pin TASK VERSION
     streamflow release start TASK VERSION [--steps 1,5,20,50,100] [--beta DEV,...] [--rule os=android ...]
@@ -68,6 +68,11 @@ def deploy_server(
     port: Annotated[int, typer.Option(help="port")] = 8470,
     replay_events: Annotated[Path | None, typer.Option(help="recorded events (CSV/JSONL) the simulation stage "
                                                             "replays through the stable and the new version")] = None,
+    tunnel_reports: Annotated[bool, typer.Option("--tunnel-reports", help="also read device reports (table "
+                              "deploy_reports) off the Kafka tunnel ($STREAMFLOW_KAFKA_BOOTSTRAP)")] = False,
+    key_registry: Annotated[str | None, typer.Option(help="the tunnel's device key registry (default: "
+                                                          "$STREAMFLOW_KEY_REGISTRY)")] = None,
+    topic: Annotated[str | None, typer.Option(help="the tunnel's topic (default: its features topic)")] = None,
 ) -> int:
     """Serve release directives, bundles and the status page (``/deploy/status``) until interrupted."""
     from streamflow.deploy.server import DeployServer, run
@@ -82,6 +87,10 @@ def deploy_server(
             raise FileNotFoundError(f"--replay-events {replay_events}: no such file")
         simulator = ReplaySimulator(replay_events, config.deploy_dir / "simulation", trusted)
     server = DeployServer(config.deploy_dir, trusted, simulator=simulator)
+    if tunnel_reports:
+        from connectors.tunnel.keys import KeyRegistry
+
+        server.read_tunnel_reports(KeyRegistry(settings(key_registry=key_registry).key_registry), topic=topic)
     print(f"release server on http://{host}:{port} (status page /deploy/status), state in {config.deploy_dir}, "
           f"admin token in {config.deploy_dir / 'admin.token'}", flush=True)
     run(server, host, port)

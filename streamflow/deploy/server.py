@@ -10,7 +10,8 @@ Protocol (push-then-pull, piggybacked on the app's own requests):
 - ``GET /deploy/bundles/<task>/<version>/manifest.json`` and ``.../manifest.sig``: the signed manifest.
 - ``GET /deploy/static/<sha256>``: a shared file, cacheable forever (a CDN may sit in front).
 - ``GET /deploy/api/files/<sha256>`` with the device header: any file, exclusive ones included, not cached.
-- ``POST /deploy/api/report`` ``{"device", "task", "version", "ok", "reason"}``: a device's success or failure.
+- ``POST /deploy/api/report`` ``{"device", "task", "version", "ok", "reason"}``: a device's success or failure;
+  devices with a tunnel report over Kafka instead (:meth:`DeployServer.read_tunnel_reports`).
 - ``GET /deploy/status``: the read-only HTML status page; ``GET /deploy/api/status``: the same as JSON.
 - Admin (``Authorization: Bearer <token>``, the token in ``<dir>/admin.token``, mode 0600):
   ``POST /deploy/api/bundles`` (publish: manifest, signature and files, base64 in JSON; the signature
@@ -60,7 +61,9 @@ from streamflow.deploy.release import PublishedBundle, ReleaseError, ReleaseMana
 from streamflow.deploy.state import ReleaseStore
 
 if TYPE_CHECKING:
+    from connectors.tunnel.keys import KeyRegistry
     from streamflow.deploy.signing import TrustedKeys
+    from streamflow.deploy.tunnel_reports import TunnelReportReader
 
 log = logging.getLogger("streamflow.deploy.server")
 
@@ -94,6 +97,23 @@ class DeployServer:
         self.max_bundle_bytes = max_bundle_bytes
         self.tick_s = tick_s
         self.stats: Counter[str] = Counter()  # requests, directives, bad headers, refused reports...
+        self.tunnel_reader: TunnelReportReader | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def read_tunnel_reports(self, registry: KeyRegistry, *, bootstrap: str | None = None,
+                            topic: str | None = None) -> None:
+        """Also take device reports off the Kafka tunnel (:mod:`streamflow.deploy.tunnel_reports`) while serving."""
+        from streamflow.deploy.tunnel_reports import TunnelReportReader
+
+        options = {"topic": topic} if topic else {}
+        self.tunnel_reader = TunnelReportReader(self.report_threadsafe, registry, bootstrap=bootstrap, **options)
+
+    def report_threadsafe(self, device: str, task: str, version: str, ok: bool, reason: str) -> None:
+        """A report from another thread (the tunnel reader): applied on the server's event loop."""
+        if self._loop is None:
+            raise RuntimeError("the server is not running")
+        self._loop.call_soon_threadsafe(lambda: self.manager.report(device, task, version, ok=ok, reason=reason,
+                                                                    via="tunnel"))
 
     # -- the application ---------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -123,8 +143,13 @@ class DeployServer:
                 except Exception:  # noqa: BLE001 - a failed tick (disk full, say) must not stop the server
                     log.exception("release tick failed")
 
-        task = asyncio.get_running_loop().create_task(loop())
+        self._loop = asyncio.get_running_loop()
+        task = self._loop.create_task(loop())
+        if self.tunnel_reader is not None:
+            self.tunnel_reader.start()
         yield
+        if self.tunnel_reader is not None:
+            await asyncio.to_thread(self.tunnel_reader.stop)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
