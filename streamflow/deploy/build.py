@@ -161,7 +161,7 @@ def _write_bundle(dest: Path, manifest_bytes: bytes, signature: bytes, contents:
             return dest
         raise BundleError(f"{dest} already holds a different build of this version; versions are immutable "
                           "(tag a new version, or remove the directory)")
-    return assemble(dest, contents, manifest_bytes, signature)
+    return assemble(dest, contents.items(), manifest_bytes, signature)
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:

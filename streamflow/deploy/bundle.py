@@ -44,7 +44,7 @@ import itertools
 import re
 import shutil
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -146,9 +146,9 @@ def install_bundle(manifest: Manifest, fetch: Callable[[FileEntry], bytes], dest
     Limits (``max_bytes``/``max_files``, or ``limits``) are checked on the declared sizes before
     anything is fetched, and each fetched file must have exactly its declared size and sha256
     (:class:`BundleTooLarge`, :class:`DigestMismatch`). Files come from ``cache`` when it holds
-    their digest, and fetched ones go into it. The bundle is assembled in a temporary directory
-    beside ``dest`` and renamed into place, so ``dest`` is complete or absent; an existing ``dest``
-    holding the same manifest is kept.
+    their digest, and fetched ones go into it (installed files are hard links to the cache's). The
+    bundle is assembled in a temporary directory beside ``dest`` and renamed into place, so ``dest``
+    is complete or absent; an existing ``dest`` holding the same manifest is kept.
     """
     limits = limits or Limits()
     max_bytes = limits.max_bytes if max_bytes is None else max_bytes
@@ -165,18 +165,9 @@ def install_bundle(manifest: Manifest, fetch: Callable[[FileEntry], bytes], dest
             return dest
         except BundleError:
             shutil.rmtree(dest)  # damaged on disk: install it again
-    contents = {}
-    for entry in manifest.files:
-        data = cache.get(entry.sha256) if cache is not None else None
-        if data is None:
-            data = fetch(entry)
-            _check_bytes(entry, data, label)
-            if cache is not None:
-                cache.put(entry.sha256, data)
-        contents[entry.name] = data
     if dest.exists():
         shutil.rmtree(dest)
-    assemble(dest, contents, manifest.to_bytes(), signature)
+    assemble(dest, _checked_files(manifest, fetch, cache), manifest.to_bytes(), signature)
     return dest
 
 
@@ -246,6 +237,22 @@ def unload_bundle_job(job: Job) -> None:
 
 
 # -- files ----------------------------------------------------------------------------------------
+def _checked_files(manifest: Manifest, fetch: Callable[[FileEntry], bytes], cache: ContentCache | None
+                   ) -> Iterator[tuple[str, bytes | Path]]:
+    """Each file as checked bytes, or as the path of its checked copy in the cache (linked, not copied)."""
+    for entry in manifest.files:
+        if cache is not None and cache.holds(entry.sha256):
+            yield entry.name, cache.path(entry.sha256)
+            continue
+        data = fetch(entry)
+        _check_bytes(entry, data, manifest.label)
+        if cache is None:
+            yield entry.name, data
+        else:
+            cache.put(entry.sha256, data)
+            yield entry.name, cache.path(entry.sha256)
+
+
 def _check_bytes(entry: FileEntry, data: object, label: str) -> None:
     if not isinstance(data, (bytes, bytearray)):
         raise DigestMismatch(f"file {entry.name!r}: got {type(data).__name__}, not bytes", bundle=label)

@@ -9,7 +9,7 @@ never follow a symlink, never block on a FIFO and read at most a given number of
 Example:
     >>> import tempfile, pathlib
     >>> dest = pathlib.Path(tempfile.mkdtemp()) / "ipv" / "3"
-    >>> _ = assemble(dest, {"job.py": b"job = None"}, b"{}", b"s" * 64)
+    >>> _ = assemble(dest, [("job.py", b"job = None")], b"{}", b"s" * 64)
     >>> read_regular(dest / FILES / "job.py", 100), sorted(p.name for p in dest.iterdir())
     (b'job = None', ['files', 'manifest.json', 'manifest.sig'])
 """
@@ -20,7 +20,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable
 from pathlib import Path
 
 from streamflow.deploy.errors import ManifestInvalid, UnsafePath
@@ -33,13 +33,22 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
-def assemble(dest: Path, files: Mapping[str, bytes], manifest: bytes, signature: bytes | None) -> Path:
-    """Write a bundle directory at ``dest`` (which must not exist) in one rename; returns ``dest``."""
+def assemble(dest: Path, files: Iterable[tuple[str, bytes | Path]], manifest: bytes, signature: bytes | None
+             ) -> Path:
+    """Write a bundle directory at ``dest`` (which must not exist) in one rename; returns ``dest``.
+
+    ``files`` yields ``(name, content)``: bytes are written, a path (a verified file of a cache) is
+    hard-linked (copied where links are not possible), so a large model is on the disk once. It is
+    consumed lazily: an error while it yields leaves nothing behind.
+    """
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
-        for name, data in files.items():
-            write_new(tmp / FILES, name, data)
+        for name, content in files:
+            if isinstance(content, Path):
+                link_new(tmp / FILES, name, content)
+            else:
+                write_new(tmp / FILES, name, content)
         write_new(tmp, MANIFEST, manifest)
         if signature is not None:
             write_new(tmp, SIGNATURE, signature)
@@ -57,6 +66,18 @@ def write_new(root: Path, name: str, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
     with os.fdopen(fd, "wb") as out:
         out.write(data)
+
+
+def link_new(root: Path, name: str, source: Path) -> None:
+    """Hard-link ``source`` as ``root/name`` (which must not exist); a copy if the file system cannot link."""
+    path = root / check_file_name(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, path, follow_symlinks=False)
+    except OSError:
+        if path.exists():
+            raise
+        write_new(root, name, source.read_bytes())
 
 
 def read_regular(path: Path, max_bytes: int, root: Path | None = None) -> bytes:
