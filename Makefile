@@ -73,6 +73,7 @@ bench: $(STAMP)
 	$(PY) -m bench.triggers --quick
 	$(PY) -m bench.device --quick
 	$(PY) -m bench.tunnel --quick
+	$(PY) -m bench.deploy --quick
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache
