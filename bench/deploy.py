@@ -23,7 +23,8 @@ its kept N−1 (0.5 s). The plan is the default one with a beta: an allow-list o
 - **Bad release** (30 % of loads fail): ``rollback_detect_s`` = virtual seconds from the start to the
   automatic rollback; ``bad_version_exposure_fraction`` = devices that were ever told to install it /
   fleet (``bad_version_ran_fraction``: those that loaded it); ``bad_version_gone_s``: seconds until no
-  device runs it.
+  device runs it. ``nobeta_*``: the same bad release with no beta stage, so that the first gray step (1 %)
+  has to catch it.
 - ``decision_us_p50`` / ``_p99``: wall time of each ``decide_header`` call in the simulation (all of
   them, both releases). ``sim_wall_s``: wall seconds of both simulations.
 
@@ -67,15 +68,15 @@ class Fleet:
     installing: set[int] = field(default_factory=set)
 
 
-def _plan(args: Any, n: int) -> ReleasePlan:
+def _plan(args: Any, n: int, with_beta: bool = True) -> ReleasePlan:
     size = max(20, n // 1000)  # a beta of 0.1 % of the fleet
-    beta = tuple(f"d{i:06d}" for i in range(0, n, max(1, n // size)))[:size]
+    beta = tuple(f"d{i:06d}" for i in range(0, n, max(1, n // size)))[:size] if with_beta else ()
     return ReleasePlan(beta=beta, step_interval_s=args.step_interval, min_samples=50, max_failure_rate=0.05,
                        simulate=False)
 
 
-def simulate(args: Any, n: int, fail_at_load: float, seed: int, horizon_s: float, stop_at_rollback: bool
-             ) -> dict[str, Any]:
+def simulate(args: Any, n: int, fail_at_load: float, seed: int, horizon_s: float, stop_at_rollback: bool,
+             with_beta: bool = True) -> dict[str, Any]:
     """One release over the fleet; returns its figures."""
     rng = np.random.default_rng(seed)
     rand = random.Random(seed)
@@ -92,7 +93,7 @@ def simulate(args: Any, n: int, fail_at_load: float, seed: int, horizon_s: float
     fleet = Fleet(n, ["1"] * n)
     # per-device attributes, as a device sends them (the plan targets every device; parsing them is part of the cost)
     attrs = [f"os={'android' if i % 3 else 'ios'},app_version=7.{i % 10}" for i in range(n)]
-    release = manager.start(TASK, "2", _plan(args, n))
+    release = manager.start(TASK, "2", _plan(args, n, with_beta))
     parsed: dict[str, tuple[str, str]] = {}
     pending: list[tuple[float, int, int, str]] = []  # (time, seq, device, what) installs and reports in flight
     seq = 0
@@ -295,6 +296,11 @@ def main(argv: list[str] | None = None) -> None:
     bad_release = bad["release"]
     log(f"bad release: {bad['requests']} requests in {bad['wall_s']:.1f} s wall, {bad_release.status}: "
         f"{bad_release.reason}")
+    log(f"bad release without a beta stage over {n} devices: the 1 % gray cohort has to catch it")
+    nobeta = simulate(args, n, fail_at_load=0.30, seed=args.seed + 2, horizon_s=2 * 3600, stop_at_rollback=True,
+                      with_beta=False)
+    log(f"bad release without beta: {nobeta['requests']} requests in {nobeta['wall_s']:.1f} s wall, "
+        f"{nobeta['release'].status}: {nobeta['release'].reason}")
     timings = np.sort(np.concatenate([good["timings_ns"], bad["timings_ns"]])) / 1000.0
     http = http_round_trips(n, args.clients, 2.0 if args.quick else 5.0, 1 if args.quick else args.rounds,
                             args.seed)
@@ -312,6 +318,10 @@ def main(argv: list[str] | None = None) -> None:
         "bad_version_ran_fraction": round(len(bad["fleet"].ever_ran) / n, 5),
         "bad_version_gone_s": round(bad["gone_at"], 1) if bad["gone_at"] is not None else None,
         "bad_release_reason": bad_release.reason,
+        "nobeta_rollback_detect_s": round(nobeta["rollback_at"], 1) if nobeta["rollback_at"] is not None else None,
+        "nobeta_bad_version_exposure_fraction": round(len(nobeta["release"].exposed) / n, 5),
+        "nobeta_bad_version_ran_fraction": round(len(nobeta["fleet"].ever_ran) / n, 5),
+        "nobeta_bad_release_reason": nobeta["release"].reason,
         "decision_us_p50": round(float(timings[int(0.50 * (timings.size - 1))]), 2),
         "decision_us_p99": round(float(timings[int(0.99 * (timings.size - 1))]), 2),
         "decisions": int(timings.size),

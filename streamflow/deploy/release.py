@@ -18,7 +18,8 @@ has ``min_samples`` reporting devices within the guardrail.
 seen running the version (its ``X-Streamflow-Tasks``), as a failure once it reports a failure (at load
 or at run time, over HTTP or over the tunnel); failure wins. Each device belongs to one cohort: ``beta``
 or the gray band its cohort point fell in (``0-1%``, ``1-5%``, ...). When a cohort — or the release as
-a whole — has at least ``min_samples`` devices and its failure rate is above ``max_failure_rate``, the
+a whole — has at least ``min_samples`` devices and its failure rate is above ``max_failure_rate`` (or, for
+the beta cohort, whose size is known, once its failed devices alone make more than that rate), the
 release is rolled back at once: its layer is dropped from the policy, so every device on it is told
 ``rollback`` to the stable version (its N−1), and the bundle's digest is blocked (never released again).
 A device whose failure was reported is not offered the release again.
@@ -179,6 +180,7 @@ class Release:
     reason: str = ""
     simulation: dict[str, Any] | None = None
     failed: set[str] = field(default_factory=set)
+    ok: set[str] = field(default_factory=set)  # every cohort's successes (never a failed device)
     cohorts: dict[str, CohortStats] = field(default_factory=dict)
     exposed: set[str] = field(default_factory=set)
 
@@ -205,8 +207,8 @@ class Release:
         return stats
 
     def total(self) -> CohortStats:
-        ok = set().union(*(c.ok for c in self.cohorts.values())) if self.cohorts else set()
-        return CohortStats(ok - self.failed, set(self.failed))
+        """The whole release as one cohort (the live sets: read, do not change)."""
+        return CohortStats(self.ok, self.failed)
 
     def current_cohort(self) -> str:
         """The cohort the stage added last (the one whose samples gate the next step)."""
@@ -532,7 +534,9 @@ class ReleaseManager:
                 release = self.active.get(task)
                 if release is not None and release.version == version and device not in release.failed:
                     cohort = release.cohort_of(device)
-                    release.stats(cohort).ok.add(device)
+                    with self._lock:
+                        self._count(release, device, cohort, True)
+                        self._guard(release, cohort)
 
     def _see(self, device: str, task: str, version: str) -> None:
         seen = self.seen.setdefault(task, {})
@@ -559,21 +563,31 @@ class ReleaseManager:
             self._count(release, device, cohort, ok)
             if not ok:
                 log.info("device %s reports %s@%s failed: %s", device, task, version, reason)
-                if release.status == "active":
-                    self._guard(release, cohort)
+            if release.status == "active":  # a success may complete the samples a failure rate needs
+                self._guard(release, cohort)
 
     def _count(self, release: Release, device: str, cohort: str, ok: bool) -> None:
         stats = release.stats(cohort)
         if ok:
             if device not in release.failed:
                 stats.ok.add(device)
+                release.ok.add(device)
         else:
             release.failed.add(device)
+            release.ok.discard(device)
             stats.ok.discard(device)
             stats.failed.add(device)
 
     def _guard(self, release: Release, cohort: str) -> None:
+        """Roll ``release`` back if ``cohort`` or the whole release is over the guardrail (O(1))."""
         plan = release.plan
+        if cohort == "beta" and len(release.stats("beta").failed) / len(plan.beta) > plan.max_failure_rate:
+            # the beta cohort's size is known: this many failures put it over the guardrail, whatever the rest say
+            failed = len(release.stats("beta").failed)
+            self._rollback(release, f"guardrail: cohort beta: {failed} of its {len(plan.beta)} devices failed (at "
+                                    f"least {failed / len(plan.beta):.1%}) above {plan.max_failure_rate:.1%}",
+                           block=True)
+            return
         for name, stats in ((f"cohort {cohort}", release.stats(cohort)), ("release", release.total())):
             if stats.samples >= plan.min_samples and stats.failure_rate > plan.max_failure_rate:
                 self._rollback(release, f"guardrail: {name} failure rate {stats.failure_rate:.1%} ({len(stats.failed)}"
