@@ -186,6 +186,11 @@ def test_staged_release_advances_on_schedule_and_cohorts_are_sticky(running, bui
         admin.start("counter", "1")
     events = [e[2] for e in server.store.events(release_id)]
     assert events == ["start", "beta", "gray", "gray", "gray", "complete"]
+    # a completed release rolled back by command: the stable version goes back, every device is told
+    assert admin.rollback("counter", "regression found later")["status"] == "rolled_back"
+    assert admin.status()["tasks"]["counter"]["stable"] == "1"
+    assert all(c.request("/app/x")[1][0]["action"] == "rollback" for c in clients.values())
+    assert server.store.blocked() == {}  # not blocked unless asked (--block)
 
 
 def test_failures_over_the_guardrail_roll_back_and_block_the_digest(running, built, server):
