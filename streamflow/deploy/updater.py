@@ -22,13 +22,16 @@ is reported to the server and changes nothing: the old version keeps running.
 
 **Failing at load, and the local rollback.** A new version *fails at load* when its job module does
 not import or defines no valid job (step 3, before the swap: the old version never stopped), when the
-runner refuses its tasks (a name clash, say), or when during its probation — until each of its tasks
-has run ``probation_firings`` times without raising — a task is quarantined, or raised on
-``probation_firings`` runs without one success. The last two are found by :meth:`check` (called by
-:meth:`apply`, i.e. on every app request, or by the app directly); the device then swaps the kept
-N-1 back in (from memory, or verified from disk after a restart), blocks the failed manifest locally
-(the same manifest is not installed again, however often the server names it) and reports
-``failed_on_first_events``. A first install that fails is simply removed.
+runner refuses its tasks (a name clash, an operator checkpoints cannot hold), or during its
+*probation* — until each of its tasks has run ``probation_firings`` times without raising — when a
+task is quarantined or has raised on ``probation_firings`` runs without one success. Probation is
+judged at the runner's safe point (a hook armed by the swap itself, so it counts from the new
+version's first event and does not wait for an app request): the device swaps the kept N-1 back in
+before the next event, so the failing runs are the only events the new version saw (they are in
+``task_errors`` with their events, as any task failure) and every later event runs on N-1. The
+failed manifest is blocked locally (not installed again, however often the server names it; that
+refusal is reported once) and ``failed_on_first_events`` is reported; :meth:`check` (called by every
+:meth:`apply`) does the bookkeeping. A first install that fails is removed.
 
 Example:
     >>> import tempfile, pathlib
@@ -52,7 +55,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -138,10 +141,78 @@ class Running:
 @dataclass
 class _Pending:
     swap: TaskSwap
-    new: Running | None  # None: the task is being removed (a failed first install)
+    new: Running
     old: Running | None
-    kind: str  # "update" | "rollback" | "local_rollback" | "resume"
-    baseline: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    kind: str  # "update" | "rollback" | "resume"
+    probation: _Probation | None = None
+
+
+class _Probation:
+    """A new version's first runs, judged at the runner's safe point (a runner hook: it runs on the runner's
+    thread, before each event). It is armed by the swap itself (counting from the swap's safe point on),
+    and at the first sign of failure it swaps N-1 back right there: no event reaches a failing version
+    after it is judged, and none falls between the two versions."""
+
+    def __init__(self, runner: DeviceRunner, new: Running, old: Running | None, firings: int):
+        self.runner, self.new, self.old, self.firings = runner, new, old, firings
+        self.baseline: dict[str, tuple[int, int]] | None = None  # set when the swap is applied
+        self.failure: FailedOnFirstEvents | None = None
+        self.rollback: TaskSwap | None = None  # set once the rollback is requested (after ``failure``)
+        self.passed = False
+        self.cancelled = False
+        self.lock = threading.Lock()  # the hook (runner thread) against a cancel (an app request's thread)
+
+    def arm(self) -> None:
+        """The swap's ``on_applied``: count from here (runner thread, before the new version's first event)."""
+        self.baseline = {name: _ok_and_errors(self.runner, name) for name in self.new.names}
+
+    def __call__(self) -> bool:
+        with self.lock:
+            if self.cancelled:
+                return False
+            if self.baseline is None:  # the swap is not applied yet
+                return True
+            verdict = self.verdict(self.baseline)
+            if verdict is None:
+                return True
+            if verdict is True:
+                self.passed = True
+                return False
+            self.failure = FailedOnFirstEvents(verdict, bundle=self.new.manifest.label)
+            self.rollback = self.runner.swap_tasks(add=self.old.job.tasks if self.old else (), remove=self.new.names)
+            return False
+
+    def cancel(self) -> bool:
+        """Stop watching (the version is replaced, or never came in); False if the rollback was already requested."""
+        with self.lock:
+            self.cancelled = self.rollback is None
+            return self.cancelled
+
+    def verdict(self, baseline: dict[str, tuple[int, int]]) -> str | bool | None:
+        """A failure (why), True (every task ran ``firings`` times without raising), or None (not yet known)."""
+        stats = self.runner.summary.task_stats
+        passed = True
+        for name in self.new.names:
+            task_stats = stats.get(name)
+            if task_stats is not None and task_stats.quarantined:
+                return f"task {name} was quarantined after {task_stats.consecutive_errors} consecutive failures"
+            ok, errors = (now - before for now, before in zip(_ok_and_errors(self.runner, name), baseline[name],
+                                                             strict=True))
+            if errors >= self.firings and ok == 0:
+                return f"task {name} raised on each of its first {errors} runs"
+            passed = passed and ok >= self.firings
+        return passed or None
+
+
+def _ok_and_errors(runner: DeviceRunner, name: str) -> tuple[int, int]:
+    """A task's successful runs and failures so far (a trigger task counts every run as fired, failures too;
+    a stream task counts its rows)."""
+    task_stats = runner.summary.task_stats.get(name)
+    if task_stats is None:
+        return 0, 0
+    task = runner.tasks.get(name)
+    stream = task is not None and task.input == "stream"
+    return (task_stats.fired if stream else task_stats.fired - task_stats.errors), task_stats.errors
 
 
 class Updater:
@@ -163,7 +234,7 @@ class Updater:
         self._running: dict[str, Running] = {}
         self._previous: dict[str, Running] = {}  # N-1 in memory, for a local rollback without a reload
         self._pending: dict[str, _Pending] = {}
-        self._probation: dict[str, dict[str, tuple[int, int]]] = {}  # task -> runner task -> (ok, errors) at swap
+        self._probation: dict[str, _Probation] = {}
         self._reported_blocked: set[str] = set()
         self._lock = threading.RLock()
 
@@ -184,12 +255,19 @@ class Updater:
         response, directives = self.client.request(path, tasks=self.versions(), **options)  # type: ignore[union-attr]
         return response, self.apply(directives)
 
-    def apply(self, directives: Iterable[Mapping[str, Any]] | None) -> list[Outcome]:
-        """Apply the directives of one server response (None or empty: only :meth:`check`)."""
+    def apply(self, directives: Iterable[Mapping[str, Any]] | None, *, source: BundleSource | None = None
+              ) -> list[Outcome]:
+        """Apply the directives of one server response (None or empty: only :meth:`check`).
+
+        ``source`` fetches the bundles instead of the client, e.g. a
+        :class:`~streamflow.deploy.directory.DirectoryClient` over the bundles an app ships with, to
+        provision a device with its first versions (the server changes the versions of tasks a device
+        runs; it does not add tasks). They are verified the same way; reports still go to the client.
+        """
         with self._lock:
             outcomes = self._check()
             for directive in directives or ():
-                outcome = self._apply_one(directive)
+                outcome = self._apply_one(directive, source or self.client)
                 log.info("deploy %s@%s: %s%s", outcome.task, outcome.version, outcome.status,
                          f" ({outcome.reason})" if outcome.reason else "")
                 outcomes.append(outcome)
@@ -230,7 +308,7 @@ class Updater:
             self._publish()
         return outcomes
 
-    def _apply_one(self, directive: Mapping[str, Any]) -> Outcome:
+    def _apply_one(self, directive: Mapping[str, Any], source: BundleSource | None) -> Outcome:
         try:
             task, version, action = _parse_directive(directive)
         except DirectiveInvalid as exc:
@@ -243,7 +321,7 @@ class Updater:
         if running is not None and running.manifest.version == version:
             return Outcome(task, version, "unchanged")
         try:
-            new = self._fetch_verified(task, version, action, directive, running)
+            new = self._fetch_verified(task, version, action, directive, running, source)
             self._check_names(task, new)
         except BundleError as exc:
             return self._refuse(task, version, exc)
@@ -251,11 +329,20 @@ class Updater:
             return self._refuse(task, version, exc)
         kind = "rollback" if running is not None and version_key(version) < version_key(
             running.manifest.version) else "update"
-        swap = self.runner.swap_tasks(add=new.job.tasks, remove=running.names if running else ())
-        return self._swap(task, _Pending(swap, new, running, kind))
+        probation = self._probation.get(task)
+        if probation is not None:  # the version on probation is being replaced anyway
+            if not probation.cancel():
+                return Outcome(task, version, "pending", f"{running.manifest.label} is being rolled back locally")
+            del self._probation[task]
+        watch = _Probation(self.runner, new, running, self.probation_firings) if kind == "update" else None
+        if watch is not None:  # watching before the swap can apply: the verdict comes at the first safe point
+            self.runner.add_safe_point_hook(watch)
+        swap = self.runner.swap_tasks(add=new.job.tasks, remove=running.names if running else (),
+                                      on_applied=watch.arm if watch is not None else None)
+        return self._swap(task, _Pending(swap, new, running, kind, watch))
 
     def _fetch_verified(self, task: str, version: str, action: str, directive: Mapping[str, Any],
-                        running: Running | None) -> Running:
+                        running: Running | None, source: BundleSource | None) -> Running:
         """The directive's version, verified, installed and loaded (nothing swapped yet)."""
         state = self.store.state(task)
         kept = [state.previous] if state.previous else []
@@ -263,9 +350,9 @@ class Updater:
         if local:
             manifest = self.store.load(task, version)  # the kept N-1: verified again from disk, no download
         else:
-            if self.client is None:
+            if source is None:
                 raise DirectiveInvalid("no client to fetch the bundle with", bundle=f"{task}@{version}")
-            manifest_bytes, signature = self.client.fetch_manifest(directive)
+            manifest_bytes, signature = source.fetch_manifest(directive)
             manifest = verify_manifest(manifest_bytes, signature, self.trusted)
             if (manifest.task, manifest.version) != (task, version):
                 raise DirectiveInvalid(f"the directive names {task}@{version} but its manifest is {manifest.label}",
@@ -273,7 +360,7 @@ class Updater:
         self._refuse_blocked(manifest)
         check_version(manifest, running.manifest if running else None, rollback=action == "rollback", kept=kept)
         if not local:
-            self.store.install(manifest, signature, self.client.fetch_file)
+            self.store.install(manifest, signature, source.fetch_file)
             manifest = self.store.load(task, version)  # what runs is what is on disk, verified there
         return self._load(task, version, manifest)
 
@@ -308,101 +395,62 @@ class Updater:
         self._pending[task] = pending
         if pending.swap.wait(self.swap_timeout_s):
             return self._settle(task)
-        version = (pending.new or pending.old).manifest.version  # type: ignore[union-attr]
-        return Outcome(task, version, "pending", "the swap waits for the runner's next event")
+        return Outcome(task, pending.new.manifest.version, "pending", "the swap waits for the runner's next event")
 
     def _settle(self, task: str) -> Outcome:
         pending = self._pending.pop(task)
         new, old = pending.new, pending.old
         if pending.swap.error is not None:  # refused by the runner: nothing changed there
-            label = (new or old).manifest.label  # type: ignore[union-attr]
-            error = LoadFailed(f"the runner refused the tasks: {pending.swap.error}", bundle=label)
-            if pending.kind == "local_rollback":  # the failed version still runs; it stays blocked
-                self._running[task] = old  # type: ignore[assignment]
-                return Outcome(task, old.manifest.version, "refused", error.report())  # type: ignore[union-attr]
-            self.store.block(new.manifest.digest, "load_failed")  # type: ignore[union-attr]
-            return self._refuse(task, new.manifest.version, error)  # type: ignore[union-attr]
-        if new is None:  # a failed first install, removed
-            self._running.pop(task, None)
-            self.store.set_state(task, None, None)
-            self.store.prune(task)
-            return Outcome(task, old.manifest.version, "local_rollback")  # type: ignore[union-attr]
+            if pending.probation is not None:
+                pending.probation.cancel()
+            error = LoadFailed(f"the runner refused the tasks: {pending.swap.error}", bundle=new.manifest.label)
+            self.store.block(new.manifest.digest, "load_failed")
+            return self._refuse(task, new.manifest.version, error)
         self._running[task] = new
         version = new.manifest.version
+        if pending.kind == "resume":
+            return Outcome(task, version, "resumed")
         if pending.kind == "update":
             self.store.set_state(task, version, old.manifest.version if old else None)
             if old is not None:
                 self._previous[task] = old
-        elif pending.kind in ("rollback", "local_rollback"):
+            self._probation[task] = pending.probation  # type: ignore[assignment]
+        else:  # the server's rollback
             self.store.set_state(task, version, None)
             self._previous.pop(task, None)
-        if pending.kind != "resume":
-            self.store.prune(task)
-        if pending.kind == "local_rollback":
-            return Outcome(task, version, "local_rollback")
-        if pending.kind == "resume":
-            return Outcome(task, version, "resumed")
-        if pending.kind == "update":
-            stats = self.runner.summary.task_stats
-            self._probation[task] = {name: self._ok_and_errors(name, stats) for name in new.names}
+        self.store.prune(task)
         self._report(task, version, True, "")
         return Outcome(task, version, "installed" if pending.kind == "update" else "rolled_back")
 
     def _check(self) -> list[Outcome]:
         outcomes = [self._settle(task) for task in [t for t, p in self._pending.items() if p.swap.done()]]
-        stats = self.runner.summary.task_stats
-        for task, baseline in list(self._probation.items()):
-            running = self._running.get(task)
-            if running is None or task in self._pending:
-                continue
-            failure, passed = None, True
-            for name in running.names:
-                ok0, errors0 = baseline[name]
-                ok, errors = self._ok_and_errors(name, stats)
-                ok, errors = ok - ok0, errors - errors0
-                task_stats = stats.get(name)
-                if task_stats is not None and task_stats.quarantined:
-                    failure = (f"task {name} was quarantined after {task_stats.consecutive_errors} consecutive "
-                               f"failures")
-                elif errors >= self.probation_firings and ok == 0:
-                    failure = f"task {name} raised on each of its first {errors} runs"
-                passed = passed and ok >= self.probation_firings
-                if failure:
-                    break
-            if failure is not None:
+        for task, probation in list(self._probation.items()):
+            if probation.passed:
                 del self._probation[task]
-                outcomes.append(self._local_rollback(task, FailedOnFirstEvents(failure, bundle=running.manifest.label)))
-            elif passed:
+            elif probation.rollback is not None and probation.rollback.done():
                 del self._probation[task]
+                outcomes.append(self._rolled_back_locally(task, probation))
         return outcomes
 
-    def _ok_and_errors(self, name: str, stats: Mapping[str, Any]) -> tuple[int, int]:
-        task_stats = stats.get(name)
-        if task_stats is None:
-            return 0, 0
-        # a trigger task counts every run as fired (failures too); a stream task counts rows as fired
-        task = self.runner.tasks.get(name)  # read from another thread than the runner's: one lookup
-        stream = task is not None and task.input == "stream"
-        ok = task_stats.fired if stream else task_stats.fired - task_stats.errors
-        return ok, task_stats.errors
-
-    def _local_rollback(self, task: str, error: BundleError) -> Outcome:
-        bad = self._running[task]
-        self.store.block(bad.manifest.digest, error.reason)
-        self._report(task, bad.manifest.version, False, error.report())
-        old = self._previous.pop(task, None)
-        if old is None:
-            previous = self.store.state(task).previous
-            if previous is not None:
-                try:
-                    old = self._load(task, previous)
-                except BundleError as exc:
-                    log.warning("deploy %s: the kept version %s does not load either: %s", task, previous, exc)
-        swap = self.runner.swap_tasks(add=old.job.tasks if old else (), remove=bad.names)
-        self._running.pop(task)
-        outcome = self._swap(task, _Pending(swap, old, bad, "local_rollback"))
-        return Outcome(task, bad.manifest.version, "local_rollback", error.report()) \
-            if outcome.status != "refused" else outcome
+    def _rolled_back_locally(self, task: str, probation: _Probation) -> Outcome:
+        """Bookkeeping after the runner swapped a failing new version out at its safe point."""
+        bad, old, failure, rollback = probation.new, probation.old, probation.failure, probation.rollback
+        assert failure is not None and rollback is not None
+        self.store.block(bad.manifest.digest, failure.reason)
+        self._report(task, bad.manifest.version, False, failure.report())
+        if rollback.error is not None:  # the runner refused to take N-1 back: the failing version runs on
+            log.error("deploy %s: rolling %s back failed: %s", task, bad.manifest.label, rollback.error)
+            return Outcome(task, bad.manifest.version, "refused",
+                           f"{failure.report()}; the rollback was refused: {rollback.error}")
+        self._previous.pop(task, None)
+        if old is not None:
+            self._running[task] = old
+            self.store.set_state(task, old.manifest.version, None)
+        else:  # a first install that failed: the task is gone
+            self._running.pop(task, None)
+            self.store.set_state(task, None, None)
+        self.store.prune(task)
+        return Outcome(task, bad.manifest.version, "local_rollback", failure.report())
 
     # -- reporting -----------------------------------------------------------------------------
     def _publish(self) -> None:

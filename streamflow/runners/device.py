@@ -21,6 +21,11 @@ With a ``tunnel`` (a :class:`~connectors.tunnel.sink.TunnelSink`), the feature r
 (but those with ``tunnel=False``) are also shipped to the cloud over Kafka; dead letters, task
 errors and late events stay on the device.
 
+Tasks change while events flow at the *safe point* before each event: :meth:`DeviceRunner.swap_tasks`
+(callable from any thread) replaces tasks there, all or nothing, keeping every other task's state
+and the users' sequences; safe-point hooks (:meth:`DeviceRunner.add_safe_point_hook`) look at what
+the last event did before the next one (deployment judges a new task version that way).
+
 Stream tasks (``input="stream"``) see every event and close event-time windows as the watermark
 passes them (:mod:`streamflow.windowing`); their late events go to ``late_events``.
 
@@ -112,6 +117,7 @@ class DeviceRunner:
         self.tasks: dict[str, Task] = {}
         self._swap_lock = threading.Lock()
         self._swaps: list[TaskSwap] = []
+        self._hooks: tuple[Callable[[], bool], ...] = ()
         self._in_run = False
         self._replace((), job.tasks, initial=True)
 
@@ -124,13 +130,15 @@ class DeviceRunner:
         """Stop running task ``name``; from the thread that feeds the events."""
         self._replace([name], ())
 
-    def swap_tasks(self, add: Iterable[Task] = (), remove: Iterable[str] = ()) -> TaskSwap:
+    def swap_tasks(self, add: Iterable[Task] = (), remove: Iterable[str] = (),
+                   on_applied: Callable[[], None] | None = None) -> TaskSwap:
         """Replace tasks at the safe point between two events; callable from any thread.
 
         During :meth:`run` the swap is applied before the next event (so no event is seen by neither
         version, nor by both); outside a run it is applied at once. Either way it is all or nothing:
         a refused swap (an unknown name, a name clash, an operator checkpoints cannot hold) changes
-        nothing and leaves its error on the returned :class:`TaskSwap`.
+        nothing and leaves its error on the returned :class:`TaskSwap`. ``on_applied`` is called right
+        after a swap is applied, at the same safe point (before any event reaches the new tasks).
 
         What is kept: every task not named keeps its state, and so do the users' sequences and trie
         positions (a new version of a trigger task goes on matching its condition where the old one
@@ -150,16 +158,33 @@ class DeviceRunner:
             (True, None, ['favs'])
             >>> runner.close()
         """
-        swap = TaskSwap(tuple(add), tuple(remove))
+        swap = TaskSwap(tuple(add), tuple(remove), on_applied)
         with self._swap_lock:
             self._swaps.append(swap)
             if not self._in_run:
                 self._apply_swaps_locked()
         return swap
 
-    def _apply_swaps(self) -> None:
+    def add_safe_point_hook(self, hook: Callable[[], bool]) -> None:
+        """Call ``hook()`` at every safe point from now on (before each event, on the thread that feeds
+        them, before pending swaps are applied) until it returns False.
+
+        A hook watches what the last event did and may react before the next one: a swap it requests
+        is applied at this same safe point. It must be quick; it runs once per event.
+        """
         with self._swap_lock:
-            self._apply_swaps_locked()
+            self._hooks = (*self._hooks, hook)
+
+    def _safe_point(self) -> None:
+        hooks = self._hooks
+        if hooks:
+            done = [hook for hook in hooks if not hook()]
+            if done:
+                with self._swap_lock:
+                    self._hooks = tuple(h for h in self._hooks if h not in done)
+        if self._swaps:
+            with self._swap_lock:
+                self._apply_swaps_locked()
 
     def _apply_swaps_locked(self) -> None:
         swaps, self._swaps = self._swaps, []
@@ -172,6 +197,11 @@ class DeviceRunner:
                 swap._finish(exc)
             else:
                 log.info("tasks swapped: added %s, removed %s", [t.name for t in swap.add], list(swap.remove))
+                if swap.on_applied is not None:
+                    try:
+                        swap.on_applied()
+                    except Exception:  # the swap stands; the caller's callback is its own business
+                        log.exception("on_applied callback of a task swap failed")
                 swap._finish(None)
 
     def _replace(self, remove: Sequence[str], add: Sequence[Task], initial: bool = False) -> None:
@@ -227,7 +257,7 @@ class DeviceRunner:
         finally:
             with self._swap_lock:
                 self._in_run = False
-                self._apply_swaps_locked()  # requested after the last event: the runner is idle now
+            self._safe_point()  # after the last event: hooks see it, swaps requested since apply now
 
     def _run(self, records: Iterable[Event | Rejected] | LineSource,
              progress: Callable[[Iterable[Any]], Iterator[Any]] | None) -> RunSummary:
@@ -354,8 +384,8 @@ class DeviceRunner:
 
     def process(self, event: Event) -> None:
         """Process one event of any user."""
-        if self._swaps:  # the safe point: between the previous event and this one
-            self._apply_swaps()
+        if self._swaps or self._hooks:  # the safe point: between the previous event and this one
+            self._safe_point()
         started = time.perf_counter() if self.latencies_s is not None else 0.0
         summary = self.summary
         reason = self.guard.check(event.user_id, event.ts)
@@ -424,9 +454,10 @@ class TaskSwap:
     was refused (None: applied).
     """
 
-    def __init__(self, add: tuple[Task, ...], remove: tuple[str, ...]):
+    def __init__(self, add: tuple[Task, ...], remove: tuple[str, ...], on_applied: Callable[[], None] | None = None):
         self.add = add
         self.remove = remove
+        self.on_applied = on_applied
         self.error: Exception | None = None
         self._done = threading.Event()
 

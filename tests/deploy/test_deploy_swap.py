@@ -165,3 +165,24 @@ def test_a_swap_refuses_operators_checkpoints_cannot_hold(store):
     swap = runner.swap_tasks(add=[Task("s", ["fav"], [Stateful(lambda r: r)])])
     assert "checkpoints do not cover" in str(swap.error) and list(runner.tasks) == ["a"]
     runner.close()
+
+
+def test_safe_point_hooks_see_each_event_and_their_swaps_land_before_the_next(store):
+    """A hook that swaps a task out after its second firing: the third event already runs without it."""
+    runner = DeviceRunner(Job("j", [tagged("favs", ["fav"], "v1")]), store)
+    calls, applied = [], []
+
+    def hook() -> bool:
+        fired = runner.summary.task_stats["favs"].fired
+        calls.append(fired)
+        if fired == 2:
+            runner.swap_tasks(add=[tagged("favs", ["fav"], "v2")], remove=["favs"],
+                              on_applied=lambda: applied.append(runner.summary.task_stats["favs"].fired))
+            return False  # done: never called again
+        return True
+
+    runner.add_safe_point_hook(hook)
+    runner.run([ev("u", "fav", t) for t in range(5)])
+    runner.close()
+    assert calls == [0, 1, 2] and applied == [2]  # applied at the safe point where it was requested
+    assert store.query("SELECT tag, count(*) FROM favs GROUP BY tag ORDER BY tag") == [("v1", 2), ("v2", 3)]

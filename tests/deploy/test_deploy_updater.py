@@ -91,6 +91,7 @@ def test_hot_swap_in_a_running_runner_loses_no_event_and_keeps_other_state(devic
     run.join(60)
     runner.close()
     assert swapped.status == "installed" and updater.versions() == {"counter": "2"}
+    assert updater.check() == [] and runner._hooks == ()  # v2 passed its probation: nothing watches it any more
 
     rows = counter_rows(storage)
     assert len(rows) == total  # every fav fired exactly once: by v1 or by v2, none lost, none twice
@@ -307,20 +308,40 @@ def test_a_version_failing_on_its_first_events_is_rolled_back_locally(device, co
     assert installed.status == "installed" and updater.versions() == {"counter": "3"}
     runner.run(events(0, 2))
     assert updater.check() == []  # two failures: still on probation (3 runs)
-    runner.run(events(2, 4))
+    runner.run(events(2, 6))
+    # judged at the runner's safe point after the third failure: the fourth event already ran on v2
     [rolled] = updater.check()
     assert rolled.status == "local_rollback" and rolled.version == "3"
-    assert rolled.reason == "failed_on_first_events: counter@3: task counter raised on each of its first 4 runs"
-    assert updater.versions() == {"counter": "2"}
+    assert rolled.reason == "failed_on_first_events: counter@3: task counter raised on each of its first 3 runs"
+    assert updater.versions() == {"counter": "2"} and client.tasks == {"counter": "2"}
     assert client.reports[-1] == {"task": "counter", "version": "3", "ok": False, "reason": rolled.reason}
     state = updater.store.state("counter")
     assert (state.current, state.previous) == ("2", None) and updater.store.installed("counter") == ["2"]
     assert updater.apply([directive("3")])[0].reason.startswith("locally_blocked")
-    runner.run(events(4, 12))
+    runner.run(events(6, 12))
     runner.close()
-    # every event after the rollback ran on v2; the four v3 failures are in task_errors, none lost
-    assert [v for *_, v in counter_rows(storage)] == ["2"] * 8
-    assert storage.query("SELECT count(*) FROM task_errors WHERE task = 'counter'") == [(4,)]
+    # no event lost: the three v3 failures are in task_errors with their events, every other event ran on v2
+    rows = counter_rows(storage)
+    errors = storage.query("SELECT trigger_ts FROM task_errors WHERE task = 'counter' ORDER BY trigger_ts")
+    assert [v for *_, v in rows] == ["2"] * 9 and [ts for ts, in errors] == [T0, T0 + 1, T0 + 2]
+    assert sorted([ts for _, ts, _, _ in rows] + [ts for ts, in errors]) == [T0 + i for i in range(12)]
+    assert not runner.summary.task_stats["counter"].quarantined
+
+
+def test_a_version_failing_in_a_running_runner_is_rolled_back_before_the_next_event(device, counter_repo, bundles,
+                                                                                     signing_key):
+    """The rollback does not wait for an app request: the runner's safe point does it, mid-run."""
+    runner, updater, client, storage = device
+    updater.apply([directive("2")])
+    broken = counter_job("3").replace('Map(lambda r: {**r, "v": VERSION})', 'Map(lambda r: {**r, "v": 1 / 0})')
+    _add_version(counter_repo, bundles, signing_key, "v3", broken)
+    updater.apply([directive("3")])
+    runner.run(events(0, 200))  # no request in between: the quarantine (5 failures) never comes
+    [rolled] = updater.check()
+    runner.close()
+    assert rolled.status == "local_rollback"
+    assert storage.query("SELECT count(*) FROM task_errors") == [(3,)]
+    assert storage.query("SELECT count(*), min(v), max(v) FROM counter") == [(197, "2", "2")]
 
 
 def test_a_first_install_that_fails_is_removed(device, counter_repo, bundles, signing_key):
