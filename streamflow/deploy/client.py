@@ -160,7 +160,7 @@ class DeployClient:
         path = f"/deploy/static/{sha256}" if entry.scope == "shared" else f"/deploy/api/files/{sha256}"
         # one byte more than declared: a longer file then fails the caller's size check with its reason
         limit = entry.size + 1 if max_bytes is None else min(entry.size + 1, max_bytes)
-        return self._get(path, limit, {DEVICE_HEADER: self.device_id})
+        return self._get(path, limit, self.headers())  # exclusive files are served per device: who, what it runs
 
     def report(self, task: str, version: str, ok: bool, reason: str | None = None) -> None:
         """Tell the server ``task@version`` loaded and runs (``ok``) or failed, and why.
@@ -198,6 +198,8 @@ class DeployClient:
                     conn.request(method, self._prefix + path, body=body, headers=headers)
                     raw = conn.getresponse()
                     length = raw.getheader("Content-Length")
+                    if max_bytes is not None and raw.status != 200:  # an error: its reason, not the file
+                        max_bytes = max(max_bytes, 4096)
                     if max_bytes is not None and length is not None and int(length) > max_bytes:
                         self._close()
                         raise DeployClientError(f"{method} {path}: {length} bytes, more than the {max_bytes} expected")

@@ -9,7 +9,8 @@ Protocol (push-then-pull, piggybacked on the app's own requests):
   served as usual. ``GET /app/...`` stands for the app's own API here.
 - ``GET /deploy/bundles/<task>/<version>/manifest.json`` and ``.../manifest.sig``: the signed manifest.
 - ``GET /deploy/static/<sha256>``: a shared file, cacheable forever (a CDN may sit in front).
-- ``GET /deploy/api/files/<sha256>`` with the device header: any file, exclusive ones included, not cached.
+- ``GET /deploy/api/files/<sha256>`` with the piggyback headers: any file, exclusive ones included, not cached,
+  only to a device that runs or is to run (by the policy) a version listing it.
 - ``POST /deploy/api/report`` ``{"device", "task", "version", "ok", "reason"}``: a device's success or failure;
   devices with a tunnel report over Kafka instead (:meth:`DeployServer.read_tunnel_reports`).
 - ``GET /deploy/status``: the read-only HTML status page; ``GET /deploy/api/status``: the same as JSON.
@@ -56,6 +57,7 @@ from streamflow.deploy.policy import (
     USER_HEADER,
     Target,
     check_version,
+    parse_pairs,
 )
 from streamflow.deploy.release import PublishedBundle, ReleaseError, ReleaseManager, ReleasePlan, Simulator
 from streamflow.deploy.state import ReleaseStore
@@ -220,13 +222,27 @@ class DeployServer:
                                                "Content-Type": "application/octet-stream"})
 
     async def _exclusive(self, request: web.Request) -> web.FileResponse:
+        headers = request.headers
         try:
-            device = check_device(request.headers.get(DEVICE_HEADER))
+            device = check_device(headers.get(DEVICE_HEADER))
         except ValueError as exc:
             raise web.HTTPForbidden(text=str(exc)) from exc
-        path = self._file(request.match_info["sha256"], shared_only=False)
+        sha256 = request.match_info["sha256"]
+        path = self._file(sha256, shared_only=False)
+        # per device: only to a device that runs, or is to run, a version listing the file
+        running = parse_pairs(headers.get(TASKS_HEADER, ""))
+        attrs = parse_pairs(headers.get(ATTRS_HEADER, ""))
+        policy = self.manager.policy
+        for task, version in self.store.versions_with_file(sha256):
+            task_policy = policy.tasks.get(task)
+            if running.get(task) == version or (
+                    task_policy is not None and task_policy.want(device, attrs, headers.get(USER_HEADER)) == version):
+                break
+        else:
+            self.stats["exclusive_refused"] += 1
+            raise web.HTTPForbidden(text=f"device {device!r} neither runs nor is to run a version with file {sha256}")
         self.stats["exclusive_files"] += 1
-        log.debug("exclusive file %s to device %s", request.match_info["sha256"][:12], device)
+        log.debug("exclusive file %s to device %s", sha256[:12], device)
         return web.FileResponse(path, headers={"Cache-Control": "private, no-store",
                                                "Content-Type": "application/octet-stream"})
 

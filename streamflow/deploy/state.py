@@ -134,6 +134,11 @@ class ReleaseStore:
     def bundles(self) -> list[StoredBundle]:
         return [StoredBundle(*row) for row in self._query("SELECT * FROM bundles ORDER BY task, published_at")]
 
+    def versions_with_file(self, sha256: str) -> list[tuple[str, str]]:
+        """``(task, version)`` of every published bundle that lists the file ``sha256``."""
+        return self._query("SELECT DISTINCT b.task, b.version FROM bundle_files f JOIN bundles b USING (digest) "
+                           "WHERE f.sha256 = ? ORDER BY 1, 2", [sha256])
+
     def bundle_files(self, digest: str) -> list[tuple[str, str, int, str]]:
         return self._query("SELECT name, sha256, size, scope FROM bundle_files WHERE digest = ?", [digest])
 

@@ -93,6 +93,10 @@ def test_publish_then_devices_get_directives_manifests_and_files(running, built,
     assert _get(f"{base_url}/deploy/static/{exclusive.sha256}")[0] == 404
     status, _, body = _get(f"{base_url}/deploy/api/files/{exclusive.sha256}")
     assert status == 403 and b"device id" in body
+    admin.rollback("counter", "done here")  # v2 withdrawn: every device is to run v1, which lists the same file
+    status, _, body = _get(f"{base_url}/deploy/api/files/{exclusive.sha256}", {"X-Streamflow-Device": "other",
+                                                                                "X-Streamflow-Tasks": "ipv=3"})
+    assert status == 200
     status, headers, _ = _get(f"{base_url}/deploy/api/files/{exclusive.sha256}", {"X-Streamflow-Device": "phone-1"})
     assert status == 200 and headers["Cache-Control"] == "private, no-store"
     assert _get(f"{base_url}/deploy/static/{'0' * 64}")[0] == 404
@@ -276,3 +280,27 @@ def test_state_survives_a_restart(tmp_path, built, trusted, clock):
     assert again.manager.seen["counter"] == {"d2": "2"}
     assert again.manager.decide_header("d1", "counter=2") is not None  # d1 failed: held back on v1
     again.store.close()
+
+
+def test_exclusive_files_go_only_to_devices_that_are_to_run_them(running, counter_repo, signing_key, tmp_path):
+    base_url, admin = running
+    counter_repo.commit({"config/device.json": '{"threshold": 3}', "job.py": counter_job("3")}, tag="v3")
+    out = tmp_path / "out"
+    for tag in ("v1", "v2", "v3"):
+        admin.publish(build_bundle(counter_repo.path, tag, signing_key=signing_key, out=out))
+    admin.pin("counter", "2")
+    admin.start("counter", "3", {"steps": [1.0], "rules": ["os=android"], "simulate": False})
+    manifest = read_signed(out / "counter" / "3")[0]
+    config = json.loads(manifest)["files"]
+    [entry] = [f for f in config if f["name"] == "config/device.json"]
+    phone = DeployClient(base_url, "phone-1", attrs={"os": "android"})
+    phone.tasks = {"counter": "2"}
+    tablet = DeployClient(base_url, "tablet-1", attrs={"os": "ios"})
+    tablet.tasks = {"counter": "2"}
+
+    class Entry:
+        sha256, size, scope = entry["sha256"], entry["size"], entry["scope"]
+
+    assert phone.fetch_file(Entry) == b'{"threshold": 3}'
+    with pytest.raises(DeployClientError, match="403 .*neither runs nor is to run a version with file"):
+        tablet.fetch_file(Entry)
