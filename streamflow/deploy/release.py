@@ -12,7 +12,8 @@ A release takes one published version of a task to the fleet:
 
 A stage advances by command (:meth:`ReleaseManager.advance`) or on the plan's schedule
 (:meth:`ReleaseManager.tick`): after ``step_interval_s`` in the stage, once the stage's newest cohort
-has ``min_samples`` reporting devices within the guardrail.
+has ``min_samples`` reporting devices within the guardrail (fewer when the cohort cannot hold that many:
+all of a smaller beta; half the devices a gray band should hold, by the devices seen running the task).
 
 **Samples and the guardrail.** A device counts as a success of a release once it reports success or is
 seen running the version (its ``X-Streamflow-Tasks``), as a failure once it reports a failure (at load
@@ -612,7 +613,12 @@ class ReleaseManager:
         if plan.step_interval_s is None or now - release.stage_at < plan.step_interval_s:
             return
         stats = release.stats(release.current_cohort())
-        needed = min(plan.min_samples, len(plan.beta)) if release.stage == "beta" else plan.min_samples
+        if release.stage == "beta":
+            needed = min(plan.min_samples, len(plan.beta))
+        else:  # a small fleet's band may hold fewer devices than min_samples: then half of those it should hold
+            low = plan.steps[release.step - 1] if release.step > 0 else 0.0
+            expected = (plan.steps[release.step] - low) * len(self.seen.get(release.task, ()))
+            needed = min(plan.min_samples, int(expected / 2))  # 0 for a band too small to hold anyone
         if stats.samples >= needed and stats.failure_rate <= plan.max_failure_rate:
             self._advance(release, f"on schedule: {stats.samples} devices, {stats.failure_rate:.1%} failed")
 

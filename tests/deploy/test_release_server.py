@@ -304,3 +304,26 @@ def test_exclusive_files_go_only_to_devices_that_are_to_run_them(running, counte
     assert phone.fetch_file(Entry) == b'{"threshold": 3}'
     with pytest.raises(DeployClientError, match="403 .*neither runs nor is to run a version with file"):
         tablet.fetch_file(Entry)
+
+
+def test_a_small_fleet_is_not_held_by_min_samples(tmp_path, clock):
+    from streamflow.deploy.release import PublishedBundle, ReleaseManager, ReleasePlan
+    from streamflow.deploy.state import ReleaseStore
+
+    manager = ReleaseManager(ReleaseStore(tmp_path / "state"), clock=clock)
+    for version, previous in (("1", None), ("2", "1")):
+        manager.add_bundle(PublishedBundle("counter", version, f"d{version}", "key", previous), b"{}", b"s", [])
+    manager.set_stable("counter", "1")
+    release = manager.start("counter", "2", ReleasePlan(step_interval_s=60, min_samples=20, simulate=False))
+    fleet = {f"phone-{i}": "1" for i in range(30)}
+    for _ in range(12):  # twelve minutes: every device asks once a minute, installs what it is told
+        for device, version in fleet.items():
+            if manager.decide_header(device, f"counter={version}"):
+                fleet[device] = "2"
+        clock.now += 61
+        manager.tick()
+    # the 1 % and 5 % bands of 30 devices hold none or one: they pass on time; the 20 % band (~4 devices) needs 2
+    assert release.status == "complete" and set(fleet.values()) == {"2"}
+    stages = [detail for _, _, event, detail in manager.store.events(release.release_id) if event == "gray"]
+    assert [d.split(" (")[0] for d in stages] == ["gray 1%", "gray 5%", "gray 20%", "gray 50%", "gray 100%"]
+    manager.store.close()
