@@ -275,7 +275,8 @@ class Updater:
             return outcomes
 
     def check(self) -> list[Outcome]:
-        """Settle swaps the runner has applied since, and judge new versions on probation."""
+        """Settle swaps the runner has applied since, and the local rollbacks its safe point made (reported,
+        blocked, the store's state updated)."""
         with self._lock:
             outcomes = self._check()
             self._publish()
