@@ -6,6 +6,8 @@
     streamflow tunnel consume --db CLOUD.duckdb [--idle-timeout S] [--runner python|flink]
     streamflow flink-cluster start|stop|status
     streamflow bundle keygen [--out KEY] | build REPO --tag v3 --key KEY --out DIR
+    streamflow deploy-server --trusted-key KEY.pub [--dir DIR] [--port 8470] [--replay-events FILE]
+    streamflow release publish BUNDLE | pin TASK V | start TASK V [...] | status | advance TASK | rollback TASK
 
 One command line (Typer), every default from :mod:`streamflow.settings` (explicit option first,
 ``STREAMFLOW_*`` second, built-in default last). :func:`main` returns the exit code: 0 done, 1 the
@@ -31,6 +33,7 @@ from streamflow import tunnel_commands
 from streamflow.checkpoint import discard_checkpoint
 from streamflow.deploy.commands import bundle_app
 from streamflow.deploy.errors import BundleError
+from streamflow.deploy.release_commands import deploy_server, release_app
 from streamflow.flink.connector_jars import kafka_topic  # reads kafka://TOPIC without PyFlink
 from streamflow.job import Job, JobLoadError, load_job
 from streamflow.progress import track
@@ -49,6 +52,9 @@ app = typer.Typer(name="streamflow", help=__doc__.splitlines()[0], add_completio
 tunnel_app = typer.Typer(help="the Kafka tunnel's key registry and cloud consumer", no_args_is_help=True)
 app.add_typer(tunnel_app, name="tunnel")
 app.add_typer(bundle_app, name="bundle")
+app.add_typer(release_app, name="release")
+app.command("deploy-server", help="the release server: deploy directives, bundles, status page (127.0.0.1)")(
+    deploy_server)
 
 FormatName = Literal[tuple(sorted(FORMATS))]  # type: ignore[valid-type]
 KeyRegistryOption = Annotated[str | None, typer.Option(
