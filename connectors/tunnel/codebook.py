@@ -28,7 +28,7 @@ Example:
     >>> decode(second, {"phone-1": b"k" * 32}).rows.num_rows  # the cloud needs the schema from before
     Traceback (most recent call last):
     ...
-    connectors.tunnel.envelope.EnvelopeError: unknown_schema: schema be1ed62e of device 'phone-1' is not registered (yet)
+    connectors.tunnel.envelope.EnvelopeError: unknown_schema: schema be1ed62e of device 'phone-1' is not registered
     >>> book.forget_announced(); len(book.envelope("ipv", 2, rows))  # after a reconnect: announced again
     236
     >>> spool.close()
@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import pyarrow as pa
 
@@ -69,17 +68,18 @@ class Codebook:
     calls it under its lock; the dictionary trainer only hands its result over through :meth:`_install`."""
 
     def __init__(self, device: str, key: bytes, spool: Spool, *, dictionary_rows: int = 1000,
-                 announce_every_s: float = 600.0, on_dictionary: Callable[[str, Registration, float], None] | None = None):
+                 announce_every_s: float = 600.0):
         self.device = device
         self.key = key
         self.spool = spool
         self.dictionary_rows = dictionary_rows
         self.announce_every_s = announce_every_s
-        self._on_dictionary = on_dictionary
         self._own = Registry()  # this device's namespace, to keep an id from naming two bodies
         self._schemas: dict[tuple[str, pa.Schema], Registration] = {}
         #: table → its dictionary, or None once it was judged unhelpful (or could not be trained)
         self.dictionaries: dict[str, Registration | None] = {}
+        #: table → how much smaller the dictionary made held-out one-row payloads than plain zstd (this run)
+        self.dictionary_gain: dict[str, float] = {}
         for table, (body, useful) in spool.dictionaries().items():
             registration = self._own_registration(Registration.of(DICTIONARY, body))
             self.dictionaries[table] = registration if useful else None
@@ -184,12 +184,12 @@ class Codebook:
             self.spool.save_dictionary(table, registration.body, useful)
         with self._install_lock:
             self.dictionaries[table] = registration if useful else None
+            if gain is not None:
+                self.dictionary_gain[table] = gain
         log.info("tunnel: zstd dictionary for table %s: %s", table,
                  "none could be trained" if registration is None else
                  f"{len(registration.body)} bytes, {gain:.1%} smaller one-row payloads than plain zstd, "
                  + ("used" if useful else f"not used (below {MIN_DICTIONARY_GAIN:.0%})"))
-        if self._on_dictionary is not None and registration is not None:
-            self._on_dictionary(table, registration, gain or 0.0)
 
 
 def _gain(payloads: list[bytes], dictionary: Registration) -> float:

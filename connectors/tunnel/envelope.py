@@ -70,10 +70,10 @@ from connectors.tunnel.registry import (
     Registration,
     RegistrationError,
     Registry,
-    read_varint,
-    varint,
     compress,
     decompress,
+    read_varint,
+    varint,
 )
 
 MAGIC = 0xF5
@@ -249,8 +249,8 @@ def decode(value: bytes | None, keys: Keys, registry: Registry | None = None) ->
 def _known(registry: Registry, device: str, kind: int, id_: bytes, inline: tuple[Registration, ...]) -> Registration:
     registration = registry.get(device, kind, id_)
     if registration is None:
-        raise EnvelopeError("unknown_schema", f"{KINDS[kind]} {id_.hex()} of device {device!r} is not registered "
-                                              "(yet)", device, inline)
+        raise EnvelopeError("unknown_schema", f"{KINDS[kind]} {id_.hex()} of device {device!r} is not registered",
+                            device, inline)
     return registration
 
 

@@ -144,7 +144,7 @@ class Registry:
             if known is not None:
                 if known.body != registration.body:
                     raise RegistrationError(f"device {device!r} registered {registration.name} again with another "
-                                            "body (ids are 4-byte digests: a collision, or a device that lost its spool)")
+                                            "body (a 4-byte digest collision, or a device that lost its spool)")
                 return False
             self._entries[key] = registration.check()
             return True
