@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from connectors.tunnel.cloud import CloudConsumer, CloudStore, DeadLetter, open_message
 from connectors.tunnel.envelope import REASONS, Batch, EnvelopeError, decode, encode, encode_v1
-from connectors.tunnel.registry import Registration
 from connectors.tunnel.keys import KeyRegistry
+from connectors.tunnel.registry import Registration
 from connectors.tunnel.sink import MAX_ENVELOPE_BYTES, TunnelSink
 from connectors.tunnel.spool import Spool, SpoolFull
 from streamflow.cli import main
