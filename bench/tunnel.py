@@ -50,22 +50,27 @@ Measured side by side in one run:
   cannot batch rows), ``acks=all``, async sends then ``flush``; a naive consumer process stores each
   poll in one DuckDB transaction (no signature check, no de-duplication, no online table).
 - **Bytes** (``bytes_saved_fraction``): the IPV job (``jobs/ipv.py``) on the device runner over
-  the sample, its feature rows through a TunnelSink as the runner's ``tunnel=``. Wire bytes = the Kafka
-  record batches (v2 header, compressed records) of the topic. With our own broker they are read
+  the sample, its feature rows through a TunnelSink as the runner's ``tunnel=`` (compact envelopes, format 2).
+  Wire bytes = the Kafka record batches (v2 header, records) of the topic. With our own broker they are read
   from the broker's log (a second, private noida-db used only for this phase, so its log is small;
   its state file lists every stored record batch): ``wire_bytes_method = "broker_log"``. They are
   also rebuilt from every acknowledged envelope with kafka-python's own record-batch builder (the
   sink sends one envelope per produce request, so one envelope per record batch), which is the only
   method on an external broker (``"rebuilt"``) and a cross-check otherwise (``rebuilt_vs_broker_log``).
-  Produce-request framing (~100 B per request) and TCP/IP headers are in neither figure. Baseline:
+  Produce-request framing (~100 B per request) and TCP/IP headers are in neither figure. Baselines:
   the raw CSV lines (with newline) of the events the job consumed, uncompressed, as shipping every
-  raw event would; ``bytes_saved_fraction = 1 - feature_wire_bytes / raw_bytes``. For context: the
-  naive producer's wire bytes for the same rows, the same envelopes rebuilt with gzip, lz4 and no
-  compression, the raw CSV zstd-compressed in one piece, and every row in an envelope of its own
-  (what a device producing a row less often than every ``linger_s`` ships: schema, header and HMAC
-  per row). A second baseline, ``bytes_saved_fraction_vs_app_events_json``: the same input as an app
-  logs it, the app events the runtime consumed (page enters and exits, clicks; the CSV has no page
-  events, the source derives them) as uncompressed JSON lines in the JSON-lines source's format.
+  raw event would (``bytes_saved_fraction = 1 - feature_wire_bytes / raw_bytes``), and
+  ``bytes_saved_fraction_vs_app_events_json``: the same input as an app logs it, the app events the runtime
+  consumed (page enters and exits, clicks; the CSV has no page events, the source derives them) as
+  uncompressed JSON lines in the JSON-lines source's format. Side by side in the same run: the same batches
+  as format-1 envelopes (Arrow IPC with the schema, names and HMAC in each; keyed messages, Kafka zstd, as
+  the previous sink sent them: ``*_previous_format``), the naive producer's wire bytes, the envelopes with
+  Kafka's gzip, lz4 and zstd on top, and the raw CSV zstd-compressed in one piece.
+  ``one_row_per_envelope_wire_bytes_per_row``: the run's last 1,000 rows, each in an envelope of its own (a
+  device producing a row less often than every ``linger_s``: what a phone does), with their own sequence
+  numbers, encoded by the run's codebook once a first envelope announced the schema (its dictionary if it
+  kept one: ``dictionary_used``, ``dictionary_gain_one_row``), as one record batch each; beside it the same
+  rows in format 1.
 
 Timings are reported, never asserted; ``loadavg_1m_start_end`` says how busy the (shared) machine
 was. ``--quick`` (under 60 s): 3 latency rounds of 2.5 s per size, 10,000-row tunnel and 1,000-row
