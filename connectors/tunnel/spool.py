@@ -10,7 +10,8 @@ The spool is a SQLite database in WAL mode with ``synchronous=FULL``: every seal
 without waiting for the disk (``synchronous=NORMAL`` for that transaction, one fsync less per batch): a
 delete lost to a power cut only makes the device send that batch again, which the cloud drops as a repeat.
 SQLite, not DuckDB, because this is a small transactional queue with one insert and one delete per
-batch, SQLite's home ground. It also keeps the zstd dictionaries the device trained (:mod:`.codebook`), so a restart goes on with them.
+batch, SQLite's home ground. It also keeps the zstd dictionaries the device trained (:mod:`.codebook`),
+so a restart goes on with them.
 
 One process at a time: a spool takes an exclusive lock (``flock`` on ``<spool>.lock``, released by
 the kernel when the process dies, even by SIGKILL); a second process opening it gets :class:`SpoolLocked`.
