@@ -233,19 +233,20 @@ def _decode_column(field: pa.Field, buf: np.ndarray, pos: int, m: int, n: int) -
     total = int(lengths.sum()) if len(lengths) else 0
     if total < 0 or pos + total > len(buf) or (len(lengths) and lengths.max() > len(buf)):
         raise ValueError(f"column {field.name}: {total} bytes of values run past the payload")
-    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    large = pa.types.is_large_string(t) or pa.types.is_large_binary(t) or total >= 1 << 31
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64 if large else np.int32)
     blob = pa.py_buffer(buf[pos:pos + total].tobytes())
-    large = pa.types.is_large_string(t) or pa.types.is_large_binary(t)
-    base = pa.large_string() if kind == "string" else pa.large_binary()
+    base = (pa.large_string() if large else pa.string()) if kind == "string" else (
+        pa.large_binary() if large else pa.binary())
     raw = pa.Array.from_buffers(base, len(lengths), [None, pa.py_buffer(offsets.tobytes()), blob])
     raw.validate(full=True)  # UTF-8 of strings
     if numeric.any():
-        numbers = pa.array(codes[numeric] >> _U64(1), type=pa.uint64()).cast(pa.large_string())
+        numbers = pa.array(codes[numeric] >> _U64(1), type=pa.uint64()).cast(base)
         order = np.empty(m, dtype=np.int64)
         order[numeric] = np.arange(len(numbers))
         order[~numeric] = len(numbers) + np.arange(len(raw))
         raw = pa.concat_arrays([numbers, raw]).take(pa.array(order))
-    return (raw if large else raw.cast(t)), pos + total
+    return (raw if raw.type == t else raw.cast(t)), pos + total
 
 
 def _as_int64(values: pa.Array, t: pa.DataType) -> np.ndarray:
@@ -286,6 +287,10 @@ def _unzigzag(u: np.ndarray) -> np.ndarray:
     return ((u >> _U64(1)) ^ (_U64(0) - (u & _U64(1)))).view(np.int64)
 
 
+_THRESHOLDS = np.array([1 << (7 * k) for k in range(1, 10)], dtype=_U64)  # a varint needs k+1 bytes from here
+_SHIFTS = np.arange(0, 70, 7, dtype=_U64)
+
+
 def _varints(values: np.ndarray) -> bytes:
     """Unsigned LEB128 of each value, back to back."""
     if not len(values):
@@ -298,17 +303,12 @@ def _varints(values: np.ndarray) -> bytes:
             x >>= 7
         out.append(x)
         return bytes(out)
-    size = np.ones(len(v), np.int64)
-    for k in range(1, 10):
-        size += v >= _U64(1 << (7 * k))
-    ends = np.cumsum(size)
-    starts = ends - size
-    out = np.empty(int(ends[-1]), np.uint8)
-    for k in range(int(size.max())):
-        has = size > k
-        byte = ((v[has] >> _U64(7 * k)) & _U64(0x7F)).astype(np.uint8)
-        out[starts[has] + k] = byte | ((size[has] > k + 1).astype(np.uint8) << np.uint8(7))
-    return out.tobytes()
+    size = np.searchsorted(_THRESHOLDS, v, side="right") + 1
+    width = int(size.max())
+    digits = ((v[:, None] >> _SHIFTS[:width]) & _U64(0x7F)).astype(np.uint8)  # (n, width), low 7 bits first
+    position = np.arange(width)
+    digits[position < (size[:, None] - 1)] |= 0x80  # more bytes follow
+    return digits[position < size[:, None]].tobytes()  # row by row: each value's bytes in order
 
 
 def _read_varints(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray, int]:
@@ -330,6 +330,9 @@ def _read_varints(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray, in
                 shift += 7
             values.append(value & 0xFFFFFFFFFFFFFFFF)
         return np.array(values, _U64), pos
+    head = buf[pos:pos + count]
+    if len(head) == count and head.max() < 0x80:  # every value fits one byte (small counts, small deltas)
+        return head.astype(_U64), pos + count
     window = buf[pos:pos + 10 * count]
     ends = np.flatnonzero(window < 0x80)[:count]
     if len(ends) < count:
@@ -341,7 +344,6 @@ def _read_varints(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray, in
     if size.max() > 10:
         raise ValueError(f"a varint longer than 10 bytes at byte {pos}")
     end = int(ends[-1]) + 1
-    chunk = window[:end]
     shift = (np.arange(end, dtype=np.int64) - np.repeat(starts, size)) * 7
-    parts = (chunk & 0x7F).astype(_U64) << shift.astype(_U64)
+    parts = (window[:end] & 0x7F).astype(_U64) << shift.astype(_U64)
     return np.add.reduceat(parts, starts), pos + end
