@@ -3,13 +3,13 @@
 ``python -m bench.tunnel [--quick]``
 
 Broker: ``STREAMFLOW_KAFKA_BOOTSTRAP`` if set, else a noida-db :class:`LocalBroker` on 127.0.0.1 in a
-temp dir, stopped at the end. The device side (:class:`TunnelSink`, default settings: zstd,
-``batch_rows=1000``, ``linger_s=0.005``, SQLite spool in the temp dir) runs in this process; each
+temp dir, stopped at the end. The device side (:class:`TunnelSink`, default settings: compact envelopes,
+``batch_rows=1000``, ``linger_s=0.002``, SQLite spool in the temp dir) runs in this process; each
 cloud side runs in a process of its own (``multiprocessing`` spawn), so device and cloud never share
 a GIL, as on a real device and cloud. Both sides read the same wall clock. A cloud process polls only
 while its rows are being measured: noida-db answers an empty fetch at once (a real broker holds it
-for ``fetch_max_wait_ms``), so an idle kafka-python consumer spins at ~100 fetches/s and half a core,
-which on 2 cores would slow the side being measured.
+for ``fetch_max_wait_ms``), so an idle consumer still costs CPU (~0.17 core polling 5 ms apart, see
+:meth:`CloudConsumer._poll`), which on 2 cores would slow the side being measured.
 
 Measured side by side in one run:
 
@@ -22,18 +22,18 @@ Measured side by side in one run:
   commit (nothing else is added to its loop); at the end the i-th commit is paired with the i-th
   distinct ``ingested_at`` of ``tunnel_batches`` (each transaction stamps its own) and rows are
   matched through their stored ``ingested_at``. So the figure includes: the sink's linger (the open
-  batch is sealed once its oldest row is ``linger_s`` old, by the sender thread), sealing (Arrow
-  IPC, HMAC, the spool's SQLite insert with ``synchronous=FULL``, i.e. an fsync), the one-in-flight
-  produce (zstd, ``acks=all``) and its ack, the consumer's fetch, HMAC and Arrow decode, and the
+  batch is sealed once its oldest row is ``linger_s`` old, by the sealer thread), sealing (the compact
+  envelope, zstd, HMAC, the spool's SQLite insert with ``synchronous=FULL``, i.e. an fsync), the
+  one-in-flight produce (``acks=all``) and its ack, the consumer's fetch, HMAC and decode, and the
   whole DuckDB transaction (de-duplication, offline append, online upsert, offsets). It excludes the
   consumer's later Kafka offset commit (lag monitoring only). ``p*_ms_*_ingested_at`` report the
   same rows up to the stored ``ingested_at`` (naive UTC, taken at the *start* of the transaction).
-  ``stages_ms_*`` splits each row's time ([p50, p99] per stage) with the sink's ``on_ack`` (the
-  batch's ``sealed_at`` and the moment the ack was processed, after the spool's delete): produced →
-  sealed (linger, lock), sealed → acked (spool insert, zstd, produce, ``acks=all``, spool delete),
-  acked → transaction start (fetch, verify, decode, waiting for the consumer's previous transaction;
-  can be slightly negative, the consumer may fetch before the sink has processed the ack),
-  transaction start → commit. Each round is one continuous paced run; percentiles are over all rows
+  ``stages_ms_*`` splits each row's time ([p50, p99] per stage): produced → sealed (linger, lock; the
+  batch's ``sealed_at``), sealed → sent (envelope, spool insert and fsync, waiting for the batch in
+  flight before it; the sender's hand-over to the producer, timed by wrapping the sink's ``_deliver``),
+  sent → acked (produce, ``acks=all``; the sink's ``on_ack``), acked → opened (the consumer's fetch,
+  verify, decode, and waiting for its previous transaction; can be slightly negative, the consumer may
+  fetch before the sink has processed the ack), opened → transaction start, transaction start → commit. Each round is one continuous paced run; percentiles are over all rows
   of all rounds (``p99_ms_*_rounds`` lists each round's p99). Before the first round each sink sends
   untimed warm-up rows (producer connect, topic metadata). The latency rounds run after the
   throughput rounds, all 3 KB rounds before the 30 KB ones: noida-db rewrites its whole state

@@ -99,7 +99,7 @@ class TunnelSink:
 
     def __init__(self, device: str, key: bytes, spool_path: str | os.PathLike[str], *,
                  topic: str = DEFAULT_TOPIC, bootstrap: str | None = None, compression: str = "none",
-                 batch_rows: int = 1000, linger_s: float = 0.005, spool_max_bytes: int = 256 << 20,
+                 batch_rows: int = 1000, linger_s: float = 0.002, spool_max_bytes: int = 256 << 20,
                  on_refused: Refused | None = None, on_ack: Callable[[SpoolEntry], None] | None = None,
                  send_timeout_s: float = 30.0, partitions: int = 4, retry_for_s: float | None = 600.0,
                  dictionary_rows: int = 1000, announce_every_s: float = 600.0):
