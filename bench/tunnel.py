@@ -33,7 +33,8 @@ Measured side by side in one run:
   flight before it; the sender's hand-over to the producer, timed by wrapping the sink's ``_deliver``),
   sent → acked (produce, ``acks=all``; the sink's ``on_ack``), acked → opened (the consumer's fetch,
   verify, decode, and waiting for its previous transaction; can be slightly negative, the consumer may
-  fetch before the sink has processed the ack), opened → transaction start, transaction start → commit. Each round is one continuous paced run; percentiles are over all rows
+  fetch before the sink has processed the ack), opened → transaction start, transaction start → commit.
+  Each round is one continuous paced run; percentiles are over all rows
   of all rounds (``p99_ms_*_rounds`` lists each round's p99). Before the first round each sink sends
   untimed warm-up rows (producer connect, topic metadata). The latency rounds run after the
   throughput rounds, all 3 KB rounds before the 30 KB ones: noida-db rewrites its whole state
