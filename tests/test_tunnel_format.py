@@ -321,6 +321,12 @@ def test_the_column_codec_round_trips_every_type_it_takes(table):
 
 
 @settings(max_examples=300, deadline=None)
+@given(_tables())
+def test_the_value_by_value_encoder_writes_the_same_bytes_as_the_vectorized_one(table):
+    assert columns.encode(table, vectorized=False) == columns.encode(table, vectorized=True)
+
+
+@settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=80), st.integers(0, 9), st.booleans())
 def test_a_payload_that_does_not_fit_its_schema_is_a_value_error_never_a_crash(payload, n, has_nulls):
     schema = pa.schema([("s", pa.string()), ("f", pa.float32()), ("t", pa.timestamp("ms")), ("b", pa.bool_()),
