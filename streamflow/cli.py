@@ -161,7 +161,8 @@ def run(
     topic: Annotated[str, typer.Option(rich_help_panel=TUNNEL_PANEL, help="features topic")]
     = tunnel_commands.DEFAULT_TOPIC,
     compression: Annotated[Literal[tuple(tunnel_commands.COMPRESSION)], typer.Option(  # type: ignore[valid-type]
-        rich_help_panel=TUNNEL_PANEL, help="Kafka compression")] = "zstd",
+        rich_help_panel=TUNNEL_PANEL, help="Kafka record-batch compression on top of the envelopes' own zstd "
+        "(none: it would only add a frame)")] = "none",
     spool: Annotated[str | None, typer.Option(rich_help_panel=TUNNEL_PANEL, help="durable send queue for rows the "
                                               "broker has not acknowledged (default: DB.tunnel-spool)")] = None,
     tunnel_wait: Annotated[float, typer.Option(rich_help_panel=TUNNEL_PANEL, help="seconds to wait at the end for "
