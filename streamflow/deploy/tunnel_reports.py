@@ -33,6 +33,7 @@ from typing import Any
 from connectors.tunnel.cloud import DeadLetter, open_message
 from connectors.tunnel.kafka import CLIENT_TIMEOUTS, DEFAULT_TOPIC, Retry, bootstrap_servers, ensure_topic
 from connectors.tunnel.keys import KeyRegistry
+from connectors.tunnel.registry import Registry
 from streamflow.deploy.manifest import check_task_name, version_key
 
 log = logging.getLogger("streamflow.deploy.tunnel_reports")
@@ -79,6 +80,7 @@ class TunnelReportReader:
         self.group_id = group_id
         self.partitions = partitions
         self.stats: Counter[str] = Counter()  # reports, refused (by reason), other tables' batches skipped
+        self.schemas = Registry()  # the schemas and dictionaries devices announced (each once, inline)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._consumer: Any = None
@@ -102,7 +104,8 @@ class TunnelReportReader:
         handed = 0
         for tp, messages in records.items():
             for m in messages:
-                opened = open_message(tp.topic, tp.partition, m.offset, m.value, self.registry.key_for, m.key)
+                opened = open_message(tp.topic, tp.partition, m.offset, m.value, self.registry, m.key,
+                                      self.schemas)
                 if isinstance(opened, DeadLetter):
                     self.stats[f"refused:{opened.reason}"] += 1
                     log.warning("deploy report message %s[%d]@%d refused: %s", tp.topic, tp.partition, m.offset,
