@@ -115,12 +115,16 @@ def resolve_db_path(path: str | os.PathLike[str] | None = None) -> Path:
     return settings(db=path).db
 
 
-class RowBuffer:
-    """Rows of one table, kept as value tuples grouped by field names, ready to become Arrow.
+_NO_FIELDS = (None,)
 
-    Rows of a task usually share their fields, so a row costs one tuple of its values; a row with
-    other fields starts a new segment. Each segment becomes one Arrow table (all-null columns left
-    out: they read as NULL until a value types them).
+
+class RowBuffer:
+    """Rows of one table, kept as their values grouped by field names, ready to become Arrow.
+
+    Rows of a task usually share their fields, so a row costs its values appended to one flat list;
+    a row with other fields starts a new segment. Columns are slices of that list (``values[i::n]``),
+    which is much cheaper than transposing per-row tuples. Each segment becomes one Arrow table
+    (all-null columns left out: they read as NULL until a value types them).
 
     Example:
         >>> buf = RowBuffer()
@@ -133,10 +137,11 @@ class RowBuffer:
     __slots__ = ("segments", "n", "_keys", "_values")
 
     def __init__(self) -> None:
-        self.segments: list[tuple[tuple[str, ...], list[tuple[Any, ...]]]] = []
+        #: ``(field names, their values row after row)`` per segment
+        self.segments: list[tuple[tuple[str, ...], list[Any]]] = []
         self.n = 0
         self._keys: tuple[str, ...] | None = None  # the current segment's field names
-        self._values: list[tuple[Any, ...]] = []
+        self._values: list[Any] = []
 
     def __len__(self) -> int:
         return self.n
@@ -144,18 +149,33 @@ class RowBuffer:
     def extend(self, rows: Iterable[Mapping[str, Any]]) -> int:
         """Add ``rows``; how many were added."""
         before = self.n
+        keys, values = self._keys, self._values
+        add = values.extend
+        n = 0
         for row in rows:
-            keys = tuple(row)  # in order: the same fields in another order start a new segment
-            if keys != self._keys:
-                self._keys = keys
-                self._values = []
-                self.segments.append((keys, self._values))
-            self._values.append(tuple(row.values()))
-            self.n += 1
+            names = tuple(row)  # in order: the same fields in another order start a new segment
+            if names != keys:
+                self.n += n
+                n = 0
+                keys = self._keys = names
+                values = self._values = []
+                add = values.extend
+                self.segments.append((keys, values))
+            add(row.values() or _NO_FIELDS)  # a row without fields still counts: one placeholder
+            n += 1
+        self.n += n
         return self.n - before
 
+    def columns(self) -> list[tuple[tuple[str, ...], list[list[Any]]]]:
+        """Each segment's field names and columns."""
+        out = []
+        for names, values in self.segments:
+            width = len(names)
+            out.append((names, [values[i::width] for i in range(width)] if width else []))
+        return out
+
     def to_arrow(self) -> list[pa.Table]:
-        return [_arrow_table(names, values) for names, values in self.segments]
+        return [_arrow_table(names, columns) for names, columns in self.columns()]
 
     def to_batches(self) -> list[pa.Table | dict[str, np.ndarray]]:
         """One batch per segment for DuckDB to scan: NumPy columns when every column holds values of
@@ -173,29 +193,33 @@ class RowBuffer:
             ['dict', 'Table']
         """
         batches: list[pa.Table | dict[str, np.ndarray]] = []
-        for names, values in self.segments:
-            columns = _numpy_columns(names, values)
-            batches.append(columns if columns is not None else _arrow_table(names, values))
+        for names, columns in self.columns():
+            arrays = _numpy_columns(names, columns)
+            batches.append(arrays if arrays is not None else _arrow_table(names, columns))
         return batches
 
     def rows(self) -> list[dict[str, Any]]:
-        return [dict(zip(names, row, strict=True)) for names, values in self.segments for row in values]
+        out: list[dict[str, Any]] = []
+        for (names, columns), (_, values) in zip(self.columns(), self.segments, strict=True):
+            out.extend([dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)] if names
+                       else [{} for _ in values])
+        return out
 
 
-def _arrow_table(names: tuple[str, ...], values: list[tuple[Any, ...]]) -> pa.Table:
-    arrays = [pa.array(column) for column in zip(*values, strict=True)]
+def _arrow_table(names: tuple[str, ...], columns: list[list[Any]]) -> pa.Table:
+    arrays = [pa.array(column) for column in columns]
     return pa.table({n: a for n, a in zip(names, arrays, strict=True) if not pa.types.is_null(a.type)})
 
 
 _NUMPY_DTYPES: dict[type, Any] = {str: object, int: np.int64, float: np.float64, bool: np.bool_}
 
 
-def _numpy_columns(names: tuple[str, ...], values: list[tuple[Any, ...]]) -> dict[str, np.ndarray] | None:
+def _numpy_columns(names: tuple[str, ...], columns: list[list[Any]]) -> dict[str, np.ndarray] | None:
     """The segment as NumPy columns if each column holds one plain type (see RowBuffer.to_batches)."""
-    if not values:
+    if not columns or not columns[0]:
         return None
-    columns = {}
-    for name, column in zip(names, zip(*values, strict=True), strict=True):
+    arrays = {}
+    for name, column in zip(names, columns, strict=True):
         kinds = set(map(type, column))
         dtype = _NUMPY_DTYPES.get(kinds.pop()) if len(kinds) == 1 else None
         if dtype is None:
@@ -206,8 +230,8 @@ def _numpy_columns(names: tuple[str, ...], values: list[tuple[Any, ...]]) -> dic
             return None
         if dtype is np.float64 and np.isnan(array).any():  # DuckDB's NumPy scan reads NaN as NULL, Arrow as NaN
             return None
-        columns[name] = array
-    return columns
+        arrays[name] = array
+    return arrays
 
 
 def _column_names(batch: pa.Table | dict[str, np.ndarray]) -> list[str]:
