@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from operators.aggregations import Aggregation
 from operators.base import Group, Operator
 
@@ -28,15 +30,18 @@ class Aggregate(Operator):
         self._folds = tuple((name, agg.fold) for name, agg in aggregations.items())  # the per-group loop
 
     def apply(self, groups: list[Group]) -> list[Group]:
-        rows = []
-        folds = self._folds
-        for key, items in groups:
-            row = dict(key)
-            try:
-                for name, fold in folds:
-                    row[name] = fold(items)
-            except Exception as exc:
-                exc.add_note(f"in Aggregate({name}={self.aggregations[name]!r}) over {len(items)} items")
-                raise
-            rows.append(row)
-        return [({}, rows)]
+        fold = self.fold
+        return [({}, [fold(items, dict(key)) for key, items in groups])]
+
+    def apply_one(self, items: list[Any]) -> list[Any]:
+        return [self.fold(items, {})]
+
+    def fold(self, items: list[Any], row: dict[str, Any]) -> dict[str, Any]:
+        """``row`` with one column per aggregation over ``items``."""
+        try:
+            for name, fold in self._folds:
+                row[name] = fold(items)
+        except Exception as exc:
+            exc.add_note(f"in Aggregate({name}={self.aggregations[name]!r}) over {len(items)} items")
+            raise
+        return row

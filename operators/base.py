@@ -26,6 +26,10 @@ class Operator:
     def apply(self, groups: list[Group]) -> list[Group]:
         raise NotImplementedError
 
+    #: ``apply_one(items) -> items``: what ``apply`` makes of the one keyless group ``({}, items)``, for
+    #: operators that keep such a group keyless (Filter, Map, Aggregate); ``None`` for the others.
+    apply_one: Callable[[list[Any]], list[Any]] | None = None
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({fields})"
@@ -87,6 +91,34 @@ def run_pipeline(operators: Sequence[Operator], items: Iterable[Any]) -> list[di
                 _not_a_row(item)
             rows.append({**key, **item} if key else item)
     return rows
+
+
+def compile_pipeline(operators: Sequence[Operator]) -> Callable[[list[Any]], list[dict[str, Any]]]:
+    """A function of ``items`` giving what ``run_pipeline(operators, items)`` gives, faster when every
+    operator keeps the one keyless group keyless (``apply_one``: Filter, Map, Aggregate): a chain of those
+    calls, without building groups. A task's pipeline is compiled once and run at every firing.
+
+    Example:
+        >>> from operators import Aggregate, Count, Map
+        >>> run = compile_pipeline([Aggregate(n=Count()), Map(lambda r: {"twice": 2 * r["n"]})])
+        >>> run([{"a": 1}, {"a": 2}])
+        [{'twice': 4}]
+    """
+    steps = [op.apply_one for op in operators]
+    if any(step is None for step in steps):
+        ops = list(operators)
+        return lambda items: run_pipeline(ops, items)
+
+    def run(items: list[Any]) -> list[dict[str, Any]]:
+        rows = items if type(items) is list else list(items)
+        for step in steps:
+            rows = step(rows)
+        for row in rows:
+            if type(row) is not dict and not isinstance(row, Mapping):
+                _not_a_row(row)
+        return rows if rows is not items else list(rows)
+
+    return run
 
 
 def _not_a_row(item: Any) -> None:

@@ -25,3 +25,7 @@ class Filter(Operator):
     def apply(self, groups: list[Group]) -> list[Group]:
         pred = self.predicate
         return [(key, [item for item in items if pred(item)]) for key, items in groups]
+
+    def apply_one(self, items: list[Any]) -> list[Any]:
+        pred = self.predicate
+        return [item for item in items if pred(item)]

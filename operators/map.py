@@ -28,3 +28,7 @@ class Map(Operator):
     def apply(self, groups: list[Group]) -> list[Group]:
         fn = self.fn
         return [(key, [fn(item) for item in items]) for key, items in groups]
+
+    def apply_one(self, items: list[Any]) -> list[Any]:
+        fn = self.fn
+        return [fn(item) for item in items]

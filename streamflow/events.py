@@ -18,7 +18,9 @@ source, the line and the reason, and the runner stores it in the dead-letter tab
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from operators.process import ValueStateDescriptor
@@ -77,6 +79,27 @@ class Event:
 
 
 _EVENT_ATTRS = frozenset(("user_id", "event_id", "page_id", "ts", "contents"))
+
+
+def event_reader(name: str) -> Callable[[Event], Any]:
+    """A function reading field ``name`` of an :class:`Event`: what ``event[name]`` gives (the same value,
+    the same ``KeyError`` for a missing field), without a Python-level ``__getitem__`` for attributes.
+
+    Example:
+        >>> event = Event("u", "fav", "item", 1.0, {"item_id": "7"})
+        >>> event_reader("ts")(event), event_reader("item_id")(event)
+        (1.0, '7')
+    """
+    if name in _EVENT_ATTRS:
+        return attrgetter(name)
+
+    def read(event: Event) -> Any:
+        try:
+            return event.contents[name]
+        except KeyError:
+            return event.field(name)  # raises the KeyError naming the event
+
+    return read
 
 
 @dataclass(slots=True, frozen=True)

@@ -45,12 +45,18 @@ class LineSource:
     - ``user_of(parsed)`` and ``ts_of(parsed)``: whose record it is and its event time;
     - ``user_events(state, parsed)``: ``(new per-user state, app events)``;
     - ``end_events(user, state)``: the events still owed at the end of the input.
+
+    ``events_checked``: a format whose events never step back in time per user and carry the time
+    of a line its reader's guard accepted (or an earlier time of the same user that was accepted)
+    says so, and a runner with a default guard of its own need not check them again.
     """
+
+    events_checked = False
 
     def __init__(self, path: str | Path, guard: TimestampGuard | None = None, state_ttl_s: float | None = None):
         self.path = Path(path)
         self.name = str(path)
-        self._guard = guard
+        self.guard = guard
         self._lines: list[str] | None = None
         #: A user's per-user state (and last timestamp) is dropped after this long of stream time (the
         #: largest timestamp read) without a record of the user, once its owed events (``end_events``)
@@ -174,7 +180,7 @@ class SourceReader:
         self.line = start.line
         self.states = start.states or KeyedStore(ValueStateDescriptor("adapter", ttl_s=source.state_ttl_s))
         self.clock = start.clock
-        self.guard = source._guard or TimestampGuard(state_ttl_s=source.state_ttl_s)
+        self.guard = source.guard or TimestampGuard(state_ttl_s=source.state_ttl_s)
         if resume is not None and start.last_ts is not None:
             self.guard.restore(start.last_ts)
         self.pending: list[Event | Rejected] = start.pending
@@ -281,6 +287,9 @@ class TaobaoBehaviorSource(LineSource):
         super().__init__(path, guard, state_ttl_s)
         self.inactivity_gap_s = inactivity_gap_s
 
+    #: Exits carry the page's last activity, the time of the user's latest accepted line.
+    events_checked = True
+
     def user_of(self, parsed: tuple[str, str, str, str, float]) -> str:
         return parsed[0]
 
@@ -367,6 +376,8 @@ class JsonLinesSource(LineSource):
         >>> next(iter(src))
         Event(user_id='1', event_id='fav', page_id='item', ts=1511848951.0, contents={})
     """
+
+    events_checked = True  # each line is one event, checked as it is
 
     @staticmethod
     def parse(raw: str) -> Event | str:
