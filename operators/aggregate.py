@@ -36,6 +36,9 @@ class Aggregate(Operator):
     def apply_one(self, items: list[Any]) -> list[Any]:
         return [self.fold(items, {})]
 
+    def fold_one(self, items: list[Any]) -> dict[str, Any]:
+        return self.fold(items, {})
+
     def fold(self, items: list[Any], row: dict[str, Any]) -> dict[str, Any]:
         """``row`` with one column per aggregation over ``items``."""
         try:

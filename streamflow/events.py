@@ -146,6 +146,14 @@ class TimestampGuard:
     def check(self, user_id: str, ts: float) -> str | None:
         """The reason ``ts`` is rejected for ``user_id``, or ``None`` (and remember it) if fine."""
         last = self._last
+        if last.written is None:  # no TTL: the usual accepted event in a few dict operations
+            data = last.data
+            previous = data.get(user_id)
+            if self.min_ts <= ts <= self.max_ts and (previous is None or ts >= previous):
+                data[user_id] = ts
+                if ts * 1000 > self._clock:  # else round(ts * 1000) <= the (integer) clock too
+                    self._clock = max(self._clock, round(ts * 1000))
+                return None
         reason = self.reason(user_id, ts, last.get(user_id, self._clock))
         if reason is None:
             clock = round(ts * 1000)

@@ -50,6 +50,7 @@ class TaskExecution:
         self.stats: dict[str, TaskStats] = {}
         self._pipelines: dict[str, list[Operator]] = {}
         self._runs: dict[str, Any] = {}  # each task's pipeline, compiled (operators.base.compile_pipeline)
+        self._firing: dict[str, tuple[Any, TaskStats, str]] = {}  # (compiled pipeline, stats, sink) by task
         #: How many recent events / completed page visits the tasks need (0: none).
         self.max_events = 0
         self.max_pages = 0
@@ -68,7 +69,8 @@ class TaskExecution:
         if task.input in ("page", "recent"):
             _read_events_directly(pipeline)
         self._runs[task.name] = compile_pipeline(pipeline)
-        self.stats.setdefault(task.name, TaskStats())
+        stats = self.stats.setdefault(task.name, TaskStats())
+        self._firing[task.name] = (self._runs[task.name], stats, task.sink)
         # A "page" task needs only the current visit; keep as much history as the others ask for.
         events = task.history_events if task.input == "recent" else 0
         pages = task.history_events if task.input == "pages" else 0
@@ -80,12 +82,13 @@ class TaskExecution:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        del state["_runs"]  # compiled again where it is unpickled
+        del state["_runs"], state["_firing"]  # compiled again where it is unpickled
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._runs = {name: compile_pipeline(pipeline) for name, pipeline in self._pipelines.items()}
+        self._firing = {name: (run, self.stats[name], self.tasks[name].sink) for name, run in self._runs.items()}
 
     def unregister(self, name: str) -> None:
         """Remove a task."""
@@ -93,6 +96,7 @@ class TaskExecution:
         del self.tasks[name]
         del self._pipelines[name]
         del self._runs[name]
+        del self._firing[name]
 
     def inputs(self, name: str, event: Event, sequence: UserSequence) -> list[Any]:
         """What task ``name``, fired by ``event``, runs over (see ``Task.input``)."""
@@ -116,16 +120,19 @@ class TaskExecution:
 
     def fire(self, name: str, event: Event, items: list[Any]) -> tuple[str, list[dict[str, Any]]]:
         """:meth:`run_task` and :meth:`settle` in one call: ``(table, rows)`` to store."""
+        run, stats, sink = self._firing[name]
         try:
-            rows = self._runs[name](items)
+            rows = run(items)
         except Exception as exc:
             return self.settle(name, event, exc)
-        stats = self.stats[name]
         stats.fired += 1
         stats.consecutive_errors = 0
+        if len(rows) == 1:
+            stats.rows += 1
+            return sink, [{"user_id": event.user_id, "trigger_ts": event.ts, **rows[0]}]
         stats.rows += len(rows)
         user, ts = event.user_id, event.ts
-        return self.tasks[name].sink, [{"user_id": user, "trigger_ts": ts, **row} for row in rows]
+        return sink, [{"user_id": user, "trigger_ts": ts, **row} for row in rows]
 
     def settle(self, name: str, event: Event, outcome: list[dict[str, Any]] | Exception
                ) -> tuple[str, list[dict[str, Any]]]:
@@ -245,6 +252,7 @@ class TriggerTasks(KeyedProcessFunction):
                 self.on_event(event, ctx)
             return
         open_pages = ctx.state_data("open_page")
+        fire, side = execution.fire, ctx.side
         state = trie.initial_state()
         steps, exit_steps = state.steps, state.exit_steps
         for event in events:
@@ -269,7 +277,12 @@ class TriggerTasks(KeyedProcessFunction):
             fired = hit[1]
             if fired:
                 ctx.key = event.user_id
-                self._run(event, fired, [list(page) for _ in fired], ctx)
+                if len(fired) == 1:
+                    table, rows = fire(fired[0], event, page if kind == PAGE_EXIT else list(page))
+                    for row in rows:
+                        side(table, row)
+                else:
+                    self._run(event, fired, [list(page) for _ in fired], ctx)
                 if trie.initial_state() is not state:  # a task was quarantined: the trie changed
                     state = trie.initial_state()
                     steps, exit_steps = state.steps, state.exit_steps
