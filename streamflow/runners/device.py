@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("streamflow.device")
 #: Records processed per block (see DeviceRunner.process_block).
-BLOCK_SIZE = 256
+BLOCK_SIZE = 64
 _user_of = attrgetter("user_id")
 _ts_of = attrgetter("ts")
 
@@ -90,7 +90,7 @@ class DeviceRunner:
     def __init__(self, job: Job, storage: CollectiveStorage, workers: int = 2, quarantine_after: int = 5,
                  guard: TimestampGuard | None = None, record_latency: bool = False, tunnel: TunnelSink | None = None,
                  max_users: int | None = None, state_ttl_s: float | None = None,
-                 checkpoint_interval_s: float | None = None):
+                 checkpoint_interval_s: float | None = None, block_size: int = BLOCK_SIZE):
         if checkpoint_interval_s is not None and not checkpoint_interval_s > 0:
             raise ValueError(f"checkpoint_interval_s must be > 0 seconds, got {checkpoint_interval_s!r}")
         if checkpoint_interval_s is not None:
@@ -113,7 +113,9 @@ class DeviceRunner:
         #: Events that already passed an equal guard in their source (see ``LineSource.events_checked``)
         #: skip the runner's; set per run.
         self._prechecked = False
-        self.block_size = BLOCK_SIZE
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
         self._streams: dict[str, StreamTaskRun] = {}
         self._shipped: set[str] = set()  # sink tables whose rows also go to the tunnel
         self.max_users = max_users
@@ -296,7 +298,8 @@ class DeviceRunner:
         written once per table (rows keep their order within each table). With stream tasks every
         event goes through :meth:`process`, so that the rows of both kinds interleave as they come.
         With ``record_latency``, each row's latency is from the end of the previous block (when this
-        block's first record was asked for) to the block's rows in storage.
+        block's first record was asked for) to the block's rows handed to storage (a buffer flush, when
+        one happens, is inside it). A live stream whose events arrive one by one wants ``block_size=1``.
         """
         if self._streams:
             for record in records:
