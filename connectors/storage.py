@@ -30,21 +30,41 @@ import os
 import re
 import reprlib
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import numpy as np
-import pyarrow as pa
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 DEAD_LETTER_TABLE = "dead_letter"
 log = logging.getLogger("streamflow.storage")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-#: What turning rows into Arrow and inserting them raises for a value the table cannot take.
-ROW_ENCODING_ERRORS = (pa.ArrowException, duckdb.Error, TypeError, ValueError, OverflowError, RecursionError)
+_ENCODING_ERRORS = (duckdb.Error, TypeError, ValueError, OverflowError, RecursionError)
+
+
+def row_encoding_errors() -> tuple[type[BaseException], ...]:
+    """What turning rows into Arrow and inserting them raises for a value the table cannot take.
+
+    pyarrow is imported only when a segment needs Arrow (it costs start-up time, and it imports pandas
+    when pandas is installed); before that, no ``ArrowException`` can have been raised.
+    """
+    pa = sys.modules.get("pyarrow")
+    return (pa.ArrowException, *_ENCODING_ERRORS) if pa is not None else _ENCODING_ERRORS
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ROW_ENCODING_ERRORS":  # the constant, for modules that use Arrow anyway (the tunnel sink)
+        import pyarrow  # noqa: F401
+
+        return row_encoding_errors()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 _SAFE_REPR = reprlib.Repr()  # bounded depth and size: safe on cycles and deep nesting
 _SAFE_REPR.maxlevel, _SAFE_REPR.maxstring, _SAFE_REPR.maxother = 20, 2000, 2000
 _SAFE_REPR.maxlist = _SAFE_REPR.maxdict = _SAFE_REPR.maxtuple = _SAFE_REPR.maxset = 1000
@@ -207,6 +227,8 @@ class RowBuffer:
 
 
 def _arrow_table(names: tuple[str, ...], columns: list[list[Any]]) -> pa.Table:
+    import pyarrow as pa
+
     arrays = [pa.array(column) for column in columns]
     return pa.table({n: a for n, a in zip(names, arrays, strict=True) if not pa.types.is_null(a.type)})
 
@@ -355,7 +377,7 @@ class CollectiveStorage:
             buffers = {table: buffer for table, buffer in self._buffers.items() if buffer}
             try:
                 self._transaction([(table, buffer.to_batches()) for table, buffer in buffers.items()], also)
-            except ROW_ENCODING_ERRORS:
+            except row_encoding_errors():
                 self._transaction(self._row_by_row_batches(buffers), also)
             self._buffers = {}
             self._oldest = None
@@ -377,7 +399,7 @@ class CollectiveStorage:
                         batch = (table, single.to_batches())
                         self._insert_batches(*batch)
                         accepted.append(batch)
-                    except ROW_ENCODING_ERRORS as exc:
+                    except row_encoding_errors() as exc:
                         refused.append(self._refusal(table, index, row, exc))
                         self.rows_written[table] -= 1
                         self.refused[table] = self.refused.get(table, 0) + 1
@@ -426,7 +448,7 @@ class CollectiveStorage:
             self._oldest = None
         try:
             self._insert(table, *buffer.to_batches())
-        except ROW_ENCODING_ERRORS:
+        except row_encoding_errors():
             self._insert_row_by_row(table, buffer.rows())
         self.flushes += 1
 
@@ -460,7 +482,7 @@ class CollectiveStorage:
                 single = RowBuffer()
                 single.extend([row])
                 self._insert(table, *single.to_batches())
-            except ROW_ENCODING_ERRORS as exc:
+            except row_encoding_errors() as exc:
                 refused.append(self._refusal(table, index, row, exc))
         if refused:
             self.rows_written[table] -= len(refused)
