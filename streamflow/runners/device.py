@@ -2,7 +2,9 @@
 
 Per event: check its timestamp, append it to the user's sequences, step the user's trie state;
 every task whose trigger condition completes runs its pipeline over the input it asked for, and
-its rows go to collective storage.
+its rows go to collective storage. Records are taken in blocks of ``block_size`` (see
+:meth:`DeviceRunner.process_block`): the trigger tasks step a block in one call and its rows are
+written once per table, in order; ``block_size=1`` hands every event over on its own (a live stream).
 
 Execution model: the job's trigger tasks are one keyed process function
 (:class:`~streamflow.execution.TriggerTasks`), each stream task another, each run by a
