@@ -112,3 +112,22 @@ def test_the_ipv_sample_in_blocks_equals_per_event(tmp_path):
     job = load_job("jobs/ipv.py")
     records = list(open_source("jobs/data/taobao_user_behavior_10k.csv"))
     assert _in_blocks(records, job, tmp_path / "b.duckdb", 256) == _per_event(records, job, tmp_path / "e.duckdb")
+
+
+def test_source_checked_events_skip_only_an_equal_runner_guard(tmp_path):
+    """A source's default guard already checked its events: the runner's default guard is not asked again,
+    but a guard of the caller's own (here stricter) still judges every event."""
+    from streamflow.events import TimestampGuard
+    from streamflow.sources import TaobaoBehaviorSource
+
+    lines = ["1,10,7,pv,1511848894", "1,10,7,buy,1511848900", "2,11,7,pv,1511848901"]
+    job = Job("j", [Task("visit", ["item"], [Aggregate(n=Count())])])
+    with CollectiveStorage(tmp_path / "a.duckdb") as store:
+        runner = DeviceRunner(job, store)
+        summary = runner.run(TaobaoBehaviorSource.from_lines(lines))
+        assert summary.events_in == 5 and runner.guard.users_held == 0  # not checked twice
+    with CollectiveStorage(tmp_path / "b.duckdb") as store:
+        strict = TimestampGuard(min_ts=1511848901.0)
+        summary = DeviceRunner(job, store, guard=strict).run(TaobaoBehaviorSource.from_lines(lines))
+        assert summary.events_in == 2 and summary.rejected_total == 3  # user 1's events are too early for it
+        assert {r[0] for r in store.query("SELECT source FROM dead_letter")} == {"runner"}
