@@ -16,6 +16,7 @@ broker or the spool is unavailable or a cluster failed, 2 bad input (job file, e
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -280,12 +281,12 @@ def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
     print(summary)
     if tunnel_line:
         print(tunnel_line)
-    with CollectiveStorage(summary.db_path) as storage:
-        for task in job.tasks:
-            if summary.task_stats[task.name].rows and args.show > 0:
-                print(f"\nfirst rows of table {task.sink}:")
-                for row in storage.read(task.sink).slice(0, args.show).to_pylist():
-                    print("  " + ", ".join(f"{k}={_show(v)}" for k, v in row.items()))
+    shown = [task for task in job.tasks if summary.task_stats[task.name].rows] if args.show > 0 else []
+    with CollectiveStorage(summary.db_path) if shown else contextlib.nullcontext() as storage:
+        for task in shown:  # (with --show 0 the file is not opened again)
+            print(f"\nfirst rows of table {task.sink}:")
+            for row in storage.read(task.sink).slice(0, args.show).to_pylist():
+                print("  " + ", ".join(f"{k}={_show(v)}" for k, v in row.items()))
     if job.tasks:
         sql = f"SELECT * FROM {job.tasks[0].sink} LIMIT 10"
         print(f"\nquery them: python -c \"import duckdb; print(duckdb.connect('{summary.db_path}', "

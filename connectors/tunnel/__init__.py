@@ -7,7 +7,19 @@
 - :mod:`.keys`: the per-device key registry and signing.
 """
 
-from connectors.tunnel.envelope import FORMAT_VERSION, Batch, EnvelopeError, decode, encode
-from connectors.tunnel.keys import KeyRegistry
+from typing import Any
 
 __all__ = ["FORMAT_VERSION", "Batch", "EnvelopeError", "KeyRegistry", "decode", "encode"]
+
+
+def __getattr__(name: str) -> Any:
+    # Loaded on first use: the envelope needs pyarrow, which the CLI should not import to start.
+    if name in ("FORMAT_VERSION", "Batch", "EnvelopeError", "decode", "encode"):
+        from connectors.tunnel import envelope
+
+        return getattr(envelope, name)
+    if name == "KeyRegistry":
+        from connectors.tunnel.keys import KeyRegistry
+
+        return KeyRegistry
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,11 @@
 
 Per event: check its timestamp, append it to the user's sequences, step the user's trie state;
 every task whose trigger condition completes runs its pipeline over the input it asked for, and
-its rows go to collective storage.
+its rows go to collective storage. Records are taken in blocks of ``block_size`` (see
+:meth:`DeviceRunner.process_block`): the trigger tasks step a block in one call and its rows are
+written once per table, in order; ``block_size=1`` hands every event over on its own. By default a
+file source is read in blocks and any other iterable (a live stream) one event at a time, so an event
+never waits for a block to fill.
 
 Execution model: the job's trigger tasks are one keyed process function
 (:class:`~streamflow.execution.TriggerTasks`), each stream task another, each run by a
@@ -53,6 +57,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, check_table_name, to_json
@@ -69,6 +74,10 @@ if TYPE_CHECKING:
     from connectors.tunnel.sink import TunnelSink
 
 log = logging.getLogger("streamflow.device")
+#: Records processed per block (see DeviceRunner.process_block).
+BLOCK_SIZE = 64
+_user_of = attrgetter("user_id")
+_ts_of = attrgetter("ts")
 
 
 class DeviceRunner:
@@ -90,7 +99,7 @@ class DeviceRunner:
     def __init__(self, job: Job, storage: CollectiveStorage, workers: int = 2, quarantine_after: int = 5,
                  guard: TimestampGuard | None = None, record_latency: bool = False, tunnel: TunnelSink | None = None,
                  max_users: int | None = None, state_ttl_s: float | None = None,
-                 checkpoint_interval_s: float | None = None):
+                 checkpoint_interval_s: float | None = None, block_size: int | None = None):
         if checkpoint_interval_s is not None and not checkpoint_interval_s > 0:
             raise ValueError(f"checkpoint_interval_s must be > 0 seconds, got {checkpoint_interval_s!r}")
         if checkpoint_interval_s is not None:
@@ -105,9 +114,18 @@ class DeviceRunner:
         self.summary = RunSummary(db_path=str(storage.path), task_stats=self.execution.stats)
         self.latencies_s: list[float] | None = [] if record_latency else None
         self.guard = guard or TimestampGuard(state_ttl_s=state_ttl_s)
+        self._own_guard = guard is None
+        #: Events that already passed an equal guard in their source (see ``LineSource.events_checked``)
+        #: skip the runner's; set per run.
+        self._prechecked = False
+        self._source: Any = None  # what the current run reads
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size  # None: BLOCK_SIZE for a file source, 1 for a live iterable
         self._streams: dict[str, StreamTaskRun] = {}
         self._shipped: set[str] = set()  # sink tables whose rows also go to the tunnel
         self.max_users = max_users
+        self.state_ttl_s = state_ttl_s
         self.checkpoint_interval_s = checkpoint_interval_s
         self.checkpoints_taken = 0
         self._next_checkpoint = float("inf")  # monotonic time of the next checkpoint
@@ -262,6 +280,7 @@ class DeviceRunner:
     def _run(self, records: Iterable[Event | Rejected] | LineSource,
              progress: Callable[[Iterable[Any]], Iterator[Any]] | None) -> RunSummary:
         reader = None
+        source = self._source = records
         if self.checkpoint_interval_s is None:
             if has_checkpoint(self.storage, self.job.name):
                 raise CheckpointError(f"{self.storage.path} holds a checkpoint of job {self.job.name!r}: resume it "
@@ -270,15 +289,11 @@ class DeviceRunner:
             records = reader = self._resume(records)
         if progress is not None:
             records = progress(records)
+        # With a TTL the two guards may forget a user at different times: both check then.
+        self._prechecked = (self._own_guard and isinstance(source, LineSource) and source.events_checked
+                            and source.guard is None and source.state_ttl_s is None and self.state_ttl_s is None)
         try:
-            if reader is None:
-                for record in records:
-                    if isinstance(record, Event):
-                        self.process(record)
-                    else:
-                        self.reject(record)
-            else:
-                self._run_checkpointed(records, reader)
+            self._run_blocks(records, reader)
             self.finish()
             if reader is not None:
                 self.checkpoint(reader.position_after(None), complete=True)
@@ -344,27 +359,39 @@ class DeviceRunner:
         self.storage.rows_written.clear()
         self.storage.rows_written.update(state["rows_written"])
 
-    def _run_checkpointed(self, records: Iterable[Event | Rejected], reader: SourceReader) -> None:
-        """The record loop with checkpoints between records; SIGTERM/SIGINT checkpoint, then stop."""
+    def _run_blocks(self, records: Iterable[Event | Rejected], reader: SourceReader | None) -> None:
+        """The record loop: records in blocks of ``block_size`` (see :meth:`process_block`); with a
+        ``reader``, checkpoints between blocks, and SIGTERM/SIGINT checkpoint, then stop."""
         handlers = {}
-        if threading.current_thread() is threading.main_thread():
+        if reader is not None and threading.current_thread() is threading.main_thread():
             handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        size = self.block_size or (BLOCK_SIZE if isinstance(self._source, LineSource) else 1)
+        block: list[Event | Rejected] = []
+        append = block.append
+        self._block_started = time.perf_counter()
         try:
             for record in records:
-                if isinstance(record, Event):
-                    self.process(record)
-                else:
-                    self.reject(record)
-                if time.monotonic() >= self._next_checkpoint:
-                    self.checkpoint(reader.position_after(record))
-                    if self._stop_signal is not None:
-                        log.info("job %s stopped by signal %d after a checkpoint", self.job.name, self._stop_signal)
-                        if self._stop_signal == signal.SIGINT:
-                            raise KeyboardInterrupt
-                        raise SystemExit(128 + self._stop_signal)
+                append(record)
+                if len(block) < size:
+                    continue
+                self.process_block(block)
+                block = []
+                append = block.append
+                if reader is not None and time.monotonic() >= self._next_checkpoint:
+                    self._checkpoint_between(reader, record)
+            if block:
+                self.process_block(block)
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+
+    def _checkpoint_between(self, reader: SourceReader, record: Event | Rejected) -> None:
+        self.checkpoint(reader.position_after(record))
+        if self._stop_signal is not None:
+            log.info("job %s stopped by signal %d after a checkpoint", self.job.name, self._stop_signal)
+            if self._stop_signal == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + self._stop_signal)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         # Only flags: the checkpoint is taken between records, never in the middle of one.
@@ -382,13 +409,63 @@ class DeviceRunner:
             {"source": record.source, "line": record.line, "reason": record.reason, "raw": record.raw}
         ])
 
+    def process_block(self, records: list[Event | Rejected]) -> None:
+        """Process a block of records (events and rejected records) in order.
+
+        The same as :meth:`process` / :meth:`reject` per record, but the trigger tasks step the whole
+        block in one call (:meth:`~streamflow.keyed.KeyedRuntime.process_block`) and its rows are
+        written once per table (rows keep their order within each table). With stream tasks every
+        event goes through :meth:`process`, so that the rows of both kinds interleave as they come; so
+        does it while a task swap is pending or a safe-point hook watches (a new version on probation is
+        judged after every event, not every block).
+        With ``record_latency``, each row's latency is from the end of the previous block (when this
+        block's first record was asked for) to the block's rows handed to storage (a buffer flush, when
+        one happens, is inside it). A live stream whose events arrive one by one wants ``block_size=1``.
+        """
+        if self._streams or self._hooks or self._swaps:
+            for record in records:
+                if isinstance(record, Event):
+                    self.process(record)
+                else:
+                    self.reject(record)
+            return
+        summary = self.summary
+        check = None if self._prechecked else self.guard.check
+        events = []
+        for record in records:
+            if not isinstance(record, Event):
+                self.reject(record)
+            elif check is not None and (reason := check(record.user_id, record.ts)) is not None:
+                summary.events_in += len(events)
+                self.reject(Rejected("runner", summary.events_in + summary.rejected_total + 1, reason,
+                                     to_json(record.to_dict())))
+                summary.events_in -= len(events)
+            else:
+                events.append(record)
+        summary.events_in += len(events)
+        outputs = self.triggers.process_block(events, _user_of, _ts_of)
+        if outputs:
+            tables: dict[str, list[dict[str, Any]]] = {}
+            for table, row in outputs:
+                rows = tables.get(table)
+                if rows is None:
+                    tables[table] = [row]
+                else:
+                    rows.append(row)
+            for table, rows in tables.items():
+                self._write(table, rows)
+            if self.latencies_s is not None:
+                self.latencies_s.extend([time.perf_counter() - self._block_started] * len(outputs))
+        if self.latencies_s is not None:
+            self._block_started = time.perf_counter()
+
     def process(self, event: Event) -> None:
         """Process one event of any user."""
         if self._swaps or self._hooks:  # the safe point: between the previous event and this one
             self._safe_point()
         started = time.perf_counter() if self.latencies_s is not None else 0.0
         summary = self.summary
-        reason = self.guard.check(event.user_id, event.ts)
+        reason = self.guard.check(event.user_id, event.ts) if not self._prechecked else None
         if reason is not None:
             self.reject(Rejected("runner", summary.events_in + summary.rejected_total + 1, reason,
                                  to_json(event.to_dict())))
