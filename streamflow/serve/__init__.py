@@ -1,0 +1,7 @@
+"""Kafka-connected real-time serving (MDInference): the cloud worker (a faust-streaming app), its model
+choice policy, the signed request/reply messages, the device's client and a network shim for measuring.
+
+Modules: ``policy`` (pure model choice), ``messages`` (signed requests/replies), ``app`` (the faust worker),
+``client`` (the device side: race the cloud against the local model), ``netshim`` (delay/jitter/outage proxy).
+Importing this package imports none of faust, Kafka or the engine.
+"""
