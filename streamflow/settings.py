@@ -48,6 +48,8 @@ class Settings(BaseSettings):
                                  description="cache of the verified Flink Kafka connector jars")
     flink_python: str = Field(sys.executable, description="the Python the Flink workers run")
     flink_execution_mode: Literal["thread", "process"] = Field("thread", description="PyFlink's Python mode")
+    zoo_dir: Path = Field(Path.home() / ".cache" / "streamflow" / "zoo",
+                          description="the serving model zoo: zoo.json and its model files (streamflow.serve.zoo)")
 
 
 def settings(**explicit: Any) -> Settings:
