@@ -50,6 +50,14 @@ class Settings(BaseSettings):
     flink_execution_mode: Literal["thread", "process"] = Field("thread", description="PyFlink's Python mode")
     zoo_dir: Path = Field(Path.home() / ".cache" / "streamflow" / "zoo",
                           description="the serving model zoo: zoo.json and its model files (streamflow.serve.zoo)")
+    # the serving worker (streamflow/serve/app.py, `streamflow serve`)
+    serve_app_id: str = Field("streamflow-serve", pattern=r"^[A-Za-z0-9._-]{1,100}$",
+                              description="the serving worker's faust app id: its consumer group and table topics")
+    serve_models: str | None = Field(None, description="comma-separated zoo models the serving worker runs "
+                                                       "(default: every model of the zoo)")
+    serve_temperature: float = Field(0.02, ge=0, description="MDInference: softmax temperature over the "
+                                                             "candidates' accuracies (0 = always the most accurate)")
+    serve_alpha: float = Field(0.2, gt=0, le=1, description="MDInference: EWMA weight of a new latency sample")
 
 
 def settings(**explicit: Any) -> Settings:

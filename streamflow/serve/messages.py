@@ -7,8 +7,10 @@ verifies the reply with its own. The envelope's table name says which message it
 ``serve.reply``) and its sequence number is the request id.
 
 A request carries the SLA, the device's latest measured upload time, the device clock at sending, the
-policy asked for, and the image (``H×W×3`` uint8). A reply names the model that answered, its budget, the
-network estimate, the inference time and the predicted class.
+policy asked for, and the image (``H×W×3`` uint8), as JPEG (what a phone uploads; ~23 KB for a noisy 256 px
+page at quality 90 against 192 KB raw; the broker keeps every byte until the worker deletes it) or raw.
+A reply names the model that answered, its budget, the network estimate, the inference time and the
+predicted class.
 
 Anything that does not verify or parse raises :class:`MessageError` with a ``reason``
 (the envelope's reasons, or ``wrong_kind`` / ``bad_fields``) and a message naming the record.
@@ -29,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import io
 import math
 import zlib
 from collections.abc import Callable
@@ -47,6 +50,7 @@ REPLY_KIND = "serve.reply"
 #: Reply partitions: a device reads only the one its id hashes to (:func:`reply_partition`).
 REPLY_PARTITIONS = 4
 MAX_IMAGE_SIDE = 4096
+IMAGE_FORMATS = ("jpeg", "raw")
 REPLY_STATUSES = ("ok", "expired", "error")
 
 KeyLookup = Callable[[str], bytes | None]
@@ -91,10 +95,21 @@ def reply_partition(device: str, partitions: int = REPLY_PARTITIONS) -> int:
     return zlib.crc32(device.encode()) % partitions
 
 
-def encode_request(request: Request, key: bytes) -> bytes:
+def encode_request(request: Request, key: bytes, image_format: str = "jpeg", quality: int = 90) -> bytes:
+    """The signed request; the image as JPEG (``quality``) or raw bytes."""
     image = np.ascontiguousarray(request.image)
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
         raise ValueError(f"an image is H×W×3 uint8, got {image.dtype} {image.shape}")
+    if image_format == "jpeg":
+        from PIL import Image
+
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="JPEG", quality=quality)
+        data = buffer.getvalue()
+    elif image_format == "raw":
+        data = image.tobytes()
+    else:
+        raise ValueError(f"image_format is one of {IMAGE_FORMATS}, got {image_format!r}")
     row = pa.table({
         "sla_ms": pa.array([float(request.sla_ms)], pa.float64()),
         "upload_ms": pa.array([request.upload_ms], pa.float64()),
@@ -102,7 +117,8 @@ def encode_request(request: Request, key: bytes) -> bytes:
         "policy": pa.array([request.policy], pa.string()),
         "height": pa.array([image.shape[0]], pa.int32()),
         "width": pa.array([image.shape[1]], pa.int32()),
-        "image": pa.array([image.tobytes()], pa.binary()),
+        "format": pa.array([image_format], pa.string()),
+        "image": pa.array([data], pa.binary()),
     })
     return encode(request.device, REQUEST_KIND, request.request_id, row, key)
 
@@ -110,14 +126,14 @@ def encode_request(request: Request, key: bytes) -> bytes:
 def decode_request(value: bytes | None, key_for: KeyLookup) -> Request:
     batch = _open(value, key_for, REQUEST_KIND)
     where = f"{batch.device} request {batch.first_seq}"
-    fields = _one_row(batch.rows, where, {"sla_ms", "upload_ms", "sent_ms", "policy", "height", "width", "image"})
+    fields = _one_row(batch.rows, where, {"sla_ms", "upload_ms", "sent_ms", "policy", "height", "width", "format",
+                                          "image"})
     try:
-        height, width, raw = int(fields["height"]), int(fields["width"]), fields["image"]
+        height, width, data = int(fields["height"]), int(fields["width"]), fields["image"]
         sla, upload = float(fields["sla_ms"]), fields["upload_ms"]
         if not (0 < height <= MAX_IMAGE_SIDE and 0 < width <= MAX_IMAGE_SIDE):
             raise ValueError(f"image side {height}×{width} outside 1..{MAX_IMAGE_SIDE}")
-        if len(raw) != height * width * 3:
-            raise ValueError(f"image has {len(raw)} bytes, {height}×{width}×3 needs {height * width * 3}")
+        image = _image(fields["format"], data, height, width)
         if not (math.isfinite(sla) and sla > 0):
             raise ValueError(f"sla_ms must be a positive number, got {sla}")
         if upload is not None and not (math.isfinite(upload) and upload >= 0):
@@ -126,9 +142,26 @@ def decode_request(value: bytes | None, key_for: KeyLookup) -> Request:
             raise ValueError("policy must be a string and sent_ms an integer")
     except (TypeError, ValueError) as exc:
         raise MessageError("bad_fields", f"{where}: {exc}", batch.device) from exc
-    image = np.frombuffer(raw, np.uint8).reshape(height, width, 3)
     return Request(batch.device, batch.first_seq, sla, None if upload is None else float(upload),
                    fields["sent_ms"], fields["policy"], image)
+
+
+def _image(image_format: str, data: bytes, height: int, width: int) -> np.ndarray:
+    if image_format == "raw":
+        if len(data) != height * width * 3:
+            raise ValueError(f"image has {len(data)} bytes, {height}×{width}×3 needs {height * width * 3}")
+        return np.frombuffer(data, np.uint8).reshape(height, width, 3)
+    if image_format != "jpeg":
+        raise ValueError(f"image format {image_format!r} is not one of {IMAGE_FORMATS}")
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data), formats=["JPEG"]) as opened:
+            if opened.size != (width, height):  # checked before decoding: no bomb behind a small header
+                raise ValueError(f"JPEG is {opened.size[0]}×{opened.size[1]}, the request says {width}×{height}")
+            return np.asarray(opened.convert("RGB"))
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ValueError(f"image is not a readable JPEG: {exc}") from exc
 
 
 def encode_reply(reply: Reply, key: bytes) -> bytes:
