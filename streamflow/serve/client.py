@@ -170,7 +170,8 @@ class ServeClient:
         ensure_topic(bootstrap, REQUEST_TOPIC, partitions=1)
         ensure_topic(bootstrap, REPLY_TOPIC, partitions=REPLY_PARTITIONS)
         self._producer = KafkaProducer(bootstrap_servers=bootstrap, client_id=f"serve-{self.device}", linger_ms=0,
-                                       acks=1, max_block_ms=200, delivery_timeout_ms=30_000, **CLIENT_TIMEOUTS)
+                                       acks=1, enable_idempotence=False, max_block_ms=200,
+                                       delivery_timeout_ms=30_000, **CLIENT_TIMEOUTS)
         self._consumer = KafkaConsumer(bootstrap_servers=bootstrap, client_id=f"serve-{self.device}", group_id=None,
                                        enable_auto_commit=False, fetch_max_wait_ms=100, **CLIENT_TIMEOUTS)
         partitions = self._consumer.partitions_for_topic(REPLY_TOPIC) or set(range(REPLY_PARTITIONS))
