@@ -95,28 +95,35 @@ def reply_partition(device: str, partitions: int = REPLY_PARTITIONS) -> int:
     return zlib.crc32(device.encode()) % partitions
 
 
-def encode_request(request: Request, key: bytes, image_format: str = "jpeg", quality: int = 90) -> bytes:
-    """The signed request; the image as JPEG (``quality``) or raw bytes."""
-    image = np.ascontiguousarray(request.image)
+def encode_image(image: np.ndarray, image_format: str = "jpeg", quality: int = 90) -> bytes:
+    """An ``H×W×3`` uint8 image as a request carries it: JPEG (``quality``) or raw bytes."""
+    image = np.ascontiguousarray(image)
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
         raise ValueError(f"an image is H×W×3 uint8, got {image.dtype} {image.shape}")
-    if image_format == "jpeg":
-        from PIL import Image
-
-        buffer = io.BytesIO()
-        Image.fromarray(image).save(buffer, format="JPEG", quality=quality)
-        data = buffer.getvalue()
-    elif image_format == "raw":
-        data = image.tobytes()
-    else:
+    if image_format == "raw":
+        return image.tobytes()
+    if image_format != "jpeg":
         raise ValueError(f"image_format is one of {IMAGE_FORMATS}, got {image_format!r}")
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def encode_request(request: Request, key: bytes, image_format: str = "jpeg", quality: int = 90,
+                   encoded: bytes | None = None) -> bytes:
+    """The signed request; the image as JPEG (``quality``) or raw bytes, or ``encoded`` already (by
+    :func:`encode_image` in ``image_format``; ``request.image`` then only gives the shape)."""
+    data = encoded if encoded is not None else encode_image(request.image, image_format, quality)
+    height, width = request.image.shape[:2]
     row = pa.table({
         "sla_ms": pa.array([float(request.sla_ms)], pa.float64()),
         "upload_ms": pa.array([request.upload_ms], pa.float64()),
         "sent_ms": pa.array([int(request.sent_ms)], pa.int64()),
         "policy": pa.array([request.policy], pa.string()),
-        "height": pa.array([image.shape[0]], pa.int32()),
-        "width": pa.array([image.shape[1]], pa.int32()),
+        "height": pa.array([height], pa.int32()),
+        "width": pa.array([width], pa.int32()),
         "format": pa.array([image_format], pa.string()),
         "image": pa.array([data], pa.binary()),
     })
@@ -214,4 +221,4 @@ def _one_row(rows: pa.Table, where: str, needed: set[str]) -> dict[str, Any]:
 
 
 __all__ = ["REPLY_PARTITIONS", "REPLY_TOPIC", "REQUEST_TOPIC", "MessageError", "Reply", "Request",
-           "decode_reply", "decode_request", "encode_reply", "encode_request", "reply_partition"]
+           "decode_reply", "decode_request", "encode_image", "encode_reply", "encode_request", "reply_partition"]

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 log = logging.getLogger("streamflow.serve.netshim")
 
@@ -196,7 +196,8 @@ class KafkaShim:
 
     async def _close_all(self, listeners: bool) -> None:
         for conn in list(self._connections):
-            self.stats.dropped += 1
+            if not listeners:  # an outage, not the shim's own stop
+                self.stats.dropped += 1
             conn.close()
         if listeners:
             for server, _ in self._listeners.values():
@@ -316,4 +317,108 @@ class _DelayedPipe:
             await self.writer.drain()
 
 
-__all__ = ["KafkaShim", "LinkProfile", "OutageMode", "ShimStats"]
+class ShimProcess:
+    """A :class:`KafkaShim` in a process of its own (``python -m streamflow.serve.netshim``), driven over its
+    stdin: the proxy's Python work then takes no GIL time from the device process it sits in front of.
+
+    Same interface: :meth:`start`, :attr:`bootstrap`, :meth:`outage`, :meth:`stats`, :meth:`stop`.
+    """
+
+    def __init__(self, broker: str, profile: LinkProfile | None = None, host: str = "127.0.0.1"):
+        self.broker = broker
+        self.profile = profile or LinkProfile()
+        self.host = host
+        self.bootstrap = ""
+        self._process: Any = None
+
+    def start(self, timeout_s: float = 60.0) -> ShimProcess:
+        import os
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "streamflow.serve.netshim", self.broker, "--mean-ms", str(self.profile.mean_ms),
+             "--cv", str(self.profile.cv), "--seed", str(self.profile.seed), "--host", self.host],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        line = self._process.stdout.readline().split()
+        if len(line) != 2 or line[0] != "listening":
+            self.stop()
+            raise RuntimeError(f"the shim process did not start: {line}")
+        self.bootstrap = line[1]
+        return self
+
+    def _ask(self, command: str) -> str:
+        self._process.stdin.write(command + "\n")
+        self._process.stdin.flush()
+        return self._process.stdout.readline().strip()
+
+    def outage(self, seconds: float, mode: OutageMode = "drop") -> None:
+        if mode not in ("drop", "stall"):
+            raise ValueError(f"an outage mode is 'drop' or 'stall', got {mode!r}")
+        answer = self._ask(f"outage {seconds} {mode}")
+        if answer != "ok":
+            raise RuntimeError(f"the shim process refused the outage: {answer}")
+
+    def stats(self) -> dict[str, Any]:
+        import json
+
+        return json.loads(self._ask("stats"))
+
+    def stop(self) -> None:
+        if self._process is None:
+            return
+        try:
+            self._process.stdin.close()
+            self._process.wait(timeout=10)
+        except Exception:
+            self._process.kill()
+            self._process.wait()
+        self._process = None
+
+    def __enter__(self) -> ShimProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m streamflow.serve.netshim BROKER [--mean-ms M] [--cv C] [--seed S]``: print ``listening
+    HOST:PORT``, then obey ``outage SECONDS drop|stall`` and ``stats`` lines on stdin until it closes."""
+    import argparse
+    import dataclasses
+    import json
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m streamflow.serve.netshim")
+    parser.add_argument("broker")
+    parser.add_argument("--mean-ms", type=float, default=0.0)
+    parser.add_argument("--cv", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args(argv)
+    with KafkaShim(args.broker, LinkProfile(args.mean_ms, args.cv, args.seed), args.host) as shim:
+        print("listening", shim.bootstrap, flush=True)
+        for line in sys.stdin:
+            words = line.split()
+            try:
+                if words[:1] == ["outage"] and len(words) == 3:
+                    shim.outage(float(words[1]), words[2])  # type: ignore[arg-type]
+                    print("ok", flush=True)
+                elif words == ["stats"]:
+                    print(json.dumps(dataclasses.asdict(shim.stats)), flush=True)
+                else:
+                    print(f"error: unknown command {line.strip()!r}", flush=True)
+            except ValueError as exc:
+                print(f"error: {exc}", flush=True)
+    return 0
+
+
+__all__ = ["KafkaShim", "LinkProfile", "OutageMode", "ShimProcess", "ShimStats"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""The device's Kafka process (see :mod:`streamflow.serve.child` for why it is a process of its own).
+
+It holds the device's kafka-python producer and reply consumer. From the parent it takes
+``("send", request_id, (sla_ms, policy, height, width, image bytes))`` and sends the signed request with the
+latest measured upload time (half the produce round trip of the last acknowledged request) and the device
+clock; it reports ``("acked", id, upload ms)``, ``("send_failed", id, reason)`` (not delivered within the
+delivery timeout) or ``("unsent", id, reason)`` (not even handed to Kafka). It reads the device's reply
+partition and passes on each verified reply (``("reply", id, Reply)``) or, for one that does not verify,
+``("dead_letter", 0, (reason, message, raw bytes))``. Replies for other devices on the same partition are
+skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from streamflow.serve.child import ChildSide
+
+log = logging.getLogger("streamflow.serve.network")
+
+
+def serve(side: ChildSide) -> None:
+    from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+    from connectors.tunnel.kafka import CLIENT_TIMEOUTS, ensure_topic
+    from streamflow.serve.messages import (
+        REPLY_PARTITIONS,
+        REPLY_TOPIC,
+        REQUEST_TOPIC,
+        MessageError,
+        Request,
+        decode_reply,
+        encode_request,
+        reply_partition,
+    )
+
+    hello = side.hello
+    device, key, bootstrap, image_format = hello["device"], hello["key"], hello["bootstrap"], hello["image_format"]
+    logging.basicConfig(level=logging.ERROR)
+    try:
+        ensure_topic(bootstrap, REQUEST_TOPIC, partitions=1)
+        ensure_topic(bootstrap, REPLY_TOPIC, partitions=REPLY_PARTITIONS)
+        producer = KafkaProducer(bootstrap_servers=bootstrap, client_id=f"serve-{device}", linger_ms=0, acks=1,
+                                 enable_idempotence=False, max_block_ms=200, delivery_timeout_ms=30_000,
+                                 **CLIENT_TIMEOUTS)
+        consumer = KafkaConsumer(bootstrap_servers=bootstrap, client_id=f"serve-{device}", group_id=None,
+                                 enable_auto_commit=False, fetch_max_wait_ms=100, **CLIENT_TIMEOUTS)
+        partitions = consumer.partitions_for_topic(REPLY_TOPIC) or set(range(REPLY_PARTITIONS))
+        mine = TopicPartition(REPLY_TOPIC, reply_partition(device, len(partitions)))
+        consumer.assign([mine])
+        consumer.seek_to_end(mine)
+        consumer.position(mine)  # resolve "end" now: replies to this session's requests come after it
+        producer.partitions_for(REQUEST_TOPIC)  # metadata now, not on the first request
+    except Exception as exc:
+        side.send("failed", 0, f"could not connect to the broker at {bootstrap}: {exc}")
+        return
+    side.send("ready", 0, None)
+    stopping = threading.Event()
+    upload_ms: list[float | None] = [None]
+
+    def read_replies() -> None:
+        key_for = {device: key}.get
+        own = device.encode()
+        while not stopping.is_set():
+            try:
+                batches = consumer.poll(timeout_ms=50)
+            except Exception as exc:  # the broker is away: kafka-python reconnects on the next poll
+                log.debug("reply poll failed: %s", exc)
+                time.sleep(0.05)
+                continue
+            for records in batches.values():
+                for record in records:
+                    if record.key != own:
+                        continue  # another device's reply on the same partition
+                    try:
+                        reply = decode_reply(record.value, key_for)
+                        if reply.device != device:
+                            raise MessageError("wrong_device", f"reply {reply.request_id} is for {reply.device!r}")
+                    except MessageError as exc:
+                        side.send("dead_letter", 0, (exc.reason, str(exc), record.value))
+                        continue
+                    side.send("reply", reply.request_id, reply)
+
+    def acked(request_id: int, sent_at: float) -> None:
+        upload_ms[0] = (time.perf_counter() - sent_at) * 1000.0 / 2.0
+        side.send("acked", request_id, upload_ms[0])
+
+    reader = threading.Thread(target=read_replies, name="serve-replies", daemon=True)
+    reader.start()
+    while (message := side.recv()) is not None:
+        _, request_id, (sla_ms, policy, height, width, data) = message
+        request = Request(device, request_id, sla_ms, upload_ms[0], int(time.time() * 1000), policy,
+                          _shape_only(height, width))
+        try:
+            value = encode_request(request, key, image_format, encoded=data)
+            sent_at = time.perf_counter()
+            future = producer.send(REQUEST_TOPIC, key=device.encode(), value=value)
+        except Exception as exc:  # no metadata / buffer full during an outage: the local model answers
+            side.send("unsent", request_id, str(exc))
+            continue
+        future.add_callback(lambda _meta, rid=request_id, at=sent_at: acked(rid, at))
+        future.add_errback(lambda exc, rid=request_id: side.send("send_failed", rid, str(exc)))
+    stopping.set()
+    reader.join(timeout=5)
+    producer.close(timeout=2)
+    consumer.close()
+
+
+def _shape_only(height: int, width: int) -> Any:
+    """An array of the image's shape without its pixels (the request is built from encoded bytes)."""
+    return np.broadcast_to(np.zeros((1, 1, 3), np.uint8), (height, width, 3))
+
+
+if __name__ == "__main__":
+    serve(ChildSide(int(sys.argv[1])))

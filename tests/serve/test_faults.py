@@ -1,0 +1,57 @@
+"""A broker outage while serving: the device's link to the real broker goes down (the shim drops every
+connection and refuses new ones) while requests keep coming. Every request is answered by its deadline
+(by the local model while the broker is away), exactly once; the requests held during the outage reach the
+cloud afterwards and it answers every one of them (late, so the device counts and drops those replies);
+then the cloud answers in time again."""
+
+from __future__ import annotations
+
+import time
+
+from streamflow.serve.client import ServeClient
+from streamflow.serve.netshim import LinkProfile, ShimProcess
+
+SLA_MS = 250.0
+EVERY_S = 0.05
+BEFORE_S, OUTAGE_S, AFTER_S = 2.0, 3.0, 6.0  # the benchmark's outage is 10 s
+
+
+def test_broker_outage_every_request_answered_once_by_its_deadline_and_the_cloud_catches_up(
+        serve_worker, serve_zoo, serve_keys, pages):
+    images, _ = pages
+    with ShimProcess(serve_worker.bootstrap, LinkProfile(mean_ms=5.0, cv=0.5, seed=1)) as shim, \
+            ServeClient("phone-outage", serve_keys.key_for("phone-outage"), bootstrap=shim.bootstrap,
+                        zoo=serve_zoo) as device:
+        sent: list[tuple[float, object]] = []
+        start = time.monotonic()
+        outage_at = start + BEFORE_S
+        in_outage = False
+        while time.monotonic() < outage_at + OUTAGE_S + AFTER_S:
+            if not in_outage and time.monotonic() >= outage_at:
+                shim.outage(OUTAGE_S, mode="drop")
+                in_outage = True
+            sent.append((time.monotonic() - start, device.submit(images[len(sent) % len(images)], SLA_MS)))
+            time.sleep(EVERY_S)
+        answers = [(at, future.result(timeout=10)) for at, future in sent]
+        ids = [a.request_id for _, a in answers]
+        # the cloud catches up: every request handed to Kafka gets a reply in the end (most of the held ones late)
+        deadline = time.monotonic() + 30
+        while set(ids) - device.replied and time.monotonic() < deadline:
+            time.sleep(0.2)
+        counts = dict(device.counts)
+        never_replied = set(ids) - device.replied
+        shim_stats = shim.stats()
+    assert serve_worker.alive()
+    assert len(set(ids)) == len(ids) == counts["requests"]  # none lost, none answered twice
+    assert counts["answered_by_cloud"] + counts["answered_by_device"] == len(ids)
+    missed = [(round(at, 2), round(a.latency_ms, 1), a.answered_by) for at, a in answers if not a.met_sla]
+    assert not missed, f"answered after the deadline: {missed}"
+    during = [a for at, a in answers if BEFORE_S + 0.1 <= at < BEFORE_S + OUTAGE_S]
+    assert during and all(a.answered_by == "device" for a in during)
+    assert counts.get("unsent", 0) == 0
+    assert not never_replied, f"{len(never_replied)} requests never reached the cloud; counts {counts}"
+    assert counts["late_replies"] >= len(during)  # the held requests were answered after the device had
+    assert counts.get("duplicate_replies", 0) == 0
+    after = [a for at, a in answers if at >= BEFORE_S + OUTAGE_S + 3.0]
+    assert any(a.answered_by == "cloud" for a in after), "the cloud never answered in time again"
+    assert shim_stats["dropped"] >= 1 and shim_stats["refused"] >= 1
