@@ -2,7 +2,8 @@
 by MDInference's policy.
 
 - an **agent** over the request topic (``serve.requests``, one partition: the profiles below are one state)
-  verifies each request, asks the policy for a model (:mod:`streamflow.serve.policy`), runs it on our
+  verifies each request, asks the policy for a model (its budget counts from the time the device still waits
+  when the request leaves, ``window_ms``, rather than the whole SLA) (:mod:`streamflow.serve.policy`), runs it on our
   engine (in a thread, so the event loop keeps fetching and heartbeating), and sends a signed reply to
   ``serve.replies`` keyed by the device, on the device's partition
   (:func:`~streamflow.serve.messages.reply_partition`);
@@ -78,6 +79,7 @@ class ServeConfig:
     cleanup_every_s: float = 5.0
     web_port: int | None = None  # None: no web server
     warm_up: bool = True
+    empty_fetch_pause_ms: float = 2.0  # see pause_after_empty_fetches; 0: off
 
     @classmethod
     def from_settings(cls, **overrides: Any) -> ServeConfig:
@@ -113,10 +115,15 @@ class Server:
         m = self.zoo.get(name)
         return Profile(m.latency_mean_ms, m.latency_std_ms**2, 0)
 
+    @property
+    def largest(self) -> str:
+        """The static baseline's model: the largest input (most compute); among equals, the most accurate."""
+        return max(self.models, key=lambda m: (m.input_size, m.accuracy)).name
+
     def choose(self, request: Request, profiles: dict[str, Profile]) -> Choice:
         if request.policy == "largest":
-            return self.policy.largest(self.models, request.sla_ms, request.upload_ms)
-        return self.policy.choose(self.models, profiles, request.sla_ms, request.upload_ms, self.rng)
+            return self.policy.static(self.largest, request.wait_ms, request.upload_ms)
+        return self.policy.choose(self.models, profiles, request.wait_ms, request.upload_ms, self.rng)
 
     def run_model(self, name: str, request: Request) -> tuple[int, float]:
         predict = self.zoo.predictor(name)
@@ -138,6 +145,35 @@ def load_server(config: ServeConfig) -> Server:
                   KeyRegistry(config.key_registry))
 
 
+def pause_after_empty_fetches(pause_ms: float) -> bool:
+    """Make aiokafka's fetcher wait ``pause_ms`` after a fetch that brought nothing, before the next one.
+
+    A Kafka broker holds an empty fetch for ``fetch_max_wait_ms``; noida-db (the tests' and benchmarks'
+    broker) answers it at once, and aiokafka then fetches again in a tight loop: an idle worker took ~80%
+    of a core on this 2-core machine (measured), which the models and the device then lack. With a broker
+    that holds fetches this changes nothing. Returns whether the fetcher could be patched (a private
+    method of aiokafka's; if it moved, the worker runs unpatched and says so).
+    """
+    from aiokafka.consumer import fetcher
+
+    original = getattr(fetcher.Fetcher, "_proc_fetch_request", None)
+    if original is None:
+        log.warning("aiokafka's fetcher has no _proc_fetch_request; empty fetches are not paused")
+        return False
+    if getattr(original, "streamflow_paused", False):
+        return True
+
+    async def paused(self: Any, assignment: Any, node_id: Any, request: Any) -> Any:
+        got = await original(self, assignment, node_id, request)
+        if not got:
+            await asyncio.sleep(pause_ms / 1000.0)
+        return got
+
+    paused.streamflow_paused = True  # type: ignore[attr-defined]
+    fetcher.Fetcher._proc_fetch_request = paused
+    return True
+
+
 def faust_broker(bootstrap: str) -> list[str]:
     """``host:port[,host:port]`` as faust's broker URLs."""
     return [f"kafka://{part.strip()}" for part in bootstrap.split(",") if part.strip()]
@@ -148,6 +184,8 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
     import faust
 
     server = server or load_server(config)
+    if config.empty_fetch_pause_ms > 0:
+        pause_after_empty_fetches(config.empty_fetch_pause_ms)
     web = {"web_enabled": config.web_port is not None, "web_bind": "127.0.0.1", "web_host": "127.0.0.1"}
     if config.web_port is not None:
         web["web_port"] = config.web_port
@@ -192,7 +230,7 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
             count("error.policy")
             await reply(request, Reply(**base, status="error", detail=f"unknown policy {request.policy!r}"))
             return
-        if config.skip_expired and time.time() * 1000.0 - request.sent_ms > request.sla_ms:
+        if config.skip_expired and time.time() * 1000.0 - request.sent_ms > request.wait_ms:
             count("expired")
             await reply(request, Reply(**base, status="expired", detail="the SLA had passed when the worker got it"))
             return

@@ -11,8 +11,10 @@ this process keeps the deadlines. It answers each request exactly once:
 - a cloud reply that arrives after its request was answered is counted (``late_replies``) and dropped; one
   that does not verify goes to :attr:`ServeClient.dead_letters` and is counted by reason.
 
-The upload time: a request is one Kafka message and cannot carry its own upload time, so each request
-carries the latest measurement — half the produce round trip (send → broker acknowledgement) of the
+The time budget: a request carries its SLA and the time the device will still wait for the reply when the
+request leaves (the SLA less the encoding time and the guard below); the cloud counts its budget from the
+latter. The upload time: a request is one Kafka message and cannot carry its own upload time, so each
+request carries the latest measurement — half the produce round trip (send → broker acknowledgement) of the
 previous request, which the cloud doubles into its network estimate (MDInference). A device's first
 request carries none and the cloud assumes half the SLA is network.
 
@@ -234,8 +236,19 @@ class ServeClient:
                 if not pending.done and (pending.policy == "local" or pending.past_deadline):
                     self._finish(pending, "device")
                 return
-        if network is not None:  # outside the lock: a full socket buffer must not stall the deadlines
-            network.send(("send", request_id, (pending.sla_ms, pending.policy, shape[0], shape[1], value)))
+        window_ms = (pending.deadline - time.perf_counter()) * 1000.0  # what the device will still wait
+        if window_ms < 1.0:
+            self._count_late_send(pending)
+        elif network is not None:  # outside the lock: a full socket buffer must not stall the deadlines
+            network.send(("send", request_id, (pending.sla_ms, min(window_ms, pending.sla_ms), pending.policy,
+                                               shape[0], shape[1], value)))
+
+    def _count_late_send(self, pending: _Pending) -> None:
+        with self._lock:
+            self.counts["unsent"] += 1
+            self.counts["unsent.no_time_left"] += 1
+            if not pending.done:
+                pending.cloud = "unsent"
 
     def _on_network(self, kind: str, request_id: int, value: Any) -> None:
         with self._lock:

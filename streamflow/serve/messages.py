@@ -6,9 +6,11 @@ verifies a request with the requesting device's key and signs its reply with the
 verifies the reply with its own. The envelope's table name says which message it is (``serve.request`` /
 ``serve.reply``) and its sequence number is the request id.
 
-A request carries the SLA, the device's latest measured upload time, the device clock at sending, the
-policy asked for, and the image (``H×W×3`` uint8), as JPEG (what a phone uploads; ~23 KB for a noisy 256 px
-page at quality 90 against 192 KB raw; the broker keeps every byte until the worker deletes it) or raw.
+A request carries the SLA, the time the device will still wait for the reply when the request leaves
+(``window_ms``: the SLA less what encoding took and the device's guard before its deadline), the device's
+latest measured upload time, the device clock at sending, the policy asked for, and the image (``H×W×3``
+uint8), as JPEG (what a phone uploads; ~23 KB for a noisy 256 px page at quality 90 against 192 KB raw; the
+broker keeps every byte until the worker deletes it) or raw.
 A reply names the model that answered, its budget, the network estimate, the inference time and the
 predicted class.
 
@@ -19,10 +21,10 @@ Example:
     >>> import numpy as np
     >>> key = b"k" * 32
     >>> req = Request("phone-1", 7, sla_ms=150.0, upload_ms=12.5, sent_ms=1_700_000_000_000,
-    ...               policy="mdinference", image=np.zeros((4, 4, 3), np.uint8))
+    ...               policy="mdinference", image=np.zeros((4, 4, 3), np.uint8), window_ms=120.0)
     >>> back = decode_request(encode_request(req, key), {"phone-1": key}.get)
-    >>> back.request_id, back.sla_ms, back.upload_ms, back.image.shape
-    (7, 150.0, 12.5, (4, 4, 3))
+    >>> back.request_id, back.sla_ms, back.window_ms, back.upload_ms, back.image.shape
+    (7, 150.0, 120.0, 12.5, (4, 4, 3))
     >>> decode_reply(encode_request(req, key), {"phone-1": key}.get)
     Traceback (most recent call last):
     ...
@@ -74,6 +76,12 @@ class Request:
     sent_ms: int
     policy: str
     image: np.ndarray = field(repr=False)
+    window_ms: float | None = None  # None: the whole SLA
+
+    @property
+    def wait_ms(self) -> float:
+        """How long the device waits for the reply from when the request left: the budget's starting point."""
+        return self.sla_ms if self.window_ms is None else self.window_ms
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,7 @@ def encode_request(request: Request, key: bytes, image_format: str = "jpeg", qua
     height, width = request.image.shape[:2]
     row = pa.table({
         "sla_ms": pa.array([float(request.sla_ms)], pa.float64()),
+        "window_ms": pa.array([request.window_ms], pa.float64()),
         "upload_ms": pa.array([request.upload_ms], pa.float64()),
         "sent_ms": pa.array([int(request.sent_ms)], pa.int64()),
         "policy": pa.array([request.policy], pa.string()),
@@ -133,11 +142,11 @@ def encode_request(request: Request, key: bytes, image_format: str = "jpeg", qua
 def decode_request(value: bytes | None, key_for: KeyLookup) -> Request:
     batch = _open(value, key_for, REQUEST_KIND)
     where = f"{batch.device} request {batch.first_seq}"
-    fields = _one_row(batch.rows, where, {"sla_ms", "upload_ms", "sent_ms", "policy", "height", "width", "format",
-                                          "image"})
+    fields = _one_row(batch.rows, where, {"sla_ms", "window_ms", "upload_ms", "sent_ms", "policy", "height",
+                                          "width", "format", "image"})
     try:
         height, width, data = int(fields["height"]), int(fields["width"]), fields["image"]
-        sla, upload = float(fields["sla_ms"]), fields["upload_ms"]
+        sla, upload, window = float(fields["sla_ms"]), fields["upload_ms"], fields["window_ms"]
         if not (0 < height <= MAX_IMAGE_SIDE and 0 < width <= MAX_IMAGE_SIDE):
             raise ValueError(f"image side {height}×{width} outside 1..{MAX_IMAGE_SIDE}")
         image = _image(fields["format"], data, height, width)
@@ -145,12 +154,14 @@ def decode_request(value: bytes | None, key_for: KeyLookup) -> Request:
             raise ValueError(f"sla_ms must be a positive number, got {sla}")
         if upload is not None and not (math.isfinite(upload) and upload >= 0):
             raise ValueError(f"upload_ms must be a non-negative number, got {upload}")
+        if window is not None and not (math.isfinite(window) and 0 < window <= sla):
+            raise ValueError(f"window_ms must be in (0, sla_ms], got {window}")
         if not isinstance(fields["policy"], str) or not isinstance(fields["sent_ms"], int):
             raise ValueError("policy must be a string and sent_ms an integer")
     except (TypeError, ValueError) as exc:
         raise MessageError("bad_fields", f"{where}: {exc}", batch.device) from exc
     return Request(batch.device, batch.first_seq, sla, None if upload is None else float(upload),
-                   fields["sent_ms"], fields["policy"], image)
+                   fields["sent_ms"], fields["policy"], image, None if window is None else float(window))
 
 
 def _image(image_format: str, data: bytes, height: int, width: int) -> np.ndarray:

@@ -143,7 +143,8 @@ class KafkaShim:
 
     # -- knobs --------------------------------------------------------------------------------------
     def set_profile(self, profile: LinkProfile) -> None:
-        """Use ``profile`` for connections opened from now on (reconnect clients to apply it to them)."""
+        """Use ``profile`` from the next frame on, on open connections too (each connection's delays are then
+        drawn from the new profile's seeded streams)."""
         self.profile = profile
 
     def outage(self, seconds: float, mode: OutageMode = "drop") -> None:
@@ -239,9 +240,8 @@ class _Connection:
         self.shim = shim
         self.writers = (client_writer, broker_writer)
         self.asked: dict[int, tuple[int, int]] = {}  # correlation id → (api key, version) of what we rewrite
-        profile = shim.profile
-        self.up = _DelayedPipe(shim, client_reader, broker_writer, profile.sampler(f"{ident}:up"), self._request)
-        self.down = _DelayedPipe(shim, broker_reader, client_writer, profile.sampler(f"{ident}:down"), self._response)
+        self.up = _DelayedPipe(shim, client_reader, broker_writer, f"{ident}:up", self._request)
+        self.down = _DelayedPipe(shim, broker_reader, client_writer, f"{ident}:down", self._response)
         self.tasks: list[asyncio.Task] = []
 
     async def run(self) -> None:
@@ -282,12 +282,14 @@ class _Connection:
 class _DelayedPipe:
     """Reads frames from one side, holds each for its delay (never overtaking), writes them to the other."""
 
-    def __init__(self, shim: KafkaShim, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 delay_ms: Callable[[], float], transform):
+    def __init__(self, shim: KafkaShim, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stream: str,
+                 transform):
         self.shim = shim
         self.reader = reader
         self.writer = writer
-        self.delay_ms = delay_ms
+        self.stream = stream
+        self.profile: LinkProfile | None = None
+        self.draw: Callable[[], float] = lambda: 0.0
         self.transform = transform
         self.queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
         self.last_release = 0.0
@@ -297,7 +299,10 @@ class _DelayedPipe:
             while True:
                 size = await self.reader.readexactly(4)
                 frame = await self.reader.readexactly(int.from_bytes(size, "big", signed=True))
-                release = max(time.monotonic() + self.delay_ms() / 1000.0, self.last_release)
+                if self.profile is not self.shim.profile:  # a new profile: its own seeded stream from here on
+                    self.profile = self.shim.profile
+                    self.draw = self.profile.sampler(self.stream)
+                release = max(time.monotonic() + self.draw() / 1000.0, self.last_release)
                 self.last_release = release
                 self.queue.put_nowait((release, await self.transform(frame)))
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -362,6 +367,12 @@ class ShimProcess:
         if answer != "ok":
             raise RuntimeError(f"the shim process refused the outage: {answer}")
 
+    def set_profile(self, profile: LinkProfile) -> None:
+        answer = self._ask(f"profile {profile.mean_ms} {profile.cv} {profile.seed}")
+        if answer != "ok":
+            raise RuntimeError(f"the shim process refused the profile: {answer}")
+        self.profile = profile
+
     def stats(self) -> dict[str, Any]:
         import json
 
@@ -387,7 +398,8 @@ class ShimProcess:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m streamflow.serve.netshim BROKER [--mean-ms M] [--cv C] [--seed S]``: print ``listening
-    HOST:PORT``, then obey ``outage SECONDS drop|stall`` and ``stats`` lines on stdin until it closes."""
+    HOST:PORT``, then obey ``outage SECONDS drop|stall``, ``profile MEAN_MS CV SEED`` and ``stats`` lines on
+    stdin until it closes."""
     import argparse
     import dataclasses
     import json
@@ -407,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if words[:1] == ["outage"] and len(words) == 3:
                     shim.outage(float(words[1]), words[2])  # type: ignore[arg-type]
+                    print("ok", flush=True)
+                elif words[:1] == ["profile"] and len(words) == 4:
+                    shim.set_profile(LinkProfile(float(words[1]), float(words[2]), int(words[3])))
                     print("ok", flush=True)
                 elif words == ["stats"]:
                     print(json.dumps(dataclasses.asdict(shim.stats)), flush=True)

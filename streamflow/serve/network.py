@@ -1,7 +1,7 @@
 """The device's Kafka process (see :mod:`streamflow.serve.child` for why it is a process of its own).
 
 It holds the device's kafka-python producer and reply consumer. From the parent it takes
-``("send", request_id, (sla_ms, policy, height, width, image bytes))`` and sends the signed request with the
+``("send", request_id, (sla_ms, window_ms, policy, height, width, image bytes))`` and sends the signed request with the
 latest measured upload time (half the produce round trip of the last acknowledged request) and the device
 clock; it reports ``("acked", id, upload ms)``, ``("send_failed", id, reason)`` (not delivered within the
 delivery timeout) or ``("unsent", id, reason)`` (not even handed to Kafka). It reads the device's reply
@@ -94,9 +94,9 @@ def serve(side: ChildSide) -> None:
     reader = threading.Thread(target=read_replies, name="serve-replies", daemon=True)
     reader.start()
     while (message := side.recv()) is not None:
-        _, request_id, (sla_ms, policy, height, width, data) = message
+        _, request_id, (sla_ms, window_ms, policy, height, width, data) = message
         request = Request(device, request_id, sla_ms, upload_ms[0], int(time.time() * 1000), policy,
-                          _shape_only(height, width))
+                          _shape_only(height, width), window_ms)
         try:
             value = encode_request(request, key, image_format, encoded=data)
             sent_at = time.perf_counter()

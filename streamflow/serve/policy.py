@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-#: Which model-choice rule a request asks for: MDInference, or the static "always the most accurate model".
+#: Which model-choice rule a request asks for: MDInference, or the static "always the largest model".
 PolicyName = Literal["mdinference", "largest"]
 POLICIES: tuple[str, ...] = ("mdinference", "largest")
 
@@ -157,13 +157,10 @@ class MDInference:
                 break
         return Choice(picked.name, budget, network, tuple(m.name for m in fitting), tuple(probabilities), "sampled")
 
-    def largest(self, models: Sequence[HasAccuracy], sla_ms: float, upload_ms: float | None) -> Choice:
-        """The static baseline: always the most accurate model, whatever the budget."""
-        if not models:
-            raise ValueError("no models to choose from")
+    def static(self, model: str, sla_ms: float, upload_ms: float | None) -> Choice:
+        """A static baseline: always ``model`` (e.g. the largest), whatever the budget."""
         network = self.network_estimate_ms(sla_ms, upload_ms)
-        best = max(models, key=lambda m: m.accuracy)
-        return Choice(best.name, sla_ms - network, network, (best.name,), (1.0,), "static")
+        return Choice(model, sla_ms - network, network, (model,), (1.0,), "static")
 
 
 __all__ = ["POLICIES", "Choice", "MDInference", "ModelInfo", "PolicyName", "Profile"]

@@ -61,7 +61,7 @@ def test_unknown_upload_time_assumes_half_the_sla_is_network():
 
 
 def test_the_static_baseline_ignores_the_budget():
-    choice = MDInference().largest(MODELS, sla_ms=100, upload_ms=40)
+    choice = MDInference().static("c", sla_ms=100, upload_ms=40)
     assert (choice.model, choice.budget_ms, choice.reason) == ("c", 20.0, "static")
 
 

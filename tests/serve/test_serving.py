@@ -67,17 +67,23 @@ def test_cloud_answer_is_the_chosen_models_real_prediction_with_its_budget(clien
         assert answer.model in serve_zoo.names and answer.met_sla
         assert answer.label == serve_zoo.predictor(answer.model)(as_sent(images[i]))  # the model really ran
         assert answer.inference_ms > 0
-    # the first request carries no upload time yet: the cloud takes half the SLA as network
-    assert answers[0].budget_ms == GENEROUS_SLA_MS / 2
-    # then budget = SLA - 2 x upload, upload = half a produce round trip on loopback: a few ms
-    assert all(GENEROUS_SLA_MS - 200 < a.budget_ms < GENEROUS_SLA_MS for a in answers[1:])
+    # the device waits SLA - guard (10% of it) from submission; the request leaves a few ms later with what is
+    # left, and the budget counts from there. The first request carries no upload time yet: the cloud takes
+    # half of it as network; then budget = window - 2 x upload (half a produce round trip on loopback).
+    window = 0.9 * GENEROUS_SLA_MS
+    assert window / 2 - 100 < answers[0].budget_ms < window / 2
+    assert all(window - 200 < a.budget_ms < window for a in answers[1:])
     assert client.counts["requests"] == client.counts["answered_by_cloud"] == 6
     assert client.upload_ms is not None and client.upload_ms > 0
 
 
-def test_static_policy_always_takes_the_most_accurate_model(client, serve_zoo, pages):
+def largest(zoo) -> str:
+    return max(zoo.models, key=lambda m: m.input_size).name
+
+
+def test_static_policy_always_takes_the_largest_model(client, serve_zoo, pages):
     answers = [client.infer(pages[0][i], sla_ms=GENEROUS_SLA_MS, policy="largest") for i in range(3)]
-    assert [a.model for a in answers] == [serve_zoo.most_accurate().name] * 3
+    assert [a.model for a in answers] == [largest(serve_zoo)] * 3
 
 
 def test_local_policy_never_asks_the_cloud(client, serve_zoo, pages):
@@ -91,7 +97,7 @@ def test_local_policy_never_asks_the_cloud(client, serve_zoo, pages):
 def test_the_faust_table_holds_ewma_profiles_updated_with_each_inference_time(client, serve_worker, serve_zoo,
                                                                                 pages):
     images, _ = pages
-    model = serve_zoo.most_accurate().name
+    model = largest(serve_zoo)
     time.sleep(1.0)  # let earlier tests' changelog writes land
     stored = latest_table_value(serve_worker, PROFILES_TABLE, model)
     before = Profile.from_dict(stored) if stored else Profile(serve_zoo.get(model).latency_mean_ms,
