@@ -14,9 +14,9 @@ this process keeps the deadlines. It answers each request exactly once:
 The time budget: a request carries its SLA and the time the device will still wait for the reply when the
 request leaves (the SLA less the encoding time and the guard below); the cloud counts its budget from the
 latter. The upload time: a request is one Kafka message and cannot carry its own upload time, so each
-request carries the latest measurement — half the produce round trip (send → broker acknowledgement) of the
-previous request, which the cloud doubles into its network estimate (MDInference). A device's first
-request carries none and the cloud assumes half the SLA is network.
+request carries the device's measurement so far (:class:`streamflow.serve.network.UploadTime`: half the
+non-model round trip of the replies so far, an EWMA), which the cloud doubles into its network estimate
+(MDInference). A device's first request carries none and the cloud assumes half the wait is network.
 
 ``policy="local"`` sends nothing and answers with the local model (the always-local baseline).
 
@@ -76,6 +76,7 @@ class Answer:
     cloud: str
     budget_ms: float = math.nan
     inference_ms: float = math.nan
+    network_ms: float = math.nan  # the cloud's network estimate (2 × the upload time the request carried)
 
 
 class _Pending:
@@ -320,7 +321,8 @@ class ServeClient:
             reply = pending.reply
             assert reply is not None
             answer = Answer(pending.request_id, reply.label, "cloud", reply.model, latency, pending.sla_ms,
-                            latency <= pending.sla_ms, pending.policy, "ok", reply.budget_ms, reply.inference_ms)
+                            latency <= pending.sla_ms, pending.policy, "ok", reply.budget_ms, reply.inference_ms,
+                            reply.network_ms)
             self._answered_by_cloud.add(pending.request_id)
         elif pending.local is None:  # the local model could not take the input and the cloud did not answer
             self.counts["failed"] += 1

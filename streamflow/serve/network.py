@@ -1,13 +1,12 @@
 """The device's Kafka process (see :mod:`streamflow.serve.child` for why it is a process of its own).
 
 It holds the device's kafka-python producer and reply consumer. From the parent it takes
-``("send", request_id, (sla_ms, window_ms, policy, height, width, image bytes))`` and sends the signed request with the
-latest measured upload time (half the produce round trip of the last acknowledged request) and the device
-clock; it reports ``("acked", id, upload ms)``, ``("send_failed", id, reason)`` (not delivered within the
-delivery timeout) or ``("unsent", id, reason)`` (not even handed to Kafka). It reads the device's reply
-partition and passes on each verified reply (``("reply", id, Reply)``) or, for one that does not verify,
-``("dead_letter", 0, (reason, message, raw bytes))``. Replies for other devices on the same partition are
-skipped.
+``("send", request_id, (sla_ms, window_ms, policy, height, width, image bytes))`` and sends the signed
+request with the device's measured upload time (:class:`UploadTime`) and the device clock; it reports
+``("acked", id, upload ms)``, ``("send_failed", id, reason)`` (not delivered within the delivery timeout)
+or ``("unsent", id, reason)`` (not even handed to Kafka). It reads the device's reply partition and passes
+on each verified reply (``("reply", id, Reply)``) or, for one that does not verify, ``("dead_letter", 0,
+(reason, message, raw bytes))``. Replies for other devices on the same partition are skipped.
 """
 
 from __future__ import annotations
@@ -23,6 +22,45 @@ import numpy as np
 from streamflow.serve.child import ChildSide
 
 log = logging.getLogger("streamflow.serve.network")
+
+
+class UploadTime:
+    """The device's measured upload time, as each request reports it to the cloud.
+
+    What the device can measure of a request's network time is its round trip: from handing the request to
+    Kafka to the reply's arrival, less the inference time the reply reports. Half of that is one way: the
+    upload time the cloud doubles back into its network estimate (MDInference). It takes in everything
+    that is not the model — the link both ways, the broker, the worker's queue and its Kafka client, the
+    device's reply fetch — which a produce acknowledgement alone (used until the first reply) misses. A
+    request cannot carry its own round trip, so it carries an EWMA (``alpha``) of those measured so far.
+
+    Example:
+        >>> upload = UploadTime(alpha=0.5)
+        >>> upload.acked(8.0); upload.value
+        4.0
+        >>> upload.replied(round_trip_ms=50.0, inference_ms=10.0); upload.value   # first reply: 20 ms one way
+        20.0
+        >>> upload.replied(round_trip_ms=70.0, inference_ms=10.0); upload.value   # 30 ms: the EWMA moves half way
+        25.0
+    """
+
+    def __init__(self, alpha: float = 0.3):
+        self.alpha = alpha
+        self.mean: float | None = None
+        self._ack_ms: float | None = None
+
+    @property
+    def value(self) -> float | None:
+        if self.mean is None:
+            return None if self._ack_ms is None else self._ack_ms / 2.0
+        return self.mean
+
+    def acked(self, round_trip_ms: float) -> None:
+        self._ack_ms = round_trip_ms
+
+    def replied(self, round_trip_ms: float, inference_ms: float) -> None:
+        one_way = max(round_trip_ms - (inference_ms if inference_ms == inference_ms else 0.0), 0.0) / 2.0
+        self.mean = one_way if self.mean is None else self.mean + self.alpha * (one_way - self.mean)
 
 
 def serve(side: ChildSide) -> None:
@@ -62,7 +100,8 @@ def serve(side: ChildSide) -> None:
         return
     side.send("ready", 0, None)
     stopping = threading.Event()
-    upload_ms: list[float | None] = [None]
+    upload = UploadTime()
+    sent_at: dict[int, float] = {}  # request id → when it was handed to Kafka (forgotten on its reply)
 
     def read_replies() -> None:
         key_for = {device: key}.get
@@ -85,26 +124,33 @@ def serve(side: ChildSide) -> None:
                     except MessageError as exc:
                         side.send("dead_letter", 0, (exc.reason, str(exc), record.value))
                         continue
+                    started = sent_at.pop(reply.request_id, None)
+                    if started is not None and reply.status == "ok":
+                        upload.replied((time.perf_counter() - started) * 1000.0, reply.inference_ms)
                     side.send("reply", reply.request_id, reply)
 
-    def acked(request_id: int, sent_at: float) -> None:
-        upload_ms[0] = (time.perf_counter() - sent_at) * 1000.0 / 2.0
-        side.send("acked", request_id, upload_ms[0])
+    def acked(request_id: int, at: float) -> None:
+        upload.acked((time.perf_counter() - at) * 1000.0)
+        side.send("acked", request_id, upload.value)
 
     reader = threading.Thread(target=read_replies, name="serve-replies", daemon=True)
     reader.start()
     while (message := side.recv()) is not None:
         _, request_id, (sla_ms, window_ms, policy, height, width, data) = message
-        request = Request(device, request_id, sla_ms, upload_ms[0], int(time.time() * 1000), policy,
+        request = Request(device, request_id, sla_ms, upload.value, int(time.time() * 1000), policy,
                           _shape_only(height, width), window_ms)
         try:
             value = encode_request(request, key, image_format, encoded=data)
-            sent_at = time.perf_counter()
+            now = time.perf_counter()
             future = producer.send(REQUEST_TOPIC, key=device.encode(), value=value)
         except Exception as exc:  # no metadata / buffer full during an outage: the local model answers
             side.send("unsent", request_id, str(exc))
             continue
-        future.add_callback(lambda _meta, rid=request_id, at=sent_at: acked(rid, at))
+        sent_at[request_id] = now
+        if len(sent_at) > 10_000:  # requests the cloud never replied to (an outage): forget the oldest
+            for old in sorted(sent_at)[:5_000]:
+                del sent_at[old]
+        future.add_callback(lambda _meta, rid=request_id, at=now: acked(rid, at))
         future.add_errback(lambda exc, rid=request_id: side.send("send_failed", rid, str(exc)))
     stopping.set()
     reader.join(timeout=5)
