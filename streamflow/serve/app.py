@@ -11,8 +11,9 @@ by MDInference's policy.
   from the zoo's measured profile), changelogged to the broker, so a restarted worker resumes with them;
   a second table ``serve-counters`` counts what was served, expired and dead-lettered;
 - a request that does not verify or parse goes whole to ``serve.requests.dlq`` with its reason in the
-  headers and is counted (``dead_letter.<reason>``); a request whose SLA had already passed when the worker
-  got to it (after an outage, say) is answered ``expired`` without running a model, so the worker catches
+  headers and is counted (``dead_letter.<reason>``); a request whose wait had already passed when the worker
+  got to it (after an outage, say; judged by the device's clock at sending against the worker's, so the two
+  are assumed NTP-close) is answered ``expired`` without running a model, so the worker catches
   up with a backlog at once instead of spending its models on answers nobody waits for;
 - consumed requests and replies older than ``reply_retention_s`` are deleted from the broker (DeleteRecords):
   serving data is worthless after its deadline and the log must not grow without end.
@@ -213,6 +214,9 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
 
     async def reply(request: Request, answer: Reply) -> None:
         key = server.registry.key_for(request.device)
+        if key is None:  # removed from the registry since its request was verified: nobody to sign for
+            count("error.device_removed")
+            return
         partition = reply_partition(request.device)
         sent = await replies.send(key=request.device.encode(), value=encode_reply(answer, key), partition=partition)
         sent.add_done_callback(lambda f: f.exception() or server.replies_sent.append(

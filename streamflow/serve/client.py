@@ -222,6 +222,9 @@ class ServeClient:
 
     # -- what the helper processes send -----------------------------------------------------------------
     def _on_device(self, kind: str, request_id: int, value: Any) -> None:
+        if kind == "closed":
+            self._device_gone()
+            return
         with self._lock:
             pending = self._pending.get(request_id)
             if pending is None:
@@ -250,6 +253,17 @@ class ServeClient:
             self.counts["unsent.no_time_left"] += 1
             if not pending.done:
                 pending.cloud = "unsent"
+
+    def _device_gone(self) -> None:
+        """The model process exited: what waits for it gets the cloud's answer or, past its deadline, an error."""
+        with self._lock:
+            if not self._stopping.is_set():
+                log.error("the device model process is gone; requests without a cloud answer fail")
+            for pending in list(self._pending.values()):
+                if pending.local is None and pending.local_error is None:
+                    pending.local_error = "the device model process exited"
+                    if pending.past_deadline or pending.policy == "local":
+                        self._finish(pending, "device")
 
     def _on_network(self, kind: str, request_id: int, value: Any) -> None:
         with self._lock:

@@ -6,10 +6,15 @@ then the cloud answers in time again."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+
+import pytest
 
 from streamflow.serve.client import ServeClient
 from streamflow.serve.netshim import LinkProfile, ShimProcess
+from tests.serve.serve_worker import start_worker
 
 SLA_MS = 250.0
 EVERY_S = 0.05
@@ -55,3 +60,50 @@ def test_broker_outage_every_request_answered_once_by_its_deadline_and_the_cloud
     after = [a for at, a in answers if at >= BEFORE_S + OUTAGE_S + 3.0]
     assert any(a.answered_by == "cloud" for a in after), "the cloud never answered in time again"
     assert shim_stats["dropped"] >= 1 and shim_stats["refused"] >= 1
+
+
+@pytest.mark.slow
+def test_a_stalled_broker_stalls_everyone_yet_every_request_is_answered_by_its_deadline(
+        private_broker, serve_zoo, serve_keys, pages, tmp_path):
+    """The real broker itself stops (SIGSTOP) for a while, under the worker too: the device answers alone, the
+    faust worker survives, and afterwards it replies to what was held and answers in time again."""
+    images, _ = pages
+    worker = start_worker(private_broker.bootstrap, serve_zoo, serve_keys, tmp_path / "worker.log", images[0])
+    broker_pid = private_broker.pid()
+    try:
+        with ServeClient("phone-outage", serve_keys.key_for("phone-outage"), bootstrap=private_broker.bootstrap,
+                         zoo=serve_zoo) as device:
+            sent: list[tuple[float, object]] = []
+            start = time.monotonic()
+            stopped = resumed = False
+            try:
+                while time.monotonic() < start + BEFORE_S + OUTAGE_S + AFTER_S:
+                    at = time.monotonic() - start
+                    if not stopped and at >= BEFORE_S:
+                        os.kill(broker_pid, signal.SIGSTOP)
+                        stopped = True
+                    if stopped and not resumed and at >= BEFORE_S + OUTAGE_S:
+                        os.kill(broker_pid, signal.SIGCONT)
+                        resumed = True
+                    sent.append((at, device.submit(images[len(sent) % len(images)], SLA_MS)))
+                    time.sleep(EVERY_S)
+            finally:
+                os.kill(broker_pid, signal.SIGCONT)
+            answers = [(at, future.result(timeout=10)) for at, future in sent]
+            ids = [a.request_id for _, a in answers]
+            deadline = time.monotonic() + 60
+            while set(ids) - device.replied and time.monotonic() < deadline:
+                time.sleep(0.2)
+            counts = dict(device.counts)
+            never_replied = set(ids) - device.replied
+        assert worker.alive(), worker.log_text()
+    finally:
+        worker.stop()
+    assert len(set(ids)) == len(ids) == counts["requests"]
+    missed = [(round(at, 2), round(a.latency_ms, 1), a.answered_by) for at, a in answers if not a.met_sla]
+    assert not missed, f"answered after the deadline: {missed}"
+    during = [a for at, a in answers if BEFORE_S + 0.1 <= at < BEFORE_S + OUTAGE_S]
+    assert during and all(a.answered_by == "device" for a in during)
+    assert not never_replied, f"{len(never_replied)} requests never got a cloud reply; counts {counts}"
+    after = [a for at, a in answers if at >= BEFORE_S + OUTAGE_S + 3.0]
+    assert any(a.answered_by == "cloud" for a in after), "the cloud never answered in time again"
