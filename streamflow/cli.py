@@ -5,7 +5,7 @@
     streamflow tunnel keys add DEVICE | list | remove DEVICE
     streamflow tunnel consume --db CLOUD.duckdb [--idle-timeout S] [--runner python|flink]
     streamflow flink-cluster start|stop|status
-    streamflow serve [--models A,B] [--temperature T] [--alpha A] [--zoo ZOO.json]
+    streamflow serve [--models A,B] [--temperature T] [--alpha A] [--explore P] [--zoo ZOO.json]
 
 One command line (Typer), every default from :mod:`streamflow.settings` (explicit option first,
 ``STREAMFLOW_*`` second, built-in default last). :func:`main` returns the exit code: 0 done, 1 the
@@ -207,6 +207,8 @@ def serve_command(
                                                            "$STREAMFLOW_SERVE_TEMPERATURE or 0.02)")] = None,
     alpha: Annotated[float | None, typer.Option(help="EWMA weight of a new latency sample (default: "
                                                      "$STREAMFLOW_SERVE_ALPHA or 0.2)")] = None,
+    explore: Annotated[float, typer.Option(help="probability of running a model that does not fit the budget, "
+                                               "to measure it again")] = 0.02,
     zoo: Annotated[str | None, typer.Option(help="the zoo's zoo.json (default: in $STREAMFLOW_ZOO_DIR)")] = None,
     app_id: Annotated[str | None, typer.Option(help="faust app id: consumer group and table topics")] = None,
     seed: Annotated[int, typer.Option(help="seed of the policy's sampling")] = 0,
@@ -223,6 +225,7 @@ def serve_command(
     s = settings(serve_temperature=temperature, serve_alpha=alpha, serve_app_id=app_id)  # validates the knobs
     config = ServeConfig.from_settings(models=names, temperature=s.serve_temperature, alpha=s.serve_alpha,
                                        app_id=s.serve_app_id, zoo_path=Path(zoo) if zoo else None, seed=seed,
+                                       explore=explore,
                                        web_port=web_port, key_registry=Path(key_registry) if key_registry else None)
     try:
         served = served_models(config)

@@ -73,6 +73,7 @@ class ServeConfig:
     models: tuple[str, ...] | None = None  # None: every model of the zoo
     temperature: float = 0.02
     alpha: float = 0.2
+    explore: float = 0.02
     seed: int = 0
     key_registry: Path | None = None
     skip_expired: bool = True
@@ -142,7 +143,8 @@ def load_server(config: ServeConfig) -> Server:
     models = [zoo.get(name) for name in config.models] if config.models else list(zoo.models)
     if config.warm_up:
         zoo.warm_up([m.name for m in models])
-    return Server(config, zoo, models, MDInference(config.temperature, config.alpha), random.Random(config.seed),
+    return Server(config, zoo, models, MDInference(config.temperature, config.alpha, config.explore),
+                  random.Random(config.seed),
                   KeyRegistry(config.key_registry))
 
 
@@ -248,7 +250,7 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
             count("error.model")
             await reply(request, Reply(**base, status="error", model=choice.model, detail=str(exc)))
             return
-        profiles[choice.model] = current[choice.model].updated(inference_ms, config.alpha).to_dict()
+        profiles[choice.model] = server.policy.update(current[choice.model], inference_ms).to_dict()
         count("served")
         count(f"model.{choice.model}")
         await reply(request, Reply(**base, status="ok", model=choice.model, label=label, budget_ms=choice.budget_ms,

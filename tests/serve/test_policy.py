@@ -14,7 +14,7 @@ PROFILES = {"a": Profile(10.0, 4.0), "b": Profile(30.0, 25.0), "c": Profile(60.0
 
 
 def test_budget_candidates_and_probabilities_by_hand():
-    policy = MDInference(temperature=0.1)
+    policy = MDInference(temperature=0.1, explore=0)
     # SLA 100, upload 20 → network 2 × 20 = 40 → budget 60: a (12) and b (35) fit, c (70) does not
     choice = policy.choose(MODELS, PROFILES, sla_ms=100, upload_ms=20, rng=random.Random(0))
     assert choice.network_ms == 40.0
@@ -31,12 +31,13 @@ def test_budget_candidates_and_probabilities_by_hand():
 def test_a_draw_below_the_first_probability_picks_the_less_accurate_candidate():
     # random.Random(3).random() = 0.237964... < p(a) = 0.268941 → a: exploration of the less accurate model
     assert random.Random(3).random() == pytest.approx(0.23796462709189137)
-    choice = MDInference(temperature=0.1).choose(MODELS, PROFILES, sla_ms=100, upload_ms=20, rng=random.Random(3))
+    choice = MDInference(temperature=0.1, explore=0).choose(MODELS, PROFILES, sla_ms=100, upload_ms=20,
+                                                            rng=random.Random(3))
     assert choice.model == "a"
 
 
 def test_sampling_frequencies_follow_the_probabilities():
-    policy, rng = MDInference(temperature=0.1), random.Random(7)
+    policy, rng = MDInference(temperature=0.1, explore=0), random.Random(7)
     picks = [policy.choose(MODELS, PROFILES, 100, 20, rng).model for _ in range(20_000)]
     assert picks.count("c") == 0
     assert picks.count("a") / len(picks) == pytest.approx(1 / (1 + math.e), abs=0.01)
@@ -44,19 +45,20 @@ def test_sampling_frequencies_follow_the_probabilities():
 
 def test_no_model_fits_takes_the_fastest():
     # SLA 50, upload 20 → budget 10 < 12 (a's mean + std): nothing fits → the fastest, a
-    choice = MDInference().choose(MODELS, PROFILES, sla_ms=50, upload_ms=20, rng=random.Random(0))
+    choice = MDInference(explore=0).choose(MODELS, PROFILES, sla_ms=50, upload_ms=20, rng=random.Random(0))
     assert (choice.model, choice.budget_ms, choice.candidates, choice.reason) == ("a", 10.0, (), "none_fits")
 
 
 def test_a_generous_budget_and_zero_temperature_take_the_most_accurate():
-    choice = MDInference(temperature=0).choose(MODELS, PROFILES, sla_ms=250, upload_ms=5, rng=random.Random(0))
+    choice = MDInference(temperature=0, explore=0).choose(MODELS, PROFILES, sla_ms=250, upload_ms=5,
+                                                          rng=random.Random(0))
     assert choice.candidates == ("a", "b", "c")
     assert choice.probabilities == (0.0, 0.0, 1.0)
     assert choice.model == "c"
 
 
 def test_unknown_upload_time_assumes_half_the_sla_is_network():
-    choice = MDInference().choose(MODELS, PROFILES, sla_ms=100, upload_ms=None, rng=random.Random(0))
+    choice = MDInference(explore=0).choose(MODELS, PROFILES, sla_ms=100, upload_ms=None, rng=random.Random(0))
     assert (choice.network_ms, choice.budget_ms, choice.candidates) == (50.0, 50.0, ("a", "b"))
 
 
@@ -78,6 +80,25 @@ def test_ewma_update_by_hand():
     assert again.n == 3
 
 
+def test_exploration_runs_a_model_that_does_not_fit_with_the_asked_probability():
+    # budget 60: a and b fit, c does not. random.Random(1): 0.134364... < 0.2 → explore → rng.choice([c]) = c
+    assert random.Random(1).random() == pytest.approx(0.13436424411240122)
+    choice = MDInference(temperature=0.1, explore=0.2).choose(MODELS, PROFILES, 100, 20, random.Random(1))
+    assert (choice.model, choice.reason, choice.candidates) == ("c", "explored", ("a", "b"))
+    policy, rng = MDInference(temperature=0.1, explore=0.05), random.Random(5)
+    picks = [policy.choose(MODELS, PROFILES, 100, 20, rng) for _ in range(20_000)]
+    assert sum(c.reason == "explored" for c in picks) / len(picks) == pytest.approx(0.05, abs=0.005)
+    # with every model fitting there is nothing to explore
+    assert all(policy.choose(MODELS, PROFILES, 250, 5, rng).reason == "sampled" for _ in range(200))
+
+
+def test_a_stall_is_clipped_before_it_enters_the_profile():
+    # mean 20, std 5: a 400 ms stall counts as 20 + 3·5 = 35 → mean 20 + 0.2·15 = 23
+    clipped = MDInference(alpha=0.2).update(Profile(20.0, 25.0), 400.0)
+    assert clipped.mean_ms == pytest.approx(23.0)
+    assert Profile(20.0, 25.0).updated(400.0, alpha=0.2).mean_ms == pytest.approx(96.0)  # unclipped
+
+
 def test_a_constant_latency_drives_the_variance_to_zero():
     profile = Profile(50.0, 400.0)
     for _ in range(200):
@@ -85,7 +106,8 @@ def test_a_constant_latency_drives_the_variance_to_zero():
     assert profile.mean_ms == pytest.approx(20.0) and profile.std_ms == pytest.approx(0.0, abs=1e-6)
 
 
-@pytest.mark.parametrize("bad", [{"temperature": -1}, {"alpha": 0}, {"alpha": 1.5}, {"unknown_network_share": 2}])
+@pytest.mark.parametrize("bad", [{"temperature": -1}, {"alpha": 0}, {"alpha": 1.5}, {"unknown_network_share": 2},
+                                 {"explore": 1.0}, {"clip_sigmas": 0}])
 def test_bad_knobs_are_refused(bad):
     with pytest.raises(ValueError):
         MDInference(**bad)

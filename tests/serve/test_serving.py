@@ -29,7 +29,7 @@ from streamflow.serve.messages import (
     encode_request,
     reply_partition,
 )
-from streamflow.serve.policy import Profile
+from streamflow.serve.policy import MDInference, Profile
 from streamflow.serve.zoo import ZooError
 
 GENEROUS_SLA_MS = 5000.0  # the cloud always answers in time: the test looks at what it answered
@@ -105,7 +105,7 @@ def test_the_faust_table_holds_ewma_profiles_updated_with_each_inference_time(cl
     times = [client.infer(images[i], sla_ms=GENEROUS_SLA_MS, policy="largest").inference_ms for i in range(4)]
     expected = before
     for t in times:
-        expected = expected.updated(t, alpha=0.2)  # the worker's default alpha (STREAMFLOW_SERVE_ALPHA)
+        expected = MDInference(alpha=0.2).update(expected, t)  # the worker's defaults: alpha 0.2, clip at 3 std
     deadline = time.monotonic() + 20
     while True:
         after = Profile.from_dict(latest_table_value(serve_worker, PROFILES_TABLE, model))
