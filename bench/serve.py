@@ -58,7 +58,7 @@ DEVICE = "bench-phone"
 
 def options(parser: Any) -> None:
     parser.add_argument("--requests", type=int, default=None, help="per policy per setting (default 1000, quick 15)")
-    parser.add_argument("--interval-ms", type=float, default=None, help="between requests (default 40, quick 30)")
+    parser.add_argument("--interval-ms", type=float, default=None, help="between requests (default 60, quick 40)")
     parser.add_argument("--delay-ms", type=float, default=15.0, help="mean one-way delay of the shim per frame")
     parser.add_argument("--outage-s", type=float, default=None, help="broker outage (default 10, quick 3)")
     parser.add_argument("--eval-size", type=int, default=None, help="distinct labelled pages (default 400, quick 60)")
@@ -112,7 +112,7 @@ def run_setting(client: ServeClient, images: np.ndarray, labels: np.ndarray, sta
         if outage is not None and shim is not None and not in_outage and at >= outage[0]:
             shim.outage(outage[1], mode="drop")
             in_outage = True
-        index = (start_index + i) % len(images)
+        index = (start_index + i // len(POLICIES)) % len(images)  # the three policies get the same pages
         policy = POLICIES[i % len(POLICIES)]
         sent.append((int(labels[index]), policy, at, client.submit(images[index], sla_ms, policy)))
     answered = [(label, policy, at, future.result(timeout=60)) for label, policy, at, future in sent]
@@ -156,7 +156,7 @@ def summarize(rows: list[tuple[int, str, float, Answer]]) -> dict[str, dict[str,
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], argv, extra=options)
     per_policy = args.requests or (15 if args.quick else 1000)
-    interval_s = (args.interval_ms or (30.0 if args.quick else 40.0)) / 1000.0
+    interval_s = (args.interval_ms or (40.0 if args.quick else 60.0)) / 1000.0
     outage_s = args.outage_s if args.outage_s is not None else (3.0 if args.quick else 10.0)
     eval_size = args.eval_size or (60 if args.quick else 400)
     load_before = os.getloadavg()
@@ -177,6 +177,13 @@ def main(argv: list[str] | None = None) -> None:
         shim = ShimProcess(broker.bootstrap, LinkProfile(args.delay_ms, 0.0, args.seed)).start()
         client = ServeClient(DEVICE, key, bootstrap=shim.bootstrap, zoo=zoo).start()
         ready_s = wait_for_cloud(client, images[0], worker, worker_log)
+        # settle: the first replies of a cold worker are slow; the device's upload estimate learns from them
+        settling = []
+        for i in range(30):
+            settling.append(client.submit(images[i % len(images)], 250.0))
+            time.sleep(interval_s)
+        for future in settling:
+            future.result(timeout=60)
         log(f"worker answering after {ready_s:.1f}s more; {per_policy} requests per policy per setting, one every "
             f"{interval_s * 1000:.0f} ms, mean delay {args.delay_ms} ms each way")
         per_setting: dict[str, Any] = {}
@@ -186,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
             for cv in CVS:
                 shim.set_profile(LinkProfile(args.delay_ms, cv, args.seed))
                 rows, warmup, counts = run_setting(client, images, labels, next_image, sla, per_policy, interval_s)
-                next_image += len(rows) + warmup
+                next_image += (len(rows) + warmup) // len(POLICIES) + 1
                 summary = summarize(rows)
                 name = f"sla{sla:g}_cv{cv * 100:g}"
                 per_setting[name] = {**summary, "late_replies": counts.get("late_replies", 0)}

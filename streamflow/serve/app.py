@@ -2,8 +2,10 @@
 by MDInference's policy.
 
 - an **agent** over the request topic (``serve.requests``, one partition: the profiles below are one state)
-  verifies each request, asks the policy for a model (its budget counts from the time the device still waits
-  when the request leaves, ``window_ms``, rather than the whole SLA) (:mod:`streamflow.serve.policy`), runs it on our
+  verifies each request, asks the policy (:mod:`streamflow.serve.policy`) for a model — its budget counts
+  from the time the device still waits when the request leaves (``window_ms``) rather than the whole SLA,
+  less the time the request has already waited in this worker (MDInference assumes an idle server; this one
+  measures its queue), and a request with no budget left is answered ``expired`` — runs it on our
   engine (in a thread, so the event loop keeps fetching and heartbeating), and sends a signed reply to
   ``serve.replies`` keyed by the device, on the device's partition
   (:func:`~streamflow.serve.messages.reply_partition`);
@@ -122,10 +124,12 @@ class Server:
         """The static baseline's model: the largest input (most compute); among equals, the most accurate."""
         return max(self.models, key=lambda m: (m.input_size, m.accuracy)).name
 
-    def choose(self, request: Request, profiles: dict[str, Profile]) -> Choice:
+    def choose(self, request: Request, profiles: dict[str, Profile], queued_ms: float = 0.0) -> Choice:
+        """The policy's choice for ``request``, which has waited ``queued_ms`` in this worker already."""
+        wait = request.wait_ms - queued_ms
         if request.policy == "largest":
-            return self.policy.static(self.largest, request.wait_ms, request.upload_ms)
-        return self.policy.choose(self.models, profiles, request.wait_ms, request.upload_ms, self.rng)
+            return self.policy.static(self.largest, wait, request.upload_ms)
+        return self.policy.choose(self.models, profiles, wait, request.upload_ms, self.rng)
 
     def run_model(self, name: str, request: Request) -> tuple[int, float]:
         predict = self.zoo.predictor(name)
@@ -242,7 +246,14 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
             return
         current = {m.name: Profile.from_dict(stored) if (stored := profiles.get(m.name)) else
                    server.initial_profile(m.name) for m in server.models}
-        choice = server.choose(request, current)
+        arrived = getattr(event.message, "time_in", None)  # set by faust's monitor when the consumer got it
+        queued_ms = max(time.monotonic() - arrived, 0.0) * 1000.0 if arrived is not None else 0.0
+        choice = server.choose(request, current, queued_ms)
+        if choice.budget_ms <= 0 and config.skip_expired:  # not even the reply would be in time: run nothing
+            count("expired")
+            await reply(request, Reply(**base, status="expired", budget_ms=choice.budget_ms,
+                                       network_ms=choice.network_ms, detail="no time left for a model"))
+            return
         try:
             label, inference_ms = await asyncio.get_running_loop().run_in_executor(
                 loop_executor, server.run_model, choice.model, request)

@@ -77,10 +77,12 @@ class Answer:
     budget_ms: float = math.nan
     inference_ms: float = math.nan
     network_ms: float = math.nan  # the cloud's network estimate (2 × the upload time the request carried)
+    local_ready_ms: float = math.nan  # from submission until the local model's result was here (device answers)
 
 
 class _Pending:
-    __slots__ = ("request_id", "start", "deadline", "sla_ms", "policy", "future", "local", "local_ms", "reply",
+    __slots__ = ("request_id", "start", "deadline", "sla_ms", "policy", "future", "local", "local_ms", "local_at",
+                 "reply",
                  "cloud", "done", "past_deadline", "shape", "local_error")
 
     def __init__(self, request_id: int, start: float, sla_ms: float, guard_ms: float, policy: str,
@@ -93,6 +95,7 @@ class _Pending:
         self.future: Future[Answer] = Future()
         self.local: int | None = None
         self.local_ms = math.nan
+        self.local_at = math.nan  # ms from submission to the local result's arrival
         self.reply: Reply | None = None
         self.cloud = "none" if policy == "local" else "pending"
         self.done = False
@@ -235,6 +238,7 @@ class ServeClient:
             else:
                 if kind == "label":
                     pending.local, pending.local_ms = value
+                    pending.local_at = (time.perf_counter() - pending.start) * 1000.0
                 elif kind == "error":
                     pending.local_error = value
                 if not pending.done and (pending.policy == "local" or pending.past_deadline):
@@ -344,7 +348,8 @@ class ServeClient:
             return
         else:
             answer = Answer(pending.request_id, pending.local, "device", self.local_model, latency, pending.sla_ms,
-                            latency <= pending.sla_ms, pending.policy, pending.cloud, math.nan, pending.local_ms)
+                            latency <= pending.sla_ms, pending.policy, pending.cloud, math.nan, pending.local_ms,
+                            local_ready_ms=pending.local_at)
         self.counts[f"answered_by_{by}"] += 1
         if not answer.met_sla:
             self.counts["sla_missed"] += 1

@@ -12,6 +12,7 @@ on each verified reply (``("reply", id, Reply)``) or, for one that does not veri
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import time
@@ -31,7 +32,10 @@ class UploadTime:
     Kafka to the reply's arrival, less the inference time the reply reports. Half of that is one way: the
     upload time the cloud doubles back into its network estimate (MDInference). It takes in everything
     that is not the model — the link both ways, the broker, the worker's queue and its Kafka client, the
-    device's reply fetch — which a produce acknowledgement alone (used until the first reply) misses. A
+    device's reply fetch — which a produce acknowledgement alone (used until the first reply) misses. Replies
+    the cloud sent without running a model (``expired``: no time was left) count too, or an estimate blown
+    up by a stall would starve every later request of its budget and never be measured down again; a
+    one-way time is capped at the request's SLA (beyond it, how far is the stall's, not the link's). A
     request cannot carry its own round trip, so it carries an EWMA (``alpha``) of those measured so far.
 
     Example:
@@ -42,6 +46,8 @@ class UploadTime:
         20.0
         >>> upload.replied(round_trip_ms=70.0, inference_ms=10.0); upload.value   # 30 ms: the EWMA moves half way
         25.0
+        >>> upload.replied(round_trip_ms=10_000.0, inference_ms=float("nan"), cap_ms=150.0); upload.value
+        87.5
     """
 
     def __init__(self, alpha: float = 0.3):
@@ -58,8 +64,9 @@ class UploadTime:
     def acked(self, round_trip_ms: float) -> None:
         self._ack_ms = round_trip_ms
 
-    def replied(self, round_trip_ms: float, inference_ms: float) -> None:
-        one_way = max(round_trip_ms - (inference_ms if inference_ms == inference_ms else 0.0), 0.0) / 2.0
+    def replied(self, round_trip_ms: float, inference_ms: float, cap_ms: float = math.inf) -> None:
+        one_way = min(max(round_trip_ms - (inference_ms if inference_ms == inference_ms else 0.0), 0.0) / 2.0,
+                      cap_ms)
         self.mean = one_way if self.mean is None else self.mean + self.alpha * (one_way - self.mean)
 
 
@@ -101,7 +108,7 @@ def serve(side: ChildSide) -> None:
     side.send("ready", 0, None)
     stopping = threading.Event()
     upload = UploadTime()
-    sent_at: dict[int, float] = {}  # request id → when it was handed to Kafka (forgotten on its reply)
+    sent_at: dict[int, tuple[float, float]] = {}  # request id → (when handed to Kafka, its SLA); popped on reply
 
     def read_replies() -> None:
         key_for = {device: key}.get
@@ -124,9 +131,9 @@ def serve(side: ChildSide) -> None:
                     except MessageError as exc:
                         side.send("dead_letter", 0, (exc.reason, str(exc), record.value))
                         continue
-                    started = sent_at.pop(reply.request_id, None)
-                    if started is not None and reply.status == "ok":
-                        upload.replied((time.perf_counter() - started) * 1000.0, reply.inference_ms)
+                    sent = sent_at.pop(reply.request_id, None)
+                    if sent is not None and reply.status in ("ok", "expired"):
+                        upload.replied((time.perf_counter() - sent[0]) * 1000.0, reply.inference_ms, sent[1])
                     side.send("reply", reply.request_id, reply)
 
     def acked(request_id: int, at: float) -> None:
@@ -146,7 +153,7 @@ def serve(side: ChildSide) -> None:
         except Exception as exc:  # no metadata / buffer full during an outage: the local model answers
             side.send("unsent", request_id, str(exc))
             continue
-        sent_at[request_id] = now
+        sent_at[request_id] = (now, sla_ms)
         if len(sent_at) > 10_000:  # requests the cloud never replied to (an outage): forget the oldest
             for old in sorted(sent_at)[:5_000]:
                 del sent_at[old]
