@@ -173,7 +173,10 @@ def pause_after_empty_fetches(pause_ms: float) -> bool:
     async def paused(self: Any, assignment: Any, node_id: Any, request: Any) -> Any:
         got = await original(self, assignment, node_id, request)
         if not got:
-            await asyncio.sleep(pause_ms / 1000.0)
+            try:
+                await asyncio.sleep(pause_ms / 1000.0)
+            except asyncio.CancelledError:  # closing: the fetcher awaits its cancelled tasks, as the original
+                return False  # returns on cancellation
         return got
 
     paused.streamflow_paused = True  # type: ignore[attr-defined]
