@@ -326,7 +326,8 @@ class ShimProcess:
     """A :class:`KafkaShim` in a process of its own (``python -m streamflow.serve.netshim``), driven over its
     stdin: the proxy's Python work then takes no GIL time from the device process it sits in front of.
 
-    Same interface: :meth:`start`, :attr:`bootstrap`, :meth:`outage`, :meth:`stats`, :meth:`stop`.
+    The same knobs: :meth:`start`, :attr:`bootstrap`, :meth:`outage`, :meth:`set_profile`, :meth:`stop`;
+    :meth:`stats` returns the counters of :class:`ShimStats` as a dict.
     """
 
     def __init__(self, broker: str, profile: LinkProfile | None = None, host: str = "127.0.0.1"):
