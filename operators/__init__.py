@@ -33,11 +33,12 @@ from operators.process import (
     Process,
     ValueStateDescriptor,
 )
+from operators.serve import Serve
 from operators.window import CountWindow, SessionWindow, TimeWindow, window_starts
 
 __all__ = [
     "Aggregate", "Aggregation", "Count", "CountBy", "CountDistinct", "CountWindow", "Distinct", "Filter", "First",
     "Group", "Infer", "KeyBy", "KeyedProcessFunction", "Last", "LastN", "ListStateDescriptor", "Map",
-    "MapStateDescriptor", "Max", "MemoryBudget", "Min", "Operator", "Process", "SessionWindow", "Sum", "TimeWindow",
-    "Train", "ValueStateDescriptor", "get_field", "run_pipeline", "window_starts",
+    "MapStateDescriptor", "Max", "MemoryBudget", "Min", "Operator", "Process", "Serve", "SessionWindow", "Sum",
+    "TimeWindow", "Train", "ValueStateDescriptor", "get_field", "run_pipeline", "window_starts",
 ]

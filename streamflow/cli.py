@@ -8,6 +8,7 @@
     streamflow bundle keygen [--out KEY] | build REPO --tag v3 --key KEY --out DIR
     streamflow deploy-server --trusted-key KEY.pub [--dir DIR] [--port 8470] [--replay-events FILE]
     streamflow release publish BUNDLE | pin TASK V | start TASK V [...] | status | advance TASK | rollback TASK
+    streamflow serve [--models A,B] [--temperature T] [--alpha A] [--explore P] [--zoo ZOO.json]
 
 One command line (Typer), every default from :mod:`streamflow.settings` (explicit option first,
 ``STREAMFLOW_*`` second, built-in default last). :func:`main` returns the exit code: 0 done, 1 the
@@ -207,6 +208,48 @@ def tunnel_consume(
 ) -> int:
     return tunnel_commands.consume(db, topic, group, online_key, idle_timeout, runner, cluster, parallelism,
                                    key_registry)
+
+
+@app.command("serve", help="the serving worker (faust-streaming): answer serve.requests with a zoo model chosen "
+                            "by MDInference (broker: $STREAMFLOW_KAFKA_BOOTSTRAP)")
+def serve_command(
+    models: Annotated[str | None, typer.Option(help="comma-separated zoo models to serve (default: "
+                                                    "$STREAMFLOW_SERVE_MODELS, else every model of the zoo)")] = None,
+    temperature: Annotated[float | None, typer.Option(help="softmax temperature over accuracies (default: "
+                                                           "$STREAMFLOW_SERVE_TEMPERATURE or 0.02)")] = None,
+    alpha: Annotated[float | None, typer.Option(help="EWMA weight of a new latency sample (default: "
+                                                     "$STREAMFLOW_SERVE_ALPHA or 0.2)")] = None,
+    explore: Annotated[float, typer.Option(help="probability of running a model that does not fit the budget, "
+                                               "to measure it again")] = 0.02,
+    zoo: Annotated[str | None, typer.Option(help="the zoo's zoo.json (default: in $STREAMFLOW_ZOO_DIR)")] = None,
+    app_id: Annotated[str | None, typer.Option(help="faust app id: consumer group and table topics")] = None,
+    seed: Annotated[int, typer.Option(help="seed of the policy's sampling")] = 0,
+    web_port: Annotated[int | None, typer.Option(help="serve faust's web views on 127.0.0.1:PORT (default: off)")]
+    = None,
+    key_registry: KeyRegistryOption = None,
+    loglevel: Annotated[Literal["debug", "info", "warning", "error"], typer.Option()] = "warning",
+) -> int:
+    """``streamflow serve``: see :mod:`streamflow.serve.app`. A model missing from the zoo is exit code 2."""
+    from streamflow.serve.app import ServeConfig, run_worker, served_models
+    from streamflow.serve.zoo import ZooError
+
+    names = tuple(n.strip() for n in models.split(",") if n.strip()) if models else None
+    s = settings(serve_temperature=temperature, serve_alpha=alpha, serve_app_id=app_id)  # validates the knobs
+    config = ServeConfig.from_settings(models=names, temperature=s.serve_temperature, alpha=s.serve_alpha,
+                                       app_id=s.serve_app_id, zoo_path=Path(zoo) if zoo else None, seed=seed,
+                                       explore=explore,
+                                       web_port=web_port, key_registry=Path(key_registry) if key_registry else None)
+    try:
+        served = served_models(config)
+    except ZooError as exc:
+        return _error(str(exc), 2)
+    print(f"serving {', '.join(served)} (zoo {config.zoo_path}) from {config.bootstrap}, app {config.app_id}",
+          file=sys.stderr)
+    try:
+        run_worker(config, loglevel)
+    except ZooError as exc:  # a model file went missing or does not match its checksum
+        return _error(str(exc), 2)
+    return 0
 
 
 @app.command("flink-cluster", help="start/stop/status of a local Flink cluster (PyFlink's jars)")

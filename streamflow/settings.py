@@ -53,6 +53,14 @@ class Settings(BaseSettings):
     deploy_server: str = Field("http://127.0.0.1:8470", description="the release server `streamflow release` talks to")
     deploy_dir: Path = Field(Path(".streamflow") / "deploy", description="the release server's state directory "
                              "(its SQLite file, file store and admin.token)")
+    # the serving worker (streamflow/serve/app.py, `streamflow serve`)
+    serve_app_id: str = Field("streamflow-serve", pattern=r"^[A-Za-z0-9._-]{1,100}$",
+                              description="the serving worker's faust app id: its consumer group and table topics")
+    serve_models: str | None = Field(None, description="comma-separated zoo models the serving worker runs "
+                                                       "(default: every model of the zoo)")
+    serve_temperature: float = Field(0.02, ge=0, description="MDInference: softmax temperature over the "
+                                                             "candidates' accuracies (0 = always the most accurate)")
+    serve_alpha: float = Field(0.2, gt=0, le=1, description="MDInference: EWMA weight of a new latency sample")
 
 
 def settings(**explicit: Any) -> Settings:

@@ -1,0 +1,337 @@
+"""The cloud side of serving: a faust-streaming worker that answers signed requests with a zoo model chosen
+by MDInference's policy.
+
+- an **agent** over the request topic (``serve.requests``, one partition: the profiles below are one state)
+  verifies each request, asks the policy (:mod:`streamflow.serve.policy`) for a model — its budget counts
+  from the time the device still waits when the request leaves (``window_ms``) rather than the whole SLA,
+  less the time the request has already waited in this worker (MDInference assumes an idle server; this one
+  measures its queue), and a request with no budget left is answered ``expired`` — runs it on our
+  engine (in a thread, so the event loop keeps fetching and heartbeating), and sends a signed reply to
+  ``serve.replies`` keyed by the device, on the device's partition
+  (:func:`~streamflow.serve.messages.reply_partition`);
+- a **Faust table** ``serve-profiles`` holds each model's EWMA latency profile (mean and variance, seeded
+  from the zoo's measured profile), changelogged to the broker, so a restarted worker resumes with them;
+  a second table ``serve-counters`` counts what was served, expired and dead-lettered;
+- a request that does not verify or parse goes whole to ``serve.requests.dlq`` with its reason in the
+  headers and is counted (``dead_letter.<reason>``); a request whose wait had already passed when the worker
+  got to it (after an outage, say; judged by the device's clock at sending against the worker's, so the two
+  are assumed NTP-close) is answered ``expired`` without running a model, so the worker catches
+  up with a backlog at once instead of spending its models on answers nobody waits for;
+- consumed requests and replies older than ``reply_retention_s`` are deleted from the broker (DeleteRecords):
+  serving data is worthless after its deadline and the log must not grow without end.
+
+Start it with ``streamflow serve`` or ``faust -A streamflow.serve.app worker --without-web``; the broker,
+the key registry, the zoo and the policy's knobs come from :mod:`streamflow.settings`. The web server is off
+(``web_port`` turns it on, bound to 127.0.0.1). A model missing from the zoo stops the start with a
+:class:`~streamflow.serve.zoo.ZooError` naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from streamflow.serve.messages import (
+    REPLY_PARTITIONS,
+    REPLY_TOPIC,
+    REQUEST_TOPIC,
+    MessageError,
+    Reply,
+    Request,
+    decode_request,
+    encode_reply,
+    reply_partition,
+)
+from streamflow.serve.policy import POLICIES, Choice, MDInference, Profile
+
+if TYPE_CHECKING:
+    import faust
+
+    from streamflow.serve.zoo import Zoo, ZooModel
+
+log = logging.getLogger("streamflow.serve")
+
+DEAD_LETTER_TOPIC = REQUEST_TOPIC + ".dlq"
+PROFILES_TABLE = "serve-profiles"
+COUNTERS_TABLE = "serve-counters"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything the worker needs; :meth:`from_settings` fills it from :mod:`streamflow.settings`."""
+
+    bootstrap: str
+    app_id: str = "streamflow-serve"
+    zoo_path: Path | None = None
+    models: tuple[str, ...] | None = None  # None: every model of the zoo
+    temperature: float = 0.02
+    alpha: float = 0.2
+    explore: float = 0.02
+    seed: int = 0
+    key_registry: Path | None = None
+    skip_expired: bool = True
+    reply_retention_s: float = 30.0
+    cleanup_every_s: float = 5.0
+    web_port: int | None = None  # None: no web server
+    warm_up: bool = True
+    empty_fetch_pause_ms: float = 2.0  # see pause_after_empty_fetches; 0: off
+
+    @classmethod
+    def from_settings(cls, **overrides: Any) -> ServeConfig:
+        from streamflow.settings import settings
+
+        s = settings()
+        names = tuple(n.strip() for n in s.serve_models.split(",") if n.strip()) if s.serve_models else None
+        values: dict[str, Any] = {
+            "bootstrap": s.kafka_bootstrap, "app_id": s.serve_app_id, "zoo_path": s.zoo_dir / "zoo.json",
+            "models": names, "temperature": s.serve_temperature, "alpha": s.serve_alpha,
+            "key_registry": s.key_registry,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+@dataclass
+class Server:
+    """The worker's state outside faust: the models, the policy, the keys, what to clean up on the broker."""
+
+    config: ServeConfig
+    zoo: Zoo
+    models: list[ZooModel]
+    policy: MDInference
+    rng: random.Random
+    registry: Any
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "serve-model"))
+    admin_executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "serve-admin"))
+    consumed: dict[int, int] = field(default_factory=dict)  # request partition → next offset to delete up to
+    replies_sent: collections.deque = field(default_factory=collections.deque)  # (monotonic, partition, offset)
+
+    def initial_profile(self, name: str) -> Profile:
+        m = self.zoo.get(name)
+        return Profile(m.latency_mean_ms, m.latency_std_ms**2, 0)
+
+    @property
+    def largest(self) -> str:
+        """The static baseline's model: the largest input (most compute); among equals, the most accurate."""
+        return max(self.models, key=lambda m: (m.input_size, m.accuracy)).name
+
+    def choose(self, request: Request, profiles: dict[str, Profile], queued_ms: float = 0.0) -> Choice:
+        """The policy's choice for ``request``, which has waited ``queued_ms`` in this worker already."""
+        wait = request.wait_ms - queued_ms
+        if request.policy == "largest":
+            return self.policy.static(self.largest, wait, request.upload_ms)
+        return self.policy.choose(self.models, profiles, wait, request.upload_ms, self.rng)
+
+    def run_model(self, name: str, request: Request) -> tuple[int, float]:
+        predict = self.zoo.predictor(name)
+        start = time.perf_counter()
+        label = predict(request.image)
+        return label, (time.perf_counter() - start) * 1000.0
+
+
+def load_server(config: ServeConfig) -> Server:
+    """Open the zoo and the served models (:class:`ZooError` for a missing one), warm them up."""
+    from connectors.tunnel.keys import KeyRegistry
+    from streamflow.serve.zoo import Zoo
+
+    zoo = Zoo.load(config.zoo_path)
+    models = [zoo.get(name) for name in config.models] if config.models else list(zoo.models)
+    if config.warm_up:
+        zoo.warm_up([m.name for m in models])
+    return Server(config, zoo, models, MDInference(config.temperature, config.alpha, config.explore),
+                  random.Random(config.seed),
+                  KeyRegistry(config.key_registry))
+
+
+def pause_after_empty_fetches(pause_ms: float) -> bool:
+    """Make aiokafka's fetcher wait ``pause_ms`` after a fetch that brought nothing, before the next one.
+
+    A Kafka broker holds an empty fetch for ``fetch_max_wait_ms``; noida-db (the tests' and benchmarks'
+    broker) answers it at once, and aiokafka then fetches again in a tight loop: an idle worker took ~80%
+    of a core on this 2-core machine (measured), which the models and the device then lack. With a broker
+    that holds fetches this changes nothing. Returns whether the fetcher could be patched (a private
+    method of aiokafka's; if it moved, the worker runs unpatched and says so).
+    """
+    from aiokafka.consumer import fetcher
+
+    original = getattr(fetcher.Fetcher, "_proc_fetch_request", None)
+    if original is None:
+        log.warning("aiokafka's fetcher has no _proc_fetch_request; empty fetches are not paused")
+        return False
+    if getattr(original, "streamflow_paused", False):
+        return True
+
+    async def paused(self: Any, assignment: Any, node_id: Any, request: Any) -> Any:
+        got = await original(self, assignment, node_id, request)
+        if not got:
+            try:
+                await asyncio.sleep(pause_ms / 1000.0)
+            except asyncio.CancelledError:  # closing: the fetcher awaits its cancelled tasks, as the original
+                return False  # returns on cancellation
+        return got
+
+    paused.streamflow_paused = True  # type: ignore[attr-defined]
+    fetcher.Fetcher._proc_fetch_request = paused
+    return True
+
+
+def faust_broker(bootstrap: str) -> list[str]:
+    """``host:port[,host:port]`` as faust's broker URLs."""
+    return [f"kafka://{part.strip()}" for part in bootstrap.split(",") if part.strip()]
+
+
+def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
+    """The faust app: topics, tables, the serving agent and the clean-up timer."""
+    import faust
+
+    server = server or load_server(config)
+    if config.empty_fetch_pause_ms > 0:
+        pause_after_empty_fetches(config.empty_fetch_pause_ms)
+    web = {"web_enabled": config.web_port is not None, "web_bind": "127.0.0.1", "web_host": "127.0.0.1"}
+    if config.web_port is not None:
+        web["web_port"] = config.web_port
+    app = faust.App(
+        config.app_id, broker=faust_broker(config.bootstrap), store="memory://", topic_partitions=1,
+        datadir=Path(tempfile.gettempdir()) / f"streamflow-serve-{config.app_id}",
+        producer_linger=0.0, consumer_auto_offset_reset="earliest", **web)
+    raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
+    requests = app.topic(REQUEST_TOPIC, partitions=1, **raw)
+    replies = app.topic(REPLY_TOPIC, partitions=REPLY_PARTITIONS, **raw)
+    dead_letters = app.topic(DEAD_LETTER_TOPIC, partitions=1, **raw)
+    profiles = app.Table(PROFILES_TABLE, default=None, partitions=1)
+    counters = app.Table(COUNTERS_TABLE, default=int, partitions=1)
+    loop_executor = server.executor
+
+    def count(name: str) -> None:
+        counters[name] += 1
+
+    async def dead_letter(event: Any, exc: MessageError) -> None:
+        count(f"dead_letter.{exc.reason}")
+        log.warning("request at %s[%d]@%d dead-lettered: %s", event.message.topic, event.message.partition,
+                    event.message.offset, exc)
+        await dead_letters.send(key=event.key, value=event.value,
+                                headers={"reason": exc.reason.encode(), "detail": str(exc).encode()})
+
+    async def reply(request: Request, answer: Reply) -> None:
+        key = server.registry.key_for(request.device)
+        if key is None:  # removed from the registry since its request was verified: nobody to sign for
+            count("error.device_removed")
+            return
+        partition = reply_partition(request.device)
+        sent = await replies.send(key=request.device.encode(), value=encode_reply(answer, key), partition=partition)
+        sent.add_done_callback(lambda f: f.exception() or server.replies_sent.append(
+            (time.monotonic(), f.result().topic_partition.partition, f.result().offset)))
+
+    async def handle(event: Any) -> None:
+        server.consumed[event.message.partition] = event.message.offset + 1
+        try:
+            request = decode_request(event.value, server.registry)
+        except MessageError as exc:
+            await dead_letter(event, exc)
+            return
+        base = {"device": request.device, "request_id": request.request_id}
+        if request.policy not in POLICIES:
+            count("error.policy")
+            await reply(request, Reply(**base, status="error", detail=f"unknown policy {request.policy!r}"))
+            return
+        if config.skip_expired and time.time() * 1000.0 - request.sent_ms > request.wait_ms:
+            count("expired")
+            await reply(request, Reply(**base, status="expired", detail="the SLA had passed when the worker got it"))
+            return
+        current = {m.name: Profile.from_dict(stored) if (stored := profiles.get(m.name)) else
+                   server.initial_profile(m.name) for m in server.models}
+        arrived = getattr(event.message, "time_in", None)  # set by faust's monitor when the consumer got it
+        queued_ms = max(time.monotonic() - arrived, 0.0) * 1000.0 if arrived is not None else 0.0
+        choice = server.choose(request, current, queued_ms)
+        if choice.budget_ms <= 0 and config.skip_expired:  # not even the reply would be in time: run nothing
+            count("expired")
+            await reply(request, Reply(**base, status="expired", budget_ms=choice.budget_ms,
+                                       network_ms=choice.network_ms, detail="no time left for a model"))
+            return
+        try:
+            label, inference_ms = await asyncio.get_running_loop().run_in_executor(
+                loop_executor, server.run_model, choice.model, request)
+        except ValueError as exc:  # an image the model cannot take
+            count("error.model")
+            await reply(request, Reply(**base, status="error", model=choice.model, detail=str(exc)))
+            return
+        profiles[choice.model] = server.policy.update(current[choice.model], inference_ms).to_dict()
+        count("served")
+        count(f"model.{choice.model}")
+        await reply(request, Reply(**base, status="ok", model=choice.model, label=label, budget_ms=choice.budget_ms,
+                                   network_ms=choice.network_ms, inference_ms=inference_ms,
+                                   candidates=choice.candidates))
+
+    @app.agent(requests, name="serve")
+    async def serve(stream: Any) -> None:
+        async for event in stream.events():
+            await handle(event)
+
+    @app.timer(interval=config.cleanup_every_s)
+    async def delete_old_records() -> None:
+        await asyncio.get_running_loop().run_in_executor(server.admin_executor, _delete_old_records, server)
+
+    app.serve_state = server  # type: ignore[attr-defined]  # for tests and the CLI
+    return app
+
+
+def _delete_old_records(server: Server) -> None:
+    """Delete answered requests and replies older than the retention from the broker."""
+    from kafka import TopicPartition
+    from kafka.admin import KafkaAdminClient
+
+    from connectors.tunnel.kafka import CLIENT_TIMEOUTS
+
+    cutoff = time.monotonic() - server.config.reply_retention_s
+    upto: dict[TopicPartition, int] = {TopicPartition(REQUEST_TOPIC, p): o for p, o in server.consumed.items()}
+    while server.replies_sent and server.replies_sent[0][0] < cutoff:
+        _, partition, offset = server.replies_sent.popleft()
+        upto[TopicPartition(REPLY_TOPIC, partition)] = offset + 1
+    if not upto:
+        return
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=server.config.bootstrap, client_id="streamflow-serve-admin",
+                                 **CLIENT_TIMEOUTS)
+        try:
+            admin.delete_records(upto)
+        finally:
+            admin.close()
+    except Exception as exc:  # the broker may be away; the next round deletes up to a later offset
+        log.info("could not delete old serving records (%s); trying again later", exc)
+
+
+def run_worker(config: ServeConfig, loglevel: str = "warning") -> None:
+    """Run the worker in this process until it is stopped (SIGINT/SIGTERM)."""
+    import faust
+
+    app = create_app(config)
+    faust.Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False).execute_from_commandline()
+
+
+def served_models(config: ServeConfig) -> Sequence[str]:
+    """The names the worker would serve (checks them against the zoo without loading any model)."""
+    from streamflow.serve.zoo import Zoo
+
+    zoo = Zoo.load(config.zoo_path)
+    return [zoo.get(n).name for n in config.models] if config.models else zoo.names
+
+
+def __getattr__(name: str) -> Any:
+    # `faust -A streamflow.serve.app worker` looks up `app` here: built on first use, from the settings.
+    if name == "app":
+        global app
+        app = create_app(ServeConfig.from_settings())
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ServeConfig", "Server", "create_app", "load_server", "run_worker", "served_models"]

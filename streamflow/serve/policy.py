@@ -1,0 +1,192 @@
+"""MDInference's model choice (Ogden & Guo, IC2E'20) as pure code: no Kafka, no clock, no model.
+
+For a request with a latency SLA and the device's measured upload time:
+
+1. network estimate = 2 × upload time (the reply is assumed to take as long as the upload);
+2. model budget = SLA − network estimate;
+3. candidates = the models whose profiled latency ``mean + std`` fits the budget;
+4. one candidate is drawn with probability ``softmax(accuracy / temperature)`` (the most accurate is
+   favoured; the others are still tried now and then, which keeps their profiles fresh);
+5. exploration beyond the candidates: with probability ``explore`` one of the models that do not fit is
+   run instead, so that a model whose profile looks too slow (one stall while it ran is enough) is measured
+   again rather than shut out for good;
+6. if no model fits, the fastest (lowest ``mean + std``) is used — the device's own model covers the SLA;
+7. the answering model's profile is updated with the measured inference time by an EWMA of mean and
+   variance (weight ``alpha`` on the new sample), the sample clipped at ``mean + clip_sigmas · std``: on a
+   shared machine one inference now and then takes ten times its usual time, which is the machine, not
+   the model.
+
+Example:
+    >>> import random
+    >>> models = [ModelInfo("small", 0.70), ModelInfo("large", 0.90)]
+    >>> profiles = {"small": Profile(10.0, 4.0), "large": Profile(60.0, 100.0)}
+    >>> choice = MDInference(temperature=0.05, explore=0).choose(models, profiles, sla_ms=100, upload_ms=15,
+    ...                                                          rng=random.Random(0))
+    >>> choice.budget_ms, choice.candidates, choice.model
+    (70.0, ('small', 'large'), 'large')
+    >>> Profile(10.0, 4.0).updated(14.0, alpha=0.5)
+    Profile(mean_ms=12.0, var_ms2=6.0, n=1)
+    >>> Profile(10.0, 4.0).updated(300.0, alpha=0.5, clip_sigmas=3)   # counts as 10 + 3·2 = 16
+    Profile(mean_ms=13.0, var_ms2=11.0, n=1)
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+#: Which model-choice rule a request asks for: MDInference, or the static "always the largest model".
+PolicyName = Literal["mdinference", "largest"]
+POLICIES: tuple[str, ...] = ("mdinference", "largest")
+
+
+class HasAccuracy(Protocol):
+    name: str
+    accuracy: float
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model the cloud can run: its name and its accuracy on the labelled eval set (0..1)."""
+
+    name: str
+    accuracy: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model's latency profile: EWMA mean and variance of its inference time (ms, ms²), ``n`` updates."""
+
+    mean_ms: float
+    var_ms2: float
+    n: int = 0
+
+    @property
+    def std_ms(self) -> float:
+        return math.sqrt(max(self.var_ms2, 0.0))
+
+    @property
+    def bound_ms(self) -> float:
+        """What the policy compares with the budget: ``mean + std``."""
+        return self.mean_ms + self.std_ms
+
+    def updated(self, observed_ms: float, alpha: float, clip_sigmas: float | None = None) -> Profile:
+        """The profile after one more measurement (exponentially weighted mean and variance).
+
+        ``mean += α·δ`` and ``var = (1 − α)·(var + α·δ²)`` with ``δ = observed − mean``: the standard
+        incremental EWMA pair, so a constant input drives the variance to 0. With ``clip_sigmas``, a sample
+        above ``mean + clip_sigmas · std`` counts as that bound (when the profile has a spread).
+        """
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if clip_sigmas is not None and self.var_ms2 > 0:
+            observed_ms = min(observed_ms, self.mean_ms + clip_sigmas * self.std_ms)
+        delta = observed_ms - self.mean_ms
+        increment = alpha * delta
+        return Profile(self.mean_ms + increment, (1.0 - alpha) * (self.var_ms2 + delta * increment), self.n + 1)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"mean_ms": self.mean_ms, "var_ms2": self.var_ms2, "n": self.n}
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, float]) -> Profile:
+        return cls(float(value["mean_ms"]), float(value["var_ms2"]), int(value.get("n", 0)))
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Which model answers a request, and why.
+
+    ``reason``: ``"sampled"`` (drawn among the candidates), ``"explored"`` (a model that does not fit, to
+    measure it again), ``"none_fits"`` (no candidate: the fastest), ``"static"`` (a static policy, no budget
+    consulted).
+    """
+
+    model: str
+    budget_ms: float
+    network_ms: float
+    candidates: tuple[str, ...]
+    probabilities: tuple[float, ...]
+    reason: Literal["sampled", "explored", "none_fits", "static"]
+
+
+@dataclass(frozen=True)
+class MDInference:
+    """The policy's knobs: ``temperature`` of the accuracy softmax (in accuracy units, 0..1; 0 = always the
+    most accurate candidate), ``alpha`` of the profile EWMA and its outlier clip ``clip_sigmas`` (None: no
+    clip), ``explore`` (the probability of running a model that does not fit), and the share of the SLA
+    assumed to be network time when a request carries no upload time yet (a device's first request)."""
+
+    temperature: float = 0.02
+    alpha: float = 0.2
+    explore: float = 0.02
+    clip_sigmas: float | None = 3.0
+    unknown_network_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+        if not 0.0 <= self.explore < 1.0:
+            raise ValueError(f"explore must be in [0, 1), got {self.explore}")
+        if self.clip_sigmas is not None and self.clip_sigmas <= 0:
+            raise ValueError(f"clip_sigmas must be positive or None, got {self.clip_sigmas}")
+        if not 0.0 <= self.unknown_network_share <= 1.0:
+            raise ValueError(f"unknown_network_share must be in [0, 1], got {self.unknown_network_share}")
+
+    def network_estimate_ms(self, sla_ms: float, upload_ms: float | None) -> float:
+        if upload_ms is None:
+            return self.unknown_network_share * sla_ms
+        return 2.0 * max(upload_ms, 0.0)
+
+    def probabilities(self, accuracies: Sequence[float]) -> list[float]:
+        """``softmax(accuracy / temperature)``; temperature 0 puts all weight on the most accurate (ties share)."""
+        if not accuracies:
+            return []
+        best = max(accuracies)
+        if self.temperature == 0:
+            weights = [1.0 if a == best else 0.0 for a in accuracies]
+        else:
+            weights = [math.exp((a - best) / self.temperature) for a in accuracies]
+        total = sum(weights)
+        return [w / total for w in weights]
+
+    def choose(self, models: Sequence[HasAccuracy], profiles: Mapping[str, Profile], sla_ms: float,
+               upload_ms: float | None, rng: random.Random) -> Choice:
+        """The model for one request; ``profiles`` must hold every model of ``models``."""
+        if not models:
+            raise ValueError("no models to choose from")
+        network = self.network_estimate_ms(sla_ms, upload_ms)
+        budget = sla_ms - network
+        fitting = [m for m in models if profiles[m.name].bound_ms <= budget]
+        outside = [m for m in models if m not in fitting]
+        candidates = tuple(m.name for m in fitting)
+        probabilities = self.probabilities([m.accuracy for m in fitting])
+        if self.explore and outside and rng.random() < self.explore:
+            return Choice(rng.choice(outside).name, budget, network, candidates, tuple(probabilities), "explored")
+        if not fitting:
+            fastest = min(models, key=lambda m: profiles[m.name].bound_ms)
+            return Choice(fastest.name, budget, network, (), (), "none_fits")
+        draw, cumulative, picked = rng.random(), 0.0, fitting[-1]
+        for model, p in zip(fitting, probabilities, strict=True):
+            cumulative += p
+            if draw < cumulative:
+                picked = model
+                break
+        return Choice(picked.name, budget, network, candidates, tuple(probabilities), "sampled")
+
+    def update(self, profile: Profile, observed_ms: float) -> Profile:
+        """``profile`` after the answering model took ``observed_ms`` (EWMA with this policy's alpha and clip)."""
+        return profile.updated(observed_ms, self.alpha, self.clip_sigmas)
+
+    def static(self, model: str, sla_ms: float, upload_ms: float | None) -> Choice:
+        """A static baseline: always ``model`` (e.g. the largest), whatever the budget."""
+        network = self.network_estimate_ms(sla_ms, upload_ms)
+        return Choice(model, sla_ms - network, network, (model,), (1.0,), "static")
+
+
+__all__ = ["POLICIES", "Choice", "MDInference", "ModelInfo", "PolicyName", "Profile"]
