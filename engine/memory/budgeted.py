@@ -31,6 +31,7 @@ from engine.kernels import Kernel, NodeCtx, candidates
 from engine.memory.budget_plan import ALIGN, BudgetError, BudgetPlan, Load, plan_budget
 from engine.memory.loader import WeightLoader
 from engine.memory.streamable import open_streamable
+from engine.memory.timeline import Timeline
 from engine.ops import VIEW_OPS, infer_shapes
 from engine.plan import ExecutionPlan, StepPlan, compile_plan
 from engine.session import GraphInputs, _thread_limiter
@@ -208,7 +209,9 @@ class _Bound:
 class _Run:
     """Progress of one inference shared by the two threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeline: Timeline) -> None:
+        self.timeline = timeline
+        self.t0 = time.perf_counter()
         self.cond = threading.Condition()
         self.loaded = 0
         self.computed = 0
@@ -238,6 +241,7 @@ class BudgetedSession(GraphInputs):
         self._exec: dict[tuple, list[ExecutionPlan]] = {}
         self._plans: dict[tuple, BudgetPlan] = {}
         self._bound: tuple[tuple, _Bound] | None = None
+        self.last_timeline: Timeline | None = None  # of the last run: where its time went
         self._last_shapes: dict[str, tuple[int, ...]] | None = None
         self.budget = parse_bytes(memory_budget)
         if self.budget <= 0:
@@ -314,18 +318,23 @@ class BudgetedSession(GraphInputs):
         ep = bound.bp.exec_plan
         for t in ep.graph.inputs:
             np.copyto(bound.views[t.name], feeds[t.name], casting="same_kind")
-        run = _Run()
+        tl = Timeline(len(bound.bp.loads), bound.unit_count, [ld.nbytes for ld in bound.bp.loads])
+        run = _Run(tl)
         self._jobs.put((bound, run))
+        clock, t0 = time.perf_counter, run.t0
         try:
             with self._limit():
                 for u, call in enumerate(bound.calls):
+                    t = clock()
                     if run.loaded < bound.need[u]:
                         with run.cond:
                             while run.loaded < bound.need[u] and run.error is None:
                                 run.cond.wait()
                     if run.error is not None:
                         raise run.error
+                    s = clock()
                     call()
+                    tl.unit_wait[u], tl.unit_start[u], tl.unit_end[u] = s - t, s - t0, clock() - t0
                     with run.cond:
                         run.computed = u + 1
                         run.cond.notify_all()
@@ -336,6 +345,7 @@ class BudgetedSession(GraphInputs):
             run.done.wait()
         if run.error is not None:
             raise run.error
+        self.last_timeline = tl
         return {o: bound.array(o, ep.consts).copy() for o in ep.graph.outputs}
 
     def _loader_loop(self) -> None:
@@ -344,6 +354,7 @@ class BudgetedSession(GraphInputs):
             if job is None:
                 return
             bound, run = job
+            tl, clock = run.timeline, time.perf_counter
             try:
                 for i, ld in enumerate(bound.bp.loads):
                     with run.cond:
@@ -351,7 +362,9 @@ class BudgetedSession(GraphInputs):
                             run.cond.wait()
                         if run.aborted:
                             break
+                    tl.load_start[i] = clock() - run.t0
                     self.loader.read_into(ld.weight, bound.slots[i], ld.rows)
+                    tl.load_end[i] = clock() - run.t0
                     with run.cond:
                         run.loaded = i + 1
                         run.cond.notify_all()
