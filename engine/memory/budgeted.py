@@ -16,6 +16,7 @@ cached per budget); the arena of the old budget is released before the new one i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -206,8 +207,18 @@ class _Bound:
         return step.kernel.bind(ctx, step.kernel.transform(ctx), ins, outs, scratch)
 
 
+_NEVER = 1 << 62
+
+
 class _Run:
-    """Progress of one inference shared by the two threads."""
+    """Progress of one inference shared by the two threads.
+
+    Each side publishes its progress (``loaded``, ``computed``) without the lock and wakes the other
+    only when that one said it waits for it (``*_waits_for``): every wake-up is a GIL hand-over and
+    a scheduling delay for the woken thread, which on a busy machine costs milliseconds. No wake-up
+    is lost: a side stores its progress and then reads the other's wait mark, the other stores its
+    wait mark and then reads the progress (the GIL orders these), so one of them sees the other.
+    """
 
     def __init__(self, timeline: Timeline) -> None:
         self.timeline = timeline
@@ -215,9 +226,45 @@ class _Run:
         self.cond = threading.Condition()
         self.loaded = 0
         self.computed = 0
+        self.loader_waits_for = _NEVER  # the unit count the loader waits for
+        self.compute_waits_for = _NEVER  # the load count the compute thread waits for
         self.error: BaseException | None = None
         self.aborted = False
         self.done = threading.Event()
+
+    def wait_loaded(self, need: int) -> None:
+        with self.cond:
+            self.compute_waits_for = need
+            while self.loaded < need and self.error is None:
+                self.cond.wait()
+            self.compute_waits_for = _NEVER
+
+    def wait_computed(self, need: int) -> None:
+        with self.cond:
+            self.loader_waits_for = need
+            while self.computed < need and not self.aborted:
+                self.cond.wait()
+            self.loader_waits_for = _NEVER
+
+    def set_loaded(self, n: int) -> None:
+        self.loaded = n
+        if self.compute_waits_for <= n:
+            with self.cond:
+                self.cond.notify_all()
+
+    def set_computed(self, n: int) -> None:
+        self.computed = n
+        if self.loader_waits_for <= n:
+            with self.cond:
+                self.cond.notify_all()
+
+    def stop(self, error: BaseException | None = None) -> None:
+        with self.cond:
+            if error is not None:
+                self.error = error
+            else:
+                self.aborted = True
+            self.cond.notify_all()
 
 
 class BudgetedSession(GraphInputs):
@@ -327,21 +374,15 @@ class BudgetedSession(GraphInputs):
                 for u, call in enumerate(bound.calls):
                     t = clock()
                     if run.loaded < bound.need[u]:
-                        with run.cond:
-                            while run.loaded < bound.need[u] and run.error is None:
-                                run.cond.wait()
+                        run.wait_loaded(bound.need[u])
                     if run.error is not None:
                         raise run.error
                     s = clock()
                     call()
                     tl.unit_wait[u], tl.unit_start[u], tl.unit_end[u] = s - t, s - t0, clock() - t0
-                    with run.cond:
-                        run.computed = u + 1
-                        run.cond.notify_all()
+                    run.set_computed(u + 1)
         finally:
-            with run.cond:
-                run.aborted = True
-                run.cond.notify_all()
+            run.stop()
             run.done.wait()
         if run.error is not None:
             raise run.error
@@ -349,6 +390,12 @@ class BudgetedSession(GraphInputs):
         return {o: bound.array(o, ep.consts).copy() for o in ep.graph.outputs}
 
     def _loader_loop(self) -> None:
+        # SCHED_BATCH: the loader never preempts a running thread when it wakes up. Under SCHED_OTHER
+        # its many short wake-ups (after each read, when compute frees memory) each could preempt the
+        # compute thread, which then waited behind every other runnable task: 50-100 ms lost per
+        # ResNet-50 inference on a busy 2-core machine, ~1 ms with it (memory/timeline.py shows it).
+        with contextlib.suppress(AttributeError, OSError):
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_BATCH, os.sched_param(0))
         while True:
             job = self._jobs.get()
             if job is None:
@@ -357,21 +404,16 @@ class BudgetedSession(GraphInputs):
             tl, clock = run.timeline, time.perf_counter
             try:
                 for i, ld in enumerate(bound.bp.loads):
-                    with run.cond:
-                        while run.computed < ld.start_unit and not run.aborted:
-                            run.cond.wait()
-                        if run.aborted:
-                            break
+                    if run.computed < ld.start_unit:
+                        run.wait_computed(ld.start_unit)
+                    if run.aborted:
+                        break
                     tl.load_start[i] = clock() - run.t0
                     self.loader.read_into(ld.weight, bound.slots[i], ld.rows)
                     tl.load_end[i] = clock() - run.t0
-                    with run.cond:
-                        run.loaded = i + 1
-                        run.cond.notify_all()
+                    run.set_loaded(i + 1)
             except BaseException as e:  # noqa: BLE001 - handed to the compute thread, which raises it
-                with run.cond:
-                    run.error = e
-                    run.cond.notify_all()
+                run.stop(e)
             finally:
                 run.done.set()
 
