@@ -92,8 +92,11 @@ def graph_from_structure(h: dict[str, Any], weights: dict[str, np.ndarray]) -> G
     )
 
 
-def save_model(graph: Graph, path: str | os.PathLike) -> int:
-    """Write ``graph`` to ``path``; returns the file size in bytes.
+def save_model(graph: Graph, path: str | os.PathLike, extra_weights: dict[str, np.ndarray] | None = None,
+               extra_header: dict[str, Any] | None = None) -> int:
+    """Write ``graph`` to ``path``; returns the file size in bytes. ``extra_weights`` are stored as
+    blocks the graph does not read (e.g. transformed weights for streaming), ``extra_header`` as
+    more header keys.
 
     >>> from engine.builder import GraphBuilder
     >>> import tempfile
@@ -102,18 +105,20 @@ def save_model(graph: Graph, path: str | os.PathLike) -> int:
     True
     """
     table, offset = [], 0
-    for name, w in graph.weights.items():
+    blocks = {**graph.weights, **(extra_weights or {})}
+    for name, w in blocks.items():
         w = np.asarray(w)
         table.append({"name": name, "dtype": w.dtype.str, "shape": list(w.shape), "offset": offset,
                       "nbytes": int(w.nbytes), **block_checksums(np.ascontiguousarray(w).data)})
         offset = _align(offset + w.nbytes)
-    header = {**graph_structure(graph), "weights": table}
+    header = {**graph_structure(graph), **(extra_header or {}), "weights": table,
+              "extra_weights": list(extra_weights or {})}
     blob = json.dumps(header, separators=(",", ":")).encode()
     data_start = _align(len(MAGIC) + 8 + len(blob))
     with open(path, "wb") as f:
         f.write(MAGIC + struct.pack("<Q", len(blob)) + blob)
         f.write(b"\0" * (data_start - f.tell()))
-        for entry, w in zip(table, graph.weights.values(), strict=True):
+        for entry, w in zip(table, blocks.values(), strict=True):
             f.seek(data_start + entry["offset"])
             f.write(np.ascontiguousarray(w).tobytes())
         f.truncate(data_start + offset)
@@ -135,7 +140,8 @@ class ModelFile:
             (n,) = struct.unpack("<Q", f.read(8))
             self.header: dict[str, Any] = json.loads(f.read(n))
         self.data_start = _align(len(MAGIC) + 8 + n)
-        self._table = {w["name"]: w for w in self.header["weights"]}
+        extra = set(self.header.get("extra_weights", ()))
+        self._table = {w["name"]: w for w in self.header["weights"] if w["name"] not in extra}
 
     def weight_names(self) -> list[str]:
         return list(self._table)
