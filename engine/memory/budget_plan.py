@@ -105,6 +105,7 @@ class BudgetPlan:
     compute_s: float
     load_s: float
     load_bps: float
+    compute_scale: float = 1.0  # compute's slowdown against the calibration assumed when planning
 
     @property
     def sliced_steps(self) -> int:
@@ -471,7 +472,8 @@ def plan_budget(plans: list[ExecutionPlan], streamed: set[str], weight_bytes: di
             resident = {n: top - d for n, d in chosen.items()}
             comp = sum(u.expected_s for u in units)
             cand = BudgetPlan(budget, plan, units, loads, pinned_offsets, pinned_bytes, resident, used, act_top,
-                              mode, s, float(total), float(comp), sum(ld.nbytes for ld in loads) / load_bps, load_bps)
+                              mode, s, float(total), float(comp), sum(ld.nbytes for ld in loads) / load_bps, load_bps,
+                              compute_scale)
             if best is None or cand.expected_s < best.expected_s:
                 best = cand
             continue

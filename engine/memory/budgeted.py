@@ -106,13 +106,17 @@ def _has_section(kernel: Kernel, node_name: str, sections: Sections) -> bool:
 
 def stream_overrides(graph: Graph, shapes: dict[str, tuple[int, ...]], calibration: Calibration,
                      streamed: set[str], sections: Sections, mode: str = "fast",
-                     forced: Mapping[str, str] | None = None) -> dict[str, str]:
+                     forced: Mapping[str, str] | None = None, weight_bytes: Mapping[str, int] | None = None,
+                     byte_s: float = 0.0, compute_scale: float = 1.0) -> dict[str, str]:
     """Per node reading a streamed weight, the kernel to use, chosen before compiling so no copying
     transform ever runs on a streamed weight. ``mode``: ``"fast"`` the cheapest kernel that can run
     on streamed weights (reads them in place, or has its transformed weights in the file: then it
     is the engine's own choice), ``"view"`` the cheapest that reads them in place (the fewest bytes
-    to stream), ``"lean"`` the least-scratch one of those (for tight budgets). ``forced`` (node name
-    or op -> kernel) wins in every mode; a kernel that cannot run on streamed weights is refused."""
+    to stream), ``"lean"`` the least-scratch one that can run on them (for tight budgets), ``"balanced"`` the one
+    with the least compute (times ``compute_scale``) plus reading of what it streams (``byte_s``
+    seconds a byte: as if no read were hidden), e.g. Winograd where its bigger weights cost less
+    to read than it saves, in-place kernels elsewhere. ``forced`` (node name or op -> kernel) wins
+    in every mode; a kernel that cannot run on streamed weights is refused."""
     forced = forced or {}
     infos, folded = infer_shapes(graph, shapes)
     consts = {**graph.weights, **folded}
@@ -131,15 +135,29 @@ def stream_overrides(graph: Graph, shapes: dict[str, tuple[int, ...]], calibrati
             overrides[node.name] = want
             continue
         ok = [k for k in candidates(ctx) if _view_safe(k, ctx, streamed)
-              or (mode == "fast" and _has_section(k, node.name, sections))]
+              or (mode != "view" and _has_section(k, node.name, sections))]
         if not ok:
             raise GraphError(f"no kernel for node {node.name!r} ({node.op}) reads streamed weights in place")
         if mode == "lean":
             least = min(k.scratch_bytes(ctx) for k in ok)
             ok = [k for k in ok if k.scratch_bytes(ctx) == least]
-        if mode == "lean" or len(ok) < len(candidates(ctx)):
-            overrides[node.name] = min(ok, key=lambda k: calibration.seconds(k.cost(ctx), k.name)).name
+
+        if mode in ("lean", "balanced") or len(ok) < len(candidates(ctx)):
+            overrides[node.name] = min(ok, key=lambda k, c=ctx: _stream_cost(
+                k, c, calibration, mode == "balanced", streamed, sections, weight_bytes, byte_s, compute_scale)).name
     return overrides
+
+
+def _stream_cost(kernel: Kernel, ctx: NodeCtx, calibration: Calibration, balanced: bool, streamed: set[str],
+                 sections: Sections, weight_bytes: Mapping[str, int] | None, byte_s: float,
+                 compute_scale: float) -> float:
+    seconds = calibration.seconds(kernel.cost(ctx), kernel.name)
+    if not balanced:
+        return seconds
+    node = ctx.node
+    blocks = (list(sections[node.name][kernel.name].values()) if _has_section(kernel, node.name, sections)
+              else [t for t in node.inputs if t in streamed])
+    return seconds * compute_scale + byte_s * sum(weight_bytes[b] for b in blocks)
 
 
 def transform_keeps_views(kernel: Kernel, ctx: NodeCtx, names: list[str]) -> bool:
@@ -253,6 +271,11 @@ class _Bound:
 
 
 _NEVER = 1 << 62
+REPLAN_OFF = 1.5  # re-plan when the measured read rate or compute speed is this far off the plan's
+
+
+def _off(a: float, b: float) -> float:
+    return max(a / b, b / a) if a > 0 and b > 0 else 1.0
 
 
 class _Run:
@@ -333,8 +356,9 @@ class BudgetedSession(GraphInputs):
         self.kernels = dict(kernels or {})  # node name or op -> kernel, as InferenceSession(kernels=...)
         # What planning assumes: the disk's streaming rate, and how much slower than the calibration's
         # estimates compute runs now (a busy machine: 2-5x). Both start measured/neutral and follow the
-        # median of the last runs' timelines, so plans made for new budgets weigh loads against
-        # compute as they currently are.
+        # median of the last runs' timelines; when they drift REPLAN_OFF from what the current plan
+        # assumed, plans are remade (e.g. streaming Winograd's bigger weights stops paying when the
+        # disk turns out slower than probed).
         self.load_bps = measure_read_bps(self.loader, self.streamed)
         self.compute_scale = 1.0
         self._observed: deque[tuple[float, float | None]] = deque(maxlen=5)
@@ -354,14 +378,18 @@ class BudgetedSession(GraphInputs):
     def _exec_plans(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, ExecutionPlan]:
         """Execution plans to choose from per budget: the fastest kernels (transformed weights streamed
         where the file holds them), the fastest reading weights in place, the least scratch."""
+        # "balanced" depends on the machine's rates when made: remade when a run finds them drifted
+        # (_observe), never on a budget change, which stays a re-plan of cached execution plans
         key = self._key(shapes)
         if key not in self._exec:
             shapes = {n: tuple(s) for n, s in shapes.items()}
-            plans, seen = {}, []
+            plans: dict[str, ExecutionPlan] = {}
+            seen: list[dict[str, str]] = []
             with self._limit():
-                for mode in ("fast", "view", "lean"):
+                for mode in ("fast", "balanced", "view", "lean"):
                     overrides = stream_overrides(self.graph, shapes, self.calibration, self.streamed, self.sections,
-                                                 mode, self.kernels)
+                                                 mode, self.kernels, self.weight_bytes, 1 / self.load_bps,
+                                                 self.compute_scale)
                     if overrides not in seen:  # transforms run at bind time, on the arena's slots
                         seen.append(overrides)
                         plans[mode] = compile_plan(self.graph, shapes, self.calibration, overrides, transform=False)
@@ -444,7 +472,7 @@ class BudgetedSession(GraphInputs):
         tl = Timeline(len(bound.bp.loads), bound.unit_count, [ld.nbytes for ld in bound.bp.loads])
         run = _Run(tl)
         self._jobs.put((bound, run))
-        clock, t0 = time.perf_counter, run.t0
+        clock, t0, cpu0 = time.perf_counter, run.t0, time.thread_time()
         try:
             with self._limit():
                 for u, call in enumerate(bound.calls):
@@ -458,6 +486,7 @@ class BudgetedSession(GraphInputs):
                     tl.unit_wait[u], tl.unit_start[u], tl.unit_end[u] = s - t, s - t0, clock() - t0
                     run.set_computed(u + 1)
         finally:
+            tl.compute_cpu_s = time.thread_time() - cpu0
             run.stop()
             run.done.wait()
         if run.error is not None:
@@ -476,6 +505,11 @@ class BudgetedSession(GraphInputs):
         rates = [r for _, r in self._observed if r]
         if rates:
             self.load_bps = float(np.median(rates))
+        if bp.loads and len(self._observed) >= 2 and max(
+                _off(self.load_bps, bp.load_bps), _off(self.compute_scale, bp.compute_scale)) > REPLAN_OFF:
+            self._plans.clear()  # planned for another machine state: re-plan (and re-bind) on the next run
+            self._exec.clear()
+            self._bound = None
 
     def _loader_loop(self) -> None:
         # SCHED_BATCH: the loader never preempts a running thread when it wakes up. Under SCHED_OTHER
@@ -497,13 +531,20 @@ class BudgetedSession(GraphInputs):
                     if run.aborted:
                         break
                     tl.load_start[i] = clock() - run.t0
+                    cpu = time.thread_time()
                     self.loader.read_into(ld.weight, bound.slots[i], ld.rows)
                     tl.load_end[i] = clock() - run.t0
+                    tl.loader_cpu_s += time.thread_time() - cpu
                     run.set_loaded(i + 1)
             except BaseException as e:  # noqa: BLE001 - handed to the compute thread, which raises it
                 run.stop(e)
             finally:
-                run.done.set()
+                # let go of this run's arena before the caller resumes, not when the next job comes: a
+                # budget change or a re-plan frees the old arena before making the new one, and both
+                # must never be alive at once
+                done = run.done
+                del job, bound, run
+                done.set()
 
     def close(self) -> None:
         """Stop the loader thread and close the file."""

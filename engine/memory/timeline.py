@@ -25,6 +25,8 @@ class Timeline:
     unit_wait: list[float] = field(default_factory=list)
     unit_start: list[float] = field(default_factory=list)
     unit_end: list[float] = field(default_factory=list)
+    compute_cpu_s: float = 0.0  # the compute thread's CPU time (its wall time minus this: waiting for a CPU)
+    loader_cpu_s: float = 0.0  # the loader thread's CPU time in its reads (page-cache copies, checksums)
 
     def __post_init__(self) -> None:
         self.load_start = [0.0] * self.loads
@@ -58,13 +60,16 @@ class Timeline:
         return {"total_ms": round(self.total_s * 1e3, 2), "compute_ms": round(self.compute_s * 1e3, 2),
                 "wait_ms": round(self.wait_s * 1e3, 2), "read_ms": round(self.read_s * 1e3, 2),
                 "read_mb": round(sum(self.load_bytes) / 1e6, 2), "read_gbps": round(self.read_bps / 1e9, 3),
-                "waiting_units": sum(w > 1e-4 for w in self.unit_wait)}
+                "waiting_units": sum(w > 1e-4 for w in self.unit_wait),
+                "compute_cpu_ms": round(self.compute_cpu_s * 1e3, 2),
+                "loader_cpu_ms": round(self.loader_cpu_s * 1e3, 2)}
 
     def summary(self) -> str:
         r = self.report()
         return (f"{r['total_ms']:.1f} ms: compute {r['compute_ms']:.1f} ms, waiting on loads {r['wait_ms']:.1f} ms "
                 f"({r['waiting_units']} of {self.units} units); loader read {r['read_mb']:.1f} MB in "
-                f"{r['read_ms']:.1f} ms ({r['read_gbps']:.2f} GB/s while reading)")
+                f"{r['read_ms']:.1f} ms ({r['read_gbps']:.2f} GB/s while reading); CPU: compute thread "
+                f"{r['compute_cpu_ms']:.1f} ms, loader {r['loader_cpu_ms']:.1f} ms")
 
     def table(self, names: list[str] | None = None, limit: int = 40) -> str:
         """The units that waited longest: when, how long, and the compute they did."""
