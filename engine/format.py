@@ -65,8 +65,8 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def _align(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
 
 
 def graph_structure(graph: Graph) -> dict[str, Any]:
@@ -93,10 +93,11 @@ def graph_from_structure(h: dict[str, Any], weights: dict[str, np.ndarray]) -> G
 
 
 def save_model(graph: Graph, path: str | os.PathLike, extra_weights: dict[str, np.ndarray] | None = None,
-               extra_header: dict[str, Any] | None = None) -> int:
+               extra_header: dict[str, Any] | None = None, align: int = ALIGN) -> int:
     """Write ``graph`` to ``path``; returns the file size in bytes. ``extra_weights`` are stored as
     blocks the graph does not read (e.g. transformed weights for streaming), ``extra_header`` as
-    more header keys.
+    more header keys. ``align`` (a multiple of 64) aligns every block's start and end in the file,
+    e.g. to 4096 for direct I/O (the header is padded with spaces: readers need not know).
 
     >>> from engine.builder import GraphBuilder
     >>> import tempfile
@@ -110,10 +111,11 @@ def save_model(graph: Graph, path: str | os.PathLike, extra_weights: dict[str, n
         w = np.asarray(w)
         table.append({"name": name, "dtype": w.dtype.str, "shape": list(w.shape), "offset": offset,
                       "nbytes": int(w.nbytes), **block_checksums(np.ascontiguousarray(w).data)})
-        offset = _align(offset + w.nbytes)
+        offset = _align(offset + w.nbytes, align)
     header = {**graph_structure(graph), **(extra_header or {}), "weights": table,
               "extra_weights": list(extra_weights or {})}
     blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (_align(len(MAGIC) + 8 + len(blob), align) - len(MAGIC) - 8 - len(blob))
     data_start = _align(len(MAGIC) + 8 + len(blob))
     with open(path, "wb") as f:
         f.write(MAGIC + struct.pack("<Q", len(blob)) + blob)

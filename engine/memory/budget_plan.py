@@ -43,9 +43,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.ir import GraphError
+from engine.memory.loader import DIRECT_ALIGN, direct_len
 from engine.plan import ExecutionPlan, StepPlan
 
 ALIGN = 64
+LOAD_ALIGN = DIRECT_ALIGN
 MIN_SLICE_BYTES = 32 * 1024  # finer slices cost more in per-call overhead than they save
 LOOKAHEAD = 12  # a load starts at most this many units before its use (bounds planning time)
 
@@ -60,6 +62,11 @@ class BudgetError(GraphError):
 
 def _up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def _up_load(n: int) -> int:
+    """A load's slot: 4096-aligned and rounded up to 4096, so the loader can read it with direct I/O."""
+    return direct_len(n)
 
 
 @dataclass
@@ -116,13 +123,13 @@ class BudgetPlan:
         live = list(self.act_top)
         for ld in self.loads:
             for u in range(ld.start_unit, ld.unit + 1):
-                live[u] += _up(ld.nbytes)
+                live[u] += _up_load(ld.nbytes)
         return max(live, default=0) + self.pinned_bytes + self.resident_bytes
 
     @property
     def load_top(self) -> int:
         """The top of the room loads share with activations (below resident and pinned weights)."""
-        return self.budget // ALIGN * ALIGN - self.pinned_bytes - self.resident_bytes
+        return (self.budget // ALIGN * ALIGN - self.pinned_bytes) // LOAD_ALIGN * LOAD_ALIGN - self.resident_bytes
 
     def report(self) -> dict[str, float | int | bool]:
         return {"budget_bytes": self.budget, "plan_peak_bytes": self.peak_bytes(),
@@ -195,6 +202,22 @@ def streamed_inputs(streamed: set[str]) -> BlocksOf:
     return lambda step: list(dict.fromkeys(t for t in step.node.inputs if t in streamed))
 
 
+def _slice_bounds(rows: int, k: int, row_bytes: list[int]) -> list[int]:
+    """``k`` near-equal row ranges, their starts on multiples of rows whose bytes are 4096-aligned in
+    every block (then each slice is a direct read), unless that granule leaves far fewer slices."""
+    granule = 1
+    for rb in row_bytes:
+        g = LOAD_ALIGN // math.gcd(rb, LOAD_ALIGN) if rb else 1
+        granule = granule * g // math.gcd(granule, g)
+    even = np.linspace(0, rows, k + 1)
+    if granule > 1 and rows // granule >= k:
+        inner = {int(round(b / granule)) * granule for b in even[1:-1]}
+        bounds = sorted({0, rows, *(b for b in inner if 0 < b < rows)})
+        if len(bounds) - 1 >= max(1, k * 3 // 4):
+            return bounds
+    return [int(b) for b in even.round().astype(int)]
+
+
 def build_units(plan: ExecutionPlan, blocks_of: BlocksOf, weight_bytes: dict[str, int], slice_bytes: float,
                 streamed: set[str], resident: set[str] = frozenset(),
                 compute_scale: float = 1.0) -> tuple[list[Unit], list[Load]]:
@@ -219,7 +242,7 @@ def build_units(plan: ExecutionPlan, blocks_of: BlocksOf, weight_bytes: dict[str
                 loads.append(Load(name, None, weight_bytes[name], len(units)))
             units.append(u)
             continue
-        bounds = np.linspace(0, rows, k + 1).round().astype(int)
+        bounds = _slice_bounds(rows, k, [weight_bytes[n] // rows for n in names])
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             u = Unit(i, (int(a), int(b)), k, expected_s=expected * (b - a) / rows)
             for name in names:  # weight (or its transformed copy) and, when streamed, bias
@@ -273,11 +296,11 @@ def _highest_fit(busy: list[tuple[int, int]], floor: int, top: int, need: int) -
     cursor = top
     for lo, hi in sorted(busy, reverse=True):
         if hi <= cursor:
-            start = (cursor - need) // ALIGN * ALIGN
+            start = (cursor - need) // LOAD_ALIGN * LOAD_ALIGN
             if start >= max(hi, floor):
                 return start
         cursor = min(cursor, lo)
-    start = (cursor - need) // ALIGN * ALIGN
+    start = (cursor - need) // LOAD_ALIGN * LOAD_ALIGN
     return start if start >= floor else None
 
 
@@ -287,7 +310,7 @@ def place_loads(loads: list[Load], act_top: list[int], top: int, preload: bool) 
     active: list[tuple[int, int, int]] = []  # (unit using it, lo, hi)
     prev = 0
     for ld in loads:
-        need, u = _up(ld.nbytes), ld.unit
+        need, u = _up_load(ld.nbytes), ld.unit
         earliest = max(prev, u - LOOKAHEAD) if preload else max(prev, u)
         active = [a for a in active if a[0] >= earliest]
         best, floor = None, 0
@@ -369,12 +392,12 @@ def _fill(order: list[list[str]], weight_bytes: dict[str, int], room: int) -> tu
     chosen: dict[str, int] = {}
     used = 0
     for names in order:
-        need = sum(_up(weight_bytes[n]) for n in names if n not in chosen)
+        need = sum(_up_load(weight_bytes[n]) for n in names if n not in chosen)
         if used + need > room:
             continue
         for n in names:
             if n not in chosen:
-                used += _up(weight_bytes[n])
+                used += _up_load(weight_bytes[n])
                 chosen[n] = used  # distance below the top; made an offset by the caller
     return chosen, used
 
@@ -389,7 +412,8 @@ def _resident_room(plan: ExecutionPlan, blocks_of: BlocksOf, weight_bytes: dict[
 
     def fits(room: int) -> bool:
         chosen, used = _fill(order, weight_bytes, room)
-        return all(act_top[j] + used + sum(_up(loads[i].nbytes) for i in u.loads if loads[i].weight not in chosen)
+        return all(act_top[j] + used + sum(_up_load(loads[i].nbytes) for i in u.loads
+                                           if loads[i].weight not in chosen)
                    <= top for j, u in enumerate(units))
 
     lo, hi = 0, top - max(act_top, default=0)
@@ -446,7 +470,7 @@ def plan_budget(plans: list[ExecutionPlan], streamed: set[str], weight_bytes: di
     for name, n in pinned.items():
         pinned_bytes += _up(n)
         pinned_offsets[name] = budget // ALIGN * ALIGN - pinned_bytes
-    top = budget // ALIGN * ALIGN - pinned_bytes
+    top = (budget // ALIGN * ALIGN - pinned_bytes) // LOAD_ALIGN * LOAD_ALIGN  # loads and resident blocks
     modes = (True, False) if preload else (False,)
     best: BudgetPlan | None = None
     smallest = None
@@ -480,8 +504,8 @@ def plan_budget(plans: list[ExecutionPlan], streamed: set[str], weight_bytes: di
         units, loads = build_units(plan, blocks_of, weight_bytes, _levels(plan, blocks_of, weight_bytes, streamed,
                                                                             set())[-1], streamed)
         act_top = _activation_top(plan, _unit_ranges(plan, units), len(units))
-        need = [act_top[j] + sum(_up(loads[i].nbytes) for i in u.loads) for j, u in enumerate(units)]
-        least = max(need, default=0) + pinned_bytes + ALIGN
+        need = [act_top[j] + sum(_up_load(loads[i].nbytes) for i in u.loads) for j, u in enumerate(units)]
+        least = max(need, default=0) + pinned_bytes + LOAD_ALIGN
         smallest = least if smallest is None else min(smallest, least)
     if best is not None:
         return best

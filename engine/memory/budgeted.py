@@ -30,8 +30,8 @@ import numpy as np
 from engine.cost import Calibration
 from engine.ir import Graph, GraphError, TensorInfo
 from engine.kernels import Kernel, NodeCtx, candidates
-from engine.memory.budget_plan import ALIGN, BudgetError, BudgetPlan, plan_budget, streamed_inputs
-from engine.memory.loader import Block, WeightLoader
+from engine.memory.budget_plan import BudgetError, BudgetPlan, plan_budget, streamed_inputs
+from engine.memory.loader import DIRECT_ALIGN, Block, WeightLoader, direct_len
 from engine.memory.streamable import Sections, open_streamable, placeholder, transformed_sections
 from engine.memory.timeline import Timeline
 from engine.ops import VIEW_OPS, infer_shapes
@@ -185,8 +185,8 @@ class _Bound:
         self.bp = plan = bp
         self.blocks = blocks
         ep = bp.exec_plan
-        raw = np.empty(bp.budget + ALIGN, dtype=np.uint8)  # pages are touched only where used
-        shift = (-raw.ctypes.data) % ALIGN
+        raw = np.empty(bp.budget + DIRECT_ALIGN, dtype=np.uint8)  # pages are touched only where used
+        shift = (-raw.ctypes.data) % DIRECT_ALIGN  # slots on 4096 boundaries: direct reads
         self.arena = raw[shift : shift + bp.budget]
         self.views: dict[str, np.ndarray] = {}
         for name, buf in ep.arena.buffers.items():
@@ -200,11 +200,12 @@ class _Bound:
             dst = self.arena[off : off + w.nbytes].view(w.dtype).reshape(w.shape)
             dst[...] = w
             consts[name] = dst
-        self.resident_slots = {name: self.arena[off : off + blocks[name].nbytes] for name, off in plan.resident.items()}
+        self.resident_slots = {name: self.arena[off : off + direct_len(blocks[name].nbytes)]
+                               for name, off in plan.resident.items()}
         self.resident_pending = bool(self.resident_slots)  # read on the first run
         for name, slot in self.resident_slots.items():
             consts[name] = self._typed(name, slot, None)
-        self.slots = [self.arena[ld.offset : ld.offset + ld.nbytes] for ld in plan.loads]
+        self.slots = [self.arena[ld.offset : ld.offset + direct_len(ld.nbytes)] for ld in plan.loads]
         self.need = []
         self.calls = []
         last = -1
@@ -223,7 +224,7 @@ class _Bound:
     def _typed(self, block: str, slot: np.ndarray, rows: tuple[int, int] | None) -> np.ndarray:
         b = self.blocks[block]
         shape = b.shape if rows is None else (rows[1] - rows[0], *b.shape[1:])
-        return slot.view(b.dtype).reshape(shape)
+        return slot[: b.nbytes if rows is None else (rows[1] - rows[0]) * b.row_bytes].view(b.dtype).reshape(shape)
 
     def array(self, tensor: str, consts: dict[str, np.ndarray]) -> np.ndarray:
         ep = self.bp.exec_plan

@@ -3,7 +3,8 @@
 A budgeted run reads each big weight from the file straight into the arena, so the file must hold
 the graph as it runs: optimised already (BatchNorm folded: folding needs every weight in memory),
 and with each Gemm's constant ``B`` stored as ``(out features, in features)`` (``transB=1``) so an
-output-feature slice is a contiguous byte range. :func:`save_streamable` writes such a file;
+output-feature slice is a contiguous byte range, and every block 4096-aligned so the loader can
+read it with direct I/O. :func:`save_streamable` writes such a file;
 :func:`open_streamable` gives its graph with small weights read (biases, shapes: they stay
 resident, "pinned") and big ones as zero-byte placeholders of the right shape and dtype, which is
 all planning needs.
@@ -31,7 +32,7 @@ import numpy as np
 
 from engine.format import save_model
 from engine.ir import Graph, GraphError, Node, TensorInfo
-from engine.memory.loader import ModelFileError, WeightLoader
+from engine.memory.loader import DIRECT_ALIGN, ModelFileError, WeightLoader
 from engine.passes import optimize
 
 Sections = dict[str, dict[str, dict[str, str]]]  # node -> kernel -> transform param -> block name
@@ -69,7 +70,7 @@ def save_streamable(model: Graph | str | os.PathLike, path: str | os.PathLike,
 
     g = streamable(load_graph(model))
     extra, sections = transformed_weights(g, transforms, input_shapes)
-    return save_model(g, path, extra_weights=extra, extra_header={"transformed": sections})
+    return save_model(g, path, extra_weights=extra, extra_header={"transformed": sections}, align=DIRECT_ALIGN)
 
 
 def transformed_weights(g: Graph, transforms: str | Iterable[str] | None,

@@ -116,3 +116,31 @@ def test_usable_from_a_background_thread(model_file):
     t.start()
     t.join()
     assert all(np.array_equal(out[n], w) for n, w in weights.items())
+
+
+def test_aligned_reads_use_direct_io_and_others_the_page_cache(tmp_path):
+    rng = np.random.default_rng(1)
+    b = GraphBuilder()
+    x = b.input("x", (1, 64, 8, 8))
+    w = rng.standard_normal((64, 64, 3, 3)).astype(np.float32)  # rows of 2304 bytes: slices of 16 rows align
+    b.output(b.conv(x, w, pads=1))
+    path = tmp_path / "aligned.sfe"
+    save_model(b.build(), path, align=4096)
+    loader = WeightLoader(path)
+    name = next(iter(loader.blocks))
+    if loader._dfd < 0:
+        pytest.skip("this file system has no direct I/O")
+    raw = np.empty(w.nbytes + 3 * 4096, np.uint8)
+    buf = raw[(-raw.ctypes.data) % 4096:][: w.nbytes + 4096]  # aligned, with room for the rounded-up read
+    got = [loader.read_into(name, buf, rows=(r, r + 16)).copy() for r in range(0, 64, 16)]
+    assert np.array_equal(np.concatenate(got), w) and loader.direct_bytes == w.nbytes
+    loader.read_into(name, buf[64:], rows=(0, 16))  # an unaligned buffer: read through the page cache
+    loader.read_into(name, buf[: 8 * 2304], rows=(0, 8))  # no room for the rounded-up length: the same
+    assert loader.direct_bytes == w.nbytes and loader.bytes_read == w.nbytes + 24 * 2304
+    with open(path, "r+b") as f:  # a flipped byte is caught on the direct path too
+        f.seek(loader.blocks[name].offset + 5)
+        byte = f.read(1)
+        f.seek(loader.blocks[name].offset + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ModelFileError, match="checksum"):
+        WeightLoader(path).read_into(name, buf)
