@@ -17,6 +17,7 @@ cached per budget); the arena of the old budget is released before the new one i
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
 import threading
@@ -69,12 +70,15 @@ def measure_read_bps(loader: WeightLoader, streamed: set[str], probe: int = 1 <<
     latency, not its streaming rate); the probe buffer is small so opening stays within any budget."""
     if not streamed:
         return 1e9
-    buf = np.empty(probe, np.uint8)
+    raw = np.empty(probe + 2 * DIRECT_ALIGN, np.uint8)
+    buf = raw[(-raw.ctypes.data) % DIRECT_ALIGN:]  # aligned with room: direct reads, as runs do
     loader.evict()
     done, t = 0, time.perf_counter()
     for name in sorted(streamed, key=lambda n: -loader.blocks[n].nbytes):
         b = loader.blocks[name]
         step = max(1, probe // max(b.row_bytes, 1)) if b.shape else 1
+        granule = DIRECT_ALIGN // math.gcd(b.row_bytes, DIRECT_ALIGN) if b.row_bytes else 1
+        step = step // granule * granule or step
         rows = b.shape[0] if b.shape else 1
         for r in range(0, rows, step):
             if b.shape and step * b.row_bytes > probe:
