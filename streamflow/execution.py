@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import traceback
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -58,26 +59,37 @@ class TaskExecution:
     def register(self, task: Task) -> None:
         """Add a task; it runs from the next event on. Its pipeline is copied: no operator state is
         shared between tasks."""
-        if task.name in self.tasks:
-            raise ValueError(f"task {task.name!r} is already registered")
-        self.trie.register(task.name, task.trigger)
-        self.tasks[task.name] = task
-        self._pipelines[task.name] = copy.deepcopy(list(task.pipeline))
-        self.stats.setdefault(task.name, TaskStats())
-        # A "page" task needs only the current visit; keep as much history as the others ask for.
-        events = task.history_events if task.input == "recent" else 0
-        pages = task.history_events if task.input == "pages" else 0
-        if events > self.max_events or pages > self.max_pages:
-            self.max_events = max(self.max_events, events)
-            self.max_pages = max(self.max_pages, pages)
-            for resize in self.on_resize:
-                resize(self.max_events, self.max_pages)
+        self.replace((), [task])
 
     def unregister(self, name: str) -> None:
         """Remove a task."""
-        self.trie.unregister(name)
-        del self.tasks[name]
-        del self._pipelines[name]
+        self.replace([name], ())
+
+    def replace(self, remove: Iterable[str], add: Iterable[Task]) -> None:
+        """Remove tasks ``remove`` and add ``add`` as one change (see :meth:`TriggerTrie.replace`).
+
+        A task added again under a name it had (a new version) keeps its counters, with its run of
+        consecutive failures and its quarantine cleared. Nothing changes if anything is refused.
+        """
+        remove, add = list(remove), list(add)
+        pipelines = {task.name: copy.deepcopy(list(task.pipeline)) for task in add}  # may raise: before any change
+        self.trie.replace(remove, {task.name: task.trigger for task in add})
+        for name in remove:
+            del self.tasks[name]
+            del self._pipelines[name]
+        for task in add:
+            self.tasks[task.name] = task
+            self._pipelines[task.name] = pipelines[task.name]
+            stats = self.stats.setdefault(task.name, TaskStats())
+            stats.consecutive_errors, stats.quarantined = 0, False
+            # A "page" task needs only the current visit; keep as much history as the others ask for.
+            events = task.history_events if task.input == "recent" else 0
+            pages = task.history_events if task.input == "pages" else 0
+            if events > self.max_events or pages > self.max_pages:
+                self.max_events = max(self.max_events, events)
+                self.max_pages = max(self.max_pages, pages)
+                for resize in self.on_resize:
+                    resize(self.max_events, self.max_pages)
 
     def inputs(self, name: str, event: Event, sequence: UserSequence) -> list[Any]:
         """What task ``name``, fired by ``event``, runs over (see ``Task.input``)."""

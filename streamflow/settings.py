@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     flink_execution_mode: Literal["thread", "process"] = Field("thread", description="PyFlink's Python mode")
     zoo_dir: Path = Field(Path.home() / ".cache" / "streamflow" / "zoo",
                           description="the serving model zoo: zoo.json and its model files (streamflow.serve.zoo)")
+    deploy_server: str = Field("http://127.0.0.1:8470", description="the release server `streamflow release` talks to")
+    deploy_dir: Path = Field(Path(".streamflow") / "deploy", description="the release server's state directory "
+                             "(its SQLite file, file store and admin.token)")
 
 
 def settings(**explicit: Any) -> Settings:

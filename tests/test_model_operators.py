@@ -66,6 +66,23 @@ def test_infer_as_bytes_is_the_float32_vector():
     np.testing.assert_array_equal(np.frombuffer(out[0]["code"], np.float32), np.float32(plain[0]["code"]))
 
 
+def test_reproducible_infer_computes_every_batch_with_one_engine_plan():
+    """With ``reproducible=True`` every firing runs the warm engine (no cold path, no timed switch): each
+    batch size's bytes equal the warm InferenceSession's, however the firings are timed."""
+    from engine.session import InferenceSession
+
+    weights = mlp_weights()
+    infer = Infer(engine_mlp(*weights), features=features, into="code", as_bytes=True, reproducible=True)
+    reference = InferenceSession(engine_mlp(*weights))
+    for batch in (ROWS[:1], ROWS[:3], ROWS, ROWS[:3]):
+        got = [r["code"] for r in run_pipeline([infer], batch)]
+        want = reference.run({"x": np.asarray([features(r) for r in batch], np.float32)})
+        assert got == [v.tobytes() for v in next(iter(want.values()))]
+    assert isinstance(infer._session, InferenceSession)
+    np.testing.assert_allclose(np.frombuffer(got[0], np.float32),
+                               torch_mlp(*weights)(torch.tensor([features(ROWS[0])])).detach().numpy()[0], atol=TOL)
+
+
 def test_infer_needs_rows():
     with pytest.raises(TypeError, match="works on rows"):
         run_pipeline([Infer(engine_mlp(*mlp_weights()), features=features)], [3.0])
