@@ -367,6 +367,7 @@ class BudgetedSession(GraphInputs):
         self.load_bps = measure_read_bps(self.loader, self.streamed)
         self.compute_scale = 1.0
         self._observed: deque[tuple[float, float | None]] = deque(maxlen=5)
+        self._stale_exec = False
         self._limit = _thread_limiter(threads)
         self._exec: dict[tuple, dict[str, ExecutionPlan]] = {}
         self._plans: dict[tuple, BudgetPlan] = {}
@@ -464,6 +465,11 @@ class BudgetedSession(GraphInputs):
         """Run on float32 inputs (a dict by input name, or one array for a single-input model)."""
         feeds = self._feeds(feeds)
         shapes = {k: v.shape for k, v in feeds.items()}
+        if self._stale_exec:
+            self._stale_exec = False
+            self._exec.clear()
+            self._plans.clear()
+            self._bound = None
         bound = self._bind(shapes)
         self._last_shapes = shapes
         ep = bound.bp.exec_plan
@@ -513,8 +519,8 @@ class BudgetedSession(GraphInputs):
         if bp.loads and len(self._observed) >= 2 and max(
                 _off(self.load_bps, bp.load_bps), _off(self.compute_scale, bp.compute_scale)) > REPLAN_OFF:
             self._plans.clear()  # planned for another machine state: re-plan (and re-bind) on the next run
-            self._exec.clear()
             self._bound = None
+            self._stale_exec = True  # and remake the rate-dependent exec plans then (not in set_budget)
 
     def _loader_loop(self) -> None:
         # SCHED_BATCH: the loader never preempts a running thread when it wakes up. Under SCHED_OTHER
