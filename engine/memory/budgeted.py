@@ -368,6 +368,7 @@ class BudgetedSession(GraphInputs):
         self.compute_scale = 1.0
         self._observed: deque[tuple[float, float | None]] = deque(maxlen=5)
         self._stale_exec = False
+        self._replanned: set[tuple] = set()
         self._limit = _thread_limiter(threads)
         self._exec: dict[tuple, dict[str, ExecutionPlan]] = {}
         self._plans: dict[tuple, BudgetPlan] = {}
@@ -516,9 +517,14 @@ class BudgetedSession(GraphInputs):
         rates = [r for _, r in self._observed if r]
         if rates:
             self.load_bps = float(np.median(rates))
-        if bp.loads and len(self._observed) >= 2 and max(
+        key = self._bound[0] if self._bound else None
+        if bp.loads and key not in self._replanned and len(self._observed) >= 2 and max(
                 _off(self.load_bps, bp.load_bps), _off(self.compute_scale, bp.compute_scale)) > REPLAN_OFF:
-            self._plans.clear()  # planned for another machine state: re-plan (and re-bind) on the next run
+            # planned for another machine state: re-plan (and re-bind) on the next run, once per shape and
+            # budget (this machine's rates swing 2x within a minute: re-planning on each swing re-read the
+            # resident weights every few runs)
+            self._replanned.add(key)
+            self._plans.clear()
             self._bound = None
             self._stale_exec = True  # and remake the rate-dependent exec plans then (not in set_budget)
 
