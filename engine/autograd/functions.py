@@ -9,14 +9,14 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from engine.autograd.tensor import Add, Function, MatMul, Mul, Tensor
+from engine.autograd.tensor import Add, Function, MatMul, MatMulT, Mul, Tensor
 
 try:  # numba (optional) runs depthwise convs as fused loops
     from engine.kernels import jit
 except ImportError:  # pragma: no cover - depends on the environment
     jit = None
 
-__all__ = ["Add", "Mul", "MatMul", "Conv2d", "Relu", "Clip", "HardSwish", "HardSigmoid", "Sigmoid",
+__all__ = ["Add", "Mul", "MatMul", "MatMulT", "Conv2d", "Relu", "Clip", "HardSwish", "HardSigmoid", "Sigmoid",
            "Softmax", "BatchNorm", "MaxPool2d", "AvgPool2d", "GlobalAvgPool", "GlobalMaxPool", "ReduceMean",
            "Reshape", "Transpose",
            "Concat", "Slice", "Pad"]

@@ -165,6 +165,18 @@ class MatMul(Function):
         return g @ np.swapaxes(self.b, -1, -2), np.swapaxes(self.a, -1, -2) @ g
 
 
+class MatMulT(Function):
+    """``a @ b.T`` for a 2-d ``b`` kept as it is (a Gemm's transB weight): no transposed copy of the
+    weight is made forward, and its gradient comes out in the weight's own layout."""
+
+    def forward(self, a, b):
+        self.a, self.b = a, b
+        return a @ b.T
+
+    def backward(self, g):
+        return g @ self.b, g.T @ self.a
+
+
 class Sum(Function):
     def forward(self, a):
         self.shape = a.shape

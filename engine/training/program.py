@@ -23,7 +23,7 @@ import numpy as np
 
 from engine.autograd.graph import GraphModel
 from engine.autograd.losses import cross_entropy, mse
-from engine.autograd.optim import SGD, Adam, Optimizer
+from engine.autograd.optim import Optimizer
 from engine.autograd.tensor import Function, Tensor
 from engine.ir import GraphError, Node
 from engine.planner import ArenaPlan, Buffer
@@ -464,14 +464,8 @@ def plan_program(prog: Program, batch: int, dropped: frozenset[int], micro_batch
 
 def optimizer_bytes(opt: Optimizer) -> tuple[int, int]:
     """(state bytes, update scratch bytes) of ``opt``: momentum / Adam moments, and the
-    temporaries of one parameter's update (the largest)."""
-    total = sum(p.data.nbytes for p in opt.params)
-    largest = max((p.data.nbytes for p in opt.params), default=0)
-    if isinstance(opt, Adam):
-        return 2 * total, 5 * largest
-    if isinstance(opt, SGD):
-        return (total if opt.momentum else 0), 3 * largest
-    return 0, 3 * largest
+    temporaries of one parameter's in-place update."""
+    return opt.state_bytes(), opt.scratch_bytes()
 
 
 __all__ = ["Calibration", "Function", "NodeCost", "Program", "StepPlan", "calibrate", "optimizer_bytes",
