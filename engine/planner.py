@@ -86,6 +86,10 @@ def plan_arena(buffers: list[Buffer], order_key: Callable[[Buffer], tuple] = gre
         offsets[buf.name] = offset
         placed.append((offset, buf))
         size = max(size, offset + need)
-    steps = sorted({s for b in buffers for s in (b.start, b.end)})
-    live_peak = max((sum(b.size for b in buffers if b.start <= s <= b.end) for s in steps), default=0)
+    events = sorted([(b.start, b.size) for b in buffers] + [(b.end + 1, -b.size) for b in buffers],
+                    key=lambda e: (e[0], e[1] > 0))
+    live_peak = live = 0
+    for _, delta in events:  # frees at a step come before allocations there
+        live += delta
+        live_peak = max(live_peak, live)
     return ArenaPlan(offsets, {b.name: b for b in buffers}, size, sum(b.size for b in buffers), live_peak)

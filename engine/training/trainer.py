@@ -9,7 +9,7 @@ import numpy as np
 from engine.autograd.graph import GraphModel
 from engine.autograd.optim import Optimizer
 from engine.training.budget import fit
-from engine.training.program import Program, StepPlan, optimizer_bytes
+from engine.training.program import Program, StepPlan
 
 
 class BudgetedTrainer:
@@ -53,8 +53,8 @@ class BudgetedTrainer:
         key = (batch, budget)
         if key not in self.plans:
             prog = self._program(sample_shape)
-            state, update = optimizer_bytes(self.optimizer)
-            self.plans[key] = fit(prog, batch, budget, state, update, self.micro_batches)
+            self.plans[key] = fit(prog, batch, budget, self.optimizer.state_bytes(), self.optimizer.scratch_bytes(),
+                                  self.micro_batches)
         return self.plans[key]
 
     def prepare(self, batch: int, sample_shape: tuple[int, ...], budgets: list[int]) -> None:
