@@ -16,10 +16,11 @@ import numpy as np
 
 from engine.training.calibrate import NodeCost
 from engine.training.program import Program, StepPlan, plan_program
-from engine.training.stream import Stream, segment
+from engine.training.stream import Stream
 
 HEADROOM = 0.1  # of the budget, for what the calibration does not see (allocator rounding, small temporaries)
 BACKWARD_FACTOR = 3.0  # a node's forward and backward take about this many times its forward
+MOVES_PER_PLAN = 8  # at most this many moves between two re-plans (while far over the budget)
 
 
 class BudgetError(ValueError):
@@ -44,14 +45,15 @@ def _seconds(prog: Program, i: int, m: int) -> float:
     return max(f[0] + f[1] * m, 1e-6)
 
 
-def _merge_scores(prog: Program, batch: int, stream: Stream, at: int) -> list[tuple[float, int]]:
-    """Score of removing each border of ``stream`` whose tensors are live at step ``at``."""
+def _merge_scores(prog: Program, batch: int, stream: Stream, at: int) -> list[tuple[float, int, int]]:
+    """(score, bytes freed, border) of removing each border of ``stream`` whose tensors are live at
+    step ``at``."""
     nodes, costs, n = prog.cal.nodes, prog.cal.costs, len(prog.cal.nodes)
     scores = []
     segs = stream.segments
     for k in range(len(segs) - 1):
         (a, q), (_, b) = segs[k], segs[k + 1]
-        seg = segment(nodes, q, b, prog.input, prog.output, prog.consumers)
+        seg = prog.segment(q, b)
         freed = 0
         for t in seg.inputs:
             i = next((j for j in range(a, q) if nodes[j].outputs[0] == t), None)
@@ -67,7 +69,7 @@ def _merge_scores(prog: Program, batch: int, stream: Stream, at: int) -> list[tu
         q1 = sum(nodes[i].op == "BatchNormalization" for i in range(a, q))
         q2 = sum(nodes[i].op == "BatchNormalization" for i in range(q, b))
         added = max(q2 * t1 + q1 * t2, 1e-6)
-        scores.append((freed * (2 * n - 2 * a) / added, q))
+        scores.append((freed * (2 * n - 2 * a) / added, freed, q))
     return scores
 
 
@@ -140,15 +142,20 @@ def fit_recompute(prog: Program, batch: int, budget: int, micro_batches: int, st
         return plan, live, int(live.max()) + plan.pinned_bytes
 
     best: tuple[int, frozenset[int], Stream | None] | None = None
-    refused: set = set()  # moves that did not lower the peak
+    refused: set = set()  # single moves that did not lower the peak
     last_peak: int | None = None
     undo: tuple | None = None
+    single = False  # after a batch of moves raised the peak, one move at a time
     for _ in range(4 * n + 4):
         plan, live, peak = planned()
         if last_peak is not None and peak > last_peak and undo is not None:
-            move, dropped, stream = undo
-            refused.add(move)
+            moves, dropped, stream = undo
+            if len(moves) == 1:
+                refused.add(moves[0])
+            single = True
             plan, live, peak = planned()
+        elif undo is not None:
+            single = False
         last_peak = peak
         if best is None or peak < best[0]:
             best = (peak, frozenset(dropped), stream)
@@ -159,7 +166,7 @@ def fit_recompute(prog: Program, batch: int, budget: int, micro_batches: int, st
                 return full
         at = int(live.argmax())
         first = stream.end if stream else 0
-        scored: list[tuple[float, tuple, set[int], Stream | None]] = []
+        scored: list[tuple[float, int, tuple]] = []
         for i, c in enumerate(costs):
             if i < first or i in dropped or ("drop", i) in refused or not i <= at < 2 * n - i:
                 continue  # its state must be freed across the peak
@@ -168,16 +175,25 @@ def fit_recompute(prog: Program, batch: int, budget: int, micro_batches: int, st
                 if all(j == i or j in dropped or t not in costs[j].keeps_inputs for j in consumers.get(t, ())):
                     freed += size_of(t)
             if freed > 0:
-                scored.append((freed * (2 * n - 2 * i) / _seconds(prog, i, m), ("drop", i), dropped | {i}, stream))
+                scored.append((freed * (2 * n - 2 * i) / _seconds(prog, i, m), freed, ("drop", i)))
         if stream is not None:
-            scored += [(s, ("merge", q), dropped, Stream.at(stream.end, stream.chunk,
-                                                            [b for b in stream.borders if b != q]))
-                       for s, q in _merge_scores(prog, batch, stream, at) if ("merge", q) not in refused]
+            scored += [(sc, freed, ("merge", q)) for sc, freed, q in _merge_scores(prog, batch, stream, at)
+                       if ("merge", q) not in refused]
         if not scored:
             break
-        score, move, new_dropped, new_stream = max(scored, key=lambda s: s[0])
-        undo = (move, dropped, stream)
-        dropped, stream = set(new_dropped), new_stream
+        scored.sort(key=lambda s: -s[0])
+        excess = max(peak - budget, 1)
+        moves, covered = [], 0
+        for _, freed, move in scored:  # far over the budget: several moves per re-plan
+            moves.append(move)
+            covered += freed
+            if single or covered >= excess or len(moves) >= MOVES_PER_PLAN:
+                break
+        undo = (moves, set(dropped), stream)
+        dropped = dropped | {i for kind, i in moves if kind == "drop"}
+        merged = {q for kind, q in moves if kind == "merge"}
+        if merged and stream is not None:
+            stream = Stream.at(stream.end, stream.chunk, [q for q in stream.borders if q not in merged])
     assert best is not None
     smallest = plan_program(prog, batch, best[1], micro_batches, state_bytes, update_bytes,
                             stream=best[2]).total_bytes
@@ -197,37 +213,69 @@ def node_floor(prog: Program, i: int, m: int) -> int:
 
 
 def stream_chunks(prog: Program, batch: int, budget: int) -> list[int]:
-    """Chunk sizes to stream with, largest first: the largest whose busiest node takes at most an
-    eighth of the budget, then a quarter of it."""
+    """Chunk sizes to stream with: the largest whose busiest node takes at most an eighth of the
+    budget, and twice that (fewer chunks, fewer calls)."""
     n = len(prog.cal.nodes)
     chunk = max(1, batch // 2)
     while chunk > 1 and max(node_floor(prog, i, chunk) for i in range(n)) > budget // 8:
         chunk //= 2
-    return list(dict.fromkeys((chunk, max(1, chunk // 4))))
+    return list(dict.fromkeys(c for c in (2 * chunk, chunk) if c < batch))
+
+
+def estimated_seconds(prog: Program, plan: StepPlan) -> float:
+    """A step's time by the calibration: each full-batch node forward and backward (plus its
+    recomputation when dropped); each streamed segment's passes, chunk by chunk."""
+    nodes, costs = prog.cal.nodes, prog.cal.costs
+    n, st = len(nodes), plan.stream
+    first = st.end if st else 0
+
+    def fwd(i: int, m: int, calls: int) -> float:
+        f = costs[i].forward_s
+        return calls * (f[0] + f[1] * m)
+
+    total = 0.0
+    for i in range(first, n):
+        t = fwd(i, plan.micro_batch, plan.micro_batches)
+        total += t * BACKWARD_FACTOR + (t if i in plan.dropped else 0.0)
+    if st is None:
+        return total
+    calls = -(-plan.batch // st.chunk)
+    for a, b in st.segments:
+        seg = prog.segment(a, b)
+        f = {i: fwd(i, st.chunk, calls) for i in range(a, b)}
+        whole = sum(f.values())
+        total += sum(f[i] for j in seg.bns for i in seg.needs[j]) + whole  # forward passes
+        total += (len(seg.bns) + 1) * whole + (BACKWARD_FACTOR - 1) * (
+            whole + sum(f[i] for j in seg.bns for i in range(j, b)))  # backward passes
+    return total
 
 
 def _fit_stream_at(prog: Program, batch: int, budget: int, state_bytes: int, update_bytes: int, end: int,
                    chunk: int, floors: tuple[list[int], list[int]]) -> tuple[StepPlan | None, int | None]:
-    """The plan streaming ``[0, end)`` as one segment (or None), and the smallest total tried."""
+    """The plan streaming ``[0, end)`` (or None), and the smallest total tried."""
     full, chunked = floors
     floor = max(max(full[end:], default=0), max(chunked[:end])) + prog.crossing_bytes(end, batch)
     if floor + state_bytes > budget:  # some node alone cannot fit: no need to search
         return None, None
+    borders = [q for q in prog.cut_positions if q < end]  # start fast (short segments), merge while too big
     try:
-        borders = [q for q in prog.cut_positions if q < end]  # start fast (short segments), merge while too big
         return fit_recompute(prog, batch, budget, 1, state_bytes, update_bytes,
                              stream=Stream.at(end, chunk, borders)), None
     except BudgetError as e:
         return None, e.smallest
 
 
-def fit_streamed(prog: Program, batch: int, budget: int, state_bytes: int, update_bytes: int) -> StepPlan:
-    """The streamed plan with the shortest prefix that fits (binary search over the positions one
-    tensor crosses; the prefix starts as one segment), then sped up by :func:`split_segments`."""
+def fit_streamed(prog: Program, batch: int, budget: int, state_bytes: int, update_bytes: int,
+                 tries: int = 4) -> StepPlan:
+    """The fastest streamed plan found (by :func:`estimated_seconds`): for each chunk size, the
+    shortest prefix that fits (binary search over the positions one tensor crosses) and a few
+    longer ones (each starting from short segments, merged while too big), then sped up by
+    :func:`split_segments`."""
     n = len(prog.cal.nodes)
     cuts = prog.cut_positions
     full = [node_floor(prog, i, batch) for i in range(n)]
     smallest: list[int] = []
+    best: tuple[float, StepPlan] | None = None
     for chunk in stream_chunks(prog, batch, budget):
         floors = (full, [node_floor(prog, i, chunk) for i in range(n)])
 
@@ -237,18 +285,25 @@ def fit_streamed(prog: Program, batch: int, budget: int, state_bytes: int, updat
             return plan
 
         lo, hi = 0, len(cuts) - 1
-        found = attempt(cuts[hi])
-        if found is None:
+        found = {hi: attempt(cuts[hi])}
+        if found[hi] is None:
             continue
         while lo < hi:
             mid = (lo + hi) // 2
-            plan = attempt(cuts[mid])
-            if plan is None:
-                lo = mid + 1
-            else:
-                hi, found = mid, plan
-        return split_segments(prog, found, budget, state_bytes, update_bytes)
-    raise BudgetError(f"batch {batch} does not fit {budget} bytes streamed", min(smallest, default=0))
+            found[mid] = attempt(cuts[mid])
+            lo, hi = (lo, mid) if found[mid] is not None else (mid + 1, hi)
+        last = len(cuts) - 1
+        for k in dict.fromkeys(hi + (last - hi) * j // tries for j in range(1, tries)):
+            if k not in found:
+                found[k] = attempt(cuts[k])
+        for plan in found.values():
+            if plan is not None:
+                t = estimated_seconds(prog, plan)
+                if best is None or t < best[0]:
+                    best = (t, plan)
+    if best is None:
+        raise BudgetError(f"batch {batch} does not fit {budget} bytes streamed", min(smallest, default=0))
+    return split_segments(prog, best[1], budget, state_bytes, update_bytes)
 
 
 def fit(prog: Program, batch: int, budget: int | None, state_bytes: int, update_bytes: int,

@@ -32,7 +32,7 @@ from engine.ir import GraphError, Node
 from engine.planner import ArenaPlan, Buffer
 from engine.training.calibrate import Calibration, NodeCost, calibrate
 from engine.training.pool import compare, plan_pool
-from engine.training.stream import Stream, StreamRun, consumers_of, segment, working_sets
+from engine.training.stream import Segment, Stream, StreamRun, consumers_of, segment, working_sets
 
 
 class Span(NamedTuple):
@@ -130,6 +130,13 @@ class Program:
         self.consumers = consumers_of(self.cal.nodes, {self.input, *(n.outputs[0] for n in self.cal.nodes)})
         self.segment_bytes: dict[tuple[int, int, int], tuple[int, int]] = {}  # (a, b, chunk) -> working sets
         self._sizes: dict[int, tuple[list[int], ...]] = {}
+        self._segments: dict[tuple[int, int], Segment] = {}
+
+    def segment(self, a: int, b: int) -> Segment:
+        """The (cached) description of the streamed segment ``[a, b)``."""
+        if (a, b) not in self._segments:
+            self._segments[a, b] = segment(self.cal.nodes, a, b, self.input, self.output, self.consumers)
+        return self._segments[a, b]
 
     def sizes(self, m: int) -> tuple[list[int], list[int], list[int], list[int]]:
         """Per node at batch ``m``: output, context, forward scratch and backward scratch bytes."""
@@ -418,8 +425,7 @@ def plan_program(prog: Program, batch: int, dropped: frozenset[int], micro_batch
     for a, b_ in stream.segments if stream else ():
         key = (a, b_, min(stream.chunk, batch))
         if key not in prog.segment_bytes:
-            seg = segment(nodes, a, b_, prog.input, prog.output, consumers)
-            prog.segment_bytes[key] = working_sets(cal, seg, key[2], consumers)
+            prog.segment_bytes[key] = working_sets(cal, prog.segment(a, b_), key[2], consumers)
         fwd, bwd = prog.segment_bytes[key]
         label = nodes[a].name or nodes[a].outputs[0]
         add(f"{label}#segment-forward", fwd, a, b_ - 1)

@@ -154,8 +154,7 @@ class StreamRun:
         self.update = update  # called with a segment's (a, b) once its parameters' gradients are final
         activations = {prog.input, *(n.outputs[0] for n in self.nodes)}
         self.consumers = consumers_of(self.nodes, activations)
-        self.segments = [segment(self.nodes, a, b, prog.input, prog.output, self.consumers)
-                         for a, b in self.stream.segments]
+        self.segments = [prog.segment(a, b) for a, b in self.stream.segments]
         self.spans = [(lo, min(batch, lo + self.stream.chunk)) for lo in range(0, batch, self.stream.chunk)]
         self.stats: dict[int, BatchStats] = {}
         self.batch = batch
