@@ -113,7 +113,8 @@ class Program:
     >>> plan = prog.plan(batch=64, dropped=frozenset()); prog.run(plan, x, labels, opt)  # doctest: +SKIP
     """
 
-    def __init__(self, model: GraphModel, loss: str, sample_shape: tuple[int, ...]) -> None:
+    def __init__(self, model: GraphModel, loss: str, sample_shape: tuple[int, ...],
+                 calibration: Calibration | None = None) -> None:
         if loss not in ("cross_entropy", "mse"):
             raise ValueError(f"loss must be 'cross_entropy' or 'mse', got {loss!r}")
         if len(model.graph.inputs) != 1 or len(model.graph.outputs) != 1:
@@ -122,11 +123,13 @@ class Program:
         self.input = model.graph.inputs[0].name
         self.output = model.graph.outputs[0]
         self.has_batchnorm = any(n.op == "BatchNormalization" for n in model.graph.nodes)
+        self._consts: dict[int, tuple[dict, dict]] = {}
         # recomputation replays BatchNorm forwards: their running statistics go to throwaway copies
         self._replay = GraphModel.__new__(GraphModel)
         self._replay.__dict__.update(model.__dict__)
         self._replay.buffers = {k: v.copy() for k, v in model.buffers.items()}
-        self.cal: Calibration = calibrate(self)
+        # another program's calibration of the same graph, loss and shapes may be reused (no re-measuring)
+        self.cal: Calibration = calibration if calibration is not None else calibrate(self)
         self.consumers = consumers_of(self.cal.nodes, {self.input, *(n.outputs[0] for n in self.cal.nodes)})
         self.segment_bytes: dict[tuple[int, int, int], tuple[int, int]] = {}  # (a, b, chunk) -> working sets
         self._sizes: dict[int, tuple[list[int], ...]] = {}
@@ -167,6 +170,13 @@ class Program:
     def _infos(self, batch: int):
         return self.model._infer({self.input: (batch, *self.sample_shape)})
 
+    def _shapes(self, batch: int) -> tuple[dict, dict]:
+        """Tensor infos at ``batch`` and the constants (weights and folded tensors), cached."""
+        if batch not in self._consts:
+            infos, folded = self._infos(batch)
+            self._consts[batch] = (infos, {**self.model.graph.weights, **folded})
+        return self._consts[batch]
+
     def computing_nodes(self, batch: int) -> list[Node]:
         _, folded = self._infos(batch)
         return [n for n in self.model.graph.topological_order() if not all(o in folded for o in n.outputs)]
@@ -176,8 +186,7 @@ class Program:
                      bn_stats: F.BatchStats | None = None):
         """Run one node on arrays in ``env``; returns its output tensor and the activation leaves.
         A BatchNorm given ``bn_stats`` normalises with them (a chunk of a streamed batch)."""
-        infos, folded = self._infos(batch)
-        consts = {**self.model.graph.weights, **folded}
+        infos, consts = self._shapes(batch)
         model = self._replay if replay else self.model
         leaves: dict[str, Tensor] = {}
 
