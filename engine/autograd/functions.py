@@ -123,13 +123,18 @@ class Conv2d(Function):
             return _crop(dxp, self.pads), dw, db
         og = cout // self.group
         g2 = g.reshape(n, cout, -1)
+        want_dx, want_dw = self.needs_grad(0), self.needs_grad(1)  # e.g. no dx for the model's input
         dws, dcols = [], []
         for k in range(self.group):
             gk = g2[:, k * og : (k + 1) * og]
             wk = w[k * og : (k + 1) * og].reshape(og, -1)
-            dws.append(np.tensordot(gk, self.cols[k], axes=([0, 2], [0, 2])).reshape(og, -1, kh, kw))
-            dcols.append(wk.T @ gk)
-        dw = np.concatenate(dws, axis=0).astype(np.float32, copy=False)
+            if want_dw:
+                dws.append(np.tensordot(gk, self.cols[k], axes=([0, 2], [0, 2])).reshape(og, -1, kh, kw))
+            if want_dx:
+                dcols.append(wk.T @ gk)
+        dw = np.concatenate(dws, axis=0).astype(np.float32, copy=False) if want_dw else None
+        if not want_dx:
+            return None, dw, db
         if self.pointwise:
             return dcols[0].reshape(n, -1, self.oh, self.ow), dw, db
         dwin = np.concatenate(dcols, axis=1).reshape(n, -1, kh, kw, self.oh, self.ow)

@@ -48,8 +48,11 @@ class Optimizer:
         return 0
 
     def scratch_bytes(self) -> int:
-        """Bytes of temporaries one :meth:`update` allocates at most."""
-        return 3 * 4 * BLOCK
+        """Bytes of temporaries one :meth:`update` allocates at most (a few blocks)."""
+        return 3 * self._block_bytes()
+
+    def _block_bytes(self) -> int:
+        return 4 * min(BLOCK, max((p.data.size for p in self.params), default=0))
 
 
 class SGD(Optimizer):
@@ -125,4 +128,4 @@ class Adam(Optimizer):
         return 2 * sum(p.data.nbytes for p in self.params)
 
     def scratch_bytes(self) -> int:
-        return 6 * 4 * BLOCK
+        return 6 * self._block_bytes()
