@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 ALIGN = 64
 
 
@@ -72,16 +70,12 @@ def plan_arena(buffers: list[Buffer], order_key: Callable[[Buffer], tuple] = gre
     """Place ``buffers`` in one arena, in ``order_key`` order (default: greedy by size, then lifetime
     length), each at the best-fitting gap among the buffers whose lifetimes overlap its own."""
     order = sorted(buffers, key=order_key)
+    placed: list[tuple[int, Buffer]] = []
     offsets: dict[str, int] = {}
     size = 0
-    starts = np.empty(len(order), np.int64)
-    ends = np.empty(len(order), np.int64)
-    offs = np.empty(len(order), np.int64)
-    lengths = np.empty(len(order), np.int64)
-    for k, buf in enumerate(order):
+    for buf in order:
         need = _aligned(buf.size)
-        hit = (starts[:k] <= buf.end) & (ends[:k] >= buf.start)  # placed buffers whose lifetimes overlap
-        busy = sorted(zip(offs[:k][hit].tolist(), lengths[:k][hit].tolist(), strict=True))
+        busy = sorted((off, _aligned(b.size)) for off, b in placed if b.overlaps(buf))
         best, best_gap, cursor = None, None, 0
         for off, length in busy:  # best fit among the gaps between conflicting buffers
             gap = off - cursor
@@ -90,12 +84,8 @@ def plan_arena(buffers: list[Buffer], order_key: Callable[[Buffer], tuple] = gre
             cursor = max(cursor, off + length)
         offset = cursor if best is None else best
         offsets[buf.name] = offset
-        starts[k], ends[k], offs[k], lengths[k] = buf.start, buf.end, offset, need
+        placed.append((offset, buf))
         size = max(size, offset + need)
-    events = sorted([(b.start, b.size) for b in buffers] + [(b.end + 1, -b.size) for b in buffers],
-                    key=lambda e: (e[0], e[1] > 0))
-    live_peak = live = 0
-    for _, delta in events:  # frees at a step come before allocations there
-        live += delta
-        live_peak = max(live_peak, live)
+    steps = sorted({s for b in buffers for s in (b.start, b.end)})
+    live_peak = max((sum(b.size for b in buffers if b.start <= s <= b.end) for s in steps), default=0)
     return ArenaPlan(offsets, {b.name: b for b in buffers}, size, sum(b.size for b in buffers), live_peak)
