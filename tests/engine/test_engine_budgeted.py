@@ -89,7 +89,8 @@ def test_no_preload_baseline_gives_the_same_outputs(cnn):
     _, path, x = cnn
     a = BudgetedSession(path, memory_budget="64MB", calibration=Calibration())
     b = BudgetedSession(path, memory_budget="64MB", calibration=Calibration(), preload=False)
-    assert np.array_equal(a.run(x)[a.output_names[0]], b.run(x)[b.output_names[0]])
+    # Without preloading the planner may slice (and so pick kernels) differently: equal within the 1e-5.
+    np.testing.assert_allclose(a.run(x)[a.output_names[0]], b.run(x)[b.output_names[0]], rtol=0, atol=1e-5)
     assert all(ld.start_unit == ld.unit for ld in b.plan_for({"x": x.shape}).loads)
 
 
