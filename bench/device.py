@@ -14,9 +14,12 @@ DuckDB file in a temp dir:
   :class:`TaobaoBehaviorSource` (parsing, timestamp checks, page enter/exit derivation included);
 - ``events_per_cpu_s`` and ``events_per_cpu_s_with_csv_parsing``: the same events over the process's
   CPU time during the run (all threads) instead of wall time: steadier on a shared, busy machine;
-- trigger-to-row-stored latency: ``DeviceRunner(record_latency=True).latencies_s``, from the start
-  of firing to the rows being handed to storage (a buffer flush, when one happens, is inside it),
-  recorded during the pre-parsed rounds and pooled;
+- trigger-to-row-stored latency, ``DeviceRunner(record_latency=True).latencies_s`` (a buffer flush,
+  when one happens, is inside it), pooled over the rounds, two ways: ``trigger_to_stored_*`` as a live
+  stream sees it, events handed over one at a time (``block_size=1``: from taking the event to its rows
+  in storage), in a run of its own; ``trigger_to_stored_block_*`` in the throughput runs over the
+  backlog (blocks of ``BLOCK_SIZE`` events: from taking a block's first event to the block's rows in
+  storage, so every row is charged its whole block);
 - ``peak_mb_1m_users``: peak RSS of a process running the IPV job over one million distinct users
   (time-ordered, a new user every 2 s of event time) with a 30-minute state TTL, next to the same
   without a TTL (every user's state kept to the end); ``--quick`` runs 100,000 users
@@ -44,13 +47,14 @@ from bench.common import TAOBAO_SAMPLE, cpu_count, finish, log, median, parse_ar
 from connectors.storage import CollectiveStorage
 from streamflow import Event, load_job
 from streamflow.job import Job
-from streamflow.runners.device import DeviceRunner
+from streamflow.runners.device import BLOCK_SIZE, DeviceRunner
 from streamflow.sources import TaobaoBehaviorSource
 
 REPO = Path(__file__).resolve().parent.parent
 JOB_FILE = REPO / "jobs" / "ipv.py"
 MIN_EVENTS = {False: 1_000_000, True: 200_000}  # per run, by --quick
 STORAGE_ROWS = {False: 10_000, True: 600}
+LIVE_EVENTS = {False: 1_000_000, True: 60_000}  # per round, handed over one at a time (latency)
 TABLE = "ipv"
 MANY_USERS = {False: 1_000_000, True: 100_000}
 STATE_TTL_S = 1800
@@ -95,10 +99,11 @@ def replay_csv(lines: list[str], rounds: int, period: int, path: Path) -> None:
 
 
 # -- timed runs ------------------------------------------------------------------------------------
-def run_job(job: Job, records: Any, db: Path, record_latency: bool) -> tuple[float, float, DeviceRunner]:
+def run_job(job: Job, records: Any, db: Path, record_latency: bool, block_size: int = BLOCK_SIZE
+            ) -> tuple[float, float, DeviceRunner]:
     """Wall and CPU seconds for ``DeviceRunner.run(records)`` (final flush included), and the runner."""
     storage = CollectiveStorage(db)
-    runner = DeviceRunner(job, storage, record_latency=record_latency)
+    runner = DeviceRunner(job, storage, record_latency=record_latency, block_size=block_size)
     try:
         started, cpu_started = time.perf_counter(), time.process_time()
         runner.run(records)
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         csv_path = tmp / "replay.csv"
         replay_csv(lines, replays, period, csv_path)
-        rates, csv_rates, latencies, fired, rows_stored, csv_events = [], [], [], 0, 0, 0
+        rates, csv_rates, latencies, block_latencies, fired, rows_stored, csv_events = [], [], [], [], 0, 0, 0
         cpu_rates, csv_cpu_rates = [], []
         storage_rows: list[dict[str, Any]] = []
         schema = None
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
             summary = runner.summary
             rates.append(summary.events_in / seconds)
             cpu_rates.append(summary.events_in / cpu_seconds)
-            latencies.extend(runner.latencies_s or [])
+            block_latencies.extend(runner.latencies_s or [])
             fired, rows_stored = summary.tasks_fired, summary.rows_written.get(TABLE, 0)
             if summary.events_in != len(stream) or summary.rejected_total:
                 print(f"the runner took {summary.events_in:,} of {len(stream):,} events and rejected "
@@ -190,6 +195,10 @@ def main(argv: list[str] | None = None) -> None:
             csv_rates.append(csv_events / seconds)
             csv_cpu_rates.append(csv_events / cpu_seconds)
             (tmp / f"csv_{r}.duckdb").unlink()
+            live = stream[:LIVE_EVENTS[quick]]
+            _, _, runner = run_job(job, live, tmp / f"live_{r}.duckdb", record_latency=True, block_size=1)
+            latencies.extend(runner.latencies_s or [])
+            (tmp / f"live_{r}.duckdb").unlink()
             log(f"  pre-parsed {rates[-1]:,.0f} events/s ({fired:,} tasks fired, {rows_stored:,} rows); "
                 f"with CSV parsing {csv_rates[-1]:,.0f} events/s ({csv_events:,} events)")
 
@@ -219,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{bounded['seconds']} s); without: peak {unbounded['peak_mb']} MB ({unbounded['users_held_at_end']:,} held)")
 
     latencies.sort()
+    block_latencies.sort()
     eps = median(rates)
     p50_ms, p99_ms = percentile(latencies, 50) * 1e3, percentile(latencies, 99) * 1e3
     buffered, inserts = median(buffered_rates), median(insert_rates)
@@ -232,6 +242,9 @@ def main(argv: list[str] | None = None) -> None:
         "trigger_to_stored_p999_ms": round(percentile(latencies, 99.9) * 1e3, 4),
         "trigger_to_stored_max_ms": round(latencies[-1] * 1e3, 3) if latencies else None,
         "latency_samples": len(latencies),
+        "trigger_to_stored_block_p50_ms": round(percentile(block_latencies, 50) * 1e3, 4),
+        "trigger_to_stored_block_p99_ms": round(percentile(block_latencies, 99) * 1e3, 4),
+        "block_size": BLOCK_SIZE,
         "buffered_vs_row_inserts_speedup": round(buffered / inserts, 1),
         "buffered_rows_per_s": round(buffered),
         "row_inserts_rows_per_s": round(inserts, 1),

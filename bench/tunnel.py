@@ -3,13 +3,13 @@
 ``python -m bench.tunnel [--quick]``
 
 Broker: ``STREAMFLOW_KAFKA_BOOTSTRAP`` if set, else a noida-db :class:`LocalBroker` on 127.0.0.1 in a
-temp dir, stopped at the end. The device side (:class:`TunnelSink`, default settings: zstd,
-``batch_rows=1000``, ``linger_s=0.005``, SQLite spool in the temp dir) runs in this process; each
+temp dir, stopped at the end. The device side (:class:`TunnelSink`, default settings: compact envelopes,
+``batch_rows=1000``, ``linger_s=0.002``, SQLite spool in the temp dir) runs in this process; each
 cloud side runs in a process of its own (``multiprocessing`` spawn), so device and cloud never share
 a GIL, as on a real device and cloud. Both sides read the same wall clock. A cloud process polls only
 while its rows are being measured: noida-db answers an empty fetch at once (a real broker holds it
-for ``fetch_max_wait_ms``), so an idle kafka-python consumer spins at ~100 fetches/s and half a core,
-which on 2 cores would slow the side being measured.
+for ``fetch_max_wait_ms``), so an idle consumer still costs CPU (~0.17 core polling 5 ms apart, see
+:meth:`CloudConsumer._poll`), which on 2 cores would slow the side being measured.
 
 Measured side by side in one run:
 
@@ -22,18 +22,19 @@ Measured side by side in one run:
   commit (nothing else is added to its loop); at the end the i-th commit is paired with the i-th
   distinct ``ingested_at`` of ``tunnel_batches`` (each transaction stamps its own) and rows are
   matched through their stored ``ingested_at``. So the figure includes: the sink's linger (the open
-  batch is sealed once its oldest row is ``linger_s`` old, by the sender thread), sealing (Arrow
-  IPC, HMAC, the spool's SQLite insert with ``synchronous=FULL``, i.e. an fsync), the one-in-flight
-  produce (zstd, ``acks=all``) and its ack, the consumer's fetch, HMAC and Arrow decode, and the
+  batch is sealed once its oldest row is ``linger_s`` old, by the sealer thread), sealing (the compact
+  envelope, zstd, HMAC, the spool's SQLite insert with ``synchronous=FULL``, i.e. an fsync), the
+  one-in-flight produce (``acks=all``) and its ack, the consumer's fetch, HMAC and decode, and the
   whole DuckDB transaction (de-duplication, offline append, online upsert, offsets). It excludes the
   consumer's later Kafka offset commit (lag monitoring only). ``p*_ms_*_ingested_at`` report the
   same rows up to the stored ``ingested_at`` (naive UTC, taken at the *start* of the transaction).
-  ``stages_ms_*`` splits each row's time ([p50, p99] per stage) with the sink's ``on_ack`` (the
-  batch's ``sealed_at`` and the moment the ack was processed, after the spool's delete): produced →
-  sealed (linger, lock), sealed → acked (spool insert, zstd, produce, ``acks=all``, spool delete),
-  acked → transaction start (fetch, verify, decode, waiting for the consumer's previous transaction;
-  can be slightly negative, the consumer may fetch before the sink has processed the ack),
-  transaction start → commit. Each round is one continuous paced run; percentiles are over all rows
+  ``stages_ms_*`` splits each row's time ([p50, p99] per stage): produced → sealed (linger, lock; the
+  batch's ``sealed_at``), sealed → sent (envelope, spool insert and fsync, waiting for the batch in
+  flight before it; the sender's hand-over to the producer, timed by wrapping the sink's ``_deliver``),
+  sent → acked (produce, ``acks=all``; the sink's ``on_ack``), acked → opened (the consumer's fetch,
+  verify, decode, and waiting for its previous transaction; can be slightly negative, the consumer may
+  fetch before the sink has processed the ack), opened → transaction start, transaction start → commit.
+  Each round is one continuous paced run; percentiles are over all rows
   of all rounds (``p99_ms_*_rounds`` lists each round's p99). Before the first round each sink sends
   untimed warm-up rows (producer connect, topic metadata). The latency rounds run after the
   throughput rounds, all 3 KB rounds before the 30 KB ones: noida-db rewrites its whole state
@@ -50,22 +51,27 @@ Measured side by side in one run:
   cannot batch rows), ``acks=all``, async sends then ``flush``; a naive consumer process stores each
   poll in one DuckDB transaction (no signature check, no de-duplication, no online table).
 - **Bytes** (``bytes_saved_fraction``): the IPV job (``jobs/ipv.py``) on the device runner over
-  the sample, its feature rows through a TunnelSink as the runner's ``tunnel=``. Wire bytes = the Kafka
-  record batches (v2 header, compressed records) of the topic. With our own broker they are read
+  the sample, its feature rows through a TunnelSink as the runner's ``tunnel=`` (compact envelopes, format 2).
+  Wire bytes = the Kafka record batches (v2 header, records) of the topic. With our own broker they are read
   from the broker's log (a second, private noida-db used only for this phase, so its log is small;
   its state file lists every stored record batch): ``wire_bytes_method = "broker_log"``. They are
   also rebuilt from every acknowledged envelope with kafka-python's own record-batch builder (the
   sink sends one envelope per produce request, so one envelope per record batch), which is the only
   method on an external broker (``"rebuilt"``) and a cross-check otherwise (``rebuilt_vs_broker_log``).
-  Produce-request framing (~100 B per request) and TCP/IP headers are in neither figure. Baseline:
+  Produce-request framing (~100 B per request) and TCP/IP headers are in neither figure. Baselines:
   the raw CSV lines (with newline) of the events the job consumed, uncompressed, as shipping every
-  raw event would; ``bytes_saved_fraction = 1 - feature_wire_bytes / raw_bytes``. For context: the
-  naive producer's wire bytes for the same rows, the same envelopes rebuilt with gzip, lz4 and no
-  compression, the raw CSV zstd-compressed in one piece, and every row in an envelope of its own
-  (what a device producing a row less often than every ``linger_s`` ships: schema, header and HMAC
-  per row). A second baseline, ``bytes_saved_fraction_vs_app_events_json``: the same input as an app
-  logs it, the app events the runtime consumed (page enters and exits, clicks; the CSV has no page
-  events, the source derives them) as uncompressed JSON lines in the JSON-lines source's format.
+  raw event would (``bytes_saved_fraction = 1 - feature_wire_bytes / raw_bytes``), and
+  ``bytes_saved_fraction_vs_app_events_json``: the same input as an app logs it, the app events the runtime
+  consumed (page enters and exits, clicks; the CSV has no page events, the source derives them) as
+  uncompressed JSON lines in the JSON-lines source's format. Side by side in the same run: the same batches
+  as format-1 envelopes (Arrow IPC with the schema, names and HMAC in each; keyed messages, Kafka zstd, as
+  the previous sink sent them: ``*_previous_format``), the naive producer's wire bytes, the envelopes with
+  Kafka's gzip, lz4 and zstd on top, and the raw CSV zstd-compressed in one piece.
+  ``one_row_per_envelope_wire_bytes_per_row``: the run's last 1,000 rows, each in an envelope of its own (a
+  device producing a row less often than every ``linger_s``: what a phone does), with their own sequence
+  numbers, encoded by the run's codebook once a first envelope announced the schema (its dictionary if it
+  kept one: ``dictionary_used``, ``dictionary_gain_one_row``), as one record batch each; beside it the same
+  rows in format 1.
 
 Timings are reported, never asserted; ``loadavg_1m_start_end`` says how busy the (shared) machine
 was. ``--quick`` (under 60 s): 3 latency rounds of 2.5 s per size, 10,000-row tunnel and 1,000-row
@@ -80,6 +86,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 import uuid
@@ -93,9 +100,10 @@ import pyarrow as pa
 
 from bench.common import TAOBAO_SAMPLE, cpu_count, finish, log, median, parse_args, percentile, progress
 from connectors.storage import CollectiveStorage
-from connectors.tunnel.envelope import encode
+from connectors.tunnel.envelope import decode, encode_v1
 from connectors.tunnel.kafka import CLIENT_TIMEOUTS, ensure_topic
 from connectors.tunnel.keys import KeyRegistry
+from connectors.tunnel.registry import Registry
 from connectors.tunnel.sink import TunnelSink
 from streamflow import Event, load_job
 from streamflow.runners.device import DeviceRunner
@@ -109,7 +117,7 @@ LATENCY_SECONDS = {False: 10.0, True: 2.5}  # per round and size
 WARMUP_ROWS = 30
 THROUGHPUT_ROWS = {False: 50_000, True: 10_000}
 NAIVE_ROWS = {False: 3_000, True: 1_000}
-SINGLE_ROW_SAMPLE = 1_000  # rows put each in an envelope of its own (the per-row size barely varies)
+SINGLE_ROW_SAMPLE = 1_000  # rows put each in an envelope of its own: the run's last ones, after the dictionary window
 WAIT_S = 120.0
 CODECS = {"none": 0, "gzip": 1, "lz4": 3, "zstd": 4}  # Kafka record-batch compression attribute
 
@@ -141,14 +149,17 @@ def _tunnel_cloud(db: str, registry: str, bootstrap: str, topic: str, group: str
     consumer = CloudConsumer(db, KeyRegistry(registry), topic=topic, bootstrap=bootstrap, group_id=group)
     store, apply = consumer.store, consumer.store.apply
     committed_at: list[float] = []  # when COMMIT returned, per transaction that stored batches, in order
+    called_at: list[float] = []  # when apply was called (the poll returned and its messages were opened)
     stored = 0
 
-    def timed_apply(batches: Any, dead: Any, offsets: Any = None) -> Any:
+    def timed_apply(batches: Any, dead: Any, *args: Any) -> Any:
         nonlocal stored
-        result = apply(batches, dead, offsets)
+        called = time.time()
+        result = apply(batches, dead, *args)
         committed = time.time()
         if batches:
             committed_at.append(committed)
+            called_at.append(called)
         if result.stored:
             stored += result.stored
             out.put(("stored", committed, stored))
@@ -167,7 +178,7 @@ def _tunnel_cloud(db: str, registry: str, bootstrap: str, topic: str, group: str
         consumer.close()
     if len(ingested) != len(committed_at):
         raise RuntimeError(f"{len(ingested)} ingested_at stamps for {len(committed_at)} recorded commits")
-    out.put(("done", list(zip(ingested, committed_at, strict=True)), {
+    out.put(("done", list(zip(ingested, zip(called_at, committed_at, strict=True), strict=True)), {
         "messages": stats.messages, "stored": stats.stored, "duplicates": stats.duplicates, "dead": dict(stats.dead)}))
 
 
@@ -217,7 +228,7 @@ class Cloud:
         self.process.start()
         self.stored = 0  # rows stored so far, as last reported
         self.expected = 0  # rows sent to it so far
-        self.commits: dict[datetime, float] = {}
+        self.commits: dict[datetime, tuple[float, float]] = {}  # transaction start → (apply called, committed)
         self.stats: dict[str, Any] = {}
 
     def _take(self, timeout_s: float) -> tuple[Any, ...] | None:
@@ -334,6 +345,7 @@ def measure_bytes(job: Any, bootstrap: str, broker_dir: Path | None, stop_broker
     sink = TunnelSink("bench-bytes", key, tmp / "bytes.spool", topic=feature_topic, bootstrap=bootstrap,
                       on_ack=lambda entry: acked.append((entry.value, entry.n_rows)))
     rows = ipv_features(job, sink, tmp / "bytes_device.duckdb")
+    sink.codebook.wait_trained()
     if not sink.close(timeout_s=WAIT_S):
         raise RuntimeError("the tunnel sink did not deliver the IPV rows")
     if sum(n for _, n in acked) != len(rows):
@@ -346,12 +358,30 @@ def measure_bytes(job: Any, bootstrap: str, broker_dir: Path | None, stop_broker
     else:
         naive_values = [json.dumps(row, separators=(",", ":")).encode() for row in rows]
 
-    device_key = b"bench-bytes"
-    rebuilt = {codec: sum(record_batch_bytes(v, device_key, codec) for v, _ in acked) for codec in CODECS}
+    device_key = b"bench-bytes"  # the message key format 1 had (format 2 messages have none)
+    rebuilt = {codec: sum(record_batch_bytes(v, None, codec) for v, _ in acked) for codec in CODECS}
     naive_rebuilt = sum(record_batch_bytes(v, device_key, "none") for v in naive_values)
-    sample = rows[:SINGLE_ROW_SAMPLE]
-    single = sum(record_batch_bytes(encode("bench-bytes", "ipv", i, pa.Table.from_pylist([row]), key), device_key,
-                                    "zstd") for i, row in enumerate(sample)) / len(sample)
+    # the previous format (1) for the same batches, as its sink sent them: keyed by device, Kafka zstd
+    known, keys = Registry(), {"bench-bytes": key}
+    opened = [decode(v, keys, known) for v, _ in acked]
+    previous = sum(record_batch_bytes(encode_v1(b.device, b.table, b.first_seq, b.rows, key), device_key, "zstd")
+                   for b in opened)
+    # One row per envelope: the last rows of the run, with their own sequence numbers, as the sink's codebook
+    # encodes them (its dictionary if it kept one) once a first envelope of the session announced the schema.
+    first_seq = len(rows) - SINGLE_ROW_SAMPLE
+    book = sink.codebook
+    book.envelope("ipv", first_seq - 1, pa.Table.from_pylist(rows[first_seq - 1:first_seq]))
+    book.sealed()
+    singles = []
+    for i, row in enumerate(rows[first_seq:]):
+        singles.append(book.envelope("ipv", first_seq + i, pa.Table.from_pylist([row])))
+        book.sealed()
+    announcing = sum(bool(v[1] & 0x08) for v in singles)
+    single = sum(record_batch_bytes(v, None, sink.compression) for v in singles) / len(singles)
+    single_previous = sum(record_batch_bytes(encode_v1("bench-bytes", "ipv", first_seq + i,
+                                                       pa.Table.from_pylist([row]), key), device_key, "zstd")
+                          for i, row in enumerate(rows[first_seq:])) / len(singles)
+    single_envelope = sum(map(len, singles)) / len(singles)
     logged = None
     if broker_dir is not None:
         stop_broker()
@@ -359,10 +389,11 @@ def measure_bytes(job: Any, bootstrap: str, broker_dir: Path | None, stop_broker
             logged = broker_log_bytes(broker_dir, [feature_topic, naive_topic])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log(f"could not read the broker's log ({type(exc).__name__}: {exc}); using rebuilt batch sizes")
-    method, wire, naive_method, naive_wire, cross_check = "rebuilt", rebuilt["zstd"], "rebuilt", naive_rebuilt, None
+    codec = sink.compression
+    method, wire, naive_method, naive_wire, cross_check = "rebuilt", rebuilt[codec], "rebuilt", naive_rebuilt, None
     if logged and feature_topic in logged:
         method, wire = "broker_log", logged[feature_topic][1]
-        cross_check = {"feature_rebuilt_bytes": rebuilt["zstd"], "feature_broker_log_bytes": wire,
+        cross_check = {"feature_rebuilt_bytes": rebuilt[codec], "feature_broker_log_bytes": wire,
                        "feature_broker_log_batches": logged[feature_topic][0]}
         if naive_topic in logged:
             naive_method, naive_wire = "broker_log", logged[naive_topic][1]
@@ -403,7 +434,15 @@ def measure_bytes(job: Any, bootstrap: str, broker_dir: Path | None, stop_broker
         "bytes_saved_fraction_vs_app_events_json": round(1 - wire / app_bytes, 4),
         "bytes_saved_fraction_vs_raw_zstd": round(1 - wire / raw_zstd, 4),
         "one_row_per_envelope_wire_bytes_per_row": round(single, 1),
+        "one_row_per_envelope_wire_bytes_per_row_previous_format": round(single_previous, 1),
+        "one_row_per_envelope_envelope_bytes": round(single_envelope, 1),
+        "one_row_per_envelope_announcing": announcing,
         "bytes_saved_fraction_one_row_per_envelope": round(1 - single * len(rows) / raw, 4),
+        "bytes_saved_fraction_one_row_per_envelope_vs_app_events_json": round(1 - single * len(rows) / app_bytes, 4),
+        "feature_wire_bytes_previous_format": previous,
+        "bytes_saved_fraction_vs_app_events_json_previous_format": round(1 - previous / app_bytes, 4),
+        "dictionary_used": book.dictionaries.get("ipv") is not None,
+        "dictionary_gain_one_row": round(book.dictionary_gain.get("ipv", 0.0), 4),
         "rebuilt_vs_broker_log": cross_check,
     }
 
@@ -421,19 +460,32 @@ def paced(sink: TunnelSink, table: str, vectors: np.ndarray, rnd: int) -> float:
     return (len(vectors) - 1) / max(1e-9, time.perf_counter() - start)
 
 
-def row_times(db: Path, table: str, commits: dict[datetime, float],
-              acks: list[tuple[int, int, float, float]]) -> list[tuple[int, float, float, float, float, float]]:
-    """Per stored row: (round, produced, sealed, acked, transaction start = ingested_at, committed), epoch seconds."""
-    batch_of = {seq: (sealed, acked) for first, n, sealed, acked in acks for seq in range(first, first + n)}
+#: per row: round, produced, sealed, sent, acked, apply called, transaction start (ingested_at), committed
+RowTimes = tuple[int, float, float, float, float, float, float, float]
+
+
+def row_times(db: Path, table: str, commits: dict[datetime, tuple[float, float]],
+              acks: list[tuple[int, int, float, float]], sent: dict[int, float]) -> list[RowTimes]:
+    """Per stored row, its :data:`RowTimes` (epoch seconds)."""
+    batch_of = {seq: (first, sealed, acked) for first, n, sealed, acked in acks for seq in range(first, first + n)}
     with duckdb.connect(str(db), read_only=True) as con:
         rows = con.execute(f'SELECT seq, rnd, produced_at, ingested_at FROM "{table}"').fetchall()
     out = []
     for seq, rnd, produced_at, ingested_at in rows:
         if ingested_at not in commits or seq not in batch_of:
             raise RuntimeError(f"row {seq} of {table} has no recorded commit or ack time")
-        sealed, acked = batch_of[seq]
-        out.append((rnd, produced_at, sealed, acked, ingested_at.replace(tzinfo=UTC).timestamp(), commits[ingested_at]))
+        first, sealed, acked = batch_of[seq]
+        called, committed = commits[ingested_at]
+        out.append((rnd, produced_at, sealed, sent[first], acked, called, ingested_at.replace(tzinfo=UTC).timestamp(),
+                    committed))
     return out
+
+
+def _timed_deliver(deliver: Any, sent: dict[int, float]) -> Any:
+    def timed(entry: Any) -> None:
+        sent[entry.first_seq] = time.time()
+        deliver(entry)
+    return timed
 
 
 def ms(values: list[float], q: float) -> float:
@@ -493,15 +545,18 @@ def main(argv: list[str] | None = None) -> None:
 
         # sinks and warm-up
         acks: dict[str, list[tuple[int, int, float, float]]] = {kind: [] for kind in DIMS}
+        sent: dict[str, dict[int, float]] = {kind: {} for kind in DIMS}  # first seq → last time the sender sent it
         lat_sinks = {kind: TunnelSink(f"bench-lat-{kind}", keys[f"bench-lat-{kind}"], tmp / f"lat_{kind}.spool",
                                       topic=tunnel_topic, bootstrap=bootstrap,
                                       on_ack=lambda e, k=kind: acks[k].append((e.first_seq, e.n_rows, e.sealed_at,
                                                                                time.time())))
                      for kind in DIMS}
+        for kind, sink in lat_sinks.items():  # measurement only: when the sender hands a batch to the producer
+            sink._deliver = _timed_deliver(sink._deliver, sent[kind])  # type: ignore[method-assign]
         tput = TunnelSink("bench-tput", keys["bench-tput"], tmp / "tput.spool", topic=tunnel_topic,
                           bootstrap=bootstrap)
         sinks += [*lat_sinks.values(), tput]
-        linger_s, batch_rows = tput.linger_s, tput.batch_rows
+        linger_s, batch_rows, tput_compression = tput.linger_s, tput.batch_rows, tput.compression
         rng = np.random.default_rng(args.seed)
         cloud.resume()
         for kind, sink in lat_sinks.items():
@@ -559,7 +614,7 @@ def main(argv: list[str] | None = None) -> None:
             c.close()
         if cloud.stats.get("duplicates") or cloud.stats.get("dead"):
             log(f"cloud consumer: {cloud.stats}")
-        lat = {kind: row_times(cloud.db, f"lat_{kind}", cloud.commits, acks[kind]) for kind in DIMS}
+        lat = {kind: row_times(cloud.db, f"lat_{kind}", cloud.commits, acks[kind], sent[kind]) for kind in DIMS}
     finally:
         for sink in sinks:
             sink.close(timeout_s=2)
@@ -568,38 +623,47 @@ def main(argv: list[str] | None = None) -> None:
                 c.close()
         for broker in brokers:
             if broker.listening():
-                broker.down()
+                try:
+                    broker.down(timeout_s=120)
+                except subprocess.TimeoutExpired:  # a loaded machine: the measurements stand; say so, go on
+                    log(f"noida-db in {broker.data_dir} did not stop within 120 s; stop it with noida-db down")
         shutil.rmtree(tmp, ignore_errors=True)
 
     metrics: dict[str, Any] = {}
     for kind in DIMS:
-        total = [committed - produced for _, produced, _, _, _, committed in lat[kind]]
+        total = [r[7] - r[1] for r in lat[kind]]
         metrics[f"p50_ms_{kind}"] = ms(total, 50)
         metrics[f"p99_ms_{kind}"] = ms(total, 99)
+    metrics["one_row_per_envelope_wire_bytes_per_row"] = byte_metrics.pop("one_row_per_envelope_wire_bytes_per_row")
+    metrics["bytes_saved_fraction_vs_app_events_json"] = byte_metrics.pop("bytes_saved_fraction_vs_app_events_json")
     metrics["rows_per_s"] = round(median(rates))
     metrics["bytes_saved_fraction"] = byte_metrics.pop("bytes_saved_fraction")
     metrics["target_p99_3kb_50ms_met"] = metrics["p99_ms_3kb"] <= 50.0
+    metrics["target_one_row_150_bytes_met"] = metrics["one_row_per_envelope_wire_bytes_per_row"] <= 150.0
+    metrics["target_app_events_json_95_met"] = metrics["bytes_saved_fraction_vs_app_events_json"] >= 0.95
     metrics["target_bytes_saved_95_met"] = metrics["bytes_saved_fraction"] >= 0.95
     for kind in DIMS:
         rows_ = lat[kind]
-        total = [committed - produced for _, produced, _, _, _, committed in rows_]
+        total = [r[7] - r[1] for r in rows_]
         by_round: dict[int, list[float]] = {}
         for (rnd, *_), seconds in zip(rows_, total, strict=True):
             by_round.setdefault(rnd, []).append(seconds)
         metrics[f"p999_ms_{kind}"] = ms(total, 99.9)
         metrics[f"max_ms_{kind}"] = round(max(total) * 1e3, 2)
         metrics[f"p99_ms_{kind}_rounds"] = [ms(by_round[r], 99) for r in sorted(by_round)]
-        ingested = [start - produced for _, produced, _, _, start, _ in rows_]
+        ingested = [r[6] - r[1] for r in rows_]
         metrics[f"p50_ms_{kind}_ingested_at"] = ms(ingested, 50)
         metrics[f"p99_ms_{kind}_ingested_at"] = ms(ingested, 99)
         # where the time goes, per row: [p50, p99] of each stage
-        stages = {"produced_to_sealed": [s - p for _, p, s, _, _, _ in rows_],
-                  "sealed_to_acked": [a - s for _, _, s, a, _, _ in rows_],
-                  "acked_to_txn_start": [t - a for _, _, _, a, t, _ in rows_],
-                  "txn_start_to_commit": [c - t for _, _, _, _, t, c in rows_]}
+        stages = {"produced_to_sealed": [r[2] - r[1] for r in rows_],
+                  "sealed_to_sent": [r[3] - r[2] for r in rows_],
+                  "sent_to_acked": [r[4] - r[3] for r in rows_],
+                  "acked_to_opened": [r[5] - r[4] for r in rows_],
+                  "opened_to_txn_start": [r[6] - r[5] for r in rows_],
+                  "txn_start_to_commit": [r[7] - r[6] for r in rows_]}
         metrics[f"stages_ms_{kind}"] = {name: [ms(v, 50), ms(v, 99)] for name, v in stages.items()}
         metrics[f"latency_samples_{kind}"] = len(total)
-        metrics[f"rows_per_batch_{kind}"] = round(len(total) / max(1, len({s for _, _, s, _, _, _ in rows_})), 2)
+        metrics[f"rows_per_batch_{kind}"] = round(len(total) / max(1, len({r[2] for r in rows_})), 2)
         metrics[f"paced_rows_per_s_{kind}"] = round(median(achieved[kind]), 1)
     metrics.update({
         "payload_bytes": {kind: dims * 4 for kind, dims in DIMS.items()},
@@ -612,7 +676,8 @@ def main(argv: list[str] | None = None) -> None:
         **byte_metrics,
         "linger_s": linger_s,
         "batch_rows": batch_rows,
-        "compression": "zstd",
+        "envelope_format": 2,
+        "compression": tput_compression,
         "broker": "STREAMFLOW_KAFKA_BOOTSTRAP" if os.environ.get("STREAMFLOW_KAFKA_BOOTSTRAP") else "noida-db",
         "rounds": args.rounds,
         "loadavg_1m_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],

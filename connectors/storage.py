@@ -30,21 +30,41 @@ import os
 import re
 import reprlib
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import numpy as np
-import pyarrow as pa
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 DEAD_LETTER_TABLE = "dead_letter"
 log = logging.getLogger("streamflow.storage")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-#: What turning rows into Arrow and inserting them raises for a value the table cannot take.
-ROW_ENCODING_ERRORS = (pa.ArrowException, duckdb.Error, TypeError, ValueError, OverflowError, RecursionError)
+_ENCODING_ERRORS = (duckdb.Error, TypeError, ValueError, OverflowError, RecursionError)
+
+
+def row_encoding_errors() -> tuple[type[BaseException], ...]:
+    """What turning rows into Arrow and inserting them raises for a value the table cannot take.
+
+    pyarrow is imported only when a segment needs Arrow (it costs start-up time, and it imports pandas
+    when pandas is installed); before that, no ``ArrowException`` can have been raised.
+    """
+    pa = sys.modules.get("pyarrow")
+    return (pa.ArrowException, *_ENCODING_ERRORS) if pa is not None else _ENCODING_ERRORS
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ROW_ENCODING_ERRORS":  # the constant, for modules that use Arrow anyway (the tunnel sink)
+        import pyarrow  # noqa: F401
+
+        return row_encoding_errors()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 _SAFE_REPR = reprlib.Repr()  # bounded depth and size: safe on cycles and deep nesting
 _SAFE_REPR.maxlevel, _SAFE_REPR.maxstring, _SAFE_REPR.maxother = 20, 2000, 2000
 _SAFE_REPR.maxlist = _SAFE_REPR.maxdict = _SAFE_REPR.maxtuple = _SAFE_REPR.maxset = 1000
@@ -115,12 +135,16 @@ def resolve_db_path(path: str | os.PathLike[str] | None = None) -> Path:
     return settings(db=path).db
 
 
-class RowBuffer:
-    """Rows of one table, kept as value tuples grouped by field names, ready to become Arrow.
+_NO_FIELDS = (None,)
 
-    Rows of a task usually share their fields, so a row costs one tuple of its values; a row with
-    other fields starts a new segment. Each segment becomes one Arrow table (all-null columns left
-    out: they read as NULL until a value types them).
+
+class RowBuffer:
+    """Rows of one table, kept as their values grouped by field names, ready to become Arrow.
+
+    Rows of a task usually share their fields, so a row costs its values appended to one flat list;
+    a row with other fields starts a new segment. Columns are slices of that list (``values[i::n]``),
+    which is much cheaper than transposing per-row tuples. Each segment becomes one Arrow table
+    (all-null columns left out: they read as NULL until a value types them).
 
     Example:
         >>> buf = RowBuffer()
@@ -133,10 +157,11 @@ class RowBuffer:
     __slots__ = ("segments", "n", "_keys", "_values")
 
     def __init__(self) -> None:
-        self.segments: list[tuple[tuple[str, ...], list[tuple[Any, ...]]]] = []
+        #: ``(field names, their values row after row)`` per segment
+        self.segments: list[tuple[tuple[str, ...], list[Any]]] = []
         self.n = 0
         self._keys: tuple[str, ...] | None = None  # the current segment's field names
-        self._values: list[tuple[Any, ...]] = []
+        self._values: list[Any] = []
 
     def __len__(self) -> int:
         return self.n
@@ -144,18 +169,33 @@ class RowBuffer:
     def extend(self, rows: Iterable[Mapping[str, Any]]) -> int:
         """Add ``rows``; how many were added."""
         before = self.n
+        keys, values = self._keys, self._values
+        add = values.extend
+        n = 0
         for row in rows:
-            keys = tuple(row)  # in order: the same fields in another order start a new segment
-            if keys != self._keys:
-                self._keys = keys
-                self._values = []
-                self.segments.append((keys, self._values))
-            self._values.append(tuple(row.values()))
-            self.n += 1
+            names = tuple(row)  # in order: the same fields in another order start a new segment
+            if names != keys:
+                self.n += n
+                n = 0
+                keys = self._keys = names
+                values = self._values = []
+                add = values.extend
+                self.segments.append((keys, values))
+            add(row.values() or _NO_FIELDS)  # a row without fields still counts: one placeholder
+            n += 1
+        self.n += n
         return self.n - before
 
+    def columns(self) -> list[tuple[tuple[str, ...], list[list[Any]]]]:
+        """Each segment's field names and columns."""
+        out = []
+        for names, values in self.segments:
+            width = len(names)
+            out.append((names, [values[i::width] for i in range(width)] if width else []))
+        return out
+
     def to_arrow(self) -> list[pa.Table]:
-        return [_arrow_table(names, values) for names, values in self.segments]
+        return [_arrow_table(names, columns) for names, columns in self.columns()]
 
     def to_batches(self) -> list[pa.Table | dict[str, np.ndarray]]:
         """One batch per segment for DuckDB to scan: NumPy columns when every column holds values of
@@ -173,29 +213,35 @@ class RowBuffer:
             ['dict', 'Table']
         """
         batches: list[pa.Table | dict[str, np.ndarray]] = []
-        for names, values in self.segments:
-            columns = _numpy_columns(names, values)
-            batches.append(columns if columns is not None else _arrow_table(names, values))
+        for names, columns in self.columns():
+            arrays = _numpy_columns(names, columns)
+            batches.append(arrays if arrays is not None else _arrow_table(names, columns))
         return batches
 
     def rows(self) -> list[dict[str, Any]]:
-        return [dict(zip(names, row, strict=True)) for names, values in self.segments for row in values]
+        out: list[dict[str, Any]] = []
+        for (names, columns), (_, values) in zip(self.columns(), self.segments, strict=True):
+            out.extend([dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)] if names
+                       else [{} for _ in values])
+        return out
 
 
-def _arrow_table(names: tuple[str, ...], values: list[tuple[Any, ...]]) -> pa.Table:
-    arrays = [pa.array(column) for column in zip(*values, strict=True)]
+def _arrow_table(names: tuple[str, ...], columns: list[list[Any]]) -> pa.Table:
+    import pyarrow as pa
+
+    arrays = [pa.array(column) for column in columns]
     return pa.table({n: a for n, a in zip(names, arrays, strict=True) if not pa.types.is_null(a.type)})
 
 
 _NUMPY_DTYPES: dict[type, Any] = {str: object, int: np.int64, float: np.float64, bool: np.bool_}
 
 
-def _numpy_columns(names: tuple[str, ...], values: list[tuple[Any, ...]]) -> dict[str, np.ndarray] | None:
+def _numpy_columns(names: tuple[str, ...], columns: list[list[Any]]) -> dict[str, np.ndarray] | None:
     """The segment as NumPy columns if each column holds one plain type (see RowBuffer.to_batches)."""
-    if not values:
+    if not columns or not columns[0]:
         return None
-    columns = {}
-    for name, column in zip(names, zip(*values, strict=True), strict=True):
+    arrays = {}
+    for name, column in zip(names, columns, strict=True):
         kinds = set(map(type, column))
         dtype = _NUMPY_DTYPES.get(kinds.pop()) if len(kinds) == 1 else None
         if dtype is None:
@@ -206,8 +252,8 @@ def _numpy_columns(names: tuple[str, ...], values: list[tuple[Any, ...]]) -> dic
             return None
         if dtype is np.float64 and np.isnan(array).any():  # DuckDB's NumPy scan reads NaN as NULL, Arrow as NaN
             return None
-        columns[name] = array
-    return columns
+        arrays[name] = array
+    return arrays
 
 
 def _column_names(batch: pa.Table | dict[str, np.ndarray]) -> list[str]:
@@ -331,7 +377,7 @@ class CollectiveStorage:
             buffers = {table: buffer for table, buffer in self._buffers.items() if buffer}
             try:
                 self._transaction([(table, buffer.to_batches()) for table, buffer in buffers.items()], also)
-            except ROW_ENCODING_ERRORS:
+            except row_encoding_errors():
                 self._transaction(self._row_by_row_batches(buffers), also)
             self._buffers = {}
             self._oldest = None
@@ -353,7 +399,7 @@ class CollectiveStorage:
                         batch = (table, single.to_batches())
                         self._insert_batches(*batch)
                         accepted.append(batch)
-                    except ROW_ENCODING_ERRORS as exc:
+                    except row_encoding_errors() as exc:
                         refused.append(self._refusal(table, index, row, exc))
                         self.rows_written[table] -= 1
                         self.refused[table] = self.refused.get(table, 0) + 1
@@ -402,7 +448,7 @@ class CollectiveStorage:
             self._oldest = None
         try:
             self._insert(table, *buffer.to_batches())
-        except ROW_ENCODING_ERRORS:
+        except row_encoding_errors():
             self._insert_row_by_row(table, buffer.rows())
         self.flushes += 1
 
@@ -436,7 +482,7 @@ class CollectiveStorage:
                 single = RowBuffer()
                 single.extend([row])
                 self._insert(table, *single.to_batches())
-            except ROW_ENCODING_ERRORS as exc:
+            except row_encoding_errors() as exc:
                 refused.append(self._refusal(table, index, row, exc))
         if refused:
             self.rows_written[table] -= len(refused)

@@ -58,7 +58,8 @@ ipv_encoded = Task(
     trigger=IPV.trigger,
     input="page",
     pipeline=[*IPV.pipeline,
-              Infer(encoder(), features=ipv_features, into="encoding", as_bytes=True),
+              # reproducible: the same encoding bytes on every run and on both runners
+              Infer(encoder(), features=ipv_features, into="encoding", as_bytes=True, reproducible=True),
               Map(lambda row: {"item_id": row["item_id"], "category_id": row["category_id"],
                                "encoding": row["encoding"]})],
 )

@@ -26,6 +26,15 @@ class Operator:
     def apply(self, groups: list[Group]) -> list[Group]:
         raise NotImplementedError
 
+    #: ``apply_one(items) -> items``: what ``apply`` makes of the one keyless group ``({}, items)``, for
+    #: operators that keep such a group keyless (Filter, Map, Aggregate); ``None`` for the others.
+    apply_one: Callable[[list[Any]], list[Any]] | None = None
+    #: ``fold_one(items) -> row``: an operator that makes one row of the one keyless group (Aggregate).
+    fold_one: Callable[[list[Any]], Any] | None = None
+    #: ``(True, fn)``: the operator maps each item to ``fn(item)``; ``(False, pred)``: keeps it if
+    #: ``pred(item)``; ``None``: neither (see :func:`compile_pipeline`).
+    row_step: tuple[bool, Callable[[Any], Any]] | None = None
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({fields})"
@@ -87,6 +96,65 @@ def run_pipeline(operators: Sequence[Operator], items: Iterable[Any]) -> list[di
                 _not_a_row(item)
             rows.append({**key, **item} if key else item)
     return rows
+
+
+def compile_pipeline(operators: Sequence[Operator]) -> Callable[[list[Any]], list[dict[str, Any]]]:
+    """A function of ``items`` giving what ``run_pipeline(operators, items)`` gives, faster when every
+    operator keeps the one keyless group keyless (``apply_one``: Filter, Map, Aggregate): a chain of those
+    calls, without building groups. A task's pipeline is compiled once and run at every firing.
+
+    Example:
+        >>> from operators import Aggregate, Count, Map
+        >>> run = compile_pipeline([Aggregate(n=Count()), Map(lambda r: {"twice": 2 * r["n"]})])
+        >>> run([{"a": 1}, {"a": 2}])
+        [{'twice': 4}]
+    """
+    ops = list(operators)
+    if ops and getattr(ops[0], "fold_one", None) is not None and all(
+            getattr(op, "row_step", None) is not None for op in ops[1:]):
+        return _one_row(ops[0].fold_one, [op.row_step for op in ops[1:]])
+    steps = [op.apply_one for op in ops]
+    if any(step is None for step in steps):
+        return lambda items: run_pipeline(ops, items)
+
+    def run(items: list[Any]) -> list[dict[str, Any]]:
+        rows = items if type(items) is list else list(items)
+        for step in steps:
+            rows = step(rows)
+        for row in rows:
+            if type(row) is not dict and not isinstance(row, Mapping):
+                _not_a_row(row)
+        return rows if rows is not items else list(rows)
+
+    return run
+
+
+def _one_row(fold: Callable[[list[Any]], Any], steps: list[tuple[bool, Callable[[Any], Any]]]
+             ) -> Callable[[list[Any]], list[dict[str, Any]]]:
+    """An aggregation (one row from the items) then row steps: ``(True, fn)`` maps, ``(False, pred)`` keeps."""
+    if len(steps) == 1 and steps[0][0]:
+        fn = steps[0][1]
+
+        def fold_map(items: list[Any]) -> list[dict[str, Any]]:
+            row = fn(fold(items if type(items) is list else list(items)))
+            if type(row) is not dict and not isinstance(row, Mapping):
+                _not_a_row(row)
+            return [row]
+
+        return fold_map
+
+    def run(items: list[Any]) -> list[dict[str, Any]]:
+        row = fold(items if type(items) is list else list(items))
+        for maps, fn in steps:
+            if maps:
+                row = fn(row)
+            elif not fn(row):
+                return []
+        if type(row) is not dict and not isinstance(row, Mapping):
+            _not_a_row(row)
+        return [row]
+
+    return run
 
 
 def _not_a_row(item: Any) -> None:

@@ -22,6 +22,14 @@ class Filter(Operator):
             raise TypeError(f"Filter needs a function of the item, got {predicate!r}")
         self.predicate = predicate
 
+    @property
+    def row_step(self) -> tuple[bool, Callable[[Any], Any]]:  # type: ignore[override]
+        return (False, self.predicate)
+
     def apply(self, groups: list[Group]) -> list[Group]:
         pred = self.predicate
         return [(key, [item for item in items if pred(item)]) for key, items in groups]
+
+    def apply_one(self, items: list[Any]) -> list[Any]:
+        pred = self.predicate
+        return [item for item in items if pred(item)]

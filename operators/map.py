@@ -25,6 +25,14 @@ class Map(Operator):
             raise TypeError(f"Map needs a function of the item, got {fn!r}")
         self.fn = fn
 
+    @property
+    def row_step(self) -> tuple[bool, Callable[[Any], Any]]:  # type: ignore[override]
+        return (True, self.fn)
+
     def apply(self, groups: list[Group]) -> list[Group]:
         fn = self.fn
         return [(key, [fn(item) for item in items]) for key, items in groups]
+
+    def apply_one(self, items: list[Any]) -> list[Any]:
+        fn = self.fn
+        return [fn(item) for item in items]

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the engine (numba kernels, BLAS set-up) is imported on firs
     from engine.autograd import SGD, Adam, GraphModel
     from engine.coldstart.session import ColdSession
     from engine.memory.budgeted import BudgetedSession
+    from engine.session import InferenceSession
     from engine.training import BudgetedTrainer
 
 Features = Callable[[Any], Sequence[float]]
@@ -78,7 +79,10 @@ class Infer(Operator):
     (default: the first). ``as_bytes=True`` stores the float32 vector as bytes (a compact encoding).
     The first firing runs the model's cold path (:class:`engine.coldstart.session.ColdSession`:
     cached optimised graph and weights, no numba on the critical path); later firings switch to the
-    warm kernels once a background thread has prepared them.
+    warm kernels once a background thread has prepared them. When that switch lands depends on timing,
+    and cold and warm kernels round differently, so the outputs' last bits can differ between runs.
+    ``reproducible=True`` computes every row with the same kernels (the warm engine from the first
+    firing, which then pays numba's load, about a second): the same bytes on every run and on both runners.
 
     Example:
         >>> import numpy as np
@@ -92,8 +96,9 @@ class Infer(Operator):
 
     def __init__(self, model: Graph | str | os.PathLike[str], features: Features, into: str = "prediction",
                  output: str | None = None, as_bytes: bool = False, threads: int = 1,
-                 memory_budget: int | str | MemoryBudget | None = None):
+                 memory_budget: int | str | MemoryBudget | None = None, reproducible: bool = False):
         self.model = model
+        self.reproducible = reproducible
         self.memory_budget = (memory_budget if memory_budget is None or isinstance(memory_budget, MemoryBudget)
                               else MemoryBudget(memory_budget))
         self.features = features
@@ -101,7 +106,8 @@ class Infer(Operator):
         self.output = output
         self.as_bytes = as_bytes
         self.threads = threads
-        self._session: ColdSession | BudgetedSession | None = None  # built on first use: copies stay cheap
+        # built on first use: copies stay cheap
+        self._session: ColdSession | InferenceSession | BudgetedSession | None = None
         self._streamable: str | None = None
 
     def apply(self, groups: list[Group]) -> list[Group]:
@@ -115,9 +121,13 @@ class Infer(Operator):
         return [(key, [{**row, self.into: next(values)} for row in items]) for key, items in groups]
 
 
-    def _ensure_session(self) -> ColdSession | BudgetedSession:
+    def _ensure_session(self) -> ColdSession | InferenceSession | BudgetedSession:
         if self.memory_budget is not None:
             return self._budgeted(self.memory_budget.bytes)
+        if self._session is None and self.reproducible:
+            from engine.session import InferenceSession
+
+            self._session = InferenceSession(self.model, threads=self.threads)
         if self._session is None:  # the first firing takes the cold path, then warm kernels in the background
             from engine.coldstart.session import ColdSession
 

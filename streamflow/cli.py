@@ -5,6 +5,9 @@
     streamflow tunnel keys add DEVICE | list | remove DEVICE
     streamflow tunnel consume --db CLOUD.duckdb [--idle-timeout S] [--runner python|flink]
     streamflow flink-cluster start|stop|status
+    streamflow bundle keygen [--out KEY] | build REPO --tag v3 --key KEY --out DIR
+    streamflow deploy-server --trusted-key KEY.pub [--dir DIR] [--port 8470] [--replay-events FILE]
+    streamflow release publish BUNDLE | pin TASK V | start TASK V [...] | status | advance TASK | rollback TASK
     streamflow serve [--models A,B] [--temperature T] [--alpha A] [--explore P] [--zoo ZOO.json]
 
 One command line (Typer), every default from :mod:`streamflow.settings` (explicit option first,
@@ -14,6 +17,7 @@ broker or the spool is unavailable or a cluster failed, 2 bad input (job file, e
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -29,6 +33,9 @@ from connectors.tunnel.kafka import TunnelUnavailable
 from connectors.tunnel.spool import SpoolLocked
 from streamflow import tunnel_commands
 from streamflow.checkpoint import discard_checkpoint
+from streamflow.deploy.commands import bundle_app
+from streamflow.deploy.errors import BundleError
+from streamflow.deploy.release_commands import deploy_server, release_app
 from streamflow.flink.connector_jars import kafka_topic  # reads kafka://TOPIC without PyFlink
 from streamflow.job import Job, JobLoadError, load_job
 from streamflow.progress import track
@@ -46,6 +53,10 @@ app = typer.Typer(name="streamflow", help=__doc__.splitlines()[0], add_completio
                   pretty_exceptions_enable=False, rich_markup_mode=None)
 tunnel_app = typer.Typer(help="the Kafka tunnel's key registry and cloud consumer", no_args_is_help=True)
 app.add_typer(tunnel_app, name="tunnel")
+app.add_typer(bundle_app, name="bundle")
+app.add_typer(release_app, name="release")
+app.command("deploy-server", help="the release server: deploy directives, bundles, status page (127.0.0.1)")(
+    deploy_server)
 
 FormatName = Literal[tuple(sorted(FORMATS))]  # type: ignore[valid-type]
 KeyRegistryOption = Annotated[str | None, typer.Option(
@@ -77,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     try:
         code = app(args=list(sys.argv[1:] if argv is None else argv), prog_name="streamflow", standalone_mode=False)
-    except (JobLoadError, FileNotFoundError, ValueError, ValidationError) as exc:
+    except (JobLoadError, FileNotFoundError, FileExistsError, ValueError, ValidationError, BundleError) as exc:
         return _error(_message(exc), 2)
     except (SpoolLocked, TunnelUnavailable) as exc:  # the spool is another process's, the broker stayed away
         return _error(str(exc), 1)
@@ -152,7 +163,8 @@ def run(
     topic: Annotated[str, typer.Option(rich_help_panel=TUNNEL_PANEL, help="features topic")]
     = tunnel_commands.DEFAULT_TOPIC,
     compression: Annotated[Literal[tuple(tunnel_commands.COMPRESSION)], typer.Option(  # type: ignore[valid-type]
-        rich_help_panel=TUNNEL_PANEL, help="Kafka compression")] = "zstd",
+        rich_help_panel=TUNNEL_PANEL, help="Kafka record-batch compression on top of the envelopes' own zstd "
+        "(none: it would only add a frame)")] = "none",
     spool: Annotated[str | None, typer.Option(rich_help_panel=TUNNEL_PANEL, help="durable send queue for rows the "
                                               "broker has not acknowledged (default: DB.tunnel-spool)")] = None,
     tunnel_wait: Annotated[float, typer.Option(rich_help_panel=TUNNEL_PANEL, help="seconds to wait at the end for "
@@ -312,12 +324,12 @@ def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
     print(summary)
     if tunnel_line:
         print(tunnel_line)
-    with CollectiveStorage(summary.db_path) as storage:
-        for task in job.tasks:
-            if summary.task_stats[task.name].rows and args.show > 0:
-                print(f"\nfirst rows of table {task.sink}:")
-                for row in storage.read(task.sink).slice(0, args.show).to_pylist():
-                    print("  " + ", ".join(f"{k}={_show(v)}" for k, v in row.items()))
+    shown = [task for task in job.tasks if summary.task_stats[task.name].rows] if args.show > 0 else []
+    with CollectiveStorage(summary.db_path) if shown else contextlib.nullcontext() as storage:
+        for task in shown:  # (with --show 0 the file is not opened again)
+            print(f"\nfirst rows of table {task.sink}:")
+            for row in storage.read(task.sink).slice(0, args.show).to_pylist():
+                print("  " + ", ".join(f"{k}={_show(v)}" for k, v in row.items()))
     if job.tasks:
         sql = f"SELECT * FROM {job.tasks[0].sink} LIMIT 10"
         print(f"\nquery them: python -c \"import duckdb; print(duckdb.connect('{summary.db_path}', "

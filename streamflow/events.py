@@ -18,7 +18,9 @@ source, the line and the reason, and the runner stores it in the dead-letter tab
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from operators.process import ValueStateDescriptor
@@ -79,6 +81,27 @@ class Event:
 _EVENT_ATTRS = frozenset(("user_id", "event_id", "page_id", "ts", "contents"))
 
 
+def event_reader(name: str) -> Callable[[Event], Any]:
+    """A function reading field ``name`` of an :class:`Event`: what ``event[name]`` gives (the same value,
+    the same ``KeyError`` for a missing field), without a Python-level ``__getitem__`` for attributes.
+
+    Example:
+        >>> event = Event("u", "fav", "item", 1.0, {"item_id": "7"})
+        >>> event_reader("ts")(event), event_reader("item_id")(event)
+        (1.0, '7')
+    """
+    if name in _EVENT_ATTRS:
+        return attrgetter(name)
+
+    def read(event: Event) -> Any:
+        try:
+            return event.contents[name]
+        except KeyError:
+            return event.field(name)  # raises the KeyError naming the event
+
+    return read
+
+
 @dataclass(slots=True, frozen=True)
 class Rejected:
     """A record that could not be accepted: where it came from, what it was and why not."""
@@ -123,6 +146,14 @@ class TimestampGuard:
     def check(self, user_id: str, ts: float) -> str | None:
         """The reason ``ts`` is rejected for ``user_id``, or ``None`` (and remember it) if fine."""
         last = self._last
+        if last.written is None:  # no TTL: the usual accepted event in a few dict operations
+            data = last.data
+            previous = data.get(user_id)
+            if self.min_ts <= ts <= self.max_ts and (previous is None or ts >= previous):
+                data[user_id] = ts
+                if ts * 1000 > self._clock:  # else round(ts * 1000) <= the (integer) clock too
+                    self._clock = max(self._clock, round(ts * 1000))
+                return None
         reason = self.reason(user_id, ts, last.get(user_id, self._clock))
         if reason is None:
             clock = round(ts * 1000)

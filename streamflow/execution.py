@@ -14,13 +14,15 @@ from __future__ import annotations
 import copy
 import logging
 import traceback
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from connectors.storage import to_json
-from operators import Operator, run_pipeline
+from operators import Aggregate, Operator
+from operators.base import compile_pipeline
 from operators.process import KeyedProcessFunction, ListStateDescriptor, ValueStateDescriptor
-from streamflow.events import Event
+from streamflow.events import PAGE_ENTER, PAGE_EXIT, Event, event_reader
 from streamflow.job import Task
 from streamflow.sequences import UserSequence
 from streamflow.summary import TASK_ERRORS_TABLE, TaskStats
@@ -48,6 +50,8 @@ class TaskExecution:
         self.tasks: dict[str, Task] = {}
         self.stats: dict[str, TaskStats] = {}
         self._pipelines: dict[str, list[Operator]] = {}
+        self._runs: dict[str, Any] = {}  # each task's pipeline, compiled (operators.base.compile_pipeline)
+        self._firing: dict[str, tuple[Any, TaskStats, str]] = {}  # (compiled pipeline, stats, sink) by task
         #: How many recent events / completed page visits the tasks need (0: none).
         self.max_events = 0
         self.max_pages = 0
@@ -58,26 +62,55 @@ class TaskExecution:
     def register(self, task: Task) -> None:
         """Add a task; it runs from the next event on. Its pipeline is copied: no operator state is
         shared between tasks."""
-        if task.name in self.tasks:
-            raise ValueError(f"task {task.name!r} is already registered")
-        self.trie.register(task.name, task.trigger)
-        self.tasks[task.name] = task
-        self._pipelines[task.name] = copy.deepcopy(list(task.pipeline))
-        self.stats.setdefault(task.name, TaskStats())
-        # A "page" task needs only the current visit; keep as much history as the others ask for.
-        events = task.history_events if task.input == "recent" else 0
-        pages = task.history_events if task.input == "pages" else 0
-        if events > self.max_events or pages > self.max_pages:
-            self.max_events = max(self.max_events, events)
-            self.max_pages = max(self.max_pages, pages)
-            for resize in self.on_resize:
-                resize(self.max_events, self.max_pages)
+        self.replace((), [task])
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_runs"], state["_firing"]  # compiled again where it is unpickled
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._runs = {name: compile_pipeline(pipeline) for name, pipeline in self._pipelines.items()}
+        self._firing = {name: (run, self.stats[name], self.tasks[name].sink) for name, run in self._runs.items()}
 
     def unregister(self, name: str) -> None:
         """Remove a task."""
-        self.trie.unregister(name)
-        del self.tasks[name]
-        del self._pipelines[name]
+        self.replace([name], ())
+
+    def replace(self, remove: Iterable[str], add: Iterable[Task]) -> None:
+        """Remove tasks ``remove`` and add ``add`` as one change (see :meth:`TriggerTrie.replace`).
+
+        A task added again under a name it had (a new version) keeps its counters, with its run of
+        consecutive failures and its quarantine cleared. Nothing changes if anything is refused.
+        """
+        remove, add = list(remove), list(add)
+        pipelines = {task.name: copy.deepcopy(list(task.pipeline)) for task in add}  # may raise: before any change
+        for task in add:
+            if task.input in ("page", "recent"):
+                _read_events_directly(pipelines[task.name])
+        runs = {name: compile_pipeline(pipeline) for name, pipeline in pipelines.items()}
+        self.trie.replace(remove, {task.name: task.trigger for task in add})
+        for name in remove:
+            del self.tasks[name]
+            del self._pipelines[name]
+            del self._runs[name]
+            del self._firing[name]
+        for task in add:
+            self.tasks[task.name] = task
+            self._pipelines[task.name] = pipelines[task.name]
+            stats = self.stats.setdefault(task.name, TaskStats())
+            stats.consecutive_errors, stats.quarantined = 0, False
+            self._runs[task.name] = runs[task.name]
+            self._firing[task.name] = (runs[task.name], stats, task.sink)
+            # A "page" task needs only the current visit; keep as much history as the others ask for.
+            events = task.history_events if task.input == "recent" else 0
+            pages = task.history_events if task.input == "pages" else 0
+            if events > self.max_events or pages > self.max_pages:
+                self.max_events = max(self.max_events, events)
+                self.max_pages = max(self.max_pages, pages)
+                for resize in self.on_resize:
+                    resize(self.max_events, self.max_pages)
 
     def inputs(self, name: str, event: Event, sequence: UserSequence) -> list[Any]:
         """What task ``name``, fired by ``event``, runs over (see ``Task.input``)."""
@@ -93,11 +126,27 @@ class TaskExecution:
         """Run task ``name`` fired by ``event`` over ``items``: its rows (``user_id`` and ``trigger_ts``
         first), or the exception its pipeline raised (a task's failure is data for the runner, not a crash)."""
         try:
-            rows = run_pipeline(self._pipelines[name], items)
+            rows = self._runs[name](items)
         except Exception as exc:
             return exc
         head = {"user_id": event.user_id, "trigger_ts": event.ts}
         return [{**head, **row} for row in rows]
+
+    def fire(self, name: str, event: Event, items: list[Any]) -> tuple[str, list[dict[str, Any]]]:
+        """:meth:`run_task` and :meth:`settle` in one call: ``(table, rows)`` to store."""
+        run, stats, sink = self._firing[name]
+        try:
+            rows = run(items)
+        except Exception as exc:
+            return self.settle(name, event, exc)
+        stats.fired += 1
+        stats.consecutive_errors = 0
+        if len(rows) == 1:
+            stats.rows += 1
+            return sink, [{"user_id": event.user_id, "trigger_ts": event.ts, **rows[0]}]
+        stats.rows += len(rows)
+        user, ts = event.user_id, event.ts
+        return sink, [{"user_id": user, "trigger_ts": ts, **row} for row in rows]
 
     def settle(self, name: str, event: Event, outcome: list[dict[str, Any]] | Exception
                ) -> tuple[str, list[dict[str, Any]]]:
@@ -124,6 +173,15 @@ class TaskExecution:
             log.error("task %s quarantined after %d consecutive failures; last: %s", name,
                       stats.consecutive_errors, error)
         return TASK_ERRORS_TABLE, [task_error_row(name, event, outcome)]
+
+
+def _read_events_directly(pipeline: list[Operator]) -> None:
+    """A leading Aggregate over events reads named fields with :func:`~streamflow.events.event_reader`
+    (the same values and errors as ``event[name]``, several times faster)."""
+    if pipeline and isinstance(pipeline[0], Aggregate):
+        for aggregation in pipeline[0].aggregations.values():
+            if isinstance(aggregation.field, str):
+                aggregation._read = event_reader(aggregation.field)
 
 
 def task_error_row(task: str, event: Event, error: Exception) -> dict[str, Any]:
@@ -189,15 +247,75 @@ class TriggerTasks(KeyedProcessFunction):
             state, fired = trie.step(before, event)
             if state is not before:
                 self.match.update(state)
-        if not fired:
+        if fired:
+            self._run(event, fired, [execution.inputs(name, event, sequence) for name in fired], ctx)
+
+    def on_block(self, events: list[Event], ctx: Any) -> None:
+        """``on_event`` for each event in order (the device runtime's block path, see
+        :meth:`~streamflow.keyed.KeyedRuntime.process_block`).
+
+        When every task reads the page (no time- or page-level sequence is kept) and every trigger is
+        one id (no partial match is kept), the events are stepped in one loop over the raw ``open_page``
+        state, which holds what ``UserSequence`` would hold; otherwise ``on_event`` runs per event.
+        """
+        execution = self.execution
+        trie = execution.trie
+        if not trie.single_step or execution.max_events or execution.max_pages:
+            for event in events:
+                ctx.key = event.user_id
+                self.on_event(event, ctx)
             return
-        if len(fired) == 1 or self.workers <= 1:
-            outcomes = [execution.run_task(name, event, execution.inputs(name, event, sequence)) for name in fired]
+        open_pages = ctx.state_data("open_page")
+        fire, side = execution.fire, ctx.side
+        state = trie.initial_state()
+        steps, exit_steps = state.steps, state.exit_steps
+        for event in events:
+            kind = event.event_id
+            if kind == PAGE_ENTER:
+                open_pages[event.user_id] = page = [event]
+                hit = steps.get(kind)
+            elif kind == PAGE_EXIT:
+                opened = open_pages.pop(event.user_id, None)
+                page = [*opened, event] if opened and opened[0].page_id == event.page_id else [event]
+                hit = exit_steps.get(event.page_id)
+            else:
+                opened = open_pages.get(event.user_id)
+                if opened:
+                    opened.append(event)
+                    page = opened
+                else:
+                    page = [event]
+                hit = steps.get(kind)
+            if hit is None:
+                hit = trie.step(state, event)
+            fired = hit[1]
+            if fired:
+                ctx.key = event.user_id
+                if len(fired) == 1:
+                    table, rows = fire(fired[0], event, page if kind == PAGE_EXIT else list(page))
+                    for row in rows:
+                        side(table, row)
+                else:
+                    self._run(event, fired, [list(page) for _ in fired], ctx)
+                if trie.initial_state() is not state:  # a task was quarantined: the trie changed
+                    state = trie.initial_state()
+                    steps, exit_steps = state.steps, state.exit_steps
+
+    def _run(self, event: Event, fired: tuple[str, ...], inputs: list[list[Any]], ctx: Any) -> None:
+        """Run the tasks ``fired`` by ``event`` over their ``inputs``; their rows (or errors) as side outputs."""
+        execution = self.execution
+        if len(fired) == 1:
+            table, rows = execution.fire(fired[0], event, inputs[0])
+            for row in rows:
+                ctx.side(table, row)
+            return
+        if self.workers <= 1:
+            outcomes = [execution.run_task(name, event, items) for name, items in zip(fired, inputs, strict=True)]
         else:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="streamflow-task")
-            futures = [self._pool.submit(execution.run_task, name, event, execution.inputs(name, event, sequence))
-                       for name in fired]
+            futures = [self._pool.submit(execution.run_task, name, event, items)
+                       for name, items in zip(fired, inputs, strict=True)]
             outcomes = [future.result() for future in futures]
         for name, outcome in zip(fired, outcomes, strict=True):
             table, rows = execution.settle(name, event, outcome)

@@ -150,15 +150,17 @@ class JobLoadError(Exception):
     """A job file that cannot be loaded; the message says which file and why."""
 
 
-def load_job(path: str | Path) -> Job:
+def load_job(path: str | Path, module_name: str | None = None) -> Job:
     """Execute a job file and return the :class:`Job` it defines (as ``job``, or its only Job).
 
-    A job file is the user's own code, run as any Python script they run is.
+    A job file is the user's own code, run as any Python script they run is. It is imported as
+    ``module_name`` (default: ``streamflow_job_<file stem>``; a deployed bundle gives each version
+    a name of its own, so two versions of a job live side by side).
     """
     path = Path(path)
     if not path.is_file():
         raise JobLoadError(f"job file not found: {path}")
-    module_name = f"streamflow_job_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
+    module_name = module_name or f"streamflow_job_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise JobLoadError(f"cannot load {path}: not a Python file")

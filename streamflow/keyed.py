@@ -36,7 +36,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from operators.base import field_reader
@@ -293,6 +293,45 @@ class KeyedRuntime:
             self._fire(self._processing_timers, int(time.time() * 1000), False)
         self._advance(self.clock - self.bound - 1)
         return out
+
+    def process_block(self, items: list[Any], key_of: Callable[[Any], Any], ts_of: Callable[[Any], float]
+                      ) -> list[Output]:
+        """``process(key_of(item), item, to_millis(ts_of(item)))`` for each item in order; all the outputs.
+
+        A function that defines ``on_block(items, ctx)`` gets the whole block in one call while no
+        per-item step is needed: no state with a TTL, no cap on keys, no timer pending. Its contract:
+        do what ``on_event`` would do for each item in order (keyed by ``key_of``), register no timer
+        and read neither the clock nor the watermark; the clock moves to the block's largest time after it.
+
+        Example:
+            >>> from operators.process import KeyedProcessFunction
+            >>> class Echo(KeyedProcessFunction):
+            ...     def on_event(self, item, ctx):
+            ...         ctx.emit({"key": ctx.key, "n": item["n"]})
+            >>> runtime = KeyedRuntime(Echo())
+            >>> runtime.process_block([{"k": "a", "n": 1, "ts": 2.0}], lambda i: i["k"], lambda i: i["ts"])
+            [('emit', {'key': 'a', 'n': 1})]
+        """
+        on_block = getattr(self.function, "on_block", None)
+        if (on_block is None or self._ttl_stores or self._recent is not None or self._event_timers
+                or self._processing_timers):
+            out: list[Output] = []
+            for item in items:
+                out += self.process(key_of(item), item, to_millis(ts_of(item)))
+            return out
+        out = self._out = []
+        if items:
+            on_block(items, self)
+            top = to_millis(max(map(ts_of, items)))
+            if top > self.clock:
+                self.clock = top
+            self.key, self.timestamp = key_of(items[-1]), top
+            self._advance(self.clock - self.bound - 1)
+        return out
+
+    def state_data(self, name: str) -> dict[Any, Any]:
+        """The values of state ``name`` by key, as stored (for ``on_block``: no TTL, no key cap then)."""
+        return self._stores[name].data
 
     def advance(self, watermark: int) -> list[Output]:
         """Move the watermark to ``watermark`` (never back) and fire the event-time timers it passed."""

@@ -8,8 +8,6 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
-from tqdm import tqdm
-
 T = TypeVar("T")
 log = logging.getLogger("streamflow.progress")
 
@@ -22,6 +20,8 @@ def track(items: Iterable[T], desc: str, unit: str = "events", every_s: float = 
         3
     """
     if sys.stderr.isatty():
+        from tqdm import tqdm  # only for a terminal: it costs start-up time
+
         yield from tqdm(items, desc=desc, unit=f" {unit}", unit_scale=True, file=sys.stderr)
         return
     started = last = time.monotonic()

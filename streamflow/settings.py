@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     flink_execution_mode: Literal["thread", "process"] = Field("thread", description="PyFlink's Python mode")
     zoo_dir: Path = Field(Path.home() / ".cache" / "streamflow" / "zoo",
                           description="the serving model zoo: zoo.json and its model files (streamflow.serve.zoo)")
+    deploy_server: str = Field("http://127.0.0.1:8470", description="the release server `streamflow release` talks to")
+    deploy_dir: Path = Field(Path(".streamflow") / "deploy", description="the release server's state directory "
+                             "(its SQLite file, file store and admin.token)")
     # the serving worker (streamflow/serve/app.py, `streamflow serve`)
     serve_app_id: str = Field("streamflow-serve", pattern=r"^[A-Za-z0-9._-]{1,100}$",
                               description="the serving worker's faust app id: its consumer group and table topics")

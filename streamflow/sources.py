@@ -15,8 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any, Self
 
@@ -32,6 +33,8 @@ DEFAULT_INACTIVITY_GAP_S = 1800.0
 _INTEGER = re.compile(r"-?[0-9]{1,15}")
 # A line TaobaoBehaviorSource.parse accepts without stripping anything (its fast path).
 _CLEAN_LINE = re.compile(r"([^,\s]+),([^,\s]+),([^,\s]+),(pv|fav|cart|buy),(-?[0-9]{1,15})").fullmatch
+# The same, on a line as read: rstrip("\r\n") is the trailing [\r\n]* (the last field ends in a digit).
+_CLEAN_RAW_LINE = re.compile(r"([^,\s]+),([^,\s]+),([^,\s]+),(pv|fav|cart|buy),(-?[0-9]{1,15})[\r\n]*").fullmatch
 _IDENTITY_BYTES = 1 << 20
 
 
@@ -45,12 +48,18 @@ class LineSource:
     - ``user_of(parsed)`` and ``ts_of(parsed)``: whose record it is and its event time;
     - ``user_events(state, parsed)``: ``(new per-user state, app events)``;
     - ``end_events(user, state)``: the events still owed at the end of the input.
+
+    ``events_checked``: a format whose events never step back in time per user and carry the time
+    of a line its reader's guard accepted (or an earlier time of the same user that was accepted)
+    says so, and a runner with a default guard of its own need not check them again.
     """
+
+    events_checked = False
 
     def __init__(self, path: str | Path, guard: TimestampGuard | None = None, state_ttl_s: float | None = None):
         self.path = Path(path)
         self.name = str(path)
-        self._guard = guard
+        self.guard = guard
         self._lines: list[str] | None = None
         #: A user's per-user state (and last timestamp) is dropped after this long of stream time (the
         #: largest timestamp read) without a record of the user, once its owed events (``end_events``)
@@ -67,13 +76,22 @@ class LineSource:
 
     def numbered_lines(self) -> Iterator[tuple[int, str]]:
         """(1-based line number, line without its newline) for every non-blank line."""
+        yield from _numbered(self.raw_lines())
+
+    def raw_lines(self) -> Iterator[str]:
+        """Every line as read (with its newline, if any)."""
         if self._lines is not None:
-            lines: Iterable[str] = self._lines
-            yield from _numbered(lines)
+            yield from self._lines
         else:
             # Bytes that are not UTF-8 become lone surrogates, so that reading can reject their line.
             with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
-                yield from _numbered(f)
+                yield from f
+
+    def fast_records(self, reader: SourceReader, step: Callable[[int, str], list[Event | Rejected]]
+                     ) -> Callable[[Iterator[tuple[int, str]]], Iterator[Event | Rejected]] | None:
+        """A format's own loop over ``(line number, line)`` giving what ``step`` per line gives (and
+        moving ``reader`` the same way), or ``None`` (then ``step`` runs per line)."""
+        return None
 
     def __iter__(self) -> Iterator[Event | Rejected]:
         return iter(self.read())
@@ -174,7 +192,7 @@ class SourceReader:
         self.line = start.line
         self.states = start.states or KeyedStore(ValueStateDescriptor("adapter", ttl_s=source.state_ttl_s))
         self.clock = start.clock
-        self.guard = source._guard or TimestampGuard(state_ttl_s=source.state_ttl_s)
+        self.guard = source.guard or TimestampGuard(state_ttl_s=source.state_ttl_s)
         if resume is not None and start.last_ts is not None:
             self.guard.restore(start.last_ts)
         self.pending: list[Event | Rejected] = start.pending
@@ -187,34 +205,54 @@ class SourceReader:
 
     def __iter__(self) -> Iterator[Event | Rejected]:
         source, states = self.source, self.states
+        yield from self.pending
+        lines: Iterator[tuple[int, str]] = enumerate(source.raw_lines(), start=1)
+        if self.line:
+            lines = islice(lines, self.line, None)
+        step = self._line_step()
+        fast = source.fast_records(self, step)
+        if fast is not None:
+            yield from fast(lines)
+        else:
+            for line_no, line in lines:
+                records = step(line_no, line)
+                if records:
+                    self.pending = records
+                    yield from records
+        self.pending = [event for user, state in states.data.items() for event in source.end_events(user, state)]
+        states.data.clear()
+        if states.written is not None:
+            states.written.clear()
+        yield from self.pending
+        self.pending = []
+
+    def _line_step(self) -> Callable[[int, str], list[Event | Rejected]]:
+        """The records of one line (a blank line: none), with the reader's state moved past it."""
+        source, states = self.source, self.states
         owed: list[Event] = []
 
         def expired(user: str, state: Any) -> None:
             owed.extend(source.end_events(user, state))
 
-        yield from self.pending
-        lines = source.numbered_lines()
-        if self.line:
-            skip = self.line
-            lines = (numbered for numbered in lines if numbered[0] > skip)
-        # bound once: this loop runs per line
+        # bound once: this runs per line
         name, parse, user_of, ts_of, user_events = source.name, source.parse, source.user_of, source.ts_of, \
             source.user_events
         check, ttl = self.guard.check, states.ttl
-        for line_no, raw in lines:
+
+        def step(line_no: int, line: str) -> list[Event | Rejected]:
+            raw = line.rstrip("\r\n")
+            if not raw.strip():  # blank lines carry nothing; they are not records
+                return []
             self.line = line_no
             if not raw.isascii() and (bad := invalid_utf8(raw)) is not None:
-                yield Rejected(name, line_no, *bad)
-                continue
+                return [Rejected(name, line_no, *bad)]
             parsed = parse(raw)
             if type(parsed) is str:
-                yield Rejected(name, line_no, parsed, raw)
-                continue
+                return [Rejected(name, line_no, parsed, raw)]
             user, ts = user_of(parsed), ts_of(parsed)
             reason = check(user, ts)
             if reason is not None:
-                yield Rejected(name, line_no, reason, raw)
-                continue
+                return [Rejected(name, line_no, reason, raw)]
             if ttl is not None and round(ts * 1000) > self.clock:
                 self.clock = round(ts * 1000)
                 states.expire(self.clock, expired)  # the pages idle users still owe come out first
@@ -223,14 +261,9 @@ class SourceReader:
             if owed:
                 events = [*owed, *events]
                 owed.clear()
-            self.pending = events
-            yield from events
-        self.pending = [event for user, state in states.data.items() for event in source.end_events(user, state)]
-        states.data.clear()
-        if states.written is not None:
-            states.written.clear()
-        yield from self.pending
-        self.pending = []
+            return events
+
+        return step
 
 
 def _numbered(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
@@ -281,8 +314,20 @@ class TaobaoBehaviorSource(LineSource):
         super().__init__(path, guard, state_ttl_s)
         self.inactivity_gap_s = inactivity_gap_s
 
+    #: Exits carry the page's last activity, the time of the user's latest accepted line.
+    events_checked = True
+
     def user_of(self, parsed: tuple[str, str, str, str, float]) -> str:
         return parsed[0]
+
+    def fast_records(self, reader: SourceReader, step: Callable[[int, str], list[Event | Rejected]]
+                     ) -> Callable[[Iterator[tuple[int, str]]], Iterator[Event | Rejected]] | None:
+        """Clean lines (:data:`_CLEAN_RAW_LINE`, ASCII) in one loop that inlines the guard's check and
+        :func:`item_page_events`; any other line through ``step``. Without a TTL and with the default guard."""
+        guard = reader.guard
+        if self.state_ttl_s is not None or type(guard) is not TimestampGuard or guard._last.written is not None:
+            return None
+        return lambda lines: _taobao_records(self, reader, step, lines)
 
     def ts_of(self, parsed: tuple[str, str, str, str, float]) -> float:
         return parsed[4]
@@ -319,6 +364,64 @@ class TaobaoBehaviorSource(LineSource):
             return f"wrong type: timestamp {ts_text[:40]!r} is not an integer number of seconds"
         ts = float(ts_text)
         return user, item, category, behavior, ts
+
+
+def _taobao_records(source: TaobaoBehaviorSource, reader: SourceReader, step: Callable[[int, str], list[Any]],
+                    lines: Iterator[tuple[int, str]]) -> Iterator[Event | Rejected]:
+    """:meth:`TaobaoBehaviorSource.fast_records`: per clean line what ``step`` does (``TimestampGuard.check``
+    without a TTL, then ``item_page_events``), inlined."""
+    name, gap, guard, pages = source.name, source.inactivity_gap_s, reader.guard, reader.states.data
+    last_ts, min_ts = guard._last.data, guard.min_ts
+    top = guard._clock / 1000  # the largest accepted time (the guard keeps it in ms)
+    clean = _CLEAN_RAW_LINE
+    for line_no, line in lines:
+        match = clean(line)
+        if match is None or not line.isascii():
+            records = step(line_no, line)
+            if records:
+                reader.pending = records
+                yield from records
+            top = guard._clock / 1000
+            continue
+        reader.line = line_no
+        user, item, category, behavior, ts_text = match.groups()
+        ts = float(ts_text)
+        previous = last_ts.get(user)
+        if ts > guard.max_ts or ts < min_ts or (previous is not None and ts < previous):
+            reason = guard.reason(user, ts, previous)
+            if reason is not None:
+                rejected = Rejected(name, line_no, reason, line.rstrip("\r\n"))
+                reader.pending = [rejected]
+                yield rejected
+                continue
+        if ts > top:
+            clock = round(ts * 1000)
+            if clock > guard._clock:
+                guard._clock = clock
+            top = ts
+        last_ts[user] = ts
+        contents = {"item_id": item, "category_id": category}
+        page = pages.get(user)
+        if page is not None and ts - page.last_ts <= gap and page.item_id == item:
+            page.last_ts = ts
+            event = Event(user, behavior, ITEM_PAGE, ts, contents)
+            reader.pending = [event]
+            yield event
+            continue
+        if page is None:
+            events = []
+        else:
+            exit_ts = page.last_ts if ts - page.last_ts > gap else ts
+            events = [Event(user, PAGE_EXIT, ITEM_PAGE, exit_ts, {"item_id": page.item_id,
+                                                                   "category_id": page.category_id})]
+        pages[user] = OpenPage(item, category, ts)
+        if behavior == "pv":
+            events.append(Event(user, PAGE_ENTER, ITEM_PAGE, ts, contents))
+        else:
+            events.append(Event(user, PAGE_ENTER, ITEM_PAGE, ts, {**contents, "implicit": True}))
+            events.append(Event(user, behavior, ITEM_PAGE, ts, contents))
+        reader.pending = events
+        yield from events
 
 
 def item_page_events(page: OpenPage | None, user: str, item: str, category: str, behavior: str, ts: float,
@@ -367,6 +470,8 @@ class JsonLinesSource(LineSource):
         >>> next(iter(src))
         Event(user_id='1', event_id='fav', page_id='item', ts=1511848951.0, contents={})
     """
+
+    events_checked = True  # each line is one event, checked as it is
 
     @staticmethod
     def parse(raw: str) -> Event | str:

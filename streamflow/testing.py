@@ -86,9 +86,10 @@ def assert_same_on_runners(job: Job, events: Events, fmt: str | None = None, pac
     return results["device"][0]
 
 
-def rows_diff(device: Rows, flink: Rows, limit: int = 10) -> list[str]:
+def rows_diff(device: Rows, flink: Rows, limit: int = 10, labels: tuple[str, str] = ("device", "Flink"),
+              names: tuple[str, str] = ("the device", "Flink")) -> list[str]:
     r"""What differs between two runs' rows, one line per difference (at most ``limit`` rows per side
-    and table); empty when they agree.
+    and table); empty when they agree. ``labels`` and ``names`` (in sentences) name the two runs.
 
     Example:
         >>> print("\n".join(rows_diff({"t": [{"n": 1}, {"n": 2}]},
@@ -101,19 +102,20 @@ def rows_diff(device: Rows, flink: Rows, limit: int = 10) -> list[str]:
     lines = []
     for table in sorted(device.keys() | flink.keys()):
         if table not in flink:
-            lines.append(f"table {table}: only the device wrote it ({len(device[table])} rows)")
+            lines.append(f"table {table}: only {names[0]} wrote it ({len(device[table])} rows)")
             continue
         if table not in device:
-            lines.append(f"table {table}: only Flink wrote it ({len(flink[table])} rows)")
+            lines.append(f"table {table}: only {names[1]} wrote it ({len(flink[table])} rows)")
             continue
         ours, theirs = Counter(map(_canonical, device[table])), Counter(map(_canonical, flink[table]))
         only_device, only_flink = ours - theirs, theirs - ours
         if not (only_device or only_flink):
             continue
-        lines.append(f"table {table}: {only_device.total()} rows only on the device, "
-                     f"{only_flink.total()} only on Flink")
-        for label, rows, extra in (("device only:", device[table], only_device), ("Flink only: ", flink[table],
-                                                                                  only_flink)):
+        lines.append(f"table {table}: {only_device.total()} rows only on {names[0]}, "
+                     f"{only_flink.total()} only on {names[1]}")
+        width = max(len(label) for label in labels) + len(" only:")
+        for label, rows, extra in ((f"{labels[0]} only:".ljust(width), device[table], only_device),
+                                   (f"{labels[1]} only:".ljust(width), flink[table], only_flink)):
             shown = [row for row in rows if extra[_canonical(row)] > 0][:limit]
             lines.extend(f"  {label} {row}" for row in shown)
             if extra.total() > len(shown):

@@ -31,7 +31,7 @@ after tasks are registered or unregistered.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import count
 
 from streamflow.events import PAGE_EXIT, Event
@@ -151,7 +151,46 @@ class TriggerTrie:
         """Add ``task``'s trigger condition; a name can hold one condition at a time."""
         if task in self._conditions:
             raise ValueError(f"task {task!r} is already registered")
-        cond = normalize_condition(condition)
+        self._attach(task, normalize_condition(condition))
+        self._invalidate()
+
+    def unregister(self, task: str) -> None:
+        """Remove ``task``'s condition and prune the nodes no other condition uses."""
+        self._prune(self._detach(task))
+        self._invalidate()
+
+    def replace(self, remove: Iterable[str], add: Mapping[str, Sequence[str]]) -> None:
+        """Unregister ``remove`` and register ``add`` (name → condition) as one change.
+
+        Unlike an unregister followed by a register, a prefix the old and the new conditions share
+        is never pruned in between, so users' partial matches of it carry over to the new condition
+        (a new version of a task with the same trigger goes on matching where the old one was).
+        Everything is checked before anything changes.
+
+        Example:
+            >>> trie = TriggerTrie()
+            >>> trie.register("t", ["fav", "buy"])
+            >>> state, _ = trie.step(trie.initial_state(), Event("u", "fav", "item", 1.0))
+            >>> trie.replace(["t"], {"t": ["fav", "buy"]})
+            >>> trie.step(state, Event("u", "buy", "item", 2.0))[1]
+            ('t',)
+        """
+        remove = list(dict.fromkeys(remove))
+        unknown = [name for name in remove if name not in self._conditions]
+        if unknown:
+            raise ValueError(f"tasks {unknown} are not registered")
+        conditions = {name: normalize_condition(cond) for name, cond in add.items()}
+        clash = [name for name in conditions if name in self._conditions and name not in remove]
+        if clash:
+            raise ValueError(f"tasks {clash} are already registered")
+        ends = [self._detach(name) for name in remove]
+        for name, cond in conditions.items():
+            self._attach(name, cond)
+        for node in ends:
+            self._prune(node)
+        self._invalidate()
+
+    def _attach(self, task: str, cond: tuple[str, ...]) -> None:
         node = self.root
         for symbol in cond:
             if symbol == WILDCARD:
@@ -166,10 +205,9 @@ class TriggerTrie:
                 self._alphabet[symbol] = self._alphabet.get(symbol, 0) + 1
         node.tasks.append(task)
         self._conditions[task] = cond
-        self._invalidate()
 
-    def unregister(self, task: str) -> None:
-        """Remove ``task``'s condition and prune the nodes no other condition uses."""
+    def _detach(self, task: str) -> _Node:
+        """Take ``task``'s condition out (nodes stay until :meth:`_prune`); the node it ended at."""
         cond = self._conditions.pop(task)
         node = self.root
         for symbol in cond:
@@ -179,7 +217,12 @@ class TriggerTrie:
                 if not self._alphabet[symbol]:
                     del self._alphabet[symbol]
         node.tasks.remove(task)
-        while node is not self.root and not node.tasks and not node.children and node.star is None:
+        return node
+
+    def _prune(self, node: _Node) -> None:
+        """Remove ``node`` and its ancestors as long as no condition uses them."""
+        while (node is not self.root and not node.removed and not node.tasks and not node.children
+               and node.star is None):
             parent = node.parent
             assert parent is not None
             if node.is_star:
@@ -189,7 +232,6 @@ class TriggerTrie:
             node.removed = True
             del self._nodes[node.id]
             node = parent
-        self._invalidate()
 
     def _new_node(self, symbol: str, parent: _Node) -> _Node:
         node = _Node(next(self._ids), symbol, parent)

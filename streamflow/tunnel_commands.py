@@ -44,7 +44,7 @@ class TunnelOptions:
     device_id: str | None = None
     key_registry: str | None = None
     topic: str = DEFAULT_TOPIC
-    compression: str = "zstd"
+    compression: str = "none"
     spool: str | None = None
     wait_s: float = 30.0
 
@@ -85,7 +85,8 @@ def close_tunnel(tunnel: Any, wait_s: float) -> str:
     delivered = tunnel.close(timeout_s=wait_s)
     s = tunnel.stats
     line = (f"tunnel: {s.rows_acked} rows in {s.batches_acked} batches acknowledged by {tunnel.bootstrap} "
-            f"(topic {tunnel.topic}, device {tunnel.device}, {tunnel.compression}, {s.bytes_acked} envelope bytes)")
+            f"(topic {tunnel.topic}, device {tunnel.device}, {s.bytes_acked} envelope bytes, Kafka compression "
+            f"{tunnel.compression})")
     if s.rows_refused:
         line += f"; {s.rows_refused} rows REFUSED (in dead_letter)"
     if not delivered:
@@ -129,7 +130,8 @@ def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: floa
     finally:
         consumer.close()
     print(f"cloud: {stats.messages} messages, {stats.stored} rows stored, {stats.duplicates} duplicates dropped, "
-          f"{stats.dead_total} dead letters {dict(stats.dead)}")
+          f"{stats.dead_total} dead letters {dict(stats.dead)}"
+          + (f", {stats.resolved} parked envelopes resolved" if stats.resolved else ""))
     return 0
 
 

@@ -110,7 +110,8 @@ def test_flink_features_job_stores_each_row_once_and_dead_letters_bad_messages(k
         meta = producer.send(topic, key=key, value=value, partition=partition).get(timeout=30)
         return meta.partition, meta.offset
 
-    # phone-1 on partition 0, phone-2 on partition 1 (the device sink keys messages by device)
+    # phone-1 on partition 0, phone-2 on partition 1 (the device sink sends a device's messages to one partition;
+    # format-1 sinks keyed them by device, which the cloud still checks)
     batches = {
         "p1a": ("phone-1", 0, ipv_rows(["u1", "u2", "u1"], [1.0, 2.0, 3.0]), k1),
         "p1b": ("phone-1", 3, ipv_rows(["u2", "u3"], [4.0, 5.0]), k1),
@@ -119,7 +120,7 @@ def test_flink_features_job_stores_each_row_once_and_dead_letters_bad_messages(k
     }
     envelopes = {name: encode(device, "ipv", seq, rows, key) for name, (device, seq, rows, key) in batches.items()}
     wrong_version = bytearray(encode("phone-1", "ipv", 5, ipv_rows(["u9"], [9.0]), k1))
-    wrong_version[3] = 2
+    wrong_version[1] = wrong_version[1] & ~0x07 | 3  # a format version this side does not read
     forged = encode("phone-2", "ipv", 4, ipv_rows(["u1"], [666.0]), b"not phone-2's key, 32 bytes long")
     stranger = encode("phone-9", "ipv", 0, ipv_rows(["u1"], [7.0]), b"s" * 32)
     dead_at = {}
@@ -161,8 +162,8 @@ def test_flink_features_job_stores_each_row_once_and_dead_letters_bad_messages(k
     # the refused messages, each where it was in the topic, kept byte for byte
     assert [(reason, (p, o)) for reason, p, o, _, _ in dead] == sorted(dead_at.items())
     devices = {reason: device for reason, _, _, device, _ in dead}
-    assert devices == {"bad_signature": "phone-2", "bad_version": None, "garbage": None,
-                       "unknown_device": "phone-9"}
+    # an unregistered device is known by its 4-byte tag only (in the detail)
+    assert devices == {"bad_signature": "phone-2", "bad_version": None, "garbage": None, "unknown_device": None}
     assert {reason: raw for reason, _, _, _, raw in dead}["bad_signature"] == forged
     assert offsets == {0: last[0] + 1, 1: last[1] + 1}
 
@@ -177,6 +178,25 @@ def test_flink_features_job_stores_each_row_once_and_dead_letters_bad_messages(k
         assert con.execute("SELECT count(*) FROM tunnel_dead_letter").fetchone() == (4,)
         assert con.execute("SELECT seq, dwell_s FROM ipv_online WHERE device_id = 'phone-2' AND user_id = 'u4'"
                        ).fetchall() == [(4, 14.0)]
+
+    # An envelope naming a schema no run has seen (its announcement lost): parked as unknown_schema; the run
+    # that reads the schema's next announcement stores it, once.
+    widened = pa.table({"user_id": ["u5"], "dwell_s": [15.0], "n_cart": [1]})
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    send(encode("phone-2", "ipv", 5, widened, k2, announce=False), 1)
+    producer.close()
+    parked = run_flink_features(topic, db, registry.path, bootstrap=kafka_bootstrap, parallelism=2)
+    assert (parked.stored, parked.dead_reasons) == (0, {"unknown_schema": 1})
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    send(encode("phone-2", "ipv", 6, widened, k2), 1)
+    producer.close()
+    resolved = run_flink_features(topic, db, registry.path, bootstrap=kafka_bootstrap, parallelism=2)
+    assert (resolved.stored, resolved.duplicates, resolved.dead) == (2, 0, 0)
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("SELECT seq, n_cart FROM ipv WHERE device_id = 'phone-2' AND seq >= 5 ORDER BY seq"
+                           ).fetchall() == [(5, 1), (6, 1)]
+        assert con.execute("SELECT count(*) FROM tunnel_dead_letter WHERE reason = 'unknown_schema' AND "
+                           "resolved_at IS NOT NULL").fetchone() == (1,)
 
 
 def test_flink_features_job_refuses_a_missing_registry(tmp_path):

@@ -139,8 +139,11 @@ items_strategy = st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 400),
                                                         sorted(raw, key=lambda r: r[1])])
 
 
+# Gaps off the items' 0.25 s grid: an item exactly at a session's end (ts == end) merges in the batch operator,
+# but in a stream another key's item at that time has already moved the watermark to end - 1 ms and fired the
+# session, so the item opens a new one; Flink does the same. Only that tie differs, so the property avoids it.
 @settings(max_examples=150, deadline=None)
-@given(items_strategy, st.sampled_from([0.25, 1.0, 7.5, 30.0]))
+@given(items_strategy, st.sampled_from([0.3, 1.1, 7.6, 30.1]))
 def test_session_windows_in_order_equal_the_batch_operator(items, gap):
     aggregate = Aggregate(n=Count(), total=Sum("x"), first=Min("ts"), last=Max("ts"))
     streamed = _stream(SessionWindows(SessionWindow(gap), aggregate, "k"), items)

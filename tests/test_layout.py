@@ -38,3 +38,13 @@ def test_device_core_never_imports_flink(tmp_path):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["rows"] == [[3]]  # the job really ran: one visit of three events
     assert report["flink_modules"] == []
+
+
+def test_the_device_side_of_deployment_never_imports_the_release_server():
+    """A device imports the updater and the HTTP client; aiohttp and the server stay in the cloud."""
+    code = ("import json, sys; import streamflow.deploy.updater, streamflow.deploy.client; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('aiohttp', 'streamflow.deploy.server', "
+            "'streamflow.deploy.release', 'streamflow.deploy.state')))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []

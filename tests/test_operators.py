@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from operators import (
     Aggregate,
     Count,
+    CountBy,
     CountDistinct,
     Distinct,
     Filter,
@@ -429,3 +430,29 @@ def test_merge_with_empty_accumulators():
         assert agg.result(agg.merge(agg.create(), full)) == agg.fold(ROWS), agg
         full = _acc(agg, ROWS)
         assert agg.result(agg.merge(full, agg.create())) == agg.fold(ROWS), agg
+
+
+# -- the generated fold (Aggregate.fold_one) == Aggregate.fold, values and errors -------------------------
+_AGGREGATIONS = {
+    "first": lambda f: First(f), "last": lambda f: Last(f), "count": lambda f: Count(),
+    "count_where": lambda f: Count(where=lambda r: f in r), "sum": lambda f: Sum(f), "min": lambda f: Min(f),
+    "max": lambda f: Max(f), "count_by": lambda f: CountBy(f), "distinct": lambda f: Distinct(f),
+    "last_n": lambda f: LastN(f, 2), "first_fn": lambda f: First(lambda r: r[f]),
+}
+
+
+def _outcome(fn, items):
+    try:
+        return fn(items)
+    except Exception as exc:
+        return type(exc), str(exc), getattr(exc, "__notes__", None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(aggs=st.lists(st.tuples(st.sampled_from(sorted(_AGGREGATIONS)), st.sampled_from(["a", "b"])), min_size=1,
+                     max_size=6),
+       items=st.lists(st.dictionaries(st.sampled_from(["a", "b"]), st.one_of(st.integers(-5, 5), st.just("x"))),
+                      max_size=5))
+def test_the_generated_fold_gives_what_fold_gives(aggs, items):
+    aggregate = Aggregate(**{f"c{i}": _AGGREGATIONS[kind](field) for i, (kind, field) in enumerate(aggs)})
+    assert _outcome(aggregate.fold_one, items) == _outcome(lambda x: aggregate.fold(x, {}), items)

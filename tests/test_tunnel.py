@@ -16,15 +16,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from connectors.tunnel.cloud import CloudConsumer, CloudStore, DeadLetter, open_message
-from connectors.tunnel.envelope import FORMAT_VERSION, Batch, EnvelopeError, decode, encode
+from connectors.tunnel.envelope import REASONS, Batch, EnvelopeError, decode, encode, encode_v1
 from connectors.tunnel.keys import KeyRegistry
+from connectors.tunnel.registry import Registration
 from connectors.tunnel.sink import MAX_ENVELOPE_BYTES, TunnelSink
 from connectors.tunnel.spool import Spool, SpoolFull
 from streamflow.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = bytes(range(32))
-KEYS = {"phone-1": KEY, "phone-2": bytes(reversed(range(32)))}.get
+KEYS = {"phone-1": KEY, "phone-2": bytes(reversed(range(32)))}
 ROWS = pa.table({"user_id": ["u1", "u2", "u1"], "item_id": [7, 8, 9], "dwell_s": [1.5, None, 3.0]})
 
 
@@ -39,13 +40,23 @@ def test_envelope_round_trip_keeps_rows_types_and_sequence_numbers():
     assert batch.rows.equals(ROWS)
 
 
+def _flip(value: bytes, at: int) -> bytes:
+    return value[:at] + bytes([value[at] ^ 0x01]) + value[at + 1:]
+
+
 @pytest.mark.parametrize(("mutate", "reason"), [
     (lambda v: b"", "garbage"),
     (lambda v: b"not an envelope at all, just some bytes that are long enough to parse" * 2, "garbage"),
-    (lambda v: v[:3] + bytes([FORMAT_VERSION + 1]) + v[4:], "bad_version"),
-    (lambda v: v[:-40] + bytes([v[-40] ^ 0xFF]) + v[-39:], "bad_signature"),  # a payload byte flipped
-    (lambda v: v[:-1] + bytes([v[-1] ^ 1]), "bad_signature"),                   # the MAC flipped
-    (lambda v: encode("phone-1", "ipv", 0, ROWS, KEYS("phone-2")), "bad_signature"),  # signed with another key
+    (lambda v: v[:1] + bytes([v[1] & ~0x07 | 3]) + v[2:], "bad_version"),
+    (lambda v: encode_v1("phone-1", "ipv", 0, ROWS, KEY)[:3] + b"\x02" + v[4:], "bad_version"),  # format 1's
+    (lambda v: _flip(v, -40), "bad_signature"),                                     # a payload byte
+    (lambda v: _flip(v, -1), "bad_signature"),                                      # the MAC
+    (lambda v: _flip(v, 6), "bad_signature"),                                       # first_seq
+    (lambda v: _flip(v, 7), "bad_signature"),                                       # n_rows
+    (lambda v: _flip(v, 8), "bad_signature"),                                       # the schema id
+    (lambda v: _flip(v, 40), "bad_signature"),                                      # inside the inline schema
+    (lambda v: _flip(v, 2), "unknown_device"),                                      # the device tag
+    (lambda v: encode("phone-1", "ipv", 0, ROWS, KEYS["phone-2"]), "bad_signature"),  # signed with another key
     (lambda v: encode("phone-9", "ipv", 0, ROWS, KEY), "unknown_device"),
 ])
 def test_envelope_refusals_name_the_reason(mutate, reason):
@@ -54,24 +65,40 @@ def test_envelope_refusals_name_the_reason(mutate, reason):
     assert refused.value.reason == reason
 
 
-def test_a_signed_envelope_whose_payload_is_not_arrow_is_bad_payload():
+def test_a_compact_envelope_has_a_binary_header_and_a_full_hmac():
+    value = encode("phone-1", "ipv", 300, ROWS.slice(0, 1), KEY, announce=False)
+    assert value[0] == 0xF5 and value[1] & 0x07 == 2 and value[1] & 0x10  # format 2, one row
+    # magic, flags, device tag (4), first_seq 300 (2-byte varint), schema id (4), payload, HMAC-SHA256 (32)
+    assert len(value) == 1 + 1 + 4 + 2 + 4 + len(value[12:-32]) + 32
     import hashlib
     import hmac
 
-    good = encode("phone-1", "ipv", 0, ROWS, KEY)
-    head_len = 3 + 1 + 2 + len("phone-1") + 2 + len("ipv") + 12
-    body = good[:head_len] + b"\x00" * 64
+    assert value[-32:] == hmac.digest(KEY, b"phone-1" + value[:-32], hashlib.sha256)
+
+
+def test_a_signed_envelope_whose_payload_does_not_fit_its_schema_is_bad_payload():
+    other = Registration.for_schema("ipv", pa.schema([("user_id", pa.int64()), ("item_id", pa.list_(pa.int8()))]))
     with pytest.raises(EnvelopeError) as refused:
-        decode(body + hmac.digest(KEY, body, hashlib.sha256), KEYS)
-    assert refused.value.reason == "bad_payload"
+        decode(encode("phone-1", "ipv", 0, ROWS, KEY, schema=other), KEYS)
+    assert refused.value.reason == "bad_payload" and refused.value.device == "phone-1"
+
+
+def test_a_format_1_envelope_from_an_older_spool_still_opens_and_is_still_checked():
+    old = encode_v1("phone-1", "ipv", 41, ROWS, KEY)
+    batch = decode(old, KEYS)
+    assert (batch.device, batch.table, batch.first_seq) == ("phone-1", "ipv", 41) and batch.rows.equals(ROWS)
+    with pytest.raises(EnvelopeError) as refused:
+        decode(_flip(old, 30), KEYS)
+    assert refused.value.reason == "bad_signature"
 
 
 @given(st.binary(max_size=400))
 def test_any_bytes_decode_or_are_refused_never_crash(value):
-    try:
-        decode(value, KEYS)
-    except EnvelopeError as exc:
-        assert exc.reason in ("garbage", "bad_version", "unknown_device", "bad_signature", "bad_payload")
+    for candidate in (value, b"\xf5" + bytes([0x0A]) + value[2:], b"SFT\x01" + value[4:]):
+        try:
+            decode(candidate, KEYS)
+        except EnvelopeError as exc:
+            assert exc.reason in REASONS
 
 
 # -- keys ------------------------------------------------------------------------------------------
@@ -190,9 +217,8 @@ def test_oversized_batches_are_split_and_an_oversized_row_is_refused_with_its_re
     refused = []
     sink = TunnelSink("phone-1", KEY, tmp_path / "spool", topic=_topic(), bootstrap=kafka_bootstrap,
                       on_refused=lambda table, rows, reason: refused.append((table, len(rows), reason)))
-    blob = os.urandom(200_000)
-    with caplog.at_level(logging.WARNING, logger="streamflow.tunnel"):
-        sink.write("emb", [{"user_id": "u", "blob": blob} for _ in range(10)])  # ~2 MB: split into envelopes
+    with caplog.at_level(logging.WARNING, logger="streamflow.tunnel"):  # ~2 MB zstd cannot shrink: split into envelopes
+        sink.write("emb", [{"user_id": "u", "blob": os.urandom(200_000)} for _ in range(10)])
         sink.write("emb", [{"user_id": "u", "blob": os.urandom(MAX_ENVELOPE_BYTES)}])
         assert sink.close(timeout_s=30)
     assert sink.stats.rows_acked == 10 and sink.stats.batches_acked >= 3

@@ -34,6 +34,7 @@ from connectors.tunnel.cloud import CloudConsumer  # noqa: E402
 from connectors.tunnel.envelope import Batch, decode, encode  # noqa: E402
 from connectors.tunnel.kafka import CLIENT_TIMEOUTS, dead_letter_topic, ensure_topic  # noqa: E402
 from connectors.tunnel.keys import KeyRegistry  # noqa: E402
+from connectors.tunnel.registry import Registry  # noqa: E402
 from connectors.tunnel.sink import TunnelSink  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,8 +74,10 @@ def _offline(db: Path, table: str = "ipv") -> list[tuple[str, int, int]]:
         return con.execute(f'SELECT device_id, seq, i FROM "{table}" ORDER BY rowid').fetchall()
 
 
-def _topic_batches(bootstrap: str, topic: str, key_for) -> dict[int, list[tuple[int, Batch]]]:
-    """Every message of ``topic`` as (offset, verified batch), per partition, read straight off the broker."""
+def _topic_batches(bootstrap: str, topic: str, keys: KeyRegistry) -> dict[int, list[tuple[int, Batch]]]:
+    """Every message of ``topic`` as (offset, verified batch), per partition, read straight off the broker (in
+    offset order, so each schema is known from the envelope that announced it)."""
+    known = Registry()
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, **CLIENT_TIMEOUTS)
     try:
         tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
@@ -86,7 +89,7 @@ def _topic_batches(bootstrap: str, topic: str, key_for) -> dict[int, list[tuple[
         while any(consumer.position(tp) < end[tp] for tp in tps):
             assert time.monotonic() < deadline, f"could not read {topic} to its end offsets {end}"
             for tp, messages in consumer.poll(timeout_ms=300).items():
-                out[tp.partition] += [(m.offset, decode(m.value, key_for)) for m in messages]
+                out[tp.partition] += [(m.offset, decode(m.value, keys, known)) for m in messages]
         return out
     finally:
         consumer.close()
@@ -166,7 +169,7 @@ def test_broker_restart_mid_stream_loses_and_repeats_nothing(tmp_path, private_b
     assert (sink.stats.rows_sealed, sink.stats.rows_acked, sink.stats.rows_refused) == (total, total, 0)
     assert _acked_seqs(acks) == set(range(total))
 
-    by_partition = _topic_batches(bootstrap, topic, registry.key_for)
+    by_partition = _topic_batches(bootstrap, topic, registry)
     assert _assert_topic_in_device_order(by_partition) == {"phone-1": total}, "the broker lost acknowledged rows"
     consumer = _consume(tmp_path / "cloud.duckdb", registry, topic, bootstrap, rows=total)
     offline = _offline(tmp_path / "cloud.duckdb")
@@ -190,7 +193,7 @@ def test_broker_down_at_start_rows_spool_then_drain(tmp_path, private_broker):
     assert sink.close(timeout_s=30), f"{sink.spool.rows_pending} rows still spooled after the broker came up"
     assert (sink.stats.rows_acked, sink.stats.batches_acked) == (100, 10)
 
-    assert _assert_topic_in_device_order(_topic_batches(bootstrap, topic, registry.key_for)) == {"phone-1": 100}
+    assert _assert_topic_in_device_order(_topic_batches(bootstrap, topic, registry)) == {"phone-1": 100}
     _consume(tmp_path / "cloud.duckdb", registry, topic, bootstrap, rows=100)
     offline = _offline(tmp_path / "cloud.duckdb")
     _assert_exactly_once_in_order(offline, {"phone-1": 100})
@@ -202,10 +205,12 @@ def test_a_full_spool_refuses_rows_with_a_reason_and_delivers_what_it_holds(tmp_
     registry = KeyRegistry(tmp_path / "keys.json")
     key = registry.add("phone-1")
     topic, bootstrap = _topic(), private_broker.bootstrap
-    one_batch = len(encode("phone-1", "ipv", 0, pa.Table.from_pylist(_rows(0, 10)), key))
+    # the first envelope carries the schema, the next ones name it by id
+    first = len(encode("phone-1", "ipv", 0, pa.Table.from_pylist(_rows(0, 10)), key))
+    one_batch = len(encode("phone-1", "ipv", 10, pa.Table.from_pylist(_rows(10, 10)), key, announce=False))
     refused: list[tuple[str, list[dict], str]] = []
     sink = TunnelSink("phone-1", key, tmp_path / "spool", topic=topic, bootstrap=bootstrap, batch_rows=10,
-                      spool_max_bytes=3 * one_batch + one_batch // 2,
+                      spool_max_bytes=first + 2 * one_batch + one_batch // 2,
                       on_refused=lambda table, rows, reason: refused.append((table, rows, reason)), **FAST)
     with caplog.at_level(logging.WARNING, logger="streamflow.tunnel"):
         for start in range(0, 80, 10):  # 8 batches of 10 rows: 3 fit, 5 are refused
@@ -290,7 +295,7 @@ def test_device_killed_mid_batch_then_restarted_loses_and_repeats_nothing(tmp_pa
     assert acked == set(range(sealed + 30)), "an acknowledgement is missing or a batch was acknowledged twice"
 
     total = sealed + 30
-    assert _assert_topic_in_device_order(_topic_batches(kafka_bootstrap, topic, registry.key_for)) == {
+    assert _assert_topic_in_device_order(_topic_batches(kafka_bootstrap, topic, registry)) == {
         "phone-k": total}
     _consume(tmp_path / "cloud.duckdb", registry, topic, kafka_bootstrap, rows=total)
     offline = _offline(tmp_path / "cloud.duckdb")
@@ -311,7 +316,7 @@ def test_garbage_old_versions_forgeries_and_strangers_are_dead_lettered_and_cons
     ensure_topic(kafka_bootstrap, topic, partitions=1)
     good = [encode("phone-1", "ipv", first, pa.Table.from_pylist(_rows(first, 3)), key) for first in (0, 3, 6)]
     old_version = bytearray(good[1])
-    old_version[3] = 2
+    old_version[1] = old_version[1] & ~0x07 | 3  # a format this side does not read
     forged = encode("phone-1", "ipv", 3, pa.Table.from_pylist(_rows(100, 3)), b"not-the-key-of-phone-1!!")
     stranger = encode("phone-9", "ipv", 0, pa.Table.from_pylist(_rows(200, 3)), b"phone-9's own key, unregistered")
     messages = [(b"phone-1", good[0]), (b"x", b"\x00\xffnot an envelope at all" * 3), (b"x", b""),
@@ -334,8 +339,9 @@ def test_garbage_old_versions_forgeries_and_strangers_are_dead_lettered_and_cons
                                   "ORDER BY kafka_offset").fetchall()
         assert con.execute("SELECT kafka_partition, max(next_offset) FROM tunnel_offsets WHERE topic = ? "
                            "GROUP BY ALL", [topic]).fetchall() == [(0, 9)]
+    # an unknown device is named by its 4-byte tag only (in the detail), so its device_id stays NULL
     assert stored_dead == [(1, "garbage", None), (2, "garbage", None), (3, "bad_version", None),
-                           (4, "bad_signature", "phone-1"), (5, "unknown_device", "phone-9"), (7, "garbage", None)]
+                           (4, "bad_signature", "phone-1"), (5, "unknown_device", None), (7, "garbage", None)]
 
     dlq = _raw_messages(kafka_bootstrap, dead_letter_topic(topic), 6)
     assert [(dict(m.headers)["reason"].decode(), dict(m.headers)["source"].decode()) for m in dlq] == [
@@ -410,7 +416,7 @@ def test_two_devices_interleaved_keep_each_devices_order(tmp_path, kafka_bootstr
         thread.join()
     assert all(sink.close(timeout_s=20) for sink in sinks)
 
-    by_partition = _topic_batches(kafka_bootstrap, topic, registry.key_for)
+    by_partition = _topic_batches(kafka_bootstrap, topic, registry)
     devices_in_order = [batch.device for _, batch in by_partition[0]]
     switches = sum(a != b for a, b in zip(devices_in_order, devices_in_order[1:], strict=False))
     assert switches >= 2, "the devices' batches did not interleave on the topic"

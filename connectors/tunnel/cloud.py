@@ -8,7 +8,16 @@
 - upserts them into the online table ``<table>_online``: the newest row (highest seq) per
   (device_id, *online_key), the serving view;
 - stores refused messages in ``tunnel_dead_letter`` with the reason;
+- stores the schemas and zstd dictionaries envelopes carried in ``tunnel_registry`` (the cloud's
+  registry: the envelopes after them name them by id);
 - records, per topic partition, the offset to consume next (``tunnel_offsets``).
+
+An envelope naming a schema or dictionary the registry does not have (its registration lost with a
+wiped registry or a truncated topic) is a dead letter ``unknown_schema``, counted, and parked: once
+that registration arrives (the device announces again after a reconnect and every few minutes),
+:meth:`CloudStore.recover` opens it again and stores its rows (or dead-letters it for what else is
+wrong with it), marking the parked row ``resolved_at``. The de-duplication by (device, seq) makes a
+late batch safe, and the online table keeps the newest row whatever the arrival order.
 
 :class:`CloudConsumer` is a Kafka consumer group around it. Offsets live in DuckDB, in the same
 transaction as the rows, and a consumer seeks to them when it is assigned a partition, so a crash
@@ -56,7 +65,7 @@ import duckdb
 import pyarrow as pa
 
 from connectors.storage import ensure_columns, is_identifier, quote_identifier, quoted_list
-from connectors.tunnel.envelope import Batch, EnvelopeError, Origin, decode
+from connectors.tunnel.envelope import Batch, EnvelopeError, Keys, Origin, decode
 from connectors.tunnel.kafka import (
     CLIENT_TIMEOUTS,
     DEFAULT_TOPIC,
@@ -66,11 +75,14 @@ from connectors.tunnel.kafka import (
     ensure_topic,
 )
 from connectors.tunnel.keys import KeyRegistry
+from connectors.tunnel.registry import Registration, RegistrationError, Registry
 
 log = logging.getLogger("streamflow.cloud")
 
 DEAD_LETTER_TABLE = "tunnel_dead_letter"
 _META_COLUMNS = ("device_id", "seq", "ingested_at")
+#: A consumer that got no record for this long polls without blocking (see CloudConsumer._poll).
+IDLE_AFTER_S = 0.5
 #: How often a consumer looks for partitions added to its topic (from its cached metadata).
 _ASSIGNMENT_CHECK_S = 10.0
 #: What the tables can refuse a batch with (e.g. a value whose type clashes with its column's).
@@ -83,7 +95,12 @@ CREATE TABLE IF NOT EXISTS tunnel_offsets (topic VARCHAR, kafka_partition INTEGE
 CREATE TABLE IF NOT EXISTS tunnel_dead_letter (topic VARCHAR, kafka_partition INTEGER, kafka_offset BIGINT,
                                                device_id VARCHAR, reason VARCHAR, detail VARCHAR, raw BLOB,
                                                refused_at TIMESTAMP);
+-- a parked (unknown_schema) dead letter opened again once its registration arrived
+ALTER TABLE tunnel_dead_letter ADD COLUMN IF NOT EXISTS resolved_at TIMESTAMP;
+CREATE TABLE IF NOT EXISTS tunnel_registry (device_id VARCHAR, kind TINYINT, id BLOB, body BLOB,
+                                            registered_at TIMESTAMP);
 """
+PARKED = "unknown_schema"
 
 
 @dataclass(frozen=True)
@@ -97,15 +114,19 @@ class DeadLetter:
     detail: str
     device: str | None
     raw: bytes
+    registrations: tuple[Registration, ...] = ()  # those a verified envelope carried
 
 
 @dataclass
 class ApplyResult:
-    """What one :meth:`CloudStore.apply` stored: rows, repeated rows dropped, and every dead letter it stored."""
+    """What one :meth:`CloudStore.apply` stored: rows, repeated rows dropped, every dead letter it stored, new
+    registrations, and parked envelopes it resolved."""
 
     stored: int = 0
     duplicates: int = 0
     dead_letters: list[DeadLetter] = field(default_factory=list)
+    registered: int = 0
+    resolved: int = 0
 
     @property
     def dead(self) -> int:
@@ -120,6 +141,8 @@ class CloudStats:
     stored: int = 0
     duplicates: int = 0
     dead: Counter = field(default_factory=Counter)
+    registered: int = 0
+    resolved: int = 0  # parked envelopes opened again once their registration arrived
 
     @property
     def dead_total(self) -> int:
@@ -130,6 +153,8 @@ class CloudStats:
         self.messages += messages
         self.stored += result.stored
         self.duplicates += result.duplicates
+        self.registered += result.registered
+        self.resolved += result.resolved
         for d in result.dead_letters:
             self.dead[d.reason] += 1
             log.warning("dead letter %s[%d]@%d from %s: %s", d.topic, d.partition, d.offset, d.device or "?", d.detail)
@@ -147,22 +172,31 @@ class CloudStore:
         self.online_key = tuple(online_key)
         self._con = duckdb.connect(str(self.path))
         self._con.execute(_SCHEMA)
+        #: every device's schemas and dictionaries, as stored; decoding with it learns what envelopes carry
+        self.registry = Registry()
+        self._saved: set[tuple[str, int, bytes]] = set()
+        for device, kind, id_, body in self._con.execute("SELECT device_id, kind, id, body FROM tunnel_registry "
+                                                         "ORDER BY registered_at").fetchall():
+            self._remember(device, Registration(kind, id_, body))
         self._columns: dict[str, set[str]] = {}
         self._online_keys: dict[str, list[str]] = {}
         self._seq_end: dict[str, int] = {}  # device → one past its highest stored seq
         self._lock = threading.Lock()
 
     def apply(self, batches: Sequence[Batch], dead: Sequence[DeadLetter] = (),
-              offsets: dict[tuple[str, int], int] | None = None) -> ApplyResult:
-        """Store ``batches`` (but repeats), ``dead`` and ``offsets`` in one transaction.
+              offsets: dict[tuple[str, int], int] | None = None,
+              resolved: Sequence[tuple[str, int, int]] = ()) -> ApplyResult:
+        """Store ``batches`` (but repeats), ``dead``, the registrations both carried and ``offsets`` in one
+        transaction; ``resolved``: parked dead letters (topic, partition, offset) these batches came from.
 
         If the tables refuse the batches together (a column whose type changed, say), each batch is
         stored alone and those still refused become ``unstorable`` dead letters.
         """
+        registrations = self._new_registrations([*batches, *dead])
         batches, dead = self._checked(batches, dead)
         with self._lock:
             try:
-                return self._transaction(batches, dead, offsets)
+                result = self._transaction(batches, dead, offsets, registrations, resolved)
             except _STORE_ERRORS:
                 result = ApplyResult()
                 refused = []
@@ -176,8 +210,55 @@ class CloudStore:
                     result.stored += one.stored
                     result.duplicates += one.duplicates
                     result.dead_letters += one.dead_letters
-                result.dead_letters += self._transaction((), [*dead, *refused], offsets).dead_letters
-                return result
+                rest = self._transaction((), [*dead, *refused], offsets, registrations, resolved)
+                result.dead_letters += rest.dead_letters
+                result.registered, result.resolved = rest.registered, rest.resolved
+            for device, registration in registrations:
+                self._remember(device, registration)
+            return result
+
+    def recover(self, keys: Keys) -> ApplyResult:
+        """Open the parked (``unknown_schema``) dead letters again with the registry as it is now; store those
+        that open, dead-letter those refused for another reason, mark both ``resolved_at``, in one transaction.
+
+        ``keys``: the device keys (each envelope is verified again). Cheap when nothing is parked.
+        """
+        with self._lock:
+            parked = self._con.execute("SELECT topic, kafka_partition, kafka_offset, raw FROM tunnel_dead_letter "
+                                       "WHERE reason = ? AND resolved_at IS NULL ORDER BY kafka_partition, "
+                                       "kafka_offset", [PARKED]).fetchall()
+        batches: list[Batch] = []
+        dead: list[DeadLetter] = []
+        resolved = []
+        for topic, partition, offset, raw in parked:
+            opened = open_message(topic, partition, offset, raw, keys, registry=self.registry)
+            if isinstance(opened, DeadLetter) and opened.reason == PARKED:
+                continue
+            (batches if isinstance(opened, Batch) else dead).append(opened)
+            resolved.append((topic, partition, offset))
+        if not resolved:
+            return ApplyResult()
+        result = self.apply(batches, dead, None, resolved)
+        log.info("cloud: %d parked envelopes resolved now that their schemas are registered: %d rows stored, "
+                 "%d dead letters", len(resolved), result.stored, len(dead))
+        return result
+
+    def _new_registrations(self, opened: Sequence[Batch | DeadLetter]) -> list[tuple[str, Registration]]:
+        """The registrations ``opened`` carried that are not stored yet (each once)."""
+        new: dict[tuple[str, int, bytes], tuple[str, Registration]] = {}
+        for item in opened:
+            for registration in item.registrations:
+                key = (item.device or "", registration.kind, registration.id)
+                if key not in self._saved:
+                    new.setdefault(key, (item.device or "", registration))
+        return list(new.values())
+
+    def _remember(self, device: str, registration: Registration) -> None:
+        try:
+            self.registry.learn(device, registration)
+        except RegistrationError as exc:  # decoding refused the envelope already; keep the first body
+            log.warning("cloud: %s", exc)
+        self._saved.add((device, registration.kind, registration.id))
 
     def _checked(self, batches: Sequence[Batch], dead: Sequence[DeadLetter]) -> tuple[list[Batch], list[DeadLetter]]:
         """``batches`` whose table and columns may reach SQL; the others join ``dead`` as ``bad_schema``."""
@@ -191,7 +272,9 @@ class CloudStore:
         return fit, refused
 
     def _transaction(self, batches: Sequence[Batch], dead: Sequence[DeadLetter],
-                     offsets: dict[tuple[str, int], int] | None) -> ApplyResult:
+                     offsets: dict[tuple[str, int], int] | None,
+                     registrations: Sequence[tuple[str, Registration]] = (),
+                     resolved: Sequence[tuple[str, int, int]] = ()) -> ApplyResult:
         con = self._con
         now = datetime.now(UTC).replace(tzinfo=None)
         con.execute("BEGIN")
@@ -205,9 +288,18 @@ class CloudStore:
                 result.stored += self._store(table, group, now)
             self._record(fresh, now)  # after the rows: a batch is recorded only together with its rows
             if result.dead_letters:
-                con.executemany("INSERT INTO tunnel_dead_letter VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [
+                con.executemany("INSERT INTO tunnel_dead_letter VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL)", [
                     [d.topic, d.partition, d.offset, d.device, d.reason, d.detail[:2000], d.raw, now]
                     for d in result.dead_letters])
+            if registrations:
+                con.executemany("INSERT INTO tunnel_registry VALUES (?, ?, ?, ?, ?)",
+                                [[d, r.kind, r.id, r.body, now] for d, r in registrations])
+                result.registered = len(registrations)
+            if resolved:
+                con.executemany("UPDATE tunnel_dead_letter SET resolved_at = ? WHERE topic = ? AND kafka_partition = ?"
+                                " AND kafka_offset = ? AND reason = ? AND resolved_at IS NULL",
+                                [[now, t, p, o, PARKED] for t, p, o in resolved])
+                result.resolved = len(resolved)
             if offsets:
                 con.execute("INSERT INTO tunnel_offsets VALUES " + ", ".join(["(?, ?, ?)"] * len(offsets)),
                             [v for (t, p), o in offsets.items() for v in (t, p, o)])
@@ -315,8 +407,10 @@ class CloudStore:
         not_null = " AND ".join(f"{quote_identifier(k)} IS NOT NULL" for k in key)
         updates = ", ".join(f"{quote_identifier(c)} = excluded.{quote_identifier(c)}" if c in full.column_names
                             else f"{quote_identifier(c)} = NULL" for c in sorted(known) if c not in key)
-        con.execute(f"INSERT INTO {target} ({names}) SELECT {names} FROM _sf_rows WHERE {not_null} "
-                    f"QUALIFY row_number() OVER (PARTITION BY {quoted_list(key)} ORDER BY seq DESC) = 1 "
+        # the newest row per key within the batch (a window costs ~2 ms a statement: skipped for one row)
+        newest = (f"QUALIFY row_number() OVER (PARTITION BY {quoted_list(key)} ORDER BY seq DESC) = 1 "
+                  if full.num_rows > 1 else "")
+        con.execute(f"INSERT INTO {target} ({names}) SELECT {names} FROM _sf_rows WHERE {not_null} {newest}"
                     f"ON CONFLICT DO UPDATE SET {updates} WHERE excluded.seq > {target}.seq")
 
     def offsets(self, topic: str) -> dict[int, int]:
@@ -382,16 +476,22 @@ def schema_problem(table: str, columns: Sequence[str],
 
 def _dead_letter(batch: Batch, reason: str, detail: str) -> DeadLetter:
     origin = batch.origin or Origin("", -1, -1, b"")
-    return DeadLetter(origin.topic, origin.partition, origin.offset, reason, detail, batch.device, origin.raw)
+    return DeadLetter(origin.topic, origin.partition, origin.offset, reason, detail, batch.device, origin.raw,
+                      batch.registrations)
 
 
-def open_message(topic: str, partition: int, offset: int, value: bytes | None, key_for: Any,
-                 message_key: bytes | None = None) -> Batch | DeadLetter:
-    """A Kafka message as a verified :class:`Batch` (with its origin), or as a :class:`DeadLetter` saying why not."""
+def open_message(topic: str, partition: int, offset: int, value: bytes | None, keys: Keys,
+                 message_key: bytes | None = None, registry: Registry | None = None) -> Batch | DeadLetter:
+    """A Kafka message as a verified :class:`Batch` (with its origin), or as a :class:`DeadLetter` saying why not.
+
+    ``keys``: the device keys; ``registry``: the schemas and dictionaries known (it learns those the message
+    carries). A message key, if any (format-1 envelopes were keyed by device), must be the signed device.
+    """
     try:
-        batch = replace(decode(value, key_for), origin=Origin(topic, partition, offset, bytes(value)))
+        batch = replace(decode(value, keys, registry), origin=Origin(topic, partition, offset, bytes(value)))
     except EnvelopeError as exc:
-        return DeadLetter(topic, partition, offset, exc.reason, str(exc), exc.device, bytes(value or b""))
+        return DeadLetter(topic, partition, offset, exc.reason, str(exc), exc.device, bytes(value or b""),
+                          exc.registrations)
     if message_key is not None and message_key != batch.device.encode():
         return _dead_letter(batch, "bad_key", f"message key {message_key!r} is not the signed device {batch.device!r}")
     problem = schema_problem(batch.table, batch.rows.column_names)
@@ -410,8 +510,9 @@ class CloudConsumer:
     def __init__(self, db: str | os.PathLike[str], registry: KeyRegistry, *, topic: str = DEFAULT_TOPIC,
                  bootstrap: str | None = None, group_id: str = "streamflow-cloud",
                  online_key: Sequence[str] = ("user_id",), max_records: int = 500, partitions: int = 4,
-                 schemas: Mapping[str, Collection[str]] | None = None):
+                 schemas: Mapping[str, Collection[str]] | None = None, idle_poll_s: float | None = 0.005):
         self.topic = topic
+        self.idle_poll_s = idle_poll_s
         self.dlq_topic = dead_letter_topic(topic)
         self.bootstrap = bootstrap_servers(bootstrap)
         self.group_id = group_id
@@ -425,6 +526,8 @@ class CloudConsumer:
         self._dlq_producer: Any = None
         self._assigned: set[Any] = set()
         self._assignment_checked = 0.0
+        self._recovered_once = False  # parked envelopes are looked at once at start, then on new registrations
+        self._last_record = float("-inf")
 
     def _connect(self) -> Any:
         """A consumer assigned every partition of the topic (no group rebalance), and the dead-letter producer.
@@ -475,40 +578,80 @@ class CloudConsumer:
             self._consumer = self._connect()
         elif time.monotonic() - self._assignment_checked >= _ASSIGNMENT_CHECK_S:
             self._assign(self._consumer)  # partitions added to the topic since
-        records = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
+        if not self._recovered_once:  # envelopes parked by an earlier run whose registration arrived meanwhile
+            self._recover()
+        records = self._poll(timeout_s)
         if not records:
             return ApplyResult()
         batches: list[Batch] = []
         dead: list[DeadLetter] = []
         offsets: dict[tuple[str, int], int] = {}
-        key_for = self.registry.key_for
         for tp, messages in records.items():
             for m in messages:
-                opened = open_message(tp.topic, tp.partition, m.offset, m.value, key_for, m.key)
+                opened = open_message(tp.topic, tp.partition, m.offset, m.value, self.registry, m.key,
+                                      self.store.registry)
                 (batches if isinstance(opened, Batch) else dead).append(opened)
             offsets[(tp.topic, tp.partition)] = messages[-1].offset + 1
         result = self.store.apply(batches, dead, offsets)
         self._after_store(sum(len(m) for m in records.values()), offsets, result)
+        if result.registered:
+            self._recover()
         return result
+
+    def _poll(self, timeout_s: float) -> dict[Any, list[Any]]:
+        """What the broker has, waiting up to ``timeout_s``.
+
+        While records flow (one arrived within ``IDLE_AFTER_S``), kafka-python's blocking poll: it keeps a
+        fetch in flight while the caller stores the last records, so the next ones are there when it asks
+        (measured: a consumer storing for 20 ms a poll saw records 18 ms after they were sent at the median;
+        polling without blocking, 35). Once idle, polls without blocking ``idle_poll_s`` apart: kafka-python
+        sends the next fetch as soon as the last one returned, and a broker that answers an empty fetch at
+        once instead of holding it ``fetch_max_wait_ms`` (noida-db) makes a blocking poll spin (~0.45 of a
+        core; polls 5 ms apart: ~0.17). ``idle_poll_s=None`` always blocks, the better choice on a broker
+        that holds fetches (Apache Kafka; ``fetch_min_bytes=1``, so a held fetch returns as soon as a record
+        arrives).
+        """
+        flowing = time.monotonic() - self._last_record < IDLE_AFTER_S
+        if self.idle_poll_s is None or flowing:
+            records = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
+        else:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                records = self._consumer.poll(timeout_ms=0, max_records=self.max_records)
+                if records or time.monotonic() >= deadline:
+                    break
+                time.sleep(self.idle_poll_s)
+        if records:
+            self._last_record = time.monotonic()
+        return records
+
+    def _recover(self) -> None:
+        self._recovered_once = True
+        result = self.store.recover(self.registry)
+        self.stats.count(0, result)
+        self._to_dead_letter_topic(result.dead_letters)
 
     def _after_store(self, messages: int, offsets: dict[tuple[str, int], int], result: ApplyResult) -> None:
         from kafka import TopicPartition
         from kafka.structs import OffsetAndMetadata
 
         self.stats.count(messages, result)
-        for d in result.dead_letters:
-            # d.raw, never None: an empty or null message has no key either, and kafka-python refuses to send
-            # a record with neither
-            self._dlq_producer.send(self.dlq_topic, value=d.raw, headers=[
-                ("reason", d.reason.encode()), ("detail", d.detail[:1000].encode()),
-                ("source", f"{d.topic}/{d.partition}/{d.offset}".encode())])
-        if result.dead_letters:
-            self._dlq_producer.flush(timeout=10)
+        self._to_dead_letter_topic(result.dead_letters)
         try:  # only for lag monitoring (the offsets that count are stored with the rows), so not waited for
             self._consumer.commit_async({TopicPartition(t, p): OffsetAndMetadata(o, "", -1)
                                          for (t, p), o in offsets.items()})
         except Exception as exc:  # noqa: BLE001 - a rebalance or a broker hiccup must not stop consuming
             log.debug("kafka offset commit skipped: %s", exc)
+
+    def _to_dead_letter_topic(self, dead_letters: Sequence[DeadLetter]) -> None:
+        for d in dead_letters:
+            # d.raw, never None: an empty or null message has no key either, and kafka-python refuses to send
+            # a record with neither
+            self._dlq_producer.send(self.dlq_topic, value=d.raw, headers=[
+                ("reason", d.reason.encode()), ("detail", d.detail[:1000].encode()),
+                ("source", f"{d.topic}/{d.partition}/{d.offset}".encode())])
+        if dead_letters:
+            self._dlq_producer.flush(timeout=10)
 
     def run(self, idle_timeout_s: float | None = None, max_s: float | None = None,
             retry_for_s: float | None = 300.0) -> CloudStats:

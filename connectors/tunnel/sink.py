@@ -1,16 +1,18 @@
 """The device side of the tunnel: a sink any task can write feature rows to, shipped to Kafka.
 
     rows ─ write(table, rows) ─ batch (≤ batch_rows rows, ≤ linger_s old)
-         ─ seal (on write, or by the sealer thread at linger_s): sequence numbers, Arrow IPC, HMAC
+         ─ seal (on write, or by the sealer thread at linger_s): sequence numbers, a compact envelope
+           (envelope.py: schema and dictionary by id, the codebook announcing them once; zstd; HMAC)
          ─ spool (durable, bounded, locked to this process)
-         ─ sender thread: one persistent idempotent producer, key = device id, zstd
+         ─ sender thread: one persistent idempotent producer, the device's partition, acks=all
          ─ broker ack ─ batch leaves the spool
 
 Guarantees:
 
 - **Ordered.** Sequence numbers are per device, across its tables; a table's rows are numbered in
-  the order they were written. Every message is keyed by the device id, so one device's batches
-  share a partition; the sender has one batch in flight and sends the spool oldest first, so the
+  the order they were written. Every message goes to the partition Kafka's default partitioner
+  gives the device id (the message itself has no key: the envelope names its device), so one
+  device's batches share a partition; the sender has one batch in flight and sends the spool oldest first, so the
   topic holds them in sequence order (a resend after an unanswered request can repeat a batch; the cloud drops the
   repeat by (device, seq)).
 - **Never lost once sealed.** A batch is on disk before it is sent and leaves the spool only after
@@ -50,7 +52,7 @@ from typing import Any
 import pyarrow as pa
 
 from connectors.storage import ROW_ENCODING_ERRORS, RowBuffer, check_table_name, to_json
-from connectors.tunnel.envelope import encode
+from connectors.tunnel.codebook import Codebook
 from connectors.tunnel.kafka import (
     CLIENT_TIMEOUTS,
     COMPRESSION,
@@ -90,13 +92,17 @@ class TunnelSink:
     ``on_refused(table, rows, reason)`` receives rows the sink will not send (default: appended as JSON
     lines to ``<spool>.refused.jsonl``); ``on_ack(entry)`` is called
     when the broker has a batch (at least once: a batch resent after a crash is reported again).
+    ``compression``: Kafka's record-batch codec on top of the envelope's own zstd (default none: it would
+    only add a frame); ``dictionary_rows``: rows per table a zstd dictionary is trained on (0: never);
+    ``announce_every_s``: how often a schema or dictionary in use is announced again (see :mod:`.codebook`).
     """
 
     def __init__(self, device: str, key: bytes, spool_path: str | os.PathLike[str], *,
-                 topic: str = DEFAULT_TOPIC, bootstrap: str | None = None, compression: str = "zstd",
-                 batch_rows: int = 1000, linger_s: float = 0.005, spool_max_bytes: int = 256 << 20,
+                 topic: str = DEFAULT_TOPIC, bootstrap: str | None = None, compression: str = "none",
+                 batch_rows: int = 1000, linger_s: float = 0.002, spool_max_bytes: int = 256 << 20,
                  on_refused: Refused | None = None, on_ack: Callable[[SpoolEntry], None] | None = None,
-                 send_timeout_s: float = 30.0, partitions: int = 4, retry_for_s: float | None = 600.0):
+                 send_timeout_s: float = 30.0, partitions: int = 4, retry_for_s: float | None = 600.0,
+                 dictionary_rows: int = 1000, announce_every_s: float = 600.0):
         if compression not in COMPRESSION:
             raise ValueError(f"compression must be one of {', '.join(COMPRESSION)}, got {compression!r}")
         if batch_rows < 1 or linger_s < 0:
@@ -114,7 +120,8 @@ class TunnelSink:
         self.error: TunnelUnavailable | None = None
         self.stats = TunnelStats()
         self.spool = Spool(spool_path, max_bytes=spool_max_bytes)
-        self._key = key
+        self.codebook = Codebook(device, key, self.spool, dictionary_rows=dictionary_rows,
+                                 announce_every_s=announce_every_s)
         self._device_key = device.encode()
         self.refused_path = Path(f"{self.spool.path}.refused.jsonl")
         self._on_refused = on_refused or self._refused_to_file
@@ -236,10 +243,11 @@ class TunnelSink:
         except sqlite3.Error as exc:  # the disk is full or the spool file is damaged
             self._refuse(table, rows.to_pylist(), f"tunnel spool {self.spool.path} write failed: {exc}")
             return
+        self.codebook.sealed(table, rows)
         self.stats.rows_sealed += rows.num_rows
 
     def _envelope(self, table: str, first_seq: int, rows: pa.Table) -> bytes:
-        value = encode(self.device, table, first_seq, rows, self._key)
+        value = self.codebook.envelope(table, first_seq, rows)
         if len(value) > MAX_ENVELOPE_BYTES:
             raise _TooBig
         return value
@@ -311,7 +319,7 @@ class TunnelSink:
 
     def _deliver(self, entry: SpoolEntry) -> None:
         producer = self._connect()
-        future = producer.send(self.topic, key=self._device_key, value=entry.value)
+        future = producer.send(self.topic, value=entry.value, partition=self._partition(producer))
         # the producer fails the batch itself at delivery_timeout_ms (= send_timeout_s); waiting a little longer
         # leaves it no record pending, so _drop_producer can close it at once
         future.get(timeout=self.send_timeout_s + 2.0)
@@ -324,6 +332,13 @@ class TunnelSink:
         stats.bytes_acked += len(entry.value)
         with self._lock:
             self._wake.notify_all()
+
+    def _partition(self, producer: Any) -> int:
+        """The device's partition: as Kafka's default partitioner would pick it for the device id as key."""
+        from kafka.partitioner import murmur2
+
+        partitions = sorted(producer.partitions_for(self.topic))
+        return partitions[(murmur2(self._device_key) & 0x7FFFFFFF) % len(partitions)]
 
     def _connect(self) -> Any:
         if self._producer is None:
@@ -357,6 +372,8 @@ class TunnelSink:
         producer, self._producer = self._producer, None
         if producer is None:
             return
+        with self._lock:  # a new connection may reach a cloud that lost its registry: announce everything again
+            self.codebook.forget_announced()
         try:
             producer.close(timeout=0)
             return

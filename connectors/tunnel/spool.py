@@ -6,8 +6,12 @@ reuses nor skips a number. A batch leaves the spool only when the broker has ack
 (:meth:`Spool.ack`). Batches are sent oldest first, so a device's rows reach the topic in order.
 
 The spool is a SQLite database in WAL mode with ``synchronous=FULL``: every seal is on disk before
-:meth:`Spool.seal` returns, and SIGKILL or power loss cannot tear a batch. SQLite, not DuckDB, because
-this is a small transactional queue with one insert and one delete per batch, SQLite's home ground.
+:meth:`Spool.seal` returns, and SIGKILL or power loss cannot tear a batch. An ack's delete is committed
+without waiting for the disk (``synchronous=NORMAL`` for that transaction, one fsync less per batch): a
+delete lost to a power cut only makes the device send that batch again, which the cloud drops as a repeat.
+SQLite, not DuckDB, because this is a small transactional queue with one insert and one delete per
+batch, SQLite's home ground. It also keeps the zstd dictionaries the device trained (:mod:`.codebook`),
+so a restart goes on with them.
 
 One process at a time: a spool takes an exclusive lock (``flock`` on ``<spool>.lock``, released by
 the kernel when the process dies, even by SIGKILL); a second process opening it gets :class:`SpoolLocked`.
@@ -76,6 +80,8 @@ class Spool:
                          " table_name TEXT NOT NULL, value BLOB NOT NULL, sealed_at REAL NOT NULL)")
         self._db.execute("CREATE TABLE IF NOT EXISTS counter (id INTEGER PRIMARY KEY CHECK (id = 0), next_seq INTEGER)")
         self._db.execute("INSERT OR IGNORE INTO counter VALUES (0, 0)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS dictionaries (table_name TEXT PRIMARY KEY, body BLOB NOT NULL,"
+                         " useful INTEGER NOT NULL)")
         self.next_seq, = self._db.execute("SELECT next_seq FROM counter").fetchone()
         self.bytes_pending, self.rows_pending, self.batches_pending = self._db.execute(
             "SELECT coalesce(sum(length(value)), 0), coalesce(sum(n_rows), 0), count(*) FROM batches").fetchone()
@@ -116,10 +122,25 @@ class Spool:
                                    (first_seq,)).fetchone()
             if row is None:
                 return
-            self._db.execute("DELETE FROM batches WHERE first_seq = ?", (first_seq,))
+            self._db.execute("PRAGMA synchronous=NORMAL")  # see the module docstring: a lost delete is a resend
+            try:
+                self._db.execute("DELETE FROM batches WHERE first_seq = ?", (first_seq,))
+            finally:
+                self._db.execute("PRAGMA synchronous=FULL")
             self.rows_pending -= row[0]
             self.bytes_pending -= row[1]
             self.batches_pending -= 1
+
+    def save_dictionary(self, table: str, body: bytes, useful: bool) -> None:
+        """Keep ``table``'s zstd dictionary (and whether it is used) for the next run."""
+        with self._lock, self._db:
+            self._db.execute("INSERT OR REPLACE INTO dictionaries VALUES (?, ?, ?)", (table, body, int(useful)))
+
+    def dictionaries(self) -> dict[str, tuple[bytes, bool]]:
+        """Table → (dictionary body, whether it is used), as saved."""
+        with self._lock:
+            rows = self._db.execute("SELECT table_name, body, useful FROM dictionaries").fetchall()
+        return {table: (body, bool(useful)) for table, body, useful in rows}
 
     def close(self) -> None:
         with self._lock:

@@ -32,20 +32,31 @@ except ImportError as exc:  # the `flink` extra is optional
 _PICKLED = Types.PICKLED_BYTE_ARRAY()
 
 
+_UNREAD = object()  # a cached state not read yet in this call
+
+
 class _Handle:
-    __slots__ = ("state", "written", "ttl", "owner")
+    """A state of the current key, read at most once per call and written back once at its end
+    (:meth:`FlinkKeyed.commit`): each read or write crosses into the JVM, and one record often touches
+    the same state several times (a page exit, then an enter). The key does not change within a call."""
+
+    __slots__ = ("state", "written", "ttl", "owner", "_written_at", "_written_dirty")
 
     def __init__(self, state: Any, written: Any, ttl: int | None, owner: FlinkKeyed):
         self.state = state
         self.written = written  # a ValueState of the clock at the last write, with a TTL
         self.ttl = ttl
         self.owner = owner
+        self._written_at: Any = _UNREAD
+        self._written_dirty = False
 
     def _live(self) -> bool:
         """False (and the state cleared) if the current key's value expired."""
         if self.ttl is None:
             return True
-        at = self.written.value()
+        if self._written_at is _UNREAD:
+            self._written_at = self.written.value()
+        at = self._written_at
         if at is not None and at + self.ttl < self.owner.clock:
             self.clear()
             return False
@@ -53,57 +64,124 @@ class _Handle:
 
     def _touch(self) -> None:
         if self.ttl is not None:
-            self.written.update(self.owner.clock)
+            self._written_at, self._written_dirty = self.owner.clock, True
 
     def clear(self) -> None:
-        self.state.clear()
+        self._clear_value()
         if self.ttl is not None:
-            self.written.clear()
+            self._written_at, self._written_dirty = None, True
+
+    def commit(self) -> None:
+        """Write what this call changed back to Flink; the next call reads afresh (another key)."""
+        if self._written_dirty:
+            if self._written_at is None:
+                self.written.clear()
+            else:
+                self.written.update(self._written_at)
+            self._written_dirty = False
+        self._written_at = _UNREAD
+        self._commit_value()
+
+    def _clear_value(self) -> None:
+        self.state.clear()
+
+    def _commit_value(self) -> None:
+        pass
 
 
 class _Value(_Handle):
-    __slots__ = ()
+    __slots__ = ("_value", "_dirty")
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self._value: Any = _UNREAD
+        self._dirty = False
 
     def value(self) -> Any:
-        return self.state.value() if self._live() else None
+        if not self._live():
+            return None
+        if self._value is _UNREAD:
+            self._value = self.state.value()
+        return self._value
 
     def update(self, value: Any) -> None:
         if value is None:
             self.clear()
         else:
-            self.state.update(value)
+            self._value, self._dirty = value, True
             self._touch()
+
+    def _clear_value(self) -> None:
+        self._value, self._dirty = None, True
+
+    def _commit_value(self) -> None:
+        if self._dirty:
+            if self._value is None:
+                self.state.clear()
+            else:
+                self.state.update(self._value)
+            self._dirty = False
+        self._value = _UNREAD
 
 
 class _List(_Handle):
-    __slots__ = ()
+    """Like the device's list state, ``get()`` returns the held list itself: do not keep it."""
+
+    __slots__ = ("_values", "_replaced", "_added")
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self._values: Any = _UNREAD  # the whole list, once read
+        self._replaced = False       # written back whole (update / clear) ...
+        self._added: list[Any] = []  # ... or only these appended (one add_all, never a rewrite)
 
     def get(self) -> list[Any]:
         if not self._live():
             return []
-        values = self.state.get()
-        return list(values) if values is not None else []
+        if self._values is _UNREAD:
+            stored = self.state.get()
+            self._values = [*(stored if stored is not None else ()), *self._added]
+        return self._values
 
     def add(self, value: Any) -> None:
         self._live()
-        self.state.add(value)
+        if self._values is not _UNREAD:
+            self._values.append(value)
+        if not self._replaced:
+            self._added.append(value)
         self._touch()
 
     def add_all(self, values: Any) -> None:
-        self._live()
-        self.state.add_all(list(values))
-        self._touch()
+        for value in values:
+            self.add(value)
 
     def update(self, values: Any) -> None:
         values = list(values)
         if values:
-            self.state.update(values)
+            self._values, self._replaced, self._added = values, True, []
             self._touch()
         else:
             self.clear()
 
+    def _clear_value(self) -> None:
+        self._values, self._replaced, self._added = [], True, []
+
+    def _commit_value(self) -> None:
+        if self._replaced:
+            if self._values:
+                self.state.update(self._values)
+            else:
+                self.state.clear()
+        elif len(self._added) == 1:
+            self.state.add(self._added[0])
+        elif self._added:
+            self.state.add_all(self._added)
+        self._values, self._replaced, self._added = _UNREAD, False, []
+
 
 class _Map(_Handle):
+    """Not cached: a map is read and written per entry."""
+
     __slots__ = ()
 
     def get(self, key: Any, default: Any = None) -> Any:
@@ -185,6 +263,11 @@ class FlinkKeyed(KeyedProcessFunction):
         for handle in self._handles:
             handle.clear()
 
+    def commit(self) -> None:
+        """Write back what the call changed (see :class:`_Handle`); call it before leaving the key."""
+        for handle in self._handles:
+            handle.commit()
+
     # -- our Context ---------------------------------------------------------------------------------
     def current_watermark(self) -> int:
         return self._ctx.timer_service().current_watermark()
@@ -226,12 +309,19 @@ class FlinkKeyed(KeyedProcessFunction):
         return out
 
     def process_element(self, value: tuple[Any, Any], ctx: KeyedProcessFunction.Context):
-        yield from self.call(ctx, value[1])
+        try:
+            out = self.call(ctx, value[1])
+        finally:
+            self.commit()
+        yield from out
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
         self._ctx, self.key, self.timestamp = ctx, ctx.get_current_key(), timestamp
         out = self._out = []
-        self.function.on_timer(timestamp, self)
+        try:
+            self.function.on_timer(timestamp, self)
+        finally:
+            self.commit()
         yield from out
 
     def close(self) -> None:

@@ -160,30 +160,42 @@ class UserTasks(FlinkKeyed):
         if isinstance(parsed, str):
             yield DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw)
             return
+        try:
+            out = self._record(ctx, line_no, raw, parsed)
+        finally:
+            self.commit()
+        yield from out
+
+    def _record(self, ctx: Any, line_no: int, raw: str, parsed: Any) -> list[tuple[str, Any]]:
         last_ts, adapter = self.source_state.value() or (None, None)
         if last_ts is None:
             ctx.timer_service().register_event_time_timer(0)  # fires with the final watermark
         ts = self.source.ts_of(parsed)
         reason = self.guard.reason(self.source.user_of(parsed), ts, last_ts)
         if reason is not None:
-            yield DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, reason, raw)
-            return
+            return [(DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, reason, raw))]
         adapter, events = self.source.user_events(adapter, parsed)
         self.source_state.update((ts, adapter))
-        yield from self._run(ctx, events)
+        return self._run(ctx, events)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
-        adapter = (self.source_state.value() or (None, None))[1]
-        yield from self._run(ctx, self.source.end_events(ctx.get_current_key(), adapter))
-        yield _STATS, self._counts()
-        self.clear_all()
+        try:
+            adapter = (self.source_state.value() or (None, None))[1]
+            out = self._run(ctx, self.source.end_events(ctx.get_current_key(), adapter))
+            out.append((_STATS, self._counts()))
+            self.clear_all()
+        finally:
+            self.commit()
+        yield from out
 
-    def _run(self, ctx: Any, events: list) -> Any:
+    def _run(self, ctx: Any, events: list) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
         for event in events:
             self.events += 1
             if self.emit_events:
-                yield _EVENTS, event
-            yield from self.call(ctx, event, round(event.ts * 1000), event.user_id)
+                out.append((_EVENTS, event))
+            out += self.call(ctx, event, round(event.ts * 1000), event.user_id)
+        return out
 
     def _counts(self) -> dict[str, Any]:
         """What this subtask counted since it last reported (the per-task stats live per subtask)."""

@@ -5,13 +5,16 @@
     features topic ─ kafka_records      (topic, partition, offset, key, value); parallelism N, each
                                         partition read by one reader in offset order
       ─ OpenEnvelopes    parallelism N, chained: verify and decode (``open_message``, the same checks as
-                         the Kafka consumer), a refused message becomes a DeadLetter
+                         the Kafka consumer), a refused message becomes a DeadLetter; each knows the
+                         schemas stored when the job started and learns those its envelopes carry
       ─ TunnelWriter     parallelism 1: ``CloudStore.apply`` per group of messages, one transaction each
       ─ discarding sink
 
 De-duplication by (device, seq) is done against what is stored, so it needs one writer that sees every
-batch: the decoding (HMAC, Arrow) runs in parallel, the storing in one place. A device's messages share
-a partition (the device id is the message key), so they reach the writer in the order it sent them.
+batch: the decoding (HMAC, payload) runs in parallel, the storing in one place. A device's messages share
+a partition (the sink picks it from the device id), so they reach one decoder and the writer in the order it
+sent them; an envelope whose schema no decoder knew is parked by the writer and stored once the schema is
+(``CloudStore.recover``), as the Kafka consumer does.
 
 The job reads up to the offsets that are the latest when it starts, then ends. It starts where the rows
 stored in ``db_path`` end (``tunnel_offsets``, written in the same transaction as the rows, as the Kafka
@@ -44,6 +47,7 @@ from connectors.tunnel.cloud import CloudStats, CloudStore, DeadLetter, open_mes
 from connectors.tunnel.envelope import Batch
 from connectors.tunnel.kafka import bootstrap_servers
 from connectors.tunnel.keys import KeyRegistry, resolve_registry_path
+from connectors.tunnel.registry import Registration, Registry
 from streamflow.flink.kafka_source import kafka_records
 from streamflow.flink.runner import flink_environment
 
@@ -76,22 +80,27 @@ class OpenEnvelopes(FlatMapFunction):
     """A Kafka record as ``((topic, partition), offset, Batch | DeadLetter)``; nothing is trusted before it is
     verified."""
 
-    def __init__(self, registry_path: str):
+    def __init__(self, registry_path: str, schemas: list[tuple[str, int, bytes, bytes]]):
         self.registry_path = registry_path
+        self.schemas = schemas  # (device, kind, id, body) stored when the job started
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self.registry = KeyRegistry(self.registry_path)  # re-read when an unknown device shows up
+        self.known = Registry((d, Registration(kind, id_, body)) for d, kind, id_, body in self.schemas)
 
     def flat_map(self, record: Any):
         topic, partition, offset, key, value = record[0], record[1], record[2], record[3], record[4]
-        yield (topic, partition), offset, open_message(topic, partition, offset, value, self.registry.key_for, key)
+        yield (topic, partition), offset, open_message(topic, partition, offset, value, self.registry, key,
+                                                       self.known)
 
 
 class TunnelWriter(ProcessFunction):
     """Stores opened messages with ``CloudStore.apply``, ``group_size`` messages per transaction, with the next
     offset of every partition they came from; writes the run's counts to ``report_path`` when the input ends."""
 
-    def __init__(self, db_path: str, report_path: str, online_key: Sequence[str], group_size: int):
+    def __init__(self, db_path: str, report_path: str, online_key: Sequence[str], group_size: int,
+                 registry_path: str):
+        self.registry_path = registry_path
         self.db_path = db_path
         self.report_path = report_path
         self.online_key = tuple(online_key)
@@ -99,6 +108,7 @@ class TunnelWriter(ProcessFunction):
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self.store = CloudStore(self.db_path, online_key=self.online_key)
+        self.keys = KeyRegistry(self.registry_path)
         self.batches: list[Batch] = []
         self.dead: list[DeadLetter] = []
         self.offsets: dict[tuple[str, int], int] = {}
@@ -119,7 +129,10 @@ class TunnelWriter(ProcessFunction):
         if not (self.batches or self.dead or self.offsets):
             return
         # refused batches become dead letters
-        self.stats.count(self.pending_messages, self.store.apply(self.batches, self.dead, self.offsets))
+        result = self.store.apply(self.batches, self.dead, self.offsets)
+        self.stats.count(self.pending_messages, result)
+        if result.registered:  # envelopes parked for want of these schemas can be stored now
+            self.stats.count(0, self.store.recover(self.keys))
         self.batches, self.dead, self.offsets, self.pending_messages = [], [], {}, 0
         if time.monotonic() - self.logged >= _PROGRESS_EVERY_S:
             self.logged = time.monotonic()
@@ -129,6 +142,7 @@ class TunnelWriter(ProcessFunction):
 
     def close(self) -> None:
         self._flush()
+        self.stats.count(0, self.store.recover(self.keys))  # parked by an earlier run, resolvable now
         self.store.close()
         s = self.stats
         report = {"messages": s.messages, "stored": s.stored, "duplicates": s.duplicates, "dead_reasons": dict(s.dead)}
@@ -161,10 +175,11 @@ def run_flink_features(topic: str, db_path: str | os.PathLike[str],
     report.unlink(missing_ok=True)
     with CloudStore(db, online_key=online_key) as store:  # also creates the tables before the job starts
         start_offsets = store.offsets(topic)
+        schemas = [(d, r.kind, r.id, r.body) for d, r in store.registry.entries()]
     env = flink_environment(cluster, parallelism)
     (kafka_records(env, topic, bootstrap_servers(bootstrap), group_id, start_offsets)
-     .flat_map(OpenEnvelopes(str(registry)), output_type=_PICKLED)
-     .process(TunnelWriter(str(db), str(report), online_key, group_size), output_type=_PICKLED)
+     .flat_map(OpenEnvelopes(str(registry), schemas), output_type=_PICKLED)
+     .process(TunnelWriter(str(db), str(report), online_key, group_size, str(registry)), output_type=_PICKLED)
      .set_parallelism(1)
      .sink_to(Sink(get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink())))
     env.execute(f"streamflow tunnel {topic}")

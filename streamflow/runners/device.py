@@ -2,7 +2,11 @@
 
 Per event: check its timestamp, append it to the user's sequences, step the user's trie state;
 every task whose trigger condition completes runs its pipeline over the input it asked for, and
-its rows go to collective storage.
+its rows go to collective storage. Records are taken in blocks of ``block_size`` (see
+:meth:`DeviceRunner.process_block`): the trigger tasks step a block in one call and its rows are
+written once per table, in order; ``block_size=1`` hands every event over on its own. By default a
+file source is read in blocks and any other iterable (a live stream) one event at a time, so an event
+never waits for a block to fill.
 
 Execution model: the job's trigger tasks are one keyed process function
 (:class:`~streamflow.execution.TriggerTasks`), each stream task another, each run by a
@@ -20,6 +24,11 @@ failures the task is quarantined: unregistered from the trie and reported in the
 With a ``tunnel`` (a :class:`~connectors.tunnel.sink.TunnelSink`), the feature rows of every task
 (but those with ``tunnel=False``) are also shipped to the cloud over Kafka; dead letters, task
 errors and late events stay on the device.
+
+Tasks change while events flow at the *safe point* before each event: :meth:`DeviceRunner.swap_tasks`
+(callable from any thread) replaces tasks there, all or nothing, keeping every other task's state
+and the users' sequences; safe-point hooks (:meth:`DeviceRunner.add_safe_point_hook`) look at what
+the last event did before the next one (deployment judges a new task version that way).
 
 Stream tasks (``input="stream"``) see every event and close event-time windows as the watermark
 passes them (:mod:`streamflow.windowing`); their late events go to ``late_events``.
@@ -47,10 +56,11 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
-from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, to_json
+from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, check_table_name, to_json
 from streamflow.checkpoint import Checkpoint, CheckpointError, has_checkpoint, job_fingerprint, load_checkpoint
 from streamflow.events import Event, Rejected, TimestampGuard
 from streamflow.execution import TaskExecution, TriggerTasks, task_error_row
@@ -64,6 +74,10 @@ if TYPE_CHECKING:
     from connectors.tunnel.sink import TunnelSink
 
 log = logging.getLogger("streamflow.device")
+#: Records processed per block (see DeviceRunner.process_block).
+BLOCK_SIZE = 64
+_user_of = attrgetter("user_id")
+_ts_of = attrgetter("ts")
 
 
 class DeviceRunner:
@@ -85,15 +99,11 @@ class DeviceRunner:
     def __init__(self, job: Job, storage: CollectiveStorage, workers: int = 2, quarantine_after: int = 5,
                  guard: TimestampGuard | None = None, record_latency: bool = False, tunnel: TunnelSink | None = None,
                  max_users: int | None = None, state_ttl_s: float | None = None,
-                 checkpoint_interval_s: float | None = None):
+                 checkpoint_interval_s: float | None = None, block_size: int | None = None):
         if checkpoint_interval_s is not None and not checkpoint_interval_s > 0:
             raise ValueError(f"checkpoint_interval_s must be > 0 seconds, got {checkpoint_interval_s!r}")
         if checkpoint_interval_s is not None:
-            stateful = [f"{task.name}: {type(op).__name__}" for task in job.tasks for op in task.pipeline
-                        if getattr(op, "keeps_state", False)]
-            if stateful:
-                raise ValueError(f"checkpoints do not cover operators that keep state between firings "
-                                 f"({', '.join(stateful)}); run this job without checkpoints")
+            _refuse_stateful_operators(job.tasks)
         self.job = job
         self.storage = storage
         self.tunnel = tunnel
@@ -104,37 +114,148 @@ class DeviceRunner:
         self.summary = RunSummary(db_path=str(storage.path), task_stats=self.execution.stats)
         self.latencies_s: list[float] | None = [] if record_latency else None
         self.guard = guard or TimestampGuard(state_ttl_s=state_ttl_s)
+        self._own_guard = guard is None
+        #: Events that already passed an equal guard in their source (see ``LineSource.events_checked``)
+        #: skip the runner's; set per run.
+        self._prechecked = False
+        self._source: Any = None  # what the current run reads
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size  # None: BLOCK_SIZE for a file source, 1 for a live iterable
         self._streams: dict[str, StreamTaskRun] = {}
         self._shipped: set[str] = set()  # sink tables whose rows also go to the tunnel
         self.max_users = max_users
+        self.state_ttl_s = state_ttl_s
         self.checkpoint_interval_s = checkpoint_interval_s
         self.checkpoints_taken = 0
         self._next_checkpoint = float("inf")  # monotonic time of the next checkpoint
         self._stop_signal: int | None = None
         self._input: dict[str, Any] = {}
-        for task in job.tasks:
-            self.register(task)
+        #: The tasks this runner runs, by name (quarantined ones included); see :meth:`swap_tasks`.
+        self.tasks: dict[str, Task] = {}
+        self._swap_lock = threading.Lock()
+        self._swaps: list[TaskSwap] = []
+        self._hooks: tuple[Callable[[], bool], ...] = ()
+        self._in_run = False
+        self._replace((), job.tasks, initial=True)
 
     # -- tasks at run time -----------------------------------------------------------------------
     def register(self, task: Task) -> None:
-        """Start running ``task`` (from the next event on)."""
-        if task.input == "stream":
-            if task.name in self._streams or task.name in self.execution.tasks:
-                raise ValueError(f"task {task.name!r} is already registered")
-            self._streams[task.name] = StreamTaskRun(task, self.max_users)
-            self.summary.task_stats[task.name] = TaskStats()
-        elif task.name in self._streams:
-            raise ValueError(f"task {task.name!r} is already registered")
-        else:
-            self.execution.register(task)
-        self.storage.name_writer(task.sink, f"task {task.name}")
-        if task.tunnel:
-            self._shipped.add(task.sink)
+        """Start running ``task`` (from the next event on); from the thread that feeds the events."""
+        self._replace((), [task])
 
     def unregister(self, name: str) -> None:
-        """Stop running task ``name``."""
-        if self._streams.pop(name, None) is None:
-            self.execution.unregister(name)
+        """Stop running task ``name``; from the thread that feeds the events."""
+        self._replace([name], ())
+
+    def swap_tasks(self, add: Iterable[Task] = (), remove: Iterable[str] = (),
+                   on_applied: Callable[[], None] | None = None) -> TaskSwap:
+        """Replace tasks at the safe point between two events; callable from any thread.
+
+        During :meth:`run` the swap is applied before the next event (so no event is seen by neither
+        version, nor by both); outside a run it is applied at once. Either way it is all or nothing:
+        a refused swap (an unknown name, a name clash, an operator checkpoints cannot hold) changes
+        nothing and leaves its error on the returned :class:`TaskSwap`. ``on_applied`` is called right
+        after a swap is applied, at the same safe point (before any event reaches the new tasks).
+
+        What is kept: every task not named keeps its state, and so do the users' sequences and trie
+        positions (a new version of a trigger task goes on matching its condition where the old one
+        was, and its input includes events from before the swap). A replaced stream task's open
+        windows fire as at the end of the input (their events are counted in the old version's rows);
+        the new version starts with empty windows. A name replaced keeps its counters in the summary.
+
+        Example:
+            >>> import os, tempfile
+            >>> from operators import Aggregate, Count
+            >>> from connectors import CollectiveStorage
+            >>> store = CollectiveStorage(os.path.join(tempfile.mkdtemp(), "f.duckdb"))
+            >>> runner = DeviceRunner(Job("demo", [Task("favs", ["fav"], [Aggregate(n=Count())])]), store)
+            >>> swap = runner.swap_tasks(add=[Task("favs", ["fav"], [Aggregate(n=Count(), m=Count())])],
+            ...                          remove=["favs"])
+            >>> swap.wait(1.0), swap.error, runner.job.task_names()
+            (True, None, ['favs'])
+            >>> runner.close()
+        """
+        swap = TaskSwap(tuple(add), tuple(remove), on_applied)
+        with self._swap_lock:
+            self._swaps.append(swap)
+            if not self._in_run:
+                self._apply_swaps_locked()
+        return swap
+
+    def add_safe_point_hook(self, hook: Callable[[], bool]) -> None:
+        """Call ``hook()`` at every safe point from now on (before each event, on the thread that feeds
+        them, before pending swaps are applied) until it returns False.
+
+        A hook watches what the last event did and may react before the next one: a swap it requests
+        is applied at this same safe point. It must be quick; it runs once per event.
+        """
+        with self._swap_lock:
+            self._hooks = (*self._hooks, hook)
+
+    def _safe_point(self) -> None:
+        hooks = self._hooks
+        if hooks:
+            done = [hook for hook in hooks if not hook()]
+            if done:
+                with self._swap_lock:
+                    self._hooks = tuple(h for h in self._hooks if h not in done)
+        if self._swaps:
+            with self._swap_lock:
+                self._apply_swaps_locked()
+
+    def _apply_swaps_locked(self) -> None:
+        swaps, self._swaps = self._swaps, []
+        for swap in swaps:
+            try:
+                self._replace(swap.remove, swap.add)
+            except Exception as exc:  # refused: nothing changed, the caller reads why
+                log.warning("task swap refused (adding %s, removing %s): %s", [t.name for t in swap.add],
+                            list(swap.remove), exc)
+                swap._finish(exc)
+            else:
+                log.info("tasks swapped: added %s, removed %s", [t.name for t in swap.add], list(swap.remove))
+                if swap.on_applied is not None:
+                    try:
+                        swap.on_applied()
+                    except Exception:  # the swap stands; the caller's callback is its own business
+                        log.exception("on_applied callback of a task swap failed")
+                swap._finish(None)
+
+    def _replace(self, remove: Sequence[str], add: Sequence[Task], initial: bool = False) -> None:
+        """Remove and add tasks as one change; everything is checked before anything changes."""
+        remove, add = list(dict.fromkeys(remove)), list(add)
+        unknown = [name for name in remove if name not in self.tasks]
+        if unknown:
+            raise ValueError(f"tasks {unknown} are not running")
+        names = [task.name for task in add]
+        staying = self.tasks.keys() - set(remove)
+        clash = sorted({name for name in names if name in staying or names.count(name) > 1})
+        if clash:
+            raise ValueError(f"tasks {clash} are already running (or named twice)")
+        if self.checkpoint_interval_s is not None:
+            _refuse_stateful_operators(add)
+        for task in add:
+            check_table_name(task.sink)
+        streams = {task.name: StreamTaskRun(task, self.max_users) for task in add if task.input == "stream"}
+        self.execution.replace([name for name in remove if name in self.execution.tasks],
+                               [task for task in add if task.input != "stream"])
+        for name in remove:
+            stream = self._streams.pop(name, None)
+            if stream is not None:
+                self._write_stream(stream, *stream.finish())
+            del self.tasks[name]
+        for task in add:
+            self.tasks[task.name] = task
+            if task.name in streams:
+                self._streams[task.name] = streams[task.name]
+                self.summary.task_stats.setdefault(task.name, TaskStats())
+            self.storage.name_writer(task.sink, f"task {task.name}")
+        self._shipped = {task.sink for task in self.tasks.values() if task.tunnel}
+        if not initial:
+            job = Job(self.job.name, list(self.tasks.values()), self.job.description)
+            job.module = self.job.module
+            self.job = job
 
     # -- the stream --------------------------------------------------------------------------
     def run(self, records: Iterable[Event | Rejected] | LineSource,
@@ -147,7 +268,19 @@ class DeviceRunner:
         Without, a storage holding a checkpoint of the job is refused (a run would duplicate its rows).
         """
         self._started = time.perf_counter()
+        with self._swap_lock:
+            self._in_run = True  # from now on swaps wait for the safe point between two events
+        try:
+            return self._run(records, progress)
+        finally:
+            with self._swap_lock:
+                self._in_run = False
+            self._safe_point()  # after the last event: hooks see it, swaps requested since apply now
+
+    def _run(self, records: Iterable[Event | Rejected] | LineSource,
+             progress: Callable[[Iterable[Any]], Iterator[Any]] | None) -> RunSummary:
         reader = None
+        source = self._source = records
         if self.checkpoint_interval_s is None:
             if has_checkpoint(self.storage, self.job.name):
                 raise CheckpointError(f"{self.storage.path} holds a checkpoint of job {self.job.name!r}: resume it "
@@ -156,15 +289,11 @@ class DeviceRunner:
             records = reader = self._resume(records)
         if progress is not None:
             records = progress(records)
+        # With a TTL the two guards may forget a user at different times: both check then.
+        self._prechecked = (self._own_guard and isinstance(source, LineSource) and source.events_checked
+                            and source.guard is None and source.state_ttl_s is None and self.state_ttl_s is None)
         try:
-            if reader is None:
-                for record in records:
-                    if isinstance(record, Event):
-                        self.process(record)
-                    else:
-                        self.reject(record)
-            else:
-                self._run_checkpointed(records, reader)
+            self._run_blocks(records, reader)
             self.finish()
             if reader is not None:
                 self.checkpoint(reader.position_after(None), complete=True)
@@ -230,27 +359,39 @@ class DeviceRunner:
         self.storage.rows_written.clear()
         self.storage.rows_written.update(state["rows_written"])
 
-    def _run_checkpointed(self, records: Iterable[Event | Rejected], reader: SourceReader) -> None:
-        """The record loop with checkpoints between records; SIGTERM/SIGINT checkpoint, then stop."""
+    def _run_blocks(self, records: Iterable[Event | Rejected], reader: SourceReader | None) -> None:
+        """The record loop: records in blocks of ``block_size`` (see :meth:`process_block`); with a
+        ``reader``, checkpoints between blocks, and SIGTERM/SIGINT checkpoint, then stop."""
         handlers = {}
-        if threading.current_thread() is threading.main_thread():
+        if reader is not None and threading.current_thread() is threading.main_thread():
             handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        size = self.block_size or (BLOCK_SIZE if isinstance(self._source, LineSource) else 1)
+        block: list[Event | Rejected] = []
+        append = block.append
+        self._block_started = time.perf_counter()
         try:
             for record in records:
-                if isinstance(record, Event):
-                    self.process(record)
-                else:
-                    self.reject(record)
-                if time.monotonic() >= self._next_checkpoint:
-                    self.checkpoint(reader.position_after(record))
-                    if self._stop_signal is not None:
-                        log.info("job %s stopped by signal %d after a checkpoint", self.job.name, self._stop_signal)
-                        if self._stop_signal == signal.SIGINT:
-                            raise KeyboardInterrupt
-                        raise SystemExit(128 + self._stop_signal)
+                append(record)
+                if len(block) < size:
+                    continue
+                self.process_block(block)
+                block = []
+                append = block.append
+                if reader is not None and time.monotonic() >= self._next_checkpoint:
+                    self._checkpoint_between(reader, record)
+            if block:
+                self.process_block(block)
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+
+    def _checkpoint_between(self, reader: SourceReader, record: Event | Rejected) -> None:
+        self.checkpoint(reader.position_after(record))
+        if self._stop_signal is not None:
+            log.info("job %s stopped by signal %d after a checkpoint", self.job.name, self._stop_signal)
+            if self._stop_signal == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + self._stop_signal)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         # Only flags: the checkpoint is taken between records, never in the middle of one.
@@ -268,11 +409,63 @@ class DeviceRunner:
             {"source": record.source, "line": record.line, "reason": record.reason, "raw": record.raw}
         ])
 
+    def process_block(self, records: list[Event | Rejected]) -> None:
+        """Process a block of records (events and rejected records) in order.
+
+        The same as :meth:`process` / :meth:`reject` per record, but the trigger tasks step the whole
+        block in one call (:meth:`~streamflow.keyed.KeyedRuntime.process_block`) and its rows are
+        written once per table (rows keep their order within each table). With stream tasks every
+        event goes through :meth:`process`, so that the rows of both kinds interleave as they come; so
+        does it while a task swap is pending or a safe-point hook watches (a new version on probation is
+        judged after every event, not every block).
+        With ``record_latency``, each row's latency is from the end of the previous block (when this
+        block's first record was asked for) to the block's rows handed to storage (a buffer flush, when
+        one happens, is inside it). A live stream whose events arrive one by one wants ``block_size=1``.
+        """
+        if self._streams or self._hooks or self._swaps:
+            for record in records:
+                if isinstance(record, Event):
+                    self.process(record)
+                else:
+                    self.reject(record)
+            return
+        summary = self.summary
+        check = None if self._prechecked else self.guard.check
+        events = []
+        for record in records:
+            if not isinstance(record, Event):
+                self.reject(record)
+            elif check is not None and (reason := check(record.user_id, record.ts)) is not None:
+                summary.events_in += len(events)
+                self.reject(Rejected("runner", summary.events_in + summary.rejected_total + 1, reason,
+                                     to_json(record.to_dict())))
+                summary.events_in -= len(events)
+            else:
+                events.append(record)
+        summary.events_in += len(events)
+        outputs = self.triggers.process_block(events, _user_of, _ts_of)
+        if outputs:
+            tables: dict[str, list[dict[str, Any]]] = {}
+            for table, row in outputs:
+                rows = tables.get(table)
+                if rows is None:
+                    tables[table] = [row]
+                else:
+                    rows.append(row)
+            for table, rows in tables.items():
+                self._write(table, rows)
+            if self.latencies_s is not None:
+                self.latencies_s.extend([time.perf_counter() - self._block_started] * len(outputs))
+        if self.latencies_s is not None:
+            self._block_started = time.perf_counter()
+
     def process(self, event: Event) -> None:
         """Process one event of any user."""
+        if self._swaps or self._hooks:  # the safe point: between the previous event and this one
+            self._safe_point()
         started = time.perf_counter() if self.latencies_s is not None else 0.0
         summary = self.summary
-        reason = self.guard.check(event.user_id, event.ts)
+        reason = self.guard.check(event.user_id, event.ts) if not self._prechecked else None
         if reason is not None:
             self.reject(Rejected("runner", summary.events_in + summary.rejected_total + 1, reason,
                                  to_json(event.to_dict())))
@@ -329,3 +522,36 @@ class DeviceRunner:
         self.storage.flush()
         self.summary.rows_written = dict(self.storage.rows_written)
         self.summary.refused_rows = dict(self.storage.refused)
+
+
+class TaskSwap:
+    """A request to replace tasks at a runner's next safe point (:meth:`DeviceRunner.swap_tasks`).
+
+    ``wait(timeout)`` is True once the swap was applied or refused; ``error`` is then the reason it
+    was refused (None: applied).
+    """
+
+    def __init__(self, add: tuple[Task, ...], remove: tuple[str, ...], on_applied: Callable[[], None] | None = None):
+        self.add = add
+        self.remove = remove
+        self.on_applied = on_applied
+        self.error: Exception | None = None
+        self._done = threading.Event()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def _finish(self, error: Exception | None) -> None:
+        self.error = error
+        self._done.set()
+
+
+def _refuse_stateful_operators(tasks: Iterable[Task]) -> None:
+    stateful = [f"{task.name}: {type(op).__name__}" for task in tasks for op in task.pipeline
+                if getattr(op, "keeps_state", False)]
+    if stateful:
+        raise ValueError(f"checkpoints do not cover operators that keep state between firings "
+                         f"({', '.join(stateful)}); run this job without checkpoints")

@@ -234,7 +234,7 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
     async def handle(event: Any) -> None:
         server.consumed[event.message.partition] = event.message.offset + 1
         try:
-            request = decode_request(event.value, server.registry.key_for)
+            request = decode_request(event.value, server.registry)
         except MessageError as exc:
             await dead_letter(event, exc)
             return

@@ -22,10 +22,10 @@ Example:
     >>> key = b"k" * 32
     >>> req = Request("phone-1", 7, sla_ms=150.0, upload_ms=12.5, sent_ms=1_700_000_000_000,
     ...               policy="mdinference", image=np.zeros((4, 4, 3), np.uint8), window_ms=120.0)
-    >>> back = decode_request(encode_request(req, key), {"phone-1": key}.get)
+    >>> back = decode_request(encode_request(req, key), {"phone-1": key})
     >>> back.request_id, back.sla_ms, back.window_ms, back.upload_ms, back.image.shape
     (7, 150.0, 120.0, 12.5, (4, 4, 3))
-    >>> decode_reply(encode_request(req, key), {"phone-1": key}.get)
+    >>> decode_reply(encode_request(req, key), {"phone-1": key})
     Traceback (most recent call last):
     ...
     streamflow.serve.messages.MessageError: wrong_kind: phone-1 request 7: a serve.request where a serve.reply belongs
@@ -36,14 +36,13 @@ from __future__ import annotations
 import io
 import math
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from connectors.tunnel.envelope import EnvelopeError, decode, encode
+from connectors.tunnel.envelope import EnvelopeError, Keys, decode, encode
 
 REQUEST_TOPIC = "serve.requests"
 REPLY_TOPIC = "serve.replies"
@@ -55,7 +54,6 @@ MAX_IMAGE_SIDE = 4096
 IMAGE_FORMATS = ("jpeg", "raw")
 REPLY_STATUSES = ("ok", "expired", "error")
 
-KeyLookup = Callable[[str], bytes | None]
 
 
 class MessageError(ValueError):
@@ -139,8 +137,8 @@ def encode_request(request: Request, key: bytes, image_format: str = "jpeg", qua
     return encode(request.device, REQUEST_KIND, request.request_id, row, key)
 
 
-def decode_request(value: bytes | None, key_for: KeyLookup) -> Request:
-    batch = _open(value, key_for, REQUEST_KIND)
+def decode_request(value: bytes | None, keys: Keys) -> Request:
+    batch = _open(value, keys, REQUEST_KIND)
     where = f"{batch.device} request {batch.first_seq}"
     fields = _one_row(batch.rows, where, {"sla_ms", "window_ms", "upload_ms", "sent_ms", "policy", "height",
                                           "width", "format", "image"})
@@ -196,8 +194,8 @@ def encode_reply(reply: Reply, key: bytes) -> bytes:
     return encode(reply.device, REPLY_KIND, reply.request_id, row, key)
 
 
-def decode_reply(value: bytes | None, key_for: KeyLookup) -> Reply:
-    batch = _open(value, key_for, REPLY_KIND)
+def decode_reply(value: bytes | None, keys: Keys) -> Reply:
+    batch = _open(value, keys, REPLY_KIND)
     where = f"{batch.device} reply {batch.first_seq}"
     fields = _one_row(batch.rows, where, {"status", "model", "label", "budget_ms", "network_ms", "inference_ms",
                                           "candidates", "detail"})
@@ -212,9 +210,9 @@ def decode_reply(value: bytes | None, key_for: KeyLookup) -> Reply:
         raise MessageError("bad_fields", f"{where}: {exc}", batch.device) from exc
 
 
-def _open(value: bytes | None, key_for: KeyLookup, kind: str):
+def _open(value: bytes | None, keys: Keys, kind: str):
     try:
-        batch = decode(value, key_for)
+        batch = decode(value, keys)
     except EnvelopeError as exc:
         raise MessageError(exc.reason, str(exc).split(": ", 1)[-1], exc.device) from exc
     if batch.table != kind:

@@ -113,7 +113,7 @@ def serve(side: ChildSide) -> None:
     sent_at: dict[int, list[float]] = {}
 
     def read_replies() -> None:
-        key_for = {device: key}.get
+        keys = {device: key}
         own = device.encode()
         while not stopping.is_set():
             try:
@@ -127,7 +127,7 @@ def serve(side: ChildSide) -> None:
                     if record.key != own:
                         continue  # another device's reply on the same partition
                     try:
-                        reply = decode_reply(record.value, key_for)
+                        reply = decode_reply(record.value, keys)
                         if reply.device != device:
                             raise MessageError("wrong_device", f"reply {reply.request_id} is for {reply.device!r}")
                     except MessageError as exc:

@@ -1,0 +1,155 @@
+"""Deploy reports over the Kafka tunnel: a device's success/failure rows in, the release manager's reports out.
+
+A device with a tunnel (:class:`~connectors.tunnel.sink.TunnelSink`) reports through it instead of
+HTTP (:class:`~streamflow.deploy.client.DeployClient` with ``tunnel=``): one row of the table
+``deploy_reports`` (``task``, ``version``, ``ok``, ``reason``, ``reported_at``) per report, sealed and
+signed with the device's key like its feature rows, spooled durably while the broker is away.
+
+:class:`TunnelReportReader` is the cloud side: a Kafka consumer of the tunnel's topic in a group of its
+own (the :class:`~connectors.tunnel.cloud.CloudConsumer` stores the same rows in the cloud DuckDB
+independently). Every message is opened and verified exactly as the cloud consumer does
+(:func:`~connectors.tunnel.cloud.open_message`: the device's HMAC, the key, the schema); refused ones
+are counted and logged with their reason, never believed. A verified ``deploy_reports`` row becomes a
+report of the *signed* device id (a row cannot speak for another device); rows with a missing or
+ill-typed field are counted as refused, with the reason. Other tables are skipped.
+
+Example (needs a broker)::
+
+    reader = TunnelReportReader(server.report_threadsafe, KeyRegistry(".streamflow/keys.json"))
+    reader.start()            # a thread; reader.stop() ends it
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from connectors.tunnel.cloud import DeadLetter, open_message
+from connectors.tunnel.kafka import CLIENT_TIMEOUTS, DEFAULT_TOPIC, Retry, bootstrap_servers, ensure_topic
+from connectors.tunnel.keys import KeyRegistry
+from connectors.tunnel.registry import Registry
+from streamflow.deploy.manifest import check_task_name, version_key
+
+log = logging.getLogger("streamflow.deploy.tunnel_reports")
+
+REPORTS_TABLE = "deploy_reports"
+#: ``report(device, task, version, ok, reason)``: where verified reports go.
+Report = Callable[[str, str, str, bool, str], None]
+
+
+def report_row(task: str, version: str, ok: bool, reason: str | None = None) -> dict[str, Any]:
+    """The ``deploy_reports`` row a device writes to its tunnel.
+
+    Example:
+        >>> sorted(report_row("ipv", "3", False, "load_failed: ipv@3: ImportError"))
+        ['ok', 'reason', 'reported_at', 'task', 'version']
+    """
+    return {"task": task, "version": version, "ok": bool(ok), "reason": (reason or "")[:2000],
+            "reported_at": time.time()}
+
+
+def row_problem(row: dict[str, Any]) -> str | None:
+    """Why a ``deploy_reports`` row is not a report (None if it is one)."""
+    try:
+        check_task_name(row.get("task"))
+        version_key(row.get("version"))
+    except ValueError as exc:
+        return str(exc)
+    if not isinstance(row.get("ok"), bool):
+        return f"'ok' must be a boolean, got {row.get('ok')!r}"
+    if row.get("reason") is not None and not isinstance(row.get("reason"), str):
+        return f"'reason' must be a string, got {type(row.get('reason')).__name__}"
+    return None
+
+
+class TunnelReportReader:
+    """Reads ``deploy_reports`` rows off the tunnel's topic and hands them to ``report`` (see the module docstring)."""
+
+    def __init__(self, report: Report, registry: KeyRegistry, *, topic: str = DEFAULT_TOPIC,
+                 bootstrap: str | None = None, group_id: str = "streamflow-deploy-reports", partitions: int = 4):
+        self.report = report
+        self.registry = registry
+        self.topic = topic
+        self.bootstrap = bootstrap_servers(bootstrap)
+        self.group_id = group_id
+        self.partitions = partitions
+        self.stats: Counter[str] = Counter()  # reports, refused (by reason), other tables' batches skipped
+        self.schemas = Registry()  # the schemas and dictionaries devices announced (each once, inline)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._consumer: Any = None
+
+    def _connect(self) -> Any:
+        from kafka import KafkaConsumer, TopicPartition
+
+        ensure_topic(self.bootstrap, self.topic, self.partitions)
+        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, group_id=self.group_id,
+                                 client_id=f"streamflow-deploy-reports-{os.getpid()}", enable_auto_commit=True,
+                                 auto_offset_reset="earliest", isolation_level="read_committed", **CLIENT_TIMEOUTS)
+        # every partition by hand, as the cloud consumer does (see CloudConsumer._connect for why)
+        consumer.assign(sorted(TopicPartition(self.topic, p) for p in consumer.partitions_for_topic(self.topic)))
+        return consumer
+
+    def poll_once(self, timeout_s: float = 0.2) -> int:
+        """Read what one poll returns; returns the reports handed on."""
+        if self._consumer is None:
+            self._consumer = self._connect()
+        records = self._consumer.poll(timeout_ms=int(timeout_s * 1000))
+        handed = 0
+        for tp, messages in records.items():
+            for m in messages:
+                opened = open_message(tp.topic, tp.partition, m.offset, m.value, self.registry, m.key,
+                                      self.schemas)
+                if isinstance(opened, DeadLetter):
+                    self.stats[f"refused:{opened.reason}"] += 1
+                    log.warning("deploy report message %s[%d]@%d refused: %s", tp.topic, tp.partition, m.offset,
+                                opened.detail)
+                    continue
+                if opened.table != REPORTS_TABLE:
+                    self.stats["other_tables"] += 1
+                    continue
+                for row in opened.rows.to_pylist():
+                    problem = row_problem(row)
+                    if problem is not None:
+                        self.stats["refused:bad_report"] += 1
+                        log.warning("deploy report row from device %s refused: %s", opened.device, problem)
+                        continue
+                    self.report(opened.device, row["task"], row["version"], row["ok"], row.get("reason") or "")
+                    self.stats["reports"] += 1
+                    handed += 1
+        return handed
+
+    def start(self) -> None:
+        """Read in a daemon thread until :meth:`stop` (reconnecting with backoff while the broker is away)."""
+        self._thread = threading.Thread(target=self._run, name="deploy-tunnel-reports", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        retry = Retry(f"deploy reports from {self.topic} on {self.bootstrap}", give_up_after_s=None)
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+                retry.succeeded()
+            except Exception as exc:  # noqa: BLE001 - the broker went away: back off, reconnect
+                self._close()
+                delay = retry.failed(exc)
+                log.warning("deploy report reader: %s; retrying in %.1f s", exc, delay)
+                self._stop.wait(delay)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        self._close()
+
+    def _close(self) -> None:
+        if self._consumer is not None:
+            with contextlib.suppress(Exception):
+                self._consumer.close()
+            self._consumer = None
