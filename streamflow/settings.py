@@ -58,7 +58,7 @@ class Settings(BaseSettings):
                               description="the serving worker's faust app id: its consumer group and table topics")
     serve_models: str | None = Field(None, description="comma-separated zoo models the serving worker runs "
                                                        "(default: every model of the zoo)")
-    serve_temperature: float = Field(0.02, ge=0, description="MDInference: softmax temperature over the "
+    serve_temperature: float = Field(0.005, ge=0, description="MDInference: softmax temperature over the "
                                                              "candidates' accuracies (0 = always the most accurate)")
     serve_alpha: float = Field(0.2, gt=0, le=1, description="MDInference: EWMA weight of a new latency sample")
 

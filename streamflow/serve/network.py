@@ -88,6 +88,7 @@ def serve(side: ChildSide) -> None:
     hello = side.hello
     device, key, bootstrap, image_format = hello["device"], hello["key"], hello["bootstrap"], hello["image_format"]
     logging.basicConfig(level=logging.ERROR)
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)  # an outage is the client's to handle and count
     try:
         ensure_topic(bootstrap, REQUEST_TOPIC, partitions=1)
         ensure_topic(bootstrap, REPLY_TOPIC, partitions=REPLY_PARTITIONS)
@@ -108,7 +109,8 @@ def serve(side: ChildSide) -> None:
     side.send("ready", 0, None)
     stopping = threading.Event()
     upload = UploadTime()
-    sent_at: dict[int, tuple[float, float]] = {}  # request id → (when handed to Kafka, its SLA); popped on reply
+    # request id → [when handed to Kafka, its SLA, produce round trip once acknowledged]; popped on its reply
+    sent_at: dict[int, list[float]] = {}
 
     def read_replies() -> None:
         keys = {device: key}
@@ -132,12 +134,17 @@ def serve(side: ChildSide) -> None:
                         side.send("dead_letter", 0, (exc.reason, str(exc), record.value))
                         continue
                     sent = sent_at.pop(reply.request_id, None)
-                    if sent is not None and reply.status in ("ok", "expired"):
+                    # a request whose upload took longer than its SLA sat in the producer through an outage:
+                    # its round trip measures the outage, not the link, and would blind the next requests
+                    if sent is not None and reply.status in ("ok", "expired") and sent[2] <= sent[1]:
                         upload.replied((time.perf_counter() - sent[0]) * 1000.0, reply.inference_ms, sent[1])
                     side.send("reply", reply.request_id, reply)
 
     def acked(request_id: int, at: float) -> None:
-        upload.acked((time.perf_counter() - at) * 1000.0)
+        round_trip = (time.perf_counter() - at) * 1000.0
+        if (sent := sent_at.get(request_id)) is not None:
+            sent[2] = round_trip
+        upload.acked(round_trip)
         side.send("acked", request_id, upload.value)
 
     reader = threading.Thread(target=read_replies, name="serve-replies", daemon=True)
@@ -153,7 +160,7 @@ def serve(side: ChildSide) -> None:
         except Exception as exc:  # no metadata / buffer full during an outage: the local model answers
             side.send("unsent", request_id, str(exc))
             continue
-        sent_at[request_id] = (now, sla_ms)
+        sent_at[request_id] = [now, sla_ms, math.inf]
         if len(sent_at) > 10_000:  # requests the cloud never replied to (an outage): forget the oldest
             for old in sorted(sent_at)[:5_000]:
                 del sent_at[old]
