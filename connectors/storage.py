@@ -306,6 +306,9 @@ class CollectiveStorage:
         self.refused: dict[str, int] = {}
         self.flushes = 0
         self._con = duckdb.connect(str(self.path))
+        # The NumPy batches hold one Python type per object column (_numpy_columns checks it), so DuckDB
+        # need not sample 1,000 values of each to infer it, at every flush.
+        self._con.execute("SET pandas_analyze_sample = 1")
         self._buffers: dict[str, RowBuffer] = {}
         self._oldest: float | None = None
         self._lock = threading.RLock()

@@ -57,6 +57,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import islice
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
@@ -366,21 +367,13 @@ class DeviceRunner:
         if reader is not None and threading.current_thread() is threading.main_thread():
             handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         size = self.block_size or (BLOCK_SIZE if isinstance(self._source, LineSource) else 1)
-        block: list[Event | Rejected] = []
-        append = block.append
+        it = iter(records)
         self._block_started = time.perf_counter()
         try:
-            for record in records:
-                append(record)
-                if len(block) < size:
-                    continue
+            while block := list(islice(it, size)):
                 self.process_block(block)
-                block = []
-                append = block.append
                 if reader is not None and time.monotonic() >= self._next_checkpoint:
-                    self._checkpoint_between(reader, record)
-            if block:
-                self.process_block(block)
+                    self._checkpoint_between(reader, block[-1])
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
@@ -429,20 +422,11 @@ class DeviceRunner:
                 else:
                     self.reject(record)
             return
-        summary = self.summary
         check = None if self._prechecked else self.guard.check
-        events = []
-        for record in records:
-            if not isinstance(record, Event):
-                self.reject(record)
-            elif check is not None and (reason := check(record.user_id, record.ts)) is not None:
-                summary.events_in += len(events)
-                self.reject(Rejected("runner", summary.events_in + summary.rejected_total + 1, reason,
-                                     to_json(record.to_dict())))
-                summary.events_in -= len(events)
-            else:
-                events.append(record)
-        summary.events_in += len(events)
+        events = [record for record in records if type(record) is Event] if check is None else None
+        if events is None or len(events) != len(records):  # a guard to ask, or records to reject
+            events = self._accept(records, check)
+        self.summary.events_in += len(events)
         outputs = self.triggers.process_block(events, _user_of, _ts_of)
         if outputs:
             tables: dict[str, list[dict[str, Any]]] = {}
@@ -458,6 +442,21 @@ class DeviceRunner:
                 self.latencies_s.extend([time.perf_counter() - self._block_started] * len(outputs))
         if self.latencies_s is not None:
             self._block_started = time.perf_counter()
+
+    def _accept(self, records: list[Event | Rejected], check: Callable[[str, float], str | None] | None
+                ) -> list[Event]:
+        """The events of ``records`` that ``check`` accepts, in order; the others go to the dead letter."""
+        summary = self.summary
+        events: list[Event] = []
+        for record in records:
+            if not isinstance(record, Event):
+                self.reject(record)
+            elif check is not None and (reason := check(record.user_id, record.ts)) is not None:
+                line = summary.events_in + len(events) + summary.rejected_total + 1  # the record's place in the run
+                self.reject(Rejected("runner", line, reason, to_json(record.to_dict())))
+            else:
+                events.append(record)
+        return events
 
     def process(self, event: Event) -> None:
         """Process one event of any user."""
