@@ -5,12 +5,16 @@ the cost of a budget change, and the gradient difference to today's trainer.
 
     python -m bench.melon [--quick]
 
-Models: MobileNetV2-0.35@96 (BatchNorm: only recomputation and the pool can help) and a VGG-style
-CNN without BatchNorm (micro-batches too), SGD with momentum. Memory is the peak RSS growth of one
-step after a warm-up step, each run in a fresh subprocess (glibc's mmap threshold fixed at 64 KiB so
-freed arrays go back to the system); today's trainer's and PyTorch's growth is measured at two
-batches and extrapolated linearly to the budget (their growth is linear in the batch). The last
-line printed is one JSON object, also written to bench/results/melon.json.
+Models: MobileNetV2-0.35@96 (BatchNorm: recomputation, the pool, and streaming its first layers in
+chunks with the whole batch's statistics) and a VGG-style CNN without BatchNorm (micro-batches too),
+SGD with momentum. Memory is the peak RSS growth of one step after a warm-up step (the kernel's
+high-water mark, reset before the step), each run in a fresh subprocess (glibc's mmap threshold
+fixed at 64 KiB so freed arrays go back to the system), plus for ours the numpy allocation peak
+(tracemalloc) against the plan; today's trainer's and PyTorch's growth is measured at two batches
+and extrapolated linearly to the budget (their growth is linear in the batch). ``--quick``: one
+budget (64 MB), ours probed at 5x/3x today's max batch instead of a search (so its ratio reads at
+most 5), one timed step each, timed in the measuring process, no tracemalloc pass.
+The last line printed is one JSON object, also written to bench/results/melon.json.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -65,8 +70,10 @@ def torch_vgg():
     return torch.nn.Sequential(*layers, torch.nn.Flatten(), torch.nn.Linear(1024, 10))
 
 
+@functools.cache
 def load(kind: str, onnx_path: str):
-    """(graph, sample shape, classes) of the benchmark model."""
+    """(graph, sample shape, classes) of the benchmark model (one graph per process, so that its
+    calibration is measured once)."""
     if kind == "vgg":
         return vgg_graph(), (3, 32, 32), 10
     from engine.onnx_import import from_onnx
@@ -96,89 +103,119 @@ def vanilla_step_fn(graph, x, labels):
     return step, model
 
 
-def budgeted_trainer(graph, budget):
+def budgeted_trainer(graph, budget, calibration=None):
     from engine.autograd import SGD, GraphModel
     from engine.training import BudgetedTrainer
 
     model = GraphModel(graph)
-    return BudgetedTrainer(model, SGD(model.parameters(), lr=0.01, momentum=0.9), memory_budget=budget), model
+    return BudgetedTrainer(model, SGD(model.parameters(), lr=0.01, momentum=0.9), memory_budget=budget,
+                           calibration=calibration), model
 
 
-def child(framework: str, kind: str, batch: int, budget: int, onnx_path: str) -> None:
-    """One warm-up step at batch 2, then the peak RSS growth of one step at ``batch`` (fresh process)."""
-    from bench.engine import peak_rss_growth
+def torch_step_fn(kind: str, x: np.ndarray, labels: np.ndarray):
+    import torch
+
+    torch.set_num_threads(1)
+    if kind == "vgg":
+        model = torch_vgg()
+    else:
+        sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
+        import engine_zoo
+
+        model = engine_zoo.build("mobilenetv2", width=WIDTH, classes=CLASSES).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def fn(xb=x, lb=labels):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(torch.from_numpy(xb)), torch.from_numpy(lb)).backward()
+        opt.step()
+
+    return fn
+
+
+def child(framework: str, kind: str, batches: list[int], onnx_path: str, plan_file: str, quick: bool) -> None:
+    """One warm-up step at batch 2, then the peak RSS growth of one step at each of ``batches``
+    (fresh process); ours runs the plan (and calibration) the parent pickled to ``plan_file`` and
+    then reports the numpy allocation peak of a further step (tracemalloc, slow) or, ``quick``,
+    the time of today's trainer's step at the same batch (for the throughput ratio)."""
+    import pickle
+    import tracemalloc
+
+    from bench.engine import exact_peak_rss_growth
 
     graph, shape, classes = load(kind, onnx_path)
-    x, labels = batch_data(batch, shape, classes)
-    result = {}
-    if framework == "vanilla":
-        step, _ = vanilla_step_fn(graph, x, labels)
-        step(x[:2], labels[:2])
-        fn = step
-    elif framework == "ours":
-        from engine.training import BudgetError
+    result: dict = {"rss_growth": []}
+    if framework == "ours":
+        from engine.autograd import SGD, GraphModel
+        from engine.training import Program
 
-        trainer, _ = budgeted_trainer(graph, budget)
-        trainer.step(x[:2], labels[:2])
-        while True:  # this process's calibration may differ slightly from the parent's
-            try:
-                plan = trainer.plan_for(batch, shape)
-                break
-            except BudgetError:
-                batch -= 1
-        x, labels = x[:batch], labels[:batch]
-        result.update(planned=plan.total_bytes, micro_batches=plan.micro_batches, recomputed=len(plan.dropped),
-                      batch=batch)
-        fn = lambda: trainer.step(x, labels)  # noqa: E731
-    else:
-        import torch
-
-        torch.set_num_threads(1)
-        if kind == "vgg":
-            model = torch_vgg()
+        with open(plan_file, "rb") as f:
+            calibration, plan = pickle.load(f)
+        model = GraphModel(graph)
+        opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
+        prog = Program(model, "cross_entropy", shape, calibration)
+        x, labels = batch_data(plan.batch, shape, classes)
+        prog.run(prog.plan(2), x[:2], labels[:2], opt)
+        result.update(planned=plan.total_bytes, batch=plan.batch)
+        fn = lambda: prog.run(plan, x, labels, opt)  # noqa: E731
+        t0 = time.perf_counter()
+        result["rss_growth"] = exact_peak_rss_growth(fn)
+        result["ours_step_s"] = time.perf_counter() - t0
+        if quick:
+            del prog, model, opt
+            step = vanilla_step_fn(graph, x, labels)[0]
+            step(x[:2], labels[:2])
+            t0 = time.perf_counter()
+            step()
+            result["vanilla_step_s"] = time.perf_counter() - t0
         else:
-            sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
-            import engine_zoo
-
-            model = engine_zoo.build("mobilenetv2", width=WIDTH, classes=CLASSES).train()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        tx, tl = torch.from_numpy(x), torch.from_numpy(labels)
-
-        def fn(xb=tx, lb=tl):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(xb), lb).backward()
-            opt.step()
-
-        fn(tx[:2], tl[:2])
-    t0 = time.perf_counter()
-    result["rss_growth"] = peak_rss_growth(fn)
-    result["step_s"] = time.perf_counter() - t0
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            fn()
+            result["traced_peak"] = tracemalloc.get_traced_memory()[1] - base
+            tracemalloc.stop()
+    else:
+        x, labels = batch_data(2, shape, classes)
+        step = vanilla_step_fn(graph, x, labels)[0] if framework == "vanilla" else torch_step_fn(kind, x, labels)
+        step(x, labels)
+        for batch in batches:  # smallest first: each step's growth is above what the previous one freed
+            x, labels = batch_data(batch, shape, classes)
+            result["rss_growth"].append(exact_peak_rss_growth(lambda x=x, labels=labels: step(x, labels)))
     print(json.dumps(result))
 
 
-def measure(framework: str, kind: str, batch: int, budget: int, onnx_path: str) -> dict:
+def measure(framework: str, kind: str, batches: list[int], onnx_path: str, plan_file: str = "-",
+            quick: bool = False) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "bench.melon", "--child", framework, kind, str(batch), str(budget), onnx_path]
+    cmd = [sys.executable, "-m", "bench.melon", "--child", framework, kind, ",".join(map(str, batches)), onnx_path,
+           plan_file, *(["--quick"] if quick else [])]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if out.returncode != 0:
-        raise RuntimeError(f"{framework} {kind} batch {batch}: {out.stderr[-2000:]}")
+        raise RuntimeError(f"{framework} {kind} batch {batches}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def linear_max_batch(framework: str, kind: str, budget: int, onnx_path: str, probes: tuple[int, int]) -> int:
-    """Largest batch whose extrapolated RSS growth fits ``budget`` (growth measured at two batches)."""
-    a, b = (measure(framework, kind, p, 0, onnx_path)["rss_growth"] for p in probes)
+def linear_max_batch(framework: str, kind: str, budget: int, onnx_path: str, probes: tuple[int, int],
+                     one_process: bool) -> int:
+    """Largest batch whose extrapolated RSS growth fits ``budget`` (growth measured at two batches,
+    each in a fresh process, or both in one)."""
+    if one_process:
+        a, b = measure(framework, kind, list(probes), onnx_path)["rss_growth"]
+    else:
+        a, b = (measure(framework, kind, [p], onnx_path)["rss_growth"][0] for p in probes)
     slope = max((b - a) / (probes[1] - probes[0]), 1.0)
     return max(0, int(probes[0] + (budget - a) // slope))
 
 
-def ours_max_batch(kind: str, budget: int, onnx_path: str, start: int, cap: int) -> tuple[int, object]:
-    """Largest batch up to ``cap`` the budgeted planner fits into ``budget`` (doubling, then bisection);
-    the cap keeps the unbudgeted comparison run at that batch within the machine's memory."""
+def ours_max_batch(kind: str, budget: int, onnx_path: str, start: int, cap: int,
+                   probes: tuple[float, ...] | None = None, calibration=None) -> tuple[int, object]:
+    """Largest batch up to ``cap`` the budgeted planner fits into ``budget`` (doubling, then bisection
+    within ~6%; or the largest of ``probes`` x ``start`` that fits); the cap keeps the unbudgeted
+    comparison run at that batch within the machine's memory."""
     from engine.training import BudgetError
 
     graph, shape, _ = load(kind, onnx_path)
-    trainer, _ = budgeted_trainer(graph, budget)
+    trainer, _ = budgeted_trainer(graph, budget, calibration)
 
     def fits(batch: int) -> bool:
         try:
@@ -187,6 +224,12 @@ def ours_max_batch(kind: str, budget: int, onnx_path: str, start: int, cap: int)
         except BudgetError:
             return False
 
+    if probes:
+        for p in sorted(probes, reverse=True):
+            batch = min(cap, max(1, int(p * start)))
+            if fits(batch):
+                return batch, trainer
+        return 0, trainer
     lo, hi = 0, max(start, 1)
     while hi <= cap and fits(hi):
         lo, hi = hi, hi * 2
@@ -215,28 +258,63 @@ def throughput(kind: str, batch: int, trainer, onnx_path: str, rounds: int) -> t
     return batch / float(np.median(times["vanilla"])), batch / float(np.median(times["ours"]))
 
 
-def grad_diff(kind: str, onnx_path: str, batch: int) -> float:
-    """Max |grad| difference between today's trainer and ours under the tightest budget found."""
-    from engine.training import BudgetError
-
-    graph, shape, classes = load(kind, onnx_path)
-    x, labels = batch_data(batch, shape, classes)
-    step, ref = vanilla_step_fn(graph, x, labels)
+def _update_as_gradient(model, step) -> dict[str, np.ndarray]:
+    """Gradients as one SGD step of rate 1 without momentum applies them (the trainer frees each
+    gradient once its parameter is updated): ``w_before - w_after``."""
+    before = {k: p.data.copy() for k, p in model.params.items()}
     step()
-    trainer, model = budgeted_trainer(graph, 1)
-    try:
-        trainer.plan_for(batch, shape)
-    except BudgetError as e:
-        trainer.set_budget(e.smallest)
-    trainer.step(x, labels)
-    return max(float(np.abs(ref.params[k].grad - model.params[k].grad).max()) for k in ref.params)
+    return {k: before[k] - p.data for k, p in model.params.items()}
 
 
-def budget_change(kind: str, onnx_path: str, batch: int, budgets: list[int]) -> dict[str, float]:
-    """ms for a budget change: planned ahead (a lookup), planned on change, and stop-and-restart."""
+def todays_gradients(graph, x, labels) -> dict[str, np.ndarray]:
+    from engine.autograd import GraphModel, cross_entropy
+
+    ref = GraphModel(graph)
+    cross_entropy(ref(x)[graph.outputs[0]], labels).backward()
+    return {k: p.grad for k, p in ref.params.items()}
+
+
+def grad_diff(kind: str, onnx_path: str, batch: int, stream=None, calibration=None) -> float:
+    """Max |gradient| difference between today's trainer and ours: the plan recomputing the most
+    (micro-batches when allowed), or the one following ``stream`` (end, chunk, borders)."""
+    from engine.autograd import SGD, GraphModel
+    from engine.training import BudgetError, Program
+    from engine.training.budget import fit_recompute
+    from engine.training.stream import Stream
+
     graph, shape, classes = load(kind, onnx_path)
     x, labels = batch_data(batch, shape, classes)
-    trainer, _ = budgeted_trainer(graph, budgets[0])
+    ref = todays_gradients(graph, x, labels)
+    model = GraphModel(graph)
+    opt = SGD(model.parameters(), lr=1.0)
+    prog = Program(model, "cross_entropy", shape, calibration)
+    if stream is None:
+        k = 1 if prog.has_batchnorm else 4
+        try:
+            plan = fit_recompute(prog, batch, 1, k, 0, opt.scratch_bytes())
+        except BudgetError as e:
+            plan = fit_recompute(prog, batch, e.smallest, k, 0, opt.scratch_bytes())
+    else:
+        plan = prog.plan(batch, stream=Stream.at(*stream))
+    got = _update_as_gradient(model, lambda: prog.run(plan, x, labels, opt))
+    return max(float(np.abs(ref[k] - got[k]).max()) for k in ref)
+
+
+def grad_noise_floor(kind: str, onnx_path: str, batch: int) -> float:
+    """Max |gradient| change of today's trainer when the input moves by one float32 rounding
+    (x * (1 + 1e-7)): how far apart two correct float32 computations of this model can be."""
+    graph, shape, classes = load(kind, onnx_path)
+    x, labels = batch_data(batch, shape, classes)
+    a, b = todays_gradients(graph, x, labels), todays_gradients(graph, x * np.float32(1 + 1e-7), labels)
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+def budget_change(kind: str, onnx_path: str, batch: int, budgets: list[int], calibration) -> dict[str, float]:
+    """ms for a budget change: planned ahead (a lookup), planned on change, and stop-and-restart
+    (a new trainer: calibration and planning)."""
+    graph, shape, classes = load(kind, onnx_path)
+    x, labels = batch_data(batch, shape, classes)
+    trainer, _ = budgeted_trainer(graph, budgets[0], calibration)
     trainer.step(x, labels)
     t0 = time.perf_counter()
     trainer.prepare(batch, shape, budgets)
@@ -256,24 +334,50 @@ def budget_change(kind: str, onnx_path: str, batch: int, budgets: list[int]) -> 
             "ladder_planning_ms": (t1 - t0) * 1e3, "restart_ms": (t5 - t4) * 1e3}
 
 
-def run_model(kind: str, budget: int, onnx_path: str, rounds: int, probes: tuple[int, int]) -> dict:
+def run_model(kind: str, budget: int, onnx_path: str, rounds: int, probes: tuple[int, int], quick: bool,
+              calibrations: dict) -> dict:
+    import pickle
+
     r: dict = {}
-    vanilla = linear_max_batch("vanilla", kind, budget, onnx_path, probes)
-    torch_max = linear_max_batch("torch", kind, budget, onnx_path, probes)
+    t0 = time.perf_counter()
+    vanilla = linear_max_batch("vanilla", kind, budget, onnx_path, probes, one_process=quick)
+    t1 = time.perf_counter()
+    torch_max = linear_max_batch("torch", kind, budget, onnx_path, probes, one_process=quick)
+    t2 = time.perf_counter()
     cap = 8 * max(vanilla, 1)
-    ours, trainer = ours_max_batch(kind, budget, onnx_path, max(vanilla, 1), cap)
-    print(f"{kind} @ {budget // MB} MB: max batch vanilla {vanilla}, torch {torch_max}, ours {ours}", flush=True)
-    checked = measure("ours", kind, ours, budget, onnx_path)
+    ours, trainer = ours_max_batch(kind, budget, onnx_path, max(vanilla, 1), cap,
+                                   probes=(5, 3) if quick else None, calibration=calibrations.get(kind))
+    calibrations[kind] = trainer.program.cal
+    t3 = time.perf_counter()
+    print(f"{kind} @ {budget // MB} MB: max batch vanilla {vanilla} ({t1 - t0:.1f} s), torch {torch_max} "
+          f"({t2 - t1:.1f} s), ours {ours} ({t3 - t2:.1f} s)", flush=True)
     plan = trainer.plan_for(ours, load(kind, onnx_path)[1])
+    with tempfile.NamedTemporaryFile(suffix=".pkl") as f:  # the measuring process runs this very plan
+        pickle.dump((trainer.program.cal, plan), f)
+        f.flush()
+        checked = measure("ours", kind, [ours], onnx_path, f.name, quick)
+    if "traced_peak" in checked:
+        traced = checked["traced_peak"]
+        r.update(traced_over_budget=traced / budget, ours_traced_peak_mb=traced / MB,
+                 traced_over_planned=traced / checked["planned"])
     r.update(capped=ours >= cap, vanilla_max_batch=vanilla, torch_max_batch=torch_max, ours_max_batch=ours,
-             measured_batch=checked["batch"],  # the measuring process's own calibration may fit fewer
              max_batch_ratio_vs_vanilla=ours / max(vanilla, 1), peak_over_budget=checked["rss_growth"] / budget,
              ours_planned_mb=checked["planned"] / MB, ours_rss_growth_mb=checked["rss_growth"] / MB,
-             micro_batches=plan.micro_batches, recomputed_nodes=len(plan.dropped), **{
-                 k: v for k, v in plan.report().items() if k.endswith("_bytes") and k != "total_bytes"})
-    print(f"  measured peak {checked['rss_growth'] / MB:.1f} MB (planned {checked['planned'] / MB:.1f} MB), "
-          f"{plan.micro_batches} micro-batch(es), {len(plan.dropped)} recomputed", flush=True)
-    v_sps, o_sps = throughput(kind, ours, trainer, onnx_path, rounds)
+             rss_over_planned=checked["rss_growth"] / checked["planned"], micro_batches=plan.micro_batches,
+             recomputed_nodes=len(plan.dropped), **{
+                 k: v for k, v in plan.report().items() if k.startswith("stream") or (
+                     k.endswith("_bytes") and k != "total_bytes")})
+    print(f"  measured peak {checked['rss_growth'] / MB:.1f} MB RSS, {checked.get('traced_peak', 0) / MB:.1f} MB "
+          f"allocated (planned {checked['planned'] / MB:.1f} MB), {plan.micro_batches} micro-batch(es), "
+          f"{len(plan.dropped)} recomputed, {plan.stream.end if plan.stream else 0} streamed "
+          f"({time.perf_counter() - t3:.1f} s)",
+          flush=True)
+    t4 = time.perf_counter()
+    if quick:  # one step each, timed in the measuring process
+        v_sps, o_sps = ours / checked["vanilla_step_s"], ours / checked["ours_step_s"]
+    else:
+        v_sps, o_sps = throughput(kind, ours, trainer, onnx_path, rounds)
+    print(f"  throughput: today's {v_sps:.1f}/s, ours {o_sps:.1f}/s ({time.perf_counter() - t4:.1f} s)", flush=True)
     r.update(vanilla_samples_per_s=v_sps, ours_samples_per_s=o_sps, throughput_ratio_vs_unbudgeted=o_sps / v_sps)
     return r
 
@@ -284,26 +388,29 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        fw, kind, batch, budget, path = args.child
-        child(fw, kind, int(batch), int(budget), path)
+        fw, kind, batches, path, plan_file = args.child
+        child(fw, kind, [int(b) for b in batches.split(",")], path, plan_file, args.quick)
         return {}
     budgets = [64 * MB] if args.quick else [64 * MB, 128 * MB]
     rounds = 1 if args.quick else 3
+    started = time.perf_counter()
     results: dict = {"cpu_count": os.cpu_count(), "threads": 1, "budgets_mb": [b // MB for b in budgets],
-                     "size": SIZE, "width": WIDTH}
+                     "size": SIZE, "width": WIDTH, "quick": args.quick, "loadavg_1m_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
         import engine_zoo
 
         path = engine_zoo.export(engine_zoo.build("mobilenetv2", width=WIDTH, classes=CLASSES),
                                  os.path.join(tmp, "m.onnx"), size=SIZE, fold=False)
-        peaks = []
+        print(f"exported MobileNetV2 ({time.perf_counter() - started:.1f} s)", flush=True)
+        peaks, traced, calibrations = [], [], {}
         for budget in budgets:
             for kind, probes in (("mnv2", (2, 6)), ("vgg", (8, 32))):
-                r = run_model(kind, budget, path, rounds, probes)
+                r = run_model(kind, budget, path, rounds, probes, args.quick, calibrations)
                 for k, v in r.items():
                     results[f"{kind}_{budget // MB}mb_{k}"] = v
                 peaks.append(r["peak_over_budget"])
+                traced.append(r.get("traced_over_budget", 0.0))
         last = budgets[-1] // MB
         for kind, suffix in (("mnv2", ""), ("vgg", "_nobn")):
             results[f"max_batch_ratio_vs_vanilla{suffix}"] = results[f"{kind}_{last}mb_max_batch_ratio_vs_vanilla"]
@@ -312,9 +419,20 @@ def main(argv: list[str] | None = None) -> dict:
         results["torch_max_batch"] = results[f"mnv2_{last}mb_torch_max_batch"]
         results["torch_max_batch_nobn"] = results[f"vgg_{last}mb_torch_max_batch"]
         results["peak_over_budget_max"] = max(peaks)
-        results.update(budget_change("vgg", path, 64, [48 * MB, 32 * MB, 24 * MB]))
-        results["max_abs_grad_diff"] = max(grad_diff("mnv2", path, 4), grad_diff("vgg", path, 16))
-    results = {k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()}
+        if not args.quick:
+            results["traced_over_budget_max"] = max(traced)
+        t0 = time.perf_counter()
+        results.update(budget_change("vgg", path, 64, [48 * MB, 32 * MB, 24 * MB], calibrations["vgg"]))
+        t1 = time.perf_counter()
+        exact = {"max_abs_grad_diff_recompute_mnv2": grad_diff("mnv2", path, 4, calibration=calibrations["mnv2"]),
+                 "max_abs_grad_diff_micro_batches_vgg": grad_diff("vgg", path, 16, calibration=calibrations["vgg"])}
+        streamed = grad_diff("mnv2", path, 8, stream=(16, 3, (8,)), calibration=calibrations["mnv2"])
+        results.update(exact, max_abs_grad_diff_streamed_mnv2=streamed,
+                       grad_noise_floor_mnv2=grad_noise_floor("mnv2", path, 8))
+        results["max_abs_grad_diff"] = max(*exact.values(), streamed)
+        print(f"budget change {t1 - t0:.1f} s, gradient checks {time.perf_counter() - t1:.1f} s", flush=True)
+    results["wall_s"] = time.perf_counter() - started
+    results = {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in results.items()}
     finish("melon", results)
     return results
 

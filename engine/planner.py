@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 ALIGN = 64
 
 
@@ -70,12 +72,16 @@ def plan_arena(buffers: list[Buffer], order_key: Callable[[Buffer], tuple] = gre
     """Place ``buffers`` in one arena, in ``order_key`` order (default: greedy by size, then lifetime
     length), each at the best-fitting gap among the buffers whose lifetimes overlap its own."""
     order = sorted(buffers, key=order_key)
-    placed: list[tuple[int, Buffer]] = []
     offsets: dict[str, int] = {}
     size = 0
-    for buf in order:
+    starts = np.empty(len(order), np.int64)
+    ends = np.empty(len(order), np.int64)
+    offs = np.empty(len(order), np.int64)
+    lengths = np.empty(len(order), np.int64)
+    for k, buf in enumerate(order):
         need = _aligned(buf.size)
-        busy = sorted((off, _aligned(b.size)) for off, b in placed if b.overlaps(buf))
+        hit = (starts[:k] <= buf.end) & (ends[:k] >= buf.start)  # placed buffers whose lifetimes overlap
+        busy = sorted(zip(offs[:k][hit].tolist(), lengths[:k][hit].tolist(), strict=True))
         best, best_gap, cursor = None, None, 0
         for off, length in busy:  # best fit among the gaps between conflicting buffers
             gap = off - cursor
@@ -84,8 +90,12 @@ def plan_arena(buffers: list[Buffer], order_key: Callable[[Buffer], tuple] = gre
             cursor = max(cursor, off + length)
         offset = cursor if best is None else best
         offsets[buf.name] = offset
-        placed.append((offset, buf))
+        starts[k], ends[k], offs[k], lengths[k] = buf.start, buf.end, offset, need
         size = max(size, offset + need)
-    steps = sorted({s for b in buffers for s in (b.start, b.end)})
-    live_peak = max((sum(b.size for b in buffers if b.start <= s <= b.end) for s in steps), default=0)
+    events = sorted([(b.start, b.size) for b in buffers] + [(b.end + 1, -b.size) for b in buffers],
+                    key=lambda e: (e[0], e[1] > 0))
+    live_peak = live = 0
+    for _, delta in events:  # frees at a step come before allocations there
+        live += delta
+        live_peak = max(live_peak, live)
     return ArenaPlan(offsets, {b.name: b for b in buffers}, size, sum(b.size for b in buffers), live_peak)

@@ -9,17 +9,16 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from engine.autograd.tensor import Add, Function, MatMul, Mul, Tensor
+from engine.autograd.tensor import Add, Function, MatMul, MatMulT, Mul, Tensor
 
 try:  # numba (optional) runs depthwise convs as fused loops
     from engine.kernels import jit
 except ImportError:  # pragma: no cover - depends on the environment
     jit = None
 
-__all__ = ["Add", "Mul", "MatMul", "Conv2d", "Relu", "Clip", "HardSwish", "HardSigmoid", "Sigmoid",
-           "Softmax", "BatchNorm", "MaxPool2d", "AvgPool2d", "GlobalAvgPool", "GlobalMaxPool", "ReduceMean",
-           "Reshape", "Transpose",
-           "Concat", "Slice", "Pad"]
+__all__ = ["Add", "Mul", "MatMul", "MatMulT", "Conv2d", "Relu", "Clip", "HardSwish", "HardSigmoid", "Sigmoid",
+           "Softmax", "BatchNorm", "BatchStats", "BatchNormGiven", "MaxPool2d", "AvgPool2d", "GlobalAvgPool",
+           "GlobalMaxPool", "ReduceMean", "Reshape", "Transpose", "Concat", "Slice", "Pad"]
 
 
 def _windows(xp: np.ndarray, k: tuple[int, int], out_hw: tuple[int, int], stride, dil) -> np.ndarray:
@@ -124,13 +123,18 @@ class Conv2d(Function):
             return _crop(dxp, self.pads), dw, db
         og = cout // self.group
         g2 = g.reshape(n, cout, -1)
+        want_dx, want_dw = self.needs_grad(0), self.needs_grad(1)  # e.g. no dx for the model's input
         dws, dcols = [], []
         for k in range(self.group):
             gk = g2[:, k * og : (k + 1) * og]
             wk = w[k * og : (k + 1) * og].reshape(og, -1)
-            dws.append(np.tensordot(gk, self.cols[k], axes=([0, 2], [0, 2])).reshape(og, -1, kh, kw))
-            dcols.append(wk.T @ gk)
-        dw = np.concatenate(dws, axis=0).astype(np.float32, copy=False)
+            if want_dw:
+                dws.append(np.tensordot(gk, self.cols[k], axes=([0, 2], [0, 2])).reshape(og, -1, kh, kw))
+            if want_dx:
+                dcols.append(wk.T @ gk)
+        dw = np.concatenate(dws, axis=0).astype(np.float32, copy=False) if want_dw else None
+        if not want_dx:
+            return None, dw, db
         if self.pointwise:
             return dcols[0].reshape(n, -1, self.oh, self.ow), dw, db
         dwin = np.concatenate(dcols, axis=1).reshape(n, -1, kh, kw, self.oh, self.ow)
@@ -229,6 +233,82 @@ class BatchNorm(Function):
         dx -= sum_g.reshape(1, -1, 1, 1)
         dx *= self.gamma * self.inv / m
         return dx.astype(np.float32, copy=False), sum_gx, sum_g
+
+
+class BatchStats:
+    """One BatchNorm's whole-batch numbers gathered chunk by chunk, so that a batch run in chunks
+    normalises and back-propagates exactly as the whole batch would.
+
+    Forward: :meth:`add` each chunk of the input (Chan's parallel mean/variance, float64), then
+    :meth:`finish`. Backward: while ``collecting``, :class:`BatchNormGiven` adds each chunk's
+    ``sum(g)`` and ``sum(g * xhat)`` (the gradients of beta and gamma); after :meth:`end_collect`
+    every chunk's input gradient uses the batch's sums.
+
+    >>> x = np.arange(16, dtype=np.float32).reshape(4, 1, 2, 2); st = BatchStats()
+    >>> st.add(x[:1]); st.add(x[1:]); mean, var = st.finish(0.0); float(mean[0]), float(var[0])
+    (7.5, 21.25)
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._mean: np.ndarray | float = 0.0
+        self._m2: np.ndarray | float = 0.0
+        self.mean = self.inv = None
+        self.sum_g = self.sum_gx = None
+        self.collecting = False
+
+    def add(self, x: np.ndarray) -> None:
+        n = x.size // x.shape[1]
+        mean = x.mean(axis=(0, 2, 3), dtype=np.float64)
+        d = x - mean.astype(np.float32).reshape(1, -1, 1, 1)
+        m2 = np.einsum("nchw,nchw->c", d, d).astype(np.float64)
+        delta, total = mean - self._mean, self.count + n
+        self._mean = self._mean + delta * (n / total)
+        self._m2 = self._m2 + m2 + delta * delta * (self.count * n / total)
+        self.count = total
+
+    def finish(self, eps: float) -> tuple[np.ndarray, np.ndarray]:
+        """The batch's (mean, biased variance) as float32; sets what :class:`BatchNormGiven` uses."""
+        var = np.asarray(self._m2 / self.count)
+        self.mean = np.asarray(self._mean, np.float32).reshape(1, -1, 1, 1)
+        self.inv = (1 / np.sqrt(var + eps)).astype(np.float32).reshape(1, -1, 1, 1)
+        return self.mean.reshape(-1), var.astype(np.float32)
+
+    def begin_collect(self) -> None:
+        self.collecting, self.sum_g, self.sum_gx = True, 0.0, 0.0
+
+    def end_collect(self) -> None:
+        self.collecting = False
+        self.sum_g = np.asarray(self.sum_g, np.float32)
+        self.sum_gx = np.asarray(self.sum_gx, np.float32)
+
+
+class BatchNormGiven(Function):
+    """Training-mode BatchNorm on one chunk of a batch, with the batch's statistics from ``stats``
+    (:class:`BatchStats`); gamma's and beta's gradients are the batch sums, set by the caller. While
+    ``stats.collecting`` the backward only adds this chunk's sums and propagates nothing."""
+
+    def forward(self, x, gamma, beta, stats=None):
+        self.stats = stats
+        xhat = x - stats.mean
+        xhat *= stats.inv
+        self.xhat, self.gamma = xhat, gamma.reshape(1, -1, 1, 1)
+        y = xhat * self.gamma
+        y += beta.reshape(1, -1, 1, 1)
+        return y
+
+    def backward(self, g):
+        st = self.stats
+        if st.collecting:
+            st.sum_g = st.sum_g + g.sum(axis=(0, 2, 3), dtype=np.float64)
+            st.sum_gx = st.sum_gx + np.einsum("nchw,nchw->c", g, self.xhat).astype(np.float64)
+            return None, None, None
+        m = st.count  # as BatchNorm.backward, with the whole batch's count and sums
+        dx = self.xhat * (-st.sum_gx).reshape(1, -1, 1, 1)
+        dx += m * g
+        dx -= st.sum_g.reshape(1, -1, 1, 1)
+        dx *= self.gamma * st.inv / m
+        return dx.astype(np.float32, copy=False), None, None
 
 
 class MaxPool2d(Function):

@@ -106,8 +106,7 @@ class GraphModel:
             return F.Add.apply(F.Mul.apply(xhat, gamma), F.Reshape.apply(ins[2], shape=(1, -1, 1, 1)))
         if op == "Gemm":
             xa = F.Transpose.apply(x, perm=(1, 0)) if a.get("transA") else x
-            w = F.Transpose.apply(ins[1], perm=(1, 0)) if a.get("transB") else ins[1]
-            y = F.MatMul.apply(xa, w)
+            y = F.MatMulT.apply(xa, ins[1]) if a.get("transB") else F.MatMul.apply(xa, ins[1])
             if a.get("alpha", 1.0) != 1.0:
                 y = F.Mul.apply(y, Tensor(np.float32(a["alpha"])))
             if len(ins) > 2 and ins[2] is not None:

@@ -1,12 +1,26 @@
-"""Optimizers with PyTorch's update rules (so results can be compared step for step)."""
+"""Optimizers with PyTorch's update rules (so results can be compared step for step).
+
+Updates run in place, block by block, so a step's scratch is a few blocks rather than copies of
+the largest parameter; :meth:`Optimizer.update` applies one parameter's update on its own, so a
+trainer may update a parameter as soon as its gradient is final (``begin_step`` first).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
 from engine.autograd.tensor import Tensor
+
+BLOCK = 1 << 14  # elements per block of an in-place update (64 KiB of float32)
+
+
+def blocks(*arrays: np.ndarray) -> Iterator[tuple[np.ndarray, ...]]:
+    """Matching flat slices of same-sized arrays, ``BLOCK`` elements at a time (views, writable)."""
+    flat = [a.reshape(-1) for a in arrays]
+    for lo in range(0, flat[0].size, BLOCK):
+        yield tuple(f[lo : lo + BLOCK] for f in flat)
 
 
 class Optimizer:
@@ -17,8 +31,28 @@ class Optimizer:
         for p in self.params:
             p.grad = None
 
-    def step(self) -> None:
+    def begin_step(self) -> None:
+        """Once per step, before the first :meth:`update` (step counters)."""
+
+    def update(self, p: Tensor) -> None:
+        """Apply ``p``'s update from ``p.grad`` (nothing when it has none)."""
         raise NotImplementedError
+
+    def step(self) -> None:
+        self.begin_step()
+        for p in self.params:
+            self.update(p)
+
+    def state_bytes(self) -> int:
+        """Bytes of state the optimizer keeps between steps (once every parameter has been updated)."""
+        return 0
+
+    def scratch_bytes(self) -> int:
+        """Bytes of temporaries one :meth:`update` allocates at most (a few blocks)."""
+        return 3 * self._block_bytes()
+
+    def _block_bytes(self) -> int:
+        return 4 * min(BLOCK, max((p.data.size for p in self.params), default=0))
 
 
 class SGD(Optimizer):
@@ -34,17 +68,29 @@ class SGD(Optimizer):
         self.lr, self.momentum, self.wd = lr, momentum, weight_decay
         self.velocity: dict[int, np.ndarray] = {}
 
-    def step(self) -> None:
-        for p in self.params:
-            if p.grad is None:
-                continue
-            g = p.grad + self.wd * p.data if self.wd else p.grad
-            if self.momentum:
-                v = self.velocity.get(id(p))
-                v = g.copy() if v is None else v * self.momentum + g
-                self.velocity[id(p)] = v
-                g = v
-            p.data -= (self.lr * g).astype(p.data.dtype)
+    def update(self, p: Tensor) -> None:
+        if p.grad is None:
+            return
+        v = self.velocity.get(id(p)) if self.momentum else None
+        if self.momentum and v is None:
+            v = self.velocity[id(p)] = np.empty_like(p.data)
+            first = True
+        else:
+            first = False
+        for (w, g, *vb) in blocks(p.data, p.grad, *([v] if v is not None else [])):
+            if self.wd:
+                g = g + self.wd * w
+            if vb:
+                if first:
+                    vb[0][...] = g
+                else:
+                    vb[0] *= self.momentum
+                    vb[0] += g
+                g = vb[0]
+            w -= (self.lr * g).astype(w.dtype)
+
+    def state_bytes(self) -> int:
+        return sum(p.data.nbytes for p in self.params) if self.momentum else 0
 
 
 class Adam(Optimizer):
@@ -58,16 +104,28 @@ class Adam(Optimizer):
         self.v: dict[int, np.ndarray] = {}
         self.t = 0
 
-    def step(self) -> None:
+    def begin_step(self) -> None:
         self.t += 1
+
+    def update(self, p: Tensor) -> None:
+        if p.grad is None:
+            return
         b1, b2 = self.betas
-        for p in self.params:
-            if p.grad is None:
-                continue
-            g = p.grad + self.wd * p.data if self.wd else p.grad
-            m = self.m.get(id(p), np.zeros_like(p.data)) * b1 + (1 - b1) * g
-            v = self.v.get(id(p), np.zeros_like(p.data)) * b2 + (1 - b2) * g * g
-            self.m[id(p)], self.v[id(p)] = m, v
+        if id(p) not in self.m:
+            self.m[id(p)], self.v[id(p)] = np.zeros_like(p.data), np.zeros_like(p.data)
+        for w, g, m, v in blocks(p.data, p.grad, self.m[id(p)], self.v[id(p)]):
+            if self.wd:
+                g = g + self.wd * w
+            m *= b1
+            m += (1 - b1) * g
+            v *= b2
+            v += (1 - b2) * g * g
             m_hat = m / (1 - b1**self.t)
             v_hat = v / (1 - b2**self.t)
-            p.data -= (self.lr * m_hat / (np.sqrt(v_hat) + self.eps)).astype(p.data.dtype)
+            w -= (self.lr * m_hat / (np.sqrt(v_hat) + self.eps)).astype(w.dtype)
+
+    def state_bytes(self) -> int:
+        return 2 * sum(p.data.nbytes for p in self.params)
+
+    def scratch_bytes(self) -> int:
+        return 6 * self._block_bytes()

@@ -138,6 +138,12 @@ class Function:
     def backward(self, grad: np.ndarray) -> tuple[np.ndarray | None, ...]:
         raise NotImplementedError
 
+    def needs_grad(self, k: int) -> bool:
+        """Whether input ``k``'s gradient is wanted (a leaf that requires it, or a computed tensor):
+        a backward may skip the others (return None for them)."""
+        p = self.parents[k]
+        return p.requires_grad or p._ctx is not None
+
 
 class Add(Function):
     def forward(self, a, b):
@@ -162,7 +168,20 @@ class MatMul(Function):
         return a @ b
 
     def backward(self, g):
-        return g @ np.swapaxes(self.b, -1, -2), np.swapaxes(self.a, -1, -2) @ g
+        return (g @ np.swapaxes(self.b, -1, -2) if self.needs_grad(0) else None,
+                np.swapaxes(self.a, -1, -2) @ g if self.needs_grad(1) else None)
+
+
+class MatMulT(Function):
+    """``a @ b.T`` for a 2-d ``b`` kept as it is (a Gemm's transB weight): no transposed copy of the
+    weight is made forward, and its gradient comes out in the weight's own layout."""
+
+    def forward(self, a, b):
+        self.a, self.b = a, b
+        return a @ b.T
+
+    def backward(self, g):
+        return g @ self.b if self.needs_grad(0) else None, g.T @ self.a if self.needs_grad(1) else None
 
 
 class Sum(Function):

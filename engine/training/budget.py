@@ -1,19 +1,26 @@
-"""Fit a training step into a memory budget: micro-batches (models without BatchNorm), then
-calibrated progressive recomputation (Melon), re-planning after every choice.
+"""Fit a training step into a memory budget: micro-batches (models without BatchNorm), calibrated
+progressive recomputation (Melon), and, for models with BatchNorm, streaming the first nodes in
+chunks of rows with the whole batch's statistics, re-planning after every choice.
 
-While the live peak (then the planned arena) is over the budget, the node whose saved state is live
-at the peak step with the best ``(bytes freed x steps freed) / recompute seconds`` is dropped and
-recomputed in the backward pass. If nothing more helps, :class:`BudgetError` names the smallest
-budget the search reached.
+While the live peak (then the planned arena) is over the budget, the step takes the best of two
+kinds of moves, each scored ``(bytes freed x steps freed) / seconds added`` from this machine's
+calibration: drop a full-batch node's saved state and recompute it in the backward pass, or merge
+two streamed segments (their border tensor is no longer kept for the whole batch; the merged
+segment's BatchNorms each cost one more pass over it). If nothing more helps,
+:class:`BudgetError` names the smallest budget the search reached.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from engine.training.program import NodeCost, Program, StepPlan, plan_program
+from engine.training.calibrate import NodeCost
+from engine.training.program import Program, StepPlan, plan_program
+from engine.training.stream import Stream
 
 HEADROOM = 0.1  # of the budget, for what the calibration does not see (allocator rounding, small temporaries)
+BACKWARD_FACTOR = 3.0  # a node's forward and backward take about this many times its forward
+MOVES_PER_PLAN = 8  # at most this many moves between two re-plans (while far over the budget)
 
 
 class BudgetError(ValueError):
@@ -33,9 +40,87 @@ def live_profile(plan_buffers, steps: int) -> np.ndarray:
     return np.cumsum(diff)[:-1]
 
 
+def _seconds(prog: Program, i: int, m: int) -> float:
+    f = prog.cal.costs[i].forward_s
+    return max(f[0] + f[1] * m, 1e-6)
+
+
+def _merge_scores(prog: Program, batch: int, stream: Stream, at: int) -> list[tuple[float, int, int]]:
+    """(score, bytes freed, border) of removing each border of ``stream`` whose tensors are live at
+    step ``at``."""
+    nodes, costs, n = prog.cal.nodes, prog.cal.costs, len(prog.cal.nodes)
+    scores = []
+    segs = stream.segments
+    for k in range(len(segs) - 1):
+        (a, q), (_, b) = segs[k], segs[k + 1]
+        seg = prog.segment(q, b)
+        freed = 0
+        for t in seg.inputs:
+            i = next((j for j in range(a, q) if nodes[j].outputs[0] == t), None)
+            if i is None or any(j >= b for j in prog.consumers.get(t, ())) or t == prog.output:
+                continue  # produced before the left segment, or still read after the merged one
+            if not a <= at <= 2 * n - a:
+                continue
+            freed += NodeCost.at(costs[i].out_bytes, batch)
+        if freed <= 0:
+            continue
+        t1 = sum(_seconds(prog, i, batch) for i in range(a, q)) * BACKWARD_FACTOR
+        t2 = sum(_seconds(prog, i, batch) for i in range(q, b)) * BACKWARD_FACTOR
+        q1 = sum(nodes[i].op == "BatchNormalization" for i in range(a, q))
+        q2 = sum(nodes[i].op == "BatchNormalization" for i in range(q, b))
+        added = max(q2 * t1 + q1 * t2, 1e-6)
+        scores.append((freed * (2 * n - 2 * a) / added, freed, q))
+    return scores
+
+
+def _split_gain(prog: Program, batch: int, stream: Stream, at: int) -> tuple[float, int]:
+    """(seconds saved per byte added, bytes added) of a new border at ``at`` inside its segment."""
+    nodes = prog.cal.nodes
+    a, b = next((a, b) for a, b in stream.segments if a < at < b)
+    t1 = sum(_seconds(prog, i, batch) for i in range(a, at)) * BACKWARD_FACTOR
+    t2 = sum(_seconds(prog, i, batch) for i in range(at, b)) * BACKWARD_FACTOR
+    q1 = sum(nodes[i].op == "BatchNormalization" for i in range(a, at))
+    q2 = sum(nodes[i].op == "BatchNormalization" for i in range(at, b))
+    added = sum(NodeCost.at(prog.cal.costs[j].out_bytes, batch) for j in range(a, at)
+                if any(at <= u < b for u in prog.consumers.get(nodes[j].outputs[0], ()))
+                and not any(u >= b for u in prog.consumers.get(nodes[j].outputs[0], ())))
+    return (q2 * t1 + q1 * t2) / max(added, 1), added
+
+
+def split_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int, update_bytes: int,
+                   tries: int = 4) -> StepPlan:
+    """Speed a fitting streamed plan up: add borders (fewer passes over shorter segments, one
+    more tensor kept for the whole batch), the best seconds-per-byte first, while it still fits."""
+    stream, cuts = plan.stream, set(prog.cut_positions)
+    if stream is None:
+        return plan
+    while True:
+        gains = sorted(((_split_gain(prog, plan.batch, stream, q)[0], q) for q in range(1, stream.end)
+                        if q in cuts and q not in stream.borders), reverse=True)
+        for gain, q in gains[:tries]:
+            if gain <= 0:
+                break
+            trial = Stream.at(stream.end, stream.chunk, [*stream.borders, q])
+            candidate = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, arena=False,
+                                     stream=trial)
+            if int(live_profile(candidate.buffers, 2 * len(prog.cal.nodes) + 1).max()) + candidate.pinned_bytes \
+                    <= budget:
+                stream = trial
+                break
+        else:
+            break
+        if not gains or gains[0][0] <= 0:
+            break
+    if stream == plan.stream:
+        return plan
+    full = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, stream=stream)
+    return full if full.total_bytes <= budget else plan
+
+
 def fit_recompute(prog: Program, batch: int, budget: int, micro_batches: int, state_bytes: int,
-                  update_bytes: int) -> StepPlan:
-    """The plan at ``batch`` with the fewest recomputations (chosen greedily) that fits ``budget``."""
+                  update_bytes: int, stream: Stream | None = None) -> StepPlan:
+    """The plan at ``batch`` with the fewest recomputations and segment merges (chosen greedily)
+    that fits ``budget``, starting from ``stream`` (none: nothing streamed)."""
     nodes, costs = prog.cal.nodes, prog.cal.costs
     n = len(nodes)
     m = -(-batch // micro_batches)
@@ -50,57 +135,185 @@ def fit_recompute(prog: Program, batch: int, budget: int, micro_batches: int, st
         i = producer.get(t)
         return NodeCost.at(costs[i].out_bytes, m) if i is not None else 0
 
-    best: tuple[int, frozenset[int]] | None = None
-    refused: set[int] = set()  # dropping them did not lower the peak
-    last_peak: int | None = None
-    last_drop = -1
-    for _ in range(2 * n + 2):
-        plan = plan_program(prog, batch, frozenset(dropped), micro_batches, state_bytes, update_bytes, arena=False)
+    def planned() -> tuple[StepPlan, np.ndarray, int]:
+        plan = plan_program(prog, batch, frozenset(dropped), micro_batches, state_bytes, update_bytes, arena=False,
+                            stream=stream)
         live = live_profile(plan.buffers, 2 * n + 1)
-        peak = int(live.max()) + plan.pinned_bytes
-        if last_peak is not None and peak > last_peak:
-            dropped.discard(last_drop)
-            refused.add(last_drop)
-            plan = plan_program(prog, batch, frozenset(dropped), micro_batches, state_bytes, update_bytes,
-                                arena=False)
-            live = live_profile(plan.buffers, 2 * n + 1)
-            peak = int(live.max()) + plan.pinned_bytes
+        return plan, live, int(live.max()) + plan.pinned_bytes
+
+    best: tuple[int, frozenset[int], Stream | None] | None = None
+    refused: set = set()  # single moves that did not lower the peak
+    last_peak: int | None = None
+    undo: tuple | None = None
+    single = False  # after a batch of moves raised the peak, one move at a time
+    for _ in range(4 * n + 4):
+        plan, live, peak = planned()
+        if last_peak is not None and peak > last_peak and undo is not None:
+            moves, dropped, stream = undo
+            if len(moves) == 1:
+                refused.add(moves[0])
+            single = True
+            plan, live, peak = planned()
+        elif undo is not None:
+            single = False
         last_peak = peak
         if best is None or peak < best[0]:
-            best = (peak, frozenset(dropped))
+            best = (peak, frozenset(dropped), stream)
         if peak <= budget:
-            full = plan_program(prog, batch, frozenset(dropped), micro_batches, state_bytes, update_bytes)
+            full = plan_program(prog, batch, frozenset(dropped), micro_batches, state_bytes, update_bytes,
+                                stream=stream)
             if full.total_bytes <= budget:
                 return full
         at = int(live.argmax())
-        scored = []
+        first = stream.end if stream else 0
+        scored: list[tuple[float, int, tuple]] = []
         for i, c in enumerate(costs):
-            if i in dropped or i in refused or not i <= at < 2 * n - i:  # its state must be freed across the peak
-                continue
+            if i < first or i in dropped or ("drop", i) in refused or not i <= at < 2 * n - i:
+                continue  # its state must be freed across the peak
             freed = NodeCost.at(c.context_bytes, m) + (NodeCost.at(c.out_bytes, m) if c.keeps_output else 0)
             for t in c.keeps_inputs:  # an input only it keeps for its backward is freed after the forward
                 if all(j == i or j in dropped or t not in costs[j].keeps_inputs for j in consumers.get(t, ())):
                     freed += size_of(t)
-            if freed <= 0:
-                continue
-            seconds = max(c.forward_s[0] + c.forward_s[1] * m, 1e-6)
-            scored.append((freed * (2 * n - 2 * i) / seconds, i))
+            if freed > 0:
+                scored.append((freed * (2 * n - 2 * i) / _seconds(prog, i, m), freed, ("drop", i)))
+        if stream is not None:
+            scored += [(sc, freed, ("merge", q)) for sc, freed, q in _merge_scores(prog, batch, stream, at)
+                       if ("merge", q) not in refused]
         if not scored:
             break
-        last_drop = max(scored)[1]
-        dropped.add(last_drop)
+        scored.sort(key=lambda s: -s[0])
+        excess = max(peak - budget, 1)
+        moves, covered = [], 0
+        for _, freed, move in scored:  # far over the budget: several moves per re-plan
+            moves.append(move)
+            covered += freed
+            if single or covered >= excess or len(moves) >= MOVES_PER_PLAN:
+                break
+        undo = (moves, set(dropped), stream)
+        dropped = dropped | {i for kind, i in moves if kind == "drop"}
+        merged = {q for kind, q in moves if kind == "merge"}
+        if merged and stream is not None:
+            stream = Stream.at(stream.end, stream.chunk, [q for q in stream.borders if q not in merged])
     assert best is not None
-    smallest = plan_program(prog, batch, best[1], micro_batches, state_bytes, update_bytes).total_bytes
+    smallest = plan_program(prog, batch, best[1], micro_batches, state_bytes, update_bytes,
+                            stream=best[2]).total_bytes
     raise BudgetError(f"batch {batch} ({micro_batches} micro-batch(es)) does not fit {budget} bytes: the smallest "
                       f"plan found needs {smallest} bytes ({len(best[1])} node(s) recomputed)", smallest)
 
 
+def node_floor(prog: Program, i: int, m: int) -> int:
+    """Bytes node ``i`` needs at batch ``m`` whatever is recomputed: its inputs, output, context and
+    scratch forward, or its output's and inputs' gradients, context and scratch backward."""
+    c, nodes = prog.cal.costs[i], prog.cal.nodes
+    producer = {nd.outputs[0]: j for j, nd in enumerate(nodes)}
+    ins = sum(NodeCost.at(prog.cal.costs[producer[t]].out_bytes, m) for t in set(nodes[i].inputs) if t in producer)
+    out, ctx = NodeCost.at(c.out_bytes, m), NodeCost.at(c.context_bytes, m)
+    return max(ins + out + ctx + NodeCost.at(c.forward_scratch, m),
+               2 * out + ins + ctx + NodeCost.at(c.backward_scratch, m))
+
+
+def stream_chunks(prog: Program, batch: int, budget: int) -> list[int]:
+    """Chunk sizes to stream with: the largest whose busiest node takes at most an eighth of the
+    budget, and twice that (fewer chunks, fewer calls)."""
+    n = len(prog.cal.nodes)
+    chunk = max(1, batch // 2)
+    while chunk > 1 and max(node_floor(prog, i, chunk) for i in range(n)) > budget // 8:
+        chunk //= 2
+    return list(dict.fromkeys(c for c in (2 * chunk, chunk) if c < batch))
+
+
+def estimated_seconds(prog: Program, plan: StepPlan) -> float:
+    """A step's time by the calibration: each full-batch node forward and backward (plus its
+    recomputation when dropped); each streamed segment's passes, chunk by chunk."""
+    nodes, costs = prog.cal.nodes, prog.cal.costs
+    n, st = len(nodes), plan.stream
+    first = st.end if st else 0
+
+    def fwd(i: int, m: int, calls: int) -> float:
+        f = costs[i].forward_s
+        return calls * (f[0] + f[1] * m)
+
+    total = 0.0
+    for i in range(first, n):
+        t = fwd(i, plan.micro_batch, plan.micro_batches)
+        total += t * BACKWARD_FACTOR + (t if i in plan.dropped else 0.0)
+    if st is None:
+        return total
+    calls = -(-plan.batch // st.chunk)
+    for a, b in st.segments:
+        seg = prog.segment(a, b)
+        f = {i: fwd(i, st.chunk, calls) for i in range(a, b)}
+        whole = sum(f.values())
+        total += sum(f[i] for j in seg.bns for i in seg.needs[j]) + whole  # forward passes
+        total += (len(seg.bns) + 1) * whole + (BACKWARD_FACTOR - 1) * (
+            whole + sum(f[i] for j in seg.bns for i in range(j, b)))  # backward passes
+    return total
+
+
+def _fit_stream_at(prog: Program, batch: int, budget: int, state_bytes: int, update_bytes: int, end: int,
+                   chunk: int, floors: tuple[list[int], list[int]]) -> tuple[StepPlan | None, int | None]:
+    """The plan streaming ``[0, end)`` (or None), and the smallest total tried."""
+    full, chunked = floors
+    floor = max(max(full[end:], default=0), max(chunked[:end])) + prog.crossing_bytes(end, batch)
+    if floor + state_bytes > budget:  # some node alone cannot fit: no need to search
+        return None, None
+    borders = [q for q in prog.cut_positions if q < end]  # start fast (short segments), merge while too big
+    try:
+        return fit_recompute(prog, batch, budget, 1, state_bytes, update_bytes,
+                             stream=Stream.at(end, chunk, borders)), None
+    except BudgetError as e:
+        return None, e.smallest
+
+
+def fit_streamed(prog: Program, batch: int, budget: int, state_bytes: int, update_bytes: int,
+                 tries: int = 4) -> StepPlan:
+    """The fastest streamed plan found (by :func:`estimated_seconds`): for each chunk size, the
+    shortest prefix that fits (binary search over the positions one tensor crosses) and a few
+    longer ones (each starting from short segments, merged while too big), then sped up by
+    :func:`split_segments`."""
+    n = len(prog.cal.nodes)
+    cuts = prog.cut_positions
+    full = [node_floor(prog, i, batch) for i in range(n)]
+    smallest: list[int] = []
+    best: tuple[float, StepPlan] | None = None
+    for chunk in stream_chunks(prog, batch, budget):
+        floors = (full, [node_floor(prog, i, chunk) for i in range(n)])
+
+        def attempt(end: int, chunk: int = chunk, floors: tuple = floors) -> StepPlan | None:
+            plan, least = _fit_stream_at(prog, batch, budget, state_bytes, update_bytes, end, chunk, floors)
+            smallest.extend([least] if least else [])
+            return plan
+
+        lo, hi = 0, len(cuts) - 1
+        found = {hi: attempt(cuts[hi])}
+        if found[hi] is None:
+            continue
+        while lo < hi:
+            mid = (lo + hi) // 2
+            found[mid] = attempt(cuts[mid])
+            lo, hi = (lo, mid) if found[mid] is not None else (mid + 1, hi)
+        last = len(cuts) - 1
+        for k in dict.fromkeys(hi + (last - hi) * j // tries for j in range(1, tries)):
+            if k not in found:
+                found[k] = attempt(cuts[k])
+        for plan in found.values():
+            if plan is not None:
+                t = estimated_seconds(prog, plan)
+                if best is None or t < best[0]:
+                    best = (t, plan)
+    if best is None:
+        raise BudgetError(f"batch {batch} does not fit {budget} bytes streamed", min(smallest, default=0))
+    return split_segments(prog, best[1], budget, state_bytes, update_bytes)
+
+
 def fit(prog: Program, batch: int, budget: int | None, state_bytes: int, update_bytes: int,
         micro_batches: int | None = None) -> StepPlan:
-    """Micro-batches first (without BatchNorm: k = 1, 2, 4, ...), recomputation within each."""
+    """Micro-batches first (without BatchNorm: k = 1, 2, 4, ...), recomputation within each; with
+    BatchNorm, recomputation, then a streamed prefix with the whole batch's statistics."""
     if micro_batches is not None and micro_batches > 1 and prog.has_batchnorm:
         raise ValueError("micro-batching is refused for a model with BatchNorm: its batch statistics (and the "
-                         "running mean/variance) would be computed per micro-batch and change the result")
+                         "running mean/variance) would be computed per micro-batch and change the result; "
+                         "under a memory budget its first layers are streamed with the whole batch's statistics")
     if budget is None:
         return plan_program(prog, batch, frozenset(), micro_batches or 1, state_bytes, update_bytes)
     budget = int(budget * (1 - HEADROOM))
@@ -114,8 +327,12 @@ def fit(prog: Program, batch: int, budget: int | None, state_bytes: int, update_
             if error is None or e.smallest < error.smallest:
                 error = e
     assert error is not None
-    why = "" if len(choices) > 1 else (" (micro-batching is off: the model has BatchNorm)"
-                                       if prog.has_batchnorm else "")
-    smallest = -(-error.smallest * 10 // 9)  # what the plan needs, plus the headroom
-    raise BudgetError(f"batch {batch} does not fit a {int(budget / (1 - HEADROOM))}-byte budget{why}; the smallest "
+    smallest = error.smallest
+    if prog.has_batchnorm and (micro_batches or 1) == 1:
+        try:
+            return fit_streamed(prog, batch, budget, state_bytes, update_bytes)
+        except BudgetError as e:
+            smallest = min(smallest, e.smallest or smallest)
+    smallest = -(-smallest * 10 // 9)  # what the plan needs, plus the headroom
+    raise BudgetError(f"batch {batch} does not fit a {int(budget / (1 - HEADROOM))}-byte budget; the smallest "
                       f"feasible budget found is {smallest} bytes", smallest)

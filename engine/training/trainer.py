@@ -9,7 +9,8 @@ import numpy as np
 from engine.autograd.graph import GraphModel
 from engine.autograd.optim import Optimizer
 from engine.training.budget import fit
-from engine.training.program import Program, StepPlan, optimizer_bytes
+from engine.training.calibrate import Calibration
+from engine.training.program import Program, StepPlan
 
 
 class BudgetedTrainer:
@@ -20,13 +21,15 @@ class BudgetedTrainer:
     """
 
     def __init__(self, model: GraphModel, optimizer: Optimizer, loss: str = "cross_entropy",
-                 memory_budget: int | None = None, micro_batches: int | None = None) -> None:
+                 memory_budget: int | None = None, micro_batches: int | None = None,
+                 calibration: Calibration | None = None) -> None:
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.budget = memory_budget
         self.micro_batches = micro_batches
         self.program: Program | None = None
         self.plans: dict[tuple[int, int | None], StepPlan] = {}
         self.last_plan: StepPlan | None = None
+        self.calibration = calibration  # of the same graph and loss (e.g. another trainer's): not measured again
 
     def _program(self, sample_shape: tuple[int, ...]) -> Program:
         if self.program is None:
@@ -35,7 +38,7 @@ class BudgetedTrainer:
                 fit_error = ("micro-batching is refused for a model with BatchNorm: its batch statistics (and "
                              "the running mean/variance) would be computed per micro-batch and change the result")
                 raise ValueError(fit_error)
-            self.program = Program(self.model, self.loss, sample_shape)
+            self.program = Program(self.model, self.loss, sample_shape, self.calibration)
         elif self.program.sample_shape != tuple(sample_shape):
             raise ValueError(f"rows of shape {tuple(sample_shape)}; this trainer's program is for "
                              f"{self.program.sample_shape}")
@@ -53,8 +56,8 @@ class BudgetedTrainer:
         key = (batch, budget)
         if key not in self.plans:
             prog = self._program(sample_shape)
-            state, update = optimizer_bytes(self.optimizer)
-            self.plans[key] = fit(prog, batch, budget, state, update, self.micro_batches)
+            self.plans[key] = fit(prog, batch, budget, self.optimizer.state_bytes(), self.optimizer.scratch_bytes(),
+                                  self.micro_batches)
         return self.plans[key]
 
     def prepare(self, batch: int, sample_shape: tuple[int, ...], budgets: list[int]) -> None:

@@ -16,8 +16,9 @@ import pytest
 from engine.autograd import SGD, Adam, GraphModel, cross_entropy, mse
 from engine.builder import GraphBuilder
 from engine.planner import Buffer
-from engine.training import BudgetedTrainer, BudgetError, plan_pool
+from engine.training import BudgetedTrainer, BudgetError, Program, plan_pool
 from engine.training.pool import compare
+from engine.training.stream import Stream
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,6 +36,31 @@ def mlp_cnn(batchnorm: bool = False, seed: int = 0):
     y = b.relu(b.conv(y, rng.standard_normal((8, 8, 3, 3), dtype=np.float32) * 0.2, np.zeros(8, np.float32), pads=1))
     w = rng.standard_normal((128, 10), dtype=np.float32) * np.float32(1 / np.sqrt(128))
     b.output(b.linear(b.flatten(y), w, np.zeros(10, np.float32)))
+    return b.build()
+
+
+def bn_resnet(seed: int = 0):
+    """conv-BN-relu, a depthwise/pointwise residual block with BatchNorms (a MobileNetV2 block),
+    maxpool, conv-BN-relu, global pool and a transB Gemm, on 1x8x8 inputs; convs before a
+    BatchNorm have no bias (as in real models: such a bias's gradient is only rounding noise)."""
+    rng = np.random.default_rng(seed)
+    b = GraphBuilder("bn_resnet")
+
+    def bn(y, c):
+        return b.batch_norm(y, (1 + 0.1 * rng.standard_normal(c)).astype(np.float32),
+                            (0.1 * rng.standard_normal(c)).astype(np.float32), np.zeros(c, np.float32),
+                            np.ones(c, np.float32))
+
+    def w(*shape, scale):
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
+
+    x = b.input("x", (None, 1, 8, 8))
+    h = b.relu(bn(b.conv(x, w(8, 1, 3, 3, scale=0.5), pads=1), 8))
+    r = b.relu6(bn(b.conv(h, w(8, 1, 3, 3, scale=0.5), pads=1, group=8), 8))
+    h = b.max_pool(b.add(h, bn(b.conv(r, w(8, 8, 1, 1, scale=0.3)), 8)), 2, strides=2)
+    h = b.relu(bn(b.conv(h, w(16, 8, 3, 3, scale=0.2), pads=1), 16))
+    b.output(b.op("Gemm", [b.flatten(b.global_avg_pool(h)), w(10, 16, scale=0.25), np.zeros(10, np.float32)],
+                  transB=1))
     return b.build()
 
 
@@ -75,7 +101,7 @@ def test_program_equals_todays_trainer_unbudgeted_and_under_a_tight_budget(make_
         trainer.plan_for(128, (1, 8, 8))
     trainer.set_budget(err.value.smallest)
     tight = trainer.plan_for(128, (1, 8, 8))
-    assert tight.dropped, "a smaller budget must recompute something"
+    assert tight.dropped or tight.stream, "a smaller budget must recompute or stream something"
     assert tight.total_bytes < free.total_bytes
     losses += [trainer.step(x, labels), trainer.step(x, labels)]
     np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
@@ -101,12 +127,78 @@ def test_budget_picks_micro_batches_without_batchnorm_and_refuses_them_with_batc
     x, labels = data(batch=32)
     model = GraphModel(mlp_cnn())
     full = BudgetedTrainer(model, SGD(model.parameters(), lr=0.1)).plan_for(32, (1, 8, 8))
-    trainer = BudgetedTrainer(model, SGD(model.parameters(), lr=0.1), memory_budget=full.total_bytes // 3)
+    trainer = BudgetedTrainer(model, SGD(model.parameters(), lr=0.1), memory_budget=full.total_bytes // 2)
     trainer.step(x, labels)
-    assert trainer.last_plan.micro_batches > 1 and trainer.last_plan.total_bytes <= full.total_bytes // 3
+    assert trainer.last_plan.micro_batches > 1 and trainer.last_plan.total_bytes <= full.total_bytes // 2
     bn = GraphModel(mlp_cnn(batchnorm=True))
     with pytest.raises(ValueError, match="BatchNorm: its batch statistics"):
         BudgetedTrainer(bn, SGD(bn.parameters(), lr=0.1), micro_batches=2).step(x, labels)
+
+
+STREAMS = [(3, 6, ()), (3, 7, (1, 2)), (8, 3, (3,)), (11, 5, (3,)), (16, 20, ()), (16, 3, (3, 9, 12)),
+           (16, 1, tuple(range(1, 16)))]
+
+
+@pytest.mark.parametrize("make_opt", [lambda p: SGD(p, lr=0.1, momentum=0.9), lambda p: Adam(p, lr=0.01)],
+                         ids=["sgd", "adam"])
+@pytest.mark.parametrize(("end", "chunk", "borders"), STREAMS)
+def test_streamed_batchnorm_step_equals_the_whole_batch(make_opt, end, chunk, borders):
+    """Chunks of rows through BatchNorms with the whole batch's statistics: the same losses,
+    updates and running statistics as today's trainer on the whole batch (one chunk of a row, too)."""
+    graph = bn_resnet()
+    x, labels = data(batch=20)
+    ref, ref_losses = reference_steps(graph, x, labels, 3, make_opt)
+    model = GraphModel(graph)
+    opt = make_opt(model.parameters())
+    prog = Program(model, "cross_entropy", (1, 8, 8))
+    plan = prog.plan(20, stream=Stream.at(end, chunk, borders), optimizer_state_bytes=opt.state_bytes())
+    assert len(plan.stream.segments) == len(borders) + 1
+    losses = [prog.run(plan, x, labels, opt) for _ in range(3)]
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
+    assert max_param_diff(ref, model) <= 1e-5
+    for k in ref.buffers:
+        np.testing.assert_allclose(model.buffers[k], ref.buffers[k], atol=1e-5, rtol=0)
+
+
+def test_a_tight_budget_streams_a_batchnorm_model_and_matches_pytorch():
+    torch = pytest.importorskip("torch")
+    graph = bn_resnet()
+    x, labels = data(batch=64)
+    model = GraphModel(graph)
+    trainer = BudgetedTrainer(model, SGD(model.parameters(), lr=0.1, momentum=0.9))
+    free = trainer.plan_for(64, (1, 8, 8))
+    trainer.set_budget(free.total_bytes // 3)
+    plan = trainer.plan_for(64, (1, 8, 8))
+    assert plan.stream is not None and plan.total_bytes <= free.total_bytes // 3
+    names = list(model.params)
+    w = {k: torch.tensor(np.array(graph.weights[k]), requires_grad=True) for k in names}
+    stats = {k: torch.tensor(np.array(v)) for k, v in model.buffers.items()}
+    opt = torch.optim.SGD(list(w.values()), lr=0.1, momentum=0.9)
+    bn_nodes = [n for n in graph.nodes if n.op == "BatchNormalization"]
+    convs = [n for n in graph.nodes if n.op == "Conv"]
+    gemm = next(n for n in graph.nodes if n.op == "Gemm")
+    tf = torch.nn.functional
+
+    def torch_bn(h, node):
+        return tf.batch_norm(h, stats[node.inputs[3]], stats[node.inputs[4]], w[node.inputs[1]], w[node.inputs[2]],
+                             training=True, momentum=0.1, eps=node.attrs["epsilon"])
+
+    for _ in range(2):
+        trainer.step(x, labels)
+        opt.zero_grad()
+        c = [w[n.inputs[1]] for n in convs]
+        h = torch.relu(torch_bn(tf.conv2d(torch.from_numpy(x), c[0], padding=1), bn_nodes[0]))
+        r = torch.clamp(torch_bn(tf.conv2d(h, c[1], padding=1, groups=8), bn_nodes[1]), 0, 6)
+        h = tf.max_pool2d(h + torch_bn(tf.conv2d(r, c[2]), bn_nodes[2]), 2)
+        h = torch.relu(torch_bn(tf.conv2d(h, c[3], padding=1), bn_nodes[3]))
+        logits = h.mean(dim=(2, 3)) @ w[gemm.inputs[1]].T + w[gemm.inputs[2]]
+        tf.cross_entropy(logits, torch.from_numpy(labels)).backward()
+        opt.step()
+    assert trainer.last_plan is plan
+    for k in names:
+        np.testing.assert_allclose(model.params[k].data, w[k].detach().numpy(), atol=1e-4, rtol=0)
+    for k, v in stats.items():
+        np.testing.assert_allclose(model.buffers[k], v.numpy(), atol=1e-4, rtol=0)
 
 
 def test_an_impossible_budget_names_the_smallest_feasible_one():
@@ -189,13 +281,14 @@ if mode == "tight":
     trainer.plan_for(2048, (1, 8, 8))
 growth = peak_rss_growth(lambda: trainer.step(x, labels))
 print(json.dumps({{"growth": growth, "planned": trainer.last_plan.total_bytes, "budget": trainer.budget,
-                  "unbudgeted_plan": unbudgeted}}))
+                  "unbudgeted_plan": unbudgeted, "streamed": trainer.last_plan.stream is not None}}))
 """
 
 
 @pytest.mark.parametrize("kind", ["bn", "nobn"])
 def test_rss_growth_of_a_budgeted_step_stays_under_the_budget(kind):
-    """With BatchNorm only recomputation helps; without it micro-batches do too."""
+    """With BatchNorm, recomputation and streaming with the whole batch's statistics; without it,
+    micro-batches too."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536", "OPENBLAS_NUM_THREADS": "1"}
 
     def run(mode):
@@ -207,6 +300,8 @@ def test_rss_growth_of_a_budgeted_step_stays_under_the_budget(kind):
     free, tight = run("free"), run("tight")
     if kind == "nobn":  # micro-batches: far below what the unbudgeted step grows by
         assert tight["budget"] < free["growth"] / 4, (tight, free)
+    else:
+        assert tight["streamed"] and tight["budget"] < free["unbudgeted_plan"] / 4, (tight, free)
     assert tight["planned"] <= tight["budget"]
     assert tight["growth"] <= tight["budget"], (tight, free)
 

@@ -1,0 +1,184 @@
+"""Calibration of a training program on this machine: per node, the bytes of its output and of the
+context its backward keeps, the transient scratch of its forward and backward (tracemalloc), and
+its forward time (perf_counter), each measured at two small batches and fitted as ``a + s * batch``.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from engine.autograd.tensor import Tensor
+from engine.ir import Node
+
+if TYPE_CHECKING:
+    from engine.training.program import Program
+
+CALIBRATION_BATCHES = (2, 4)
+
+
+@dataclass
+class NodeCost:
+    """What one node costs at batch ``b``: ``a + s * b`` for each measured quantity."""
+
+    out_bytes: tuple[float, float]
+    context_bytes: tuple[float, float]  # saved for backward, beyond its inputs/output/weights
+    forward_scratch: tuple[float, float]
+    backward_scratch: tuple[float, float]
+    forward_s: tuple[float, float]
+    keeps_inputs: frozenset[str]  # input activations its saved context references
+    keeps_output: bool
+
+    @staticmethod
+    def at(pair: tuple[float, float], batch: int) -> int:
+        return max(0, int(round(pair[0] + pair[1] * batch)))
+
+
+@dataclass
+class Calibration:
+    nodes: list[Node]
+    costs: list[NodeCost]
+    loss_scratch: tuple[float, float]
+    param_bytes: dict[str, int]
+    param_users: dict[str, list[int]]
+    forward_step_s: tuple[float, float] = (0.0, 0.0)
+
+
+def _root(a: object) -> object:
+    while getattr(a, "base", None) is not None:
+        a = a.base
+    return a
+
+
+def _saved_arrays(out: Tensor) -> list[np.ndarray]:
+    """Every array the functions behind ``out`` saved for their backward."""
+    found, stack, seen = [], [out._ctx], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        for k, v in vars(fn).items():
+            if k == "parents":
+                stack.extend(p._ctx for p in v)
+                continue
+            for a in v if isinstance(v, list | tuple) else (v,):
+                if isinstance(a, np.ndarray) and a.size > 1:
+                    found.append(a)
+    return found
+
+
+def calibrate(prog: Program) -> Calibration:
+    """Run the program unplanned on two small batches, measuring per node the output and saved
+    context bytes, the transient scratch (tracemalloc) and the forward time (perf_counter)."""
+    rng = np.random.default_rng(0)
+    samples: list[dict] = []
+    nodes: list[Node] = []
+    for batch in CALIBRATION_BATCHES:
+        nodes = prog.computing_nodes(batch)
+        x = rng.standard_normal((batch, *prog.sample_shape)).astype(np.float32)
+        _, folded = prog._infos(batch)
+        out_shape = prog._infos(batch)[0][prog.output].shape
+        target = (rng.integers(0, out_shape[-1], batch) if prog.loss == "cross_entropy"
+                  else rng.standard_normal(out_shape).astype(np.float32))
+        times = _time_forward(prog, nodes, x)
+        # one-off allocations (a lazy import, a JIT compile) land in some trace: keep each node's least
+        first, second = _trace(prog, nodes, x, target, times), _trace(prog, nodes, x, target, times)
+        for a, b in zip(first["nodes"], second["nodes"], strict=True):
+            a["fscratch"], a["bscratch"] = min(a["fscratch"], b["fscratch"]), min(a["bscratch"], b["bscratch"])
+        first["loss"] = min(first["loss"], second["loss"])
+        samples.append(first)
+    for p in prog.model.params.values():
+        p.grad = None
+    b1, b2 = CALIBRATION_BATCHES
+
+    def fit(v1: float, v2: float) -> tuple[float, float]:
+        s = max(0.0, (v2 - v1) / (b2 - b1))  # never shrinking with the batch (timer noise can say so)
+        return max(0.0, v1 - s * b1), s
+
+    costs = []
+    for i in range(len(nodes)):
+        a, b = samples[0]["nodes"][i], samples[1]["nodes"][i]
+        costs.append(NodeCost(*(fit(a[k], b[k]) for k in ("out", "context", "fscratch", "bscratch", "time")),
+                              keeps_inputs=a["keeps_inputs"] | b["keeps_inputs"],
+                              keeps_output=a["keeps_output"] or b["keeps_output"]))
+    users: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for t in n.inputs:
+            if t in prog.model.params:
+                users.setdefault(t, []).append(i)
+    return Calibration(nodes, costs, fit(samples[0]["loss"], samples[1]["loss"]),
+                       {k: p.data.nbytes for k, p in prog.model.params.items()}, users)
+
+
+def _time_forward(prog: Program, nodes: list[Node], x: np.ndarray) -> list[float]:
+    best = [float("inf")] * len(nodes)
+    for _ in range(2):
+        env = {prog.input: x}
+        for i, node in enumerate(nodes):
+            t0 = time.perf_counter()
+            out, _ = prog.forward_node(node, env, len(x), replay=True)
+            best[i] = min(best[i], time.perf_counter() - t0)
+            env[node.outputs[0]] = out.data
+    return best
+
+
+def _trace(prog: Program, nodes: list[Node], x: np.ndarray, target: np.ndarray, times: list[float]) -> dict:
+    for p in prog.model.params.values():  # as after zero_grad: no accumulation into earlier gradients
+        p.grad = None
+    weights = [p.data for p in prog.model.params.values()]
+    env: dict[str, np.ndarray] = {prog.input: x}
+    per_node, ctx = [], []
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    try:
+        for i, node in enumerate(nodes):
+            tracemalloc.reset_peak()
+            out, leaves = prog.forward_node(node, env, len(x), replay=True)
+            cur, peak = tracemalloc.get_traced_memory()
+            env[node.outputs[0]] = out.data
+            inputs = {t: env[t] for t in node.inputs if t in env}
+            keeps, keeps_out, private = set(), False, {}
+            for a in _saved_arrays(out.tensor) if out.tensor._ctx is not None else ():
+                hit = [t for t, arr in inputs.items() if np.may_share_memory(a, arr)]
+                if hit:
+                    keeps.update(hit)
+                elif np.may_share_memory(a, out.data):
+                    keeps_out = True
+                elif not any(np.may_share_memory(a, w) for w in weights):
+                    r = _root(a)
+                    private[id(r)] = r.nbytes if isinstance(r, np.ndarray) else a.nbytes
+            per_node.append({"out": out.data.nbytes, "context": sum(private.values()), "fscratch": max(0, peak - cur),
+                             "time": times[i], "keeps_inputs": frozenset(keeps), "keeps_output": keeps_out})
+            ctx.append((out, leaves))
+        tracemalloc.reset_peak()
+        _, g = prog.loss_grad(env[prog.output], target, 1.0)
+        cur, peak = tracemalloc.get_traced_memory()
+        loss_scratch = max(0, peak - cur)
+        grads = {prog.output: g}
+        for i in range(len(nodes) - 1, -1, -1):
+            out, leaves = ctx[i]
+            ctx[i] = None
+            gi = grads.pop(nodes[i].outputs[0], None)
+            tracemalloc.reset_peak()
+            if gi is not None and out.tensor._node is not None:
+                out.tensor.backward(gi)
+                for name, leaf in leaves.items():
+                    if leaf.grad is not None:
+                        grads[name] = grads[name] + leaf.grad if name in grads else leaf.grad
+            elif gi is not None:
+                for name, leaf in leaves.items():
+                    if leaf is out.tensor:
+                        grads[name] = gi
+            cur, peak = tracemalloc.get_traced_memory()
+            per_node[i]["bscratch"] = max(0, peak - cur)
+            del out, leaves
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    return {"nodes": per_node, "loss": loss_scratch}

@@ -1,0 +1,254 @@
+"""Streaming the first nodes of a training step in chunks of rows, with the whole batch's BatchNorm
+statistics, so that the step still equals the whole batch's (micro-batching that BatchNorm allows).
+
+The streamed prefix ``[0, end)`` is cut into segments ``[a, b)``. A tensor that crosses a segment
+border is materialized (the whole batch, placed in the arena); a tensor used only inside its
+segment exists one chunk at a time. A segment with BatchNorms ``j1 < ... < jq`` runs, over all its
+chunks:
+
+* forward: pass ``k`` computes the chunks up to ``jk``'s input (``j1 .. j(k-1)`` normalising with the
+  batch statistics already gathered) and gathers ``jk``'s mean and variance; a last pass writes the
+  segment's materialized outputs;
+* backward: each pass recomputes the chunk's forward and back-propagates from the outputs'
+  gradients; pass ``k`` (from ``jq`` down) stops at ``jk`` and gathers its ``sum(g)`` and
+  ``sum(g * xhat)``; a last pass writes the gradients of the segment's inputs and parameters.
+
+So a BatchNorm costs one more pass over its segment forward and backward: the planner
+(:mod:`engine.training.budget`) keeps segments short where memory allows. Without BatchNorm a
+segment runs one pass each way (recomputation of its chunk's forward in the backward pass).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.autograd.functions import BatchStats
+from engine.training.calibrate import Calibration, NodeCost
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Nodes ``[0, end)`` run in chunks of ``chunk`` rows, segment by segment (``segments`` cover
+    ``[0, end)`` in order)."""
+
+    end: int
+    chunk: int
+    segments: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def at(end: int, chunk: int, borders: list[int] | tuple[int, ...]) -> Stream:
+        """The stream of ``[0, end)`` cut at ``borders`` (positions strictly inside)."""
+        cuts = [0, *sorted(q for q in set(borders) if 0 < q < end), end]
+        return Stream(end, chunk, tuple(zip(cuts[:-1], cuts[1:], strict=True)))
+
+    @property
+    def borders(self) -> tuple[int, ...]:
+        return tuple(b for _, b in self.segments[:-1])
+
+
+@dataclass
+class Segment:
+    """What the executor needs of one segment ``[a, b)``."""
+
+    a: int
+    b: int
+    inputs: list[str]  # materialized tensors it reads (produced before ``a``, or the model input)
+    outputs: list[str]  # tensors it produces that are read after ``b`` (or are the model output)
+    bns: list[int]
+    needs: dict[int, list[int]]  # BatchNorm j -> the nodes of [a, j) its input depends on, in order
+    last_use: dict[str, int]  # tensor -> the last node of the segment reading it
+
+
+def consumers_of(nodes, activations: set[str]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        for t in dict.fromkeys(node.inputs):
+            if t in activations:
+                out.setdefault(t, []).append(i)
+    return out
+
+
+def segment(nodes, a: int, b: int, input_name: str, output_name: str, consumers: dict[str, list[int]]) -> Segment:
+    producer = {node.outputs[0]: i for i, node in enumerate(nodes)}
+    inputs = list(dict.fromkeys(t for i in range(a, b) for t in nodes[i].inputs
+                                if t == input_name or (t in producer and producer[t] < a)))
+    outputs = [nodes[i].outputs[0] for i in range(a, b)
+               if nodes[i].outputs[0] == output_name or any(j >= b for j in consumers.get(nodes[i].outputs[0], ()))]
+    bns = [i for i in range(a, b) if nodes[i].op == "BatchNormalization"]
+    needs = {}
+    for j in bns:
+        want, order = {nodes[j].inputs[0]}, []
+        for i in range(j - 1, a - 1, -1):
+            if nodes[i].outputs[0] in want:
+                order.append(i)
+                want.update(t for t in nodes[i].inputs if t in producer)
+        needs[j] = order[::-1]
+    last_use = {}
+    for i in range(a, b):
+        for t in nodes[i].inputs:
+            last_use[t] = i
+    return Segment(a, b, inputs, outputs, bns, needs, last_use)
+
+
+def working_sets(cal: Calibration, seg: Segment, chunk: int, consumers: dict[str, list[int]]) -> tuple[int, int]:
+    """Bytes one chunk of ``seg`` holds at most: in a forward pass (nothing kept for backward), and
+    in a backward pass (its forward with every context kept, then its backward)."""
+    costs, nodes = cal.costs, cal.nodes
+    a, b = seg.a, seg.b
+    length = b - a
+    size = {nodes[i].outputs[0]: NodeCost.at(costs[i].out_bytes, chunk) for i in range(a, b)}
+    inside = {i: [j for j in consumers.get(nodes[i].outputs[0], ()) if a <= j < b] for i in range(a, b)}
+    forward = 0
+    for i in range(a, b):
+        live = sum(size[nodes[k].outputs[0]] for k in range(a, i + 1) if max([k, *inside[k]]) >= i)
+        forward = max(forward, live + NodeCost.at(costs[i].context_bytes, chunk)
+                      + NodeCost.at(costs[i].forward_scratch, chunk))
+
+    def fwd(i: int) -> int:
+        return i - a
+
+    def bwd(i: int) -> int:
+        return 2 * length - (i - a)
+
+    diff = np.zeros(2 * length + 2, np.int64)
+
+    def add(nbytes: int, start: int, end: int) -> None:
+        diff[start] += nbytes
+        diff[end + 1] -= nbytes
+
+    for i in range(a, b):
+        c, t = costs[i], nodes[i].outputs[0]
+        end = max([fwd(i), *(fwd(j) for j in inside[i])])
+        for j in inside[i]:
+            if t in costs[j].keeps_inputs:
+                end = max(end, bwd(j))
+        if c.keeps_output:
+            end = max(end, bwd(i))
+        add(size[t], fwd(i), end)
+        add(NodeCost.at(c.context_bytes, chunk), fwd(i), bwd(i))
+        add(NodeCost.at(c.forward_scratch, chunk), fwd(i), fwd(i))
+        add(NodeCost.at(c.backward_scratch, chunk), bwd(i), bwd(i))
+        gstart = min((bwd(j) for j in inside[i]), default=length) if t in seg.outputs else \
+            min((bwd(j) for j in inside[i]), default=bwd(i))
+        add(size[t], min(gstart, bwd(i)), bwd(i))  # its gradient
+    for t in seg.inputs:  # input gradients of the chunk, added to the batch's at the end of the pass
+        users = [j for j in consumers.get(t, ()) if a <= j < b]
+        if users and t in size:
+            add(size[t], min(bwd(j) for j in users), 2 * length)
+        elif users:
+            i_bytes = max((NodeCost.at(costs[j].out_bytes, chunk) for j in users), default=0)
+            add(i_bytes, min(bwd(j) for j in users), 2 * length)
+    return forward, int(np.cumsum(diff).max())
+
+
+class StreamRun:
+    """Runs the streamed prefix of one step: :meth:`forward` fills ``env`` with the materialized
+    tensors, :meth:`backward` turns their gradients in ``grads`` into parameter gradients."""
+
+    def __init__(self, prog, plan, batch: int, update: Callable[[int, int], None]) -> None:
+        self.prog, self.plan, self.stream = prog, plan, plan.stream
+        self.nodes = prog.cal.nodes
+        self.update = update  # called with a segment's (a, b) once its parameters' gradients are final
+        activations = {prog.input, *(n.outputs[0] for n in self.nodes)}
+        self.consumers = consumers_of(self.nodes, activations)
+        self.segments = [prog.segment(a, b) for a, b in self.stream.segments]
+        self.spans = [(lo, min(batch, lo + self.stream.chunk)) for lo in range(0, batch, self.stream.chunk)]
+        self.stats: dict[int, BatchStats] = {}
+        self.batch = batch
+
+    # -- one chunk -----------------------------------------------------------------------------------
+    def _forward_chunk(self, seg: Segment, env_full: dict, lo: int, hi: int, order, keep_from: int | None,
+                       store: dict | None = None) -> tuple[dict, dict]:
+        """Run ``order`` (node indices of ``seg``) on rows ``lo:hi``; contexts of nodes from
+        ``keep_from`` on are kept for a backward; ``store`` receives the segment's outputs."""
+        env = {t: env_full[t][lo:hi] for t in seg.inputs}
+        ctx: dict[int, tuple] = {}
+        last = {}
+        for i in order:
+            for t in self.nodes[i].inputs:
+                last[t] = i
+        for i in order:
+            node = self.nodes[i]
+            assert node.op != "BatchNormalization" or i in self.stats, "streamed BatchNorms use gathered statistics"
+            res, leaves = self.prog.forward_node(node, env, hi - lo, replay=True, bn_stats=self.stats.get(i))
+            t = node.outputs[0]
+            env[t] = res.data
+            if store is not None and t in store:
+                store[t][lo:hi] = res.data
+                if t not in last:  # read by later segments only
+                    del env[t]
+            if keep_from is not None and i >= keep_from:
+                ctx[i] = (res.tensor, leaves)
+            del res, leaves
+            for s in node.inputs:
+                if last.get(s) == i and s in env:
+                    del env[s]
+        return env, ctx
+
+    def _backward_chunk(self, seg: Segment, ctx: dict, grads_full: dict, lo: int, hi: int, stop: int,
+                        final: bool) -> None:
+        grads = {t: grads_full[t][lo:hi] for t in seg.outputs if t in grads_full}
+        self.prog.backward_nodes(range(seg.b - 1, stop - 1, -1), ctx, grads)
+        if not final:
+            return
+        for t in seg.inputs:
+            g = grads.pop(t, None)
+            if g is None or t == self.prog.input:
+                continue
+            if t not in grads_full:
+                grads_full[t] = np.zeros((self.batch, *g.shape[1:]), np.float32)
+            grads_full[t][lo:hi] += g
+
+    # -- the prefix --------------------------------------------------------------------------------
+    def forward(self, env: dict) -> None:
+        nodes = self.nodes
+        for seg in self.segments:
+            for j in seg.bns:
+                st = BatchStats()
+                for lo, hi in self.spans:
+                    out, _ = self._forward_chunk(seg, env, lo, hi, seg.needs[j], None)
+                    st.add(out[nodes[j].inputs[0]])
+                    del out
+                self.stats[j] = st
+                self.prog.gathered_batchnorm(nodes[j], st)
+            infos, _ = self.prog._infos(self.batch)
+            store = {t: np.empty(infos[t].shape, np.float32) for t in seg.outputs}
+            for lo, hi in self.spans:
+                self._forward_chunk(seg, env, lo, hi, range(seg.a, seg.b), None, store)
+            env.update(store)
+
+    def backward(self, env: dict, grads: dict) -> None:
+        n, ends = len(self.nodes), self.plan.ends
+        for seg in reversed(self.segments):
+            order = range(seg.a, seg.b)
+            params = {t for i in order for t in self.nodes[i].inputs if t in self.prog.model.params}
+            for j in reversed(seg.bns):
+                st = self.stats[j]
+                st.begin_collect()
+                frozen = [self.prog.model.params[p] for p in params]
+                for p in frozen:
+                    p.requires_grad = False
+                try:
+                    for lo, hi in self.spans:
+                        _, ctx = self._forward_chunk(seg, env, lo, hi, order, j)
+                        self._backward_chunk(seg, ctx, grads, lo, hi, j, final=False)
+                        del ctx
+                finally:
+                    for p in frozen:
+                        p.requires_grad = True
+                st.end_collect()
+            for lo, hi in self.spans:
+                _, ctx = self._forward_chunk(seg, env, lo, hi, order, seg.a)
+                self._backward_chunk(seg, ctx, grads, lo, hi, seg.a, final=True)
+                del ctx
+            for j in seg.bns:
+                self.prog.batchnorm_grads(self.nodes[j], self.stats[j])
+            for t in seg.outputs:
+                grads.pop(t, None)
+            done = 2 * n - seg.a
+            for t in [t for t in env if t in ends and ends[t] <= done]:
+                del env[t]
+            self.update(seg.a, seg.b)
