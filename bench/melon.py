@@ -394,6 +394,31 @@ def run_model(kind: str, budget: int, onnx_path: str, rounds: int, probes: tuple
     return r
 
 
+def exported_mobilenet(tmp: str) -> str:
+    """The benchmark's MobileNetV2 as ONNX, exported once per zoo source and torch version into
+    ``$STREAMFLOW_BENCH_CACHE`` (default ``~/.cache/streamflow/bench``): the export is deterministic
+    (seeded weights), and skipping it spares the parent a torch import."""
+    import hashlib
+    import importlib.metadata
+    import shutil
+
+    zoo = os.path.join(ROOT, "tests", "engine", "engine_zoo.py")
+    with open(zoo, "rb") as f:
+        key = hashlib.sha256(f.read() + f"{WIDTH}-{SIZE}-{CLASSES}-{importlib.metadata.version('torch')}".encode())
+    cache = os.environ.get("STREAMFLOW_BENCH_CACHE", os.path.expanduser("~/.cache/streamflow/bench"))
+    cached = os.path.join(cache, f"mobilenetv2-{key.hexdigest()[:16]}.onnx")
+    if not os.path.exists(cached):
+        sys.path.insert(0, os.path.dirname(zoo))
+        import engine_zoo
+
+        fresh = engine_zoo.export(engine_zoo.build("mobilenetv2", width=WIDTH, classes=CLASSES),
+                                  os.path.join(tmp, "m.onnx"), size=SIZE, fold=False)
+        os.makedirs(cache, exist_ok=True)
+        shutil.copyfile(fresh, cached + ".part")
+        os.replace(cached + ".part", cached)
+    return cached
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one budget, fewer rounds (< 60 s)")
@@ -413,11 +438,7 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"cpu_count": os.cpu_count(), "threads": 1, "budgets_mb": [b // MB for b in budgets],
                      "size": SIZE, "width": WIDTH, "quick": args.quick, "loadavg_1m_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory() as tmp:
-        sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
-        import engine_zoo
-
-        path = engine_zoo.export(engine_zoo.build("mobilenetv2", width=WIDTH, classes=CLASSES),
-                                 os.path.join(tmp, "m.onnx"), size=SIZE, fold=False)
+        path = exported_mobilenet(tmp)
         print(f"exported MobileNetV2 ({time.perf_counter() - started:.1f} s)", flush=True)
         peaks, traced, calibrations = [], [], {}
         baselines = None
