@@ -39,6 +39,7 @@ from bench.engine import ROOT  # noqa: E402
 
 SIZE, WIDTH, CLASSES = 96, 0.35, 1000
 MB = 2**20
+PROBES = {"mnv2": (2, 6), "vgg": (8, 32)}  # batches at which the baselines' RSS growth is measured
 
 
 def vgg_graph(seed: int = 0):
@@ -175,13 +176,24 @@ def child(framework: str, kind: str, batches: list[int], onnx_path: str, plan_fi
             result["traced_peak"] = tracemalloc.get_traced_memory()[1] - base
             tracemalloc.stop()
     else:
-        x, labels = batch_data(2, shape, classes)
-        step = vanilla_step_fn(graph, x, labels)[0] if framework == "vanilla" else torch_step_fn(kind, x, labels)
-        step(x, labels)
-        for batch in batches:  # smallest first: each step's growth is above what the previous one freed
-            x, labels = batch_data(batch, shape, classes)
-            result["rss_growth"].append(exact_peak_rss_growth(lambda x=x, labels=labels: step(x, labels)))
+        result["rss_growth"] = baseline_growth(framework, kind, batches, onnx_path)
     print(json.dumps(result))
+
+
+def baseline_growth(framework: str, kind: str, batches: list[int], onnx_path: str) -> list[int]:
+    """Peak RSS growth of today's trainer's or PyTorch's step at each of ``batches`` (after a
+    warm-up step at batch 2), in this process."""
+    from bench.engine import exact_peak_rss_growth
+
+    graph, shape, classes = load(kind, onnx_path)
+    x, labels = batch_data(2, shape, classes)
+    step = vanilla_step_fn(graph, x, labels)[0] if framework == "vanilla" else torch_step_fn(kind, x, labels)
+    step(x, labels)
+    growth = []
+    for batch in batches:  # smallest first: each step's growth is above what the previous one freed
+        x, labels = batch_data(batch, shape, classes)
+        growth.append(exact_peak_rss_growth(lambda x=x, labels=labels: step(x, labels)))
+    return growth
 
 
 def measure(framework: str, kind: str, batches: list[int], onnx_path: str, plan_file: str = "-",
@@ -196,11 +208,11 @@ def measure(framework: str, kind: str, batches: list[int], onnx_path: str, plan_
 
 
 def linear_max_batch(framework: str, kind: str, budget: int, onnx_path: str, probes: tuple[int, int],
-                     one_process: bool) -> int:
+                     measured: dict | None = None) -> int:
     """Largest batch whose extrapolated RSS growth fits ``budget`` (growth measured at two batches,
-    each in a fresh process, or both in one)."""
-    if one_process:
-        a, b = measure(framework, kind, list(probes), onnx_path)["rss_growth"]
+    each in a fresh process, unless ``measured`` already holds them: framework -> kind -> growths)."""
+    if measured is not None:
+        a, b = measured[framework][kind]
     else:
         a, b = (measure(framework, kind, [p], onnx_path)["rss_growth"][0] for p in probes)
     slope = max((b - a) / (probes[1] - probes[0]), 1.0)
@@ -335,14 +347,14 @@ def budget_change(kind: str, onnx_path: str, batch: int, budgets: list[int], cal
 
 
 def run_model(kind: str, budget: int, onnx_path: str, rounds: int, probes: tuple[int, int], quick: bool,
-              calibrations: dict) -> dict:
+              calibrations: dict, baselines: dict | None) -> dict:
     import pickle
 
     r: dict = {}
     t0 = time.perf_counter()
-    vanilla = linear_max_batch("vanilla", kind, budget, onnx_path, probes, one_process=quick)
+    vanilla = linear_max_batch("vanilla", kind, budget, onnx_path, probes, baselines)
     t1 = time.perf_counter()
-    torch_max = linear_max_batch("torch", kind, budget, onnx_path, probes, one_process=quick)
+    torch_max = linear_max_batch("torch", kind, budget, onnx_path, probes, baselines)
     t2 = time.perf_counter()
     cap = 8 * max(vanilla, 1)
     ours, trainer = ours_max_batch(kind, budget, onnx_path, max(vanilla, 1), cap,
@@ -382,6 +394,31 @@ def run_model(kind: str, budget: int, onnx_path: str, rounds: int, probes: tuple
     return r
 
 
+def exported_mobilenet(tmp: str) -> str:
+    """The benchmark's MobileNetV2 as ONNX, exported once per zoo source and torch version into
+    ``$STREAMFLOW_BENCH_CACHE`` (default ``~/.cache/streamflow/bench``): the export is deterministic
+    (seeded weights), and skipping it spares the parent a torch import."""
+    import hashlib
+    import importlib.metadata
+    import shutil
+
+    zoo = os.path.join(ROOT, "tests", "engine", "engine_zoo.py")
+    with open(zoo, "rb") as f:
+        key = hashlib.sha256(f.read() + f"{WIDTH}-{SIZE}-{CLASSES}-{importlib.metadata.version('torch')}".encode())
+    cache = os.environ.get("STREAMFLOW_BENCH_CACHE", os.path.expanduser("~/.cache/streamflow/bench"))
+    cached = os.path.join(cache, f"mobilenetv2-{key.hexdigest()[:16]}.onnx")
+    if not os.path.exists(cached):
+        sys.path.insert(0, os.path.dirname(zoo))
+        import engine_zoo
+
+        fresh = engine_zoo.export(engine_zoo.build("mobilenetv2", width=WIDTH, classes=CLASSES),
+                                  os.path.join(tmp, "m.onnx"), size=SIZE, fold=False)
+        os.makedirs(cache, exist_ok=True)
+        shutil.copyfile(fresh, cached + ".part")
+        os.replace(cached + ".part", cached)
+    return cached
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one budget, fewer rounds (< 60 s)")
@@ -389,6 +426,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.child:
         fw, kind, batches, path, plan_file = args.child
+        if "+" in kind:  # several models' baseline probes: {kind: growths}
+            print(json.dumps({"rss_growth": {k: baseline_growth(fw, k, list(PROBES[k]), path)
+                                             for k in kind.split("+")}}))
+            return {}
         child(fw, kind, [int(b) for b in batches.split(",")], path, plan_file, args.quick)
         return {}
     budgets = [64 * MB] if args.quick else [64 * MB, 128 * MB]
@@ -397,16 +438,15 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"cpu_count": os.cpu_count(), "threads": 1, "budgets_mb": [b // MB for b in budgets],
                      "size": SIZE, "width": WIDTH, "quick": args.quick, "loadavg_1m_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory() as tmp:
-        sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
-        import engine_zoo
-
-        path = engine_zoo.export(engine_zoo.build("mobilenetv2", width=WIDTH, classes=CLASSES),
-                                 os.path.join(tmp, "m.onnx"), size=SIZE, fold=False)
+        path = exported_mobilenet(tmp)
         print(f"exported MobileNetV2 ({time.perf_counter() - started:.1f} s)", flush=True)
         peaks, traced, calibrations = [], [], {}
+        baselines = None
+        if args.quick:  # each framework's probes of both models in one process (one import of torch)
+            baselines = {fw: measure(fw, "+".join(PROBES), [0], path)["rss_growth"] for fw in ("vanilla", "torch")}
         for budget in budgets:
-            for kind, probes in (("mnv2", (2, 6)), ("vgg", (8, 32))):
-                r = run_model(kind, budget, path, rounds, probes, args.quick, calibrations)
+            for kind, probes in PROBES.items():
+                r = run_model(kind, budget, path, rounds, probes, args.quick, calibrations, baselines)
                 for k, v in r.items():
                     results[f"{kind}_{budget // MB}mb_{k}"] = v
                 peaks.append(r["peak_over_budget"])

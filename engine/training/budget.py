@@ -97,6 +97,7 @@ def split_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int,
     while True:
         gains = sorted(((_split_gain(prog, plan.batch, stream, q)[0], q) for q in range(1, stream.end)
                         if q in cuts and q not in stream.borders), reverse=True)
+        accepted = None
         for gain, q in gains[:tries]:
             if gain <= 0:
                 break
@@ -105,12 +106,11 @@ def split_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int,
                                      stream=trial)
             if int(live_profile(candidate.buffers, 2 * len(prog.cal.nodes) + 1).max()) + candidate.pinned_bytes \
                     <= budget:
-                stream = trial
+                accepted = trial
                 break
-        else:
+        if accepted is None:
             break
-        if not gains or gains[0][0] <= 0:
-            break
+        stream = accepted
     if stream == plan.stream:
         return plan
     full = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, stream=stream)

@@ -12,8 +12,8 @@ A plan may stream its first nodes in chunks of rows with the whole batch's Batch
 the backward of its first user), so gradients do not pile up until the end of the step.
 
 The executor frees each array at the step where its planned lifetime ends; the budget covers what a
-step adds beyond the model's weights: activations, saved contexts, gradients, per-step scratch and
-the optimizer state.
+step adds beyond the model's weights and the input batch (the caller's): activations, saved
+contexts, gradients, per-step scratch and the optimizer state.
 """
 
 from __future__ import annotations
@@ -391,7 +391,7 @@ def plan_program(prog: Program, batch: int, dropped: frozenset[int], micro_batch
         users = consumers.get(t, ())
         if streamed and i is not None and t != prog.output and all(seg_of.get(j) == seg_of[i] for j in users):
             continue  # lives one chunk at a time inside its segment (its working set)
-        size = out_b[i] if i is not None else int(np.prod(prog.sample_shape)) * 4 * m
+        size = out_b[i] if i is not None else 0  # the input batch is the caller's array (read, never copied)
         start = (seg_of[i][0] if streamed else i) if i is not None else 0
         end = start
         redo_end = -1
