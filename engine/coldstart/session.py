@@ -44,6 +44,7 @@ from engine.coldstart.store import EntryStore
 from engine.format import graph_from_structure, graph_structure, save_model
 from engine.ir import Graph
 from engine.kernels import Kernel, NodeCtx, accel, aot
+from engine.layout import to_nchwc
 from engine.memory.loader import ModelFileError, WeightLoader
 from engine.passes import optimize
 from engine.plan import StepPlan, compile_plan, prepare_step
@@ -51,7 +52,7 @@ from engine.session import BoundPlan, InferenceSession, load_graph
 from engine.tuning import calibrate
 
 HASH_CHUNK = 1 << 20
-LAZY_OPS = {"Conv", "Gemm", "MatMul"}  # their weights (inputs >= 1) are only read by the kernels
+LAZY_OPS = {"Conv", "NchwcConv", "NchwcDepthwiseConv", "Gemm", "MatMul"}  # weights (inputs >= 1) only kernels read
 LAZY_MIN_BYTES = 4096  # smaller weights are read with the header
 
 
@@ -115,6 +116,7 @@ class ColdSession(InferenceSession):
         self._pending: dict[str, np.ndarray] = {}  # big weights still on disk: name -> buffer to read into
         self.model_digest = (graph_digest(model) if isinstance(model, Graph)
                              else file_digest(model, self.store))
+        self._blocked = accel.available() and not kernels  # forced kernels are NCHW kernels
         graph = self._optimized_graph(model)
         accel.load_ahead_of_time(self.store.root)  # numba's loops without numba, if built for this machine
         super().__init__(graph, threads=threads, kernels=kernels, calibration=calibrate(self.store.root),
@@ -130,8 +132,10 @@ class ColdSession(InferenceSession):
 
     def _optimized_graph(self, model: Graph | str | os.PathLike) -> Graph:
         """The optimised graph: from the cache (an engine model file; big weights are read layer by
-        layer by :meth:`prepare`), or built from ``model`` and cached."""
-        self._graph_key = f"graph-{self.model_digest}-{engine_version()}"
+        layer by :meth:`prepare`), or built from ``model`` and cached. With numba installed it is in
+        the channel-blocked layout (:mod:`engine.layout`), its weights packed as the kernels read them."""
+        layout = "nchwc" if self._blocked else "nchw"
+        self._graph_key = f"graph-{self.model_digest}-{engine_version()}-{layout}"
         path = self.store.file(self._graph_key, ".sfe")
         if path is not None:
             try:
@@ -143,6 +147,8 @@ class ColdSession(InferenceSession):
 
     def _build_graph(self, model: Graph | str | os.PathLike) -> Graph:
         graph = optimize(load_graph(model))
+        if self._blocked:
+            graph = to_nchwc(graph)
         with contextlib.suppress(OSError):  # a read-only cache costs the next cold start this work
             self.store.put_file(self._graph_key, ".sfe", lambda tmp: save_model(graph, tmp))
         self._loader, self._pending = None, {}

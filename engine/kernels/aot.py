@@ -32,13 +32,18 @@ from types import ModuleType
 
 MODULE = "sf_engine_aot"
 STALE_LOCK_S = 600.0  # a build lock older than this belonged to a build that died
-A1, A2, A3 = "f4[::1]", "f4[:,::1]", "f4[:,:,::1]"
+A1, A2, A3, A4, A6 = "f4[::1]", "f4[:,::1]", "f4[:,:,::1]", "f4[:,:,:,::1]", "f4[:,:,:,:,:,::1]"
+BLOCKED = f"void({A4}, {A6}, {A2}, {A4}, b1, {A4}, i8, i8, i8, i8, i8, i8, i8, f8, f8)"
 SIGNATURES = {
     "bias_act": f"void({A2}, {A1}, {A2}, b1, b1, i8, f8, f8)",
     "depthwise_taps": "i8[:,::1](i8, i8, i8, i8, i8, i8)",
     "depthwise": f"void({A3}, {A3}, {A1}, {A3}, b1, {A3}, {A3}, i8[:,::1], i8, i8, i8, i8, i8, f8, f8)",
     "winograd23_in": f"void({A3}, {A3}, i8, i8, i8, i8)",
     "winograd23_out": f"void({A3}, {A3}, {A1}, {A3}, b1, i8, i8, i8, f8, f8)",
+    "conv_b16": BLOCKED,
+    "conv_b1": BLOCKED,
+    "depthwise_b16": f"void({A4}, {A4}, {A2}, {A4}, b1, {A4}, i8, i8, i8, i8, i8, i8, i8, f8, f8)",
+    "maxpool_b16": f"void({A4}, {A4}, i8, i8, i8, i8, i8, i8, i8, i8)",
 }
 
 

@@ -276,7 +276,8 @@ def test_cold_process_plans_without_numba_and_switches_to_it(cache):
 
     cold, warm, numba_loaded, err = json.loads(out.strip().splitlines()[-1])
     assert err == "None"
-    assert "depthwise_numba" not in cold and "depthwise_numba" in warm
+    # the blocked layout's depthwise conv: numpy for the first output, the numba loop once warm
+    assert "nchwc_depthwise_numpy" in cold and "nchwc_depthwise" not in cold and "nchwc_depthwise" in warm
     assert not numba_loaded
 
 
@@ -327,7 +328,7 @@ def test_cold_process_with_aot_loops_matches_warm_without_numba(cache, tmp_path)
 
     err, kernels, numba_imported = json.loads(out.strip().splitlines()[-1])
     assert err <= TOL
-    assert "depthwise_numba" in kernels
+    assert "nchwc_depthwise" in kernels and "nchwc_conv" in kernels  # the compiled blocked loops
     assert not numba_imported
 
 
