@@ -120,8 +120,6 @@ def _warm(jit: ModuleType) -> None:
     xb = np.zeros((1, 3, 3, 16), np.float32)
     yb = np.zeros((1, 3, 3, 16), np.float32)
     bb = np.zeros((1, 16), np.float32)
-    jit.conv_b16(xb, np.zeros((1, 1, 1, 1, 16, 16), np.float32), bb, yb, False, yb, 1, 1, 0, 0, 1, 1, 0, 0.0, 0.0)
-    jit.conv_b1(np.zeros((3, 3, 3, 1), np.float32), np.zeros((1, 3, 1, 1, 1, 16), np.float32), bb, yb, False, yb,
-                1, 1, 0, 0, 1, 1, 0, 0.0, 0.0)
-    jit.depthwise_b16(xb, np.zeros((1, 1, 1, 16), np.float32), bb, yb, False, yb, 1, 1, 0, 0, 1, 1, 0, 0.0, 0.0)
-    jit.maxpool_b16(xb, yb, 1, 1, 1, 1, 0, 0, 1, 1)
+    jit.nchwc_conv(xb, np.zeros((1, 1, 1, 1, 16, 16), np.float32), bb, yb, False, yb, 1, 1, 0, 0, 1, 1, 0, 0.0, 0.0)
+    jit.nchwc_depthwise(xb, np.zeros((1, 1, 1, 16), np.float32), bb, yb, False, yb, 1, 1, 0, 0, 1, 1, 0, 0.0, 0.0)
+    jit.nchwc_maxpool(xb, yb, 1, 1, 1, 1, 0, 0, 1, 1)

@@ -40,10 +40,9 @@ SIGNATURES = {
     "depthwise": f"void({A3}, {A3}, {A1}, {A3}, b1, {A3}, {A3}, i8[:,::1], i8, i8, i8, i8, i8, f8, f8)",
     "winograd23_in": f"void({A3}, {A3}, i8, i8, i8, i8)",
     "winograd23_out": f"void({A3}, {A3}, {A1}, {A3}, b1, i8, i8, i8, f8, f8)",
-    "conv_b16": BLOCKED,
-    "conv_b1": BLOCKED,
-    "depthwise_b16": f"void({A4}, {A4}, {A2}, {A4}, b1, {A4}, i8, i8, i8, i8, i8, i8, i8, f8, f8)",
-    "maxpool_b16": f"void({A4}, {A4}, i8, i8, i8, i8, i8, i8, i8, i8)",
+    "nchwc_conv": BLOCKED,
+    "nchwc_depthwise": f"void({A4}, {A4}, {A2}, {A4}, b1, {A4}, i8, i8, i8, i8, i8, i8, i8, f8, f8)",
+    "nchwc_maxpool": f"void({A4}, {A4}, i8, i8, i8, i8, i8, i8, i8, i8)",
 }
 
 

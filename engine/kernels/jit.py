@@ -228,4 +228,4 @@ def depthwise_backward(x, g, w, dx, dw_, taps, sh, sw, pt, pl, dh, dil_w):  # pr
 
 
 # The channel-blocked loops live in a generated module that uses _act_row above (imported last).
-from engine.kernels.nchwc_loops import conv_b1, conv_b16, depthwise_b16, maxpool_b16  # noqa: E402, F401
+from engine.kernels.nchwc_loops import nchwc_conv, nchwc_depthwise, nchwc_maxpool  # noqa: E402, F401

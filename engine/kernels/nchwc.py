@@ -3,7 +3,7 @@
 
 Why: in NCHW a 1x1 conv is a GEMM on short rows and a depthwise conv a per-channel stencil; with
 16 channels contiguous, every conv tap is a 16-lane vector multiply-add, and the dense conv keeps a
-register tile of 4 pixels x 32 output channels (:mod:`engine.kernels.nchwc_gen`). No im2col, no
+register tile of 4 pixels x 64 output channels (:mod:`engine.kernels.nchwc_gen`). No im2col, no
 padded copies, bias/residual/activation in the same pass.
 
 The numba loops (``needs_jit``) are the warm kernels; each op also has a numpy kernel (correct,
@@ -176,7 +176,7 @@ def _pad_image(img: np.ndarray, buf: np.ndarray, g: BlockedGeom, value: float = 
 # --- kernels ---------------------------------------------------------------------------------------
 class NchwcConv(Kernel):
     """Dense conv on blocked activations (or on plain NCHW input for a stem with few channels),
-    bias, residual and activation fused: the numba loop :func:`nchwc_loops.conv_b16`/``conv_b1``."""
+    bias, residual and activation fused: the numba loop :func:`nchwc_loops.nchwc_conv`."""
 
     name, ops = "nchwc_conv", ("NchwcConv",)
     needs_jit = True
@@ -193,7 +193,7 @@ class NchwcConv(Kernel):
 
     def bind(self, ctx, params, ins, outs, scratch) -> Step:
         loops, g = accel.loops(), _geom(ctx)
-        fn = loops.conv_b16 if g.input_block == B else loops.conv_b1
+        fn = loops.nchwc_conv
         code, p0, p1 = _act(ctx)
         r = _residual(ctx, ins)
         w, b = _loop_array(params["w"]), _loop_array(params["b"])
@@ -279,7 +279,7 @@ class NchwcDepthwise(Kernel):
         w, b = _loop_array(params["w"]), _loop_array(params["b"])
         calls = [(ins[0][n], w, b, r[n] if r is not None else outs[0][n], r is not None, outs[0][n], *g.loop_args,
                   code, p0, p1) for n in range(g.n)]
-        return _each(loops.depthwise_b16, calls)
+        return _each(loops.nchwc_depthwise, calls)
 
 
 class NchwcDepthwiseNumpy(NchwcDepthwise):
@@ -335,7 +335,7 @@ class NchwcMaxPool(Kernel):
 
     def bind(self, ctx, params, ins, outs, scratch) -> Step:
         loops, g = accel.loops(), _geom(ctx)
-        return _each(loops.maxpool_b16, [(ins[0][n], outs[0][n], g.kh, g.kw, *g.loop_args) for n in range(g.n)])
+        return _each(loops.nchwc_maxpool, [(ins[0][n], outs[0][n], g.kh, g.kw, *g.loop_args) for n in range(g.n)])
 
 
 class NchwcMaxPoolNumpy(NchwcMaxPool):
