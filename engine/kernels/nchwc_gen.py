@@ -77,22 +77,11 @@ def interior(wd, ow_n, kw_n, sw, pl, dw):  # pragma: no cover - compiled
     hi = min(hi, ow_n)
     lo = min(lo, ow_n)
     return lo, max(lo, hi)
-
-
-@numba.njit(cache=True, nogil=True)
-def activate_rows(y, code, p0, p1):  # pragma: no cover - compiled
-    """The fused activation over a (C/B, OH, OW, B) output, one contiguous row at a time."""
-    if code == 0:
-        return
-    cb_n, oh_n, ow_n, lanes = y.shape
-    for cb in range(cb_n):
-        for oh in range(oh_n):
-            _act_row(y[cb, oh].reshape(ow_n * lanes), code, p0, p1)
 '''
 
 # "contract" lets LLVM fuse each multiply-add into one FMA; no other fast-math (maxpool compares -inf).
 JIT = "@numba.njit(cache=True, nogil=True, fastmath={\"contract\"}, error_model=\"numpy\")"
-ROW_ARGS = "x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, dw"
+ROW_ARGS = "x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, dw, code, p0, p1"
 
 
 class Code:
@@ -122,11 +111,20 @@ def _lanes(c: Code, fmt: str) -> None:
         c(fmt.format(l=lane))
 
 
-def _guarded_columns(c: Code, tile: int) -> None:
-    """Per pixel of a border tile: its input column clamped into the row and whether it is real."""
+def _pixel_taps(c: Code, tile: int, checked: bool, lines: str) -> None:
+    """The tap's ``lines`` (``{t}`` for the pixel) per pixel of a tile, reading ``xv``; a border tile
+    skips the pixels whose column falls in the padding or past the row (a branch per pixel: a select
+    per lane would cost 16x more)."""
     for t in range(tile):
-        c(f"i{t} = iw + {t} * sw", f"ok{t} = i{t} >= 0 and i{t} < wd and ow + {t} < ow_n",
-          f"if not ok{t}:", f"    i{t} = 0")
+        pad = ""
+        if checked:
+            c(f"i = iw + {t} * sw", "if i >= 0 and i < wd:")
+            pad = "    "
+            c(pad + "xv = xrow[i]")
+        else:
+            c(f"xv = xrow[iw + {t} * sw]")
+        for line in lines:
+            _lanes(c, pad + line.replace("{t}", str(t)))
 
 
 def _store_scalars(c: Code, tile: int, checked: bool, residual: bool) -> None:
@@ -167,8 +165,6 @@ def conv(tiles: tuple[tuple[int, int], ...] = CONV_TILES, name: str = "nchwc_con
         c.indent()
         c("for oh in range(oh_n):", f"    _{name}_row{nb}({ROW_ARGS})", f"cb0 += {nb}")
         c.dedent()
-    c.dedent()
-    c("activate_rows(y, code, p0, p1)")
     return "\n\n".join(parts) + "\n\n" + c.text()
 
 
@@ -219,8 +215,8 @@ def _conv_row(tile: int, nb: int, name: str) -> str:
         c.indent()
         c(f"col = ow + {QUAD * q} + t", "if col >= ow_n:", "    break")
         c("if has_r:", f"    rv = r[cb0 + {j}, oh, col]", f"    for l in range({B}):",
-          f"        a{j}{q}[t, l] += rv[l]", f"dst = y[cb0 + {j}, oh, col]", f"for l in range({B}):",
-          f"    dst[l] = a{j}{q}[t, l]")
+          f"        a{j}{q}[t, l] += rv[l]", f"_act_row(a{j}{q}[t], code, p0, p1)  # in registers, before the store",
+          f"dst = y[cb0 + {j}, oh, col]", f"for l in range({B}):", f"    dst[l] = a{j}{q}[t, l]")
         c.dedent()
     return c.text()
 
@@ -234,7 +230,7 @@ def depthwise(tile: int = DW_TILE) -> str:
     c.indent()
     c('"""y (C/B, OH, OW, B) = act(depthwise(x (C/B, H, W, B), w (C/B, KH, KW, B)) + b + r)."""',
       "cb_n, oh_n, ow_n, _ = y.shape", "_, h, wd, _ = x.shape", "kh_n, kw_n = w.shape[1], w.shape[2]",
-      "lo, hi = interior(wd, ow_n, kw_n, sw, pl, dw)", "zero = np.float32(0.0)", "for cb0 in range(cb_n):")
+      "lo, hi = interior(wd, ow_n, kw_n, sw, pl, dw)", "for cb0 in range(cb_n):")
     c.indent()
     c("bb = b[cb0]", "for oh in range(oh_n):")
     c.indent()
@@ -250,17 +246,14 @@ def depthwise(tile: int = DW_TILE) -> str:
         c("ih = ih0 + kh * dh", "if ih < 0 or ih >= h:", "    continue", "xrow = x[cb0, ih]", "for kw in range(kw_n):")
         c.indent()
         c("v = w[cb0, kh, kw]", "iw = ow * sw - pl + kw * dw")
-        if checked:
-            _guarded_columns(c, tile)
         _lanes(c, "w{l} = v[{l}]")
-        for t in range(tile):
-            c(f"xv = xrow[i{t}]" if checked else f"xv = xrow[iw + {t} * sw]")
-            _lanes(c, f"a{t}_{{l}} += " + (f"(xv[{{l}}] if ok{t} else zero)" if checked else "xv[{l}]") + " * w{l}")
+        _pixel_taps(c, tile, checked, ["a{t}_{l} += xv[{l}] * w{l}"])
         c.depth -= 2
         _store_scalars(c, tile, checked, residual=True)
         c.dedent()
-    c.depth -= 3
-    c("activate_rows(y, code, p0, p1)")
+    c.dedent()
+    c("_act_row(y[cb0, oh].reshape(ow_n * B), code, p0, p1)  # while the row is in cache")
+    c.depth -= 2
     return c.text()
 
 
@@ -287,12 +280,7 @@ def maxpool(tile: int = DW_TILE) -> str:
         c("ih = ih0 + kh * dh", "if ih < 0 or ih >= h:", "    continue", "xrow = x[cb0, ih]", "for kw in range(kw_n):")
         c.indent()
         c("iw = ow * sw - pl + kw * dw")
-        if checked:
-            _guarded_columns(c, tile)
-        for t in range(tile):
-            c(f"xv = xrow[i{t}]" if checked else f"xv = xrow[iw + {t} * sw]")
-            value = f"(xv[{{l}}] if ok{t} else ninf)" if checked else "xv[{l}]"
-            _lanes(c, f"a{t}_{{l}} = max(a{t}_{{l}}, {value})")
+        _pixel_taps(c, tile, checked, ["a{t}_{l} = max(a{t}_{l}, xv[{l}])"])
         c.depth -= 2
         _store_scalars(c, tile, checked, residual=False)
         c.dedent()

@@ -42,19 +42,8 @@ def interior(wd, ow_n, kw_n, sw, pl, dw):  # pragma: no cover - compiled
     return lo, max(lo, hi)
 
 
-@numba.njit(cache=True, nogil=True)
-def activate_rows(y, code, p0, p1):  # pragma: no cover - compiled
-    """The fused activation over a (C/B, OH, OW, B) output, one contiguous row at a time."""
-    if code == 0:
-        return
-    cb_n, oh_n, ow_n, lanes = y.shape
-    for cb in range(cb_n):
-        for oh in range(oh_n):
-            _act_row(y[cb, oh].reshape(ow_n * lanes), code, p0, p1)
-
-
 @numba.njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
-def _nchwc_conv_row4(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, dw):  # pragma: no cover - compiled
+def _nchwc_conv_row4(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, dw, code, p0, p1):  # pragma: no cover - compiled
     """Output row ``oh`` of blocks ``cb0`` .. ``cb0 + 3``, 4 pixels at a time."""
     cbi_n, h, wd, bl = x.shape
     kh_n, kw_n = w.shape[2], w.shape[3]
@@ -159,6 +148,7 @@ def _nchwc_conv_row4(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 0, oh, col]
                 for l in range(16):
                     a00[t, l] += rv[l]
+            _act_row(a00[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 0, oh, col]
             for l in range(16):
                 dst[l] = a00[t, l]
@@ -170,6 +160,7 @@ def _nchwc_conv_row4(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 1, oh, col]
                 for l in range(16):
                     a10[t, l] += rv[l]
+            _act_row(a10[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 1, oh, col]
             for l in range(16):
                 dst[l] = a10[t, l]
@@ -181,6 +172,7 @@ def _nchwc_conv_row4(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 2, oh, col]
                 for l in range(16):
                     a20[t, l] += rv[l]
+            _act_row(a20[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 2, oh, col]
             for l in range(16):
                 dst[l] = a20[t, l]
@@ -192,13 +184,14 @@ def _nchwc_conv_row4(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 3, oh, col]
                 for l in range(16):
                     a30[t, l] += rv[l]
+            _act_row(a30[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 3, oh, col]
             for l in range(16):
                 dst[l] = a30[t, l]
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
-def _nchwc_conv_row2(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, dw):  # pragma: no cover - compiled
+def _nchwc_conv_row2(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, dw, code, p0, p1):  # pragma: no cover - compiled
     """Output row ``oh`` of blocks ``cb0`` .. ``cb0 + 1``, 8 pixels at a time."""
     cbi_n, h, wd, bl = x.shape
     kh_n, kw_n = w.shape[2], w.shape[3]
@@ -295,6 +288,7 @@ def _nchwc_conv_row2(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 0, oh, col]
                 for l in range(16):
                     a00[t, l] += rv[l]
+            _act_row(a00[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 0, oh, col]
             for l in range(16):
                 dst[l] = a00[t, l]
@@ -306,6 +300,7 @@ def _nchwc_conv_row2(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 0, oh, col]
                 for l in range(16):
                     a01[t, l] += rv[l]
+            _act_row(a01[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 0, oh, col]
             for l in range(16):
                 dst[l] = a01[t, l]
@@ -317,6 +312,7 @@ def _nchwc_conv_row2(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 1, oh, col]
                 for l in range(16):
                     a10[t, l] += rv[l]
+            _act_row(a10[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 1, oh, col]
             for l in range(16):
                 dst[l] = a10[t, l]
@@ -328,13 +324,14 @@ def _nchwc_conv_row2(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 1, oh, col]
                 for l in range(16):
                     a11[t, l] += rv[l]
+            _act_row(a11[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 1, oh, col]
             for l in range(16):
                 dst[l] = a11[t, l]
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
-def _nchwc_conv_row1(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, dw):  # pragma: no cover - compiled
+def _nchwc_conv_row1(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, dw, code, p0, p1):  # pragma: no cover - compiled
     """Output row ``oh`` of blocks ``cb0`` .. ``cb0 + 0``, 8 pixels at a time."""
     cbi_n, h, wd, bl = x.shape
     kh_n, kw_n = w.shape[2], w.shape[3]
@@ -403,6 +400,7 @@ def _nchwc_conv_row1(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 0, oh, col]
                 for l in range(16):
                     a00[t, l] += rv[l]
+            _act_row(a00[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 0, oh, col]
             for l in range(16):
                 dst[l] = a00[t, l]
@@ -414,6 +412,7 @@ def _nchwc_conv_row1(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 0, oh, col]
                 for l in range(16):
                     a01[t, l] += rv[l]
+            _act_row(a01[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 0, oh, col]
             for l in range(16):
                 dst[l] = a01[t, l]
@@ -429,17 +428,16 @@ def nchwc_conv(x, w, b, r, has_r, y, sh, sw, pt, pl, dh, dw, code, p0, p1):  # p
         left = cbo_n - cb0
         if left >= 4:
             for oh in range(oh_n):
-                _nchwc_conv_row4(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, dw)
+                _nchwc_conv_row4(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, dw, code, p0, p1)
             cb0 += 4
         elif left >= 2:
             for oh in range(oh_n):
-                _nchwc_conv_row2(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, dw)
+                _nchwc_conv_row2(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, dw, code, p0, p1)
             cb0 += 2
         else:
             for oh in range(oh_n):
-                _nchwc_conv_row1(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, dw)
+                _nchwc_conv_row1(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, dw, code, p0, p1)
             cb0 += 1
-    activate_rows(y, code, p0, p1)
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
@@ -449,7 +447,6 @@ def nchwc_depthwise(x, w, b, r, has_r, y, sh, sw, pt, pl, dh, dw, code, p0, p1):
     _, h, wd, _ = x.shape
     kh_n, kw_n = w.shape[1], w.shape[2]
     lo, hi = interior(wd, ow_n, kw_n, sw, pl, dw)
-    zero = np.float32(0.0)
     for cb0 in range(cb_n):
         bb = b[cb0]
         for oh in range(oh_n):
@@ -825,22 +822,6 @@ def nchwc_depthwise(x, w, b, r, has_r, y, sh, sw, pt, pl, dh, dw, code, p0, p1):
                         for kw in range(kw_n):
                             v = w[cb0, kh, kw]
                             iw = ow * sw - pl + kw * dw
-                            i0 = iw + 0 * sw
-                            ok0 = i0 >= 0 and i0 < wd and ow + 0 < ow_n
-                            if not ok0:
-                                i0 = 0
-                            i1 = iw + 1 * sw
-                            ok1 = i1 >= 0 and i1 < wd and ow + 1 < ow_n
-                            if not ok1:
-                                i1 = 0
-                            i2 = iw + 2 * sw
-                            ok2 = i2 >= 0 and i2 < wd and ow + 2 < ow_n
-                            if not ok2:
-                                i2 = 0
-                            i3 = iw + 3 * sw
-                            ok3 = i3 >= 0 and i3 < wd and ow + 3 < ow_n
-                            if not ok3:
-                                i3 = 0
                             w0 = v[0]
                             w1 = v[1]
                             w2 = v[2]
@@ -857,74 +838,82 @@ def nchwc_depthwise(x, w, b, r, has_r, y, sh, sw, pt, pl, dh, dw, code, p0, p1):
                             w13 = v[13]
                             w14 = v[14]
                             w15 = v[15]
-                            xv = xrow[i0]
-                            a0_0 += (xv[0] if ok0 else zero) * w0
-                            a0_1 += (xv[1] if ok0 else zero) * w1
-                            a0_2 += (xv[2] if ok0 else zero) * w2
-                            a0_3 += (xv[3] if ok0 else zero) * w3
-                            a0_4 += (xv[4] if ok0 else zero) * w4
-                            a0_5 += (xv[5] if ok0 else zero) * w5
-                            a0_6 += (xv[6] if ok0 else zero) * w6
-                            a0_7 += (xv[7] if ok0 else zero) * w7
-                            a0_8 += (xv[8] if ok0 else zero) * w8
-                            a0_9 += (xv[9] if ok0 else zero) * w9
-                            a0_10 += (xv[10] if ok0 else zero) * w10
-                            a0_11 += (xv[11] if ok0 else zero) * w11
-                            a0_12 += (xv[12] if ok0 else zero) * w12
-                            a0_13 += (xv[13] if ok0 else zero) * w13
-                            a0_14 += (xv[14] if ok0 else zero) * w14
-                            a0_15 += (xv[15] if ok0 else zero) * w15
-                            xv = xrow[i1]
-                            a1_0 += (xv[0] if ok1 else zero) * w0
-                            a1_1 += (xv[1] if ok1 else zero) * w1
-                            a1_2 += (xv[2] if ok1 else zero) * w2
-                            a1_3 += (xv[3] if ok1 else zero) * w3
-                            a1_4 += (xv[4] if ok1 else zero) * w4
-                            a1_5 += (xv[5] if ok1 else zero) * w5
-                            a1_6 += (xv[6] if ok1 else zero) * w6
-                            a1_7 += (xv[7] if ok1 else zero) * w7
-                            a1_8 += (xv[8] if ok1 else zero) * w8
-                            a1_9 += (xv[9] if ok1 else zero) * w9
-                            a1_10 += (xv[10] if ok1 else zero) * w10
-                            a1_11 += (xv[11] if ok1 else zero) * w11
-                            a1_12 += (xv[12] if ok1 else zero) * w12
-                            a1_13 += (xv[13] if ok1 else zero) * w13
-                            a1_14 += (xv[14] if ok1 else zero) * w14
-                            a1_15 += (xv[15] if ok1 else zero) * w15
-                            xv = xrow[i2]
-                            a2_0 += (xv[0] if ok2 else zero) * w0
-                            a2_1 += (xv[1] if ok2 else zero) * w1
-                            a2_2 += (xv[2] if ok2 else zero) * w2
-                            a2_3 += (xv[3] if ok2 else zero) * w3
-                            a2_4 += (xv[4] if ok2 else zero) * w4
-                            a2_5 += (xv[5] if ok2 else zero) * w5
-                            a2_6 += (xv[6] if ok2 else zero) * w6
-                            a2_7 += (xv[7] if ok2 else zero) * w7
-                            a2_8 += (xv[8] if ok2 else zero) * w8
-                            a2_9 += (xv[9] if ok2 else zero) * w9
-                            a2_10 += (xv[10] if ok2 else zero) * w10
-                            a2_11 += (xv[11] if ok2 else zero) * w11
-                            a2_12 += (xv[12] if ok2 else zero) * w12
-                            a2_13 += (xv[13] if ok2 else zero) * w13
-                            a2_14 += (xv[14] if ok2 else zero) * w14
-                            a2_15 += (xv[15] if ok2 else zero) * w15
-                            xv = xrow[i3]
-                            a3_0 += (xv[0] if ok3 else zero) * w0
-                            a3_1 += (xv[1] if ok3 else zero) * w1
-                            a3_2 += (xv[2] if ok3 else zero) * w2
-                            a3_3 += (xv[3] if ok3 else zero) * w3
-                            a3_4 += (xv[4] if ok3 else zero) * w4
-                            a3_5 += (xv[5] if ok3 else zero) * w5
-                            a3_6 += (xv[6] if ok3 else zero) * w6
-                            a3_7 += (xv[7] if ok3 else zero) * w7
-                            a3_8 += (xv[8] if ok3 else zero) * w8
-                            a3_9 += (xv[9] if ok3 else zero) * w9
-                            a3_10 += (xv[10] if ok3 else zero) * w10
-                            a3_11 += (xv[11] if ok3 else zero) * w11
-                            a3_12 += (xv[12] if ok3 else zero) * w12
-                            a3_13 += (xv[13] if ok3 else zero) * w13
-                            a3_14 += (xv[14] if ok3 else zero) * w14
-                            a3_15 += (xv[15] if ok3 else zero) * w15
+                            i = iw + 0 * sw
+                            if i >= 0 and i < wd:
+                                xv = xrow[i]
+                                a0_0 += xv[0] * w0
+                                a0_1 += xv[1] * w1
+                                a0_2 += xv[2] * w2
+                                a0_3 += xv[3] * w3
+                                a0_4 += xv[4] * w4
+                                a0_5 += xv[5] * w5
+                                a0_6 += xv[6] * w6
+                                a0_7 += xv[7] * w7
+                                a0_8 += xv[8] * w8
+                                a0_9 += xv[9] * w9
+                                a0_10 += xv[10] * w10
+                                a0_11 += xv[11] * w11
+                                a0_12 += xv[12] * w12
+                                a0_13 += xv[13] * w13
+                                a0_14 += xv[14] * w14
+                                a0_15 += xv[15] * w15
+                            i = iw + 1 * sw
+                            if i >= 0 and i < wd:
+                                xv = xrow[i]
+                                a1_0 += xv[0] * w0
+                                a1_1 += xv[1] * w1
+                                a1_2 += xv[2] * w2
+                                a1_3 += xv[3] * w3
+                                a1_4 += xv[4] * w4
+                                a1_5 += xv[5] * w5
+                                a1_6 += xv[6] * w6
+                                a1_7 += xv[7] * w7
+                                a1_8 += xv[8] * w8
+                                a1_9 += xv[9] * w9
+                                a1_10 += xv[10] * w10
+                                a1_11 += xv[11] * w11
+                                a1_12 += xv[12] * w12
+                                a1_13 += xv[13] * w13
+                                a1_14 += xv[14] * w14
+                                a1_15 += xv[15] * w15
+                            i = iw + 2 * sw
+                            if i >= 0 and i < wd:
+                                xv = xrow[i]
+                                a2_0 += xv[0] * w0
+                                a2_1 += xv[1] * w1
+                                a2_2 += xv[2] * w2
+                                a2_3 += xv[3] * w3
+                                a2_4 += xv[4] * w4
+                                a2_5 += xv[5] * w5
+                                a2_6 += xv[6] * w6
+                                a2_7 += xv[7] * w7
+                                a2_8 += xv[8] * w8
+                                a2_9 += xv[9] * w9
+                                a2_10 += xv[10] * w10
+                                a2_11 += xv[11] * w11
+                                a2_12 += xv[12] * w12
+                                a2_13 += xv[13] * w13
+                                a2_14 += xv[14] * w14
+                                a2_15 += xv[15] * w15
+                            i = iw + 3 * sw
+                            if i >= 0 and i < wd:
+                                xv = xrow[i]
+                                a3_0 += xv[0] * w0
+                                a3_1 += xv[1] * w1
+                                a3_2 += xv[2] * w2
+                                a3_3 += xv[3] * w3
+                                a3_4 += xv[4] * w4
+                                a3_5 += xv[5] * w5
+                                a3_6 += xv[6] * w6
+                                a3_7 += xv[7] * w7
+                                a3_8 += xv[8] * w8
+                                a3_9 += xv[9] * w9
+                                a3_10 += xv[10] * w10
+                                a3_11 += xv[11] * w11
+                                a3_12 += xv[12] * w12
+                                a3_13 += xv[13] * w13
+                                a3_14 += xv[14] * w14
+                                a3_15 += xv[15] * w15
                     if ow + 0 < ow_n:
                         if has_r:
                             rv = r[cb0, oh, ow + 0]
@@ -1069,7 +1058,7 @@ def nchwc_depthwise(x, w, b, r, has_r, y, sh, sw, pt, pl, dh, dw, code, p0, p1):
                         dst[13] = a3_13
                         dst[14] = a3_14
                         dst[15] = a3_15
-    activate_rows(y, code, p0, p1)
+            _act_row(y[cb0, oh].reshape(ow_n * B), code, p0, p1)  # while the row is in cache
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
@@ -1363,90 +1352,82 @@ def nchwc_maxpool(x, y, kh_n, kw_n, sh, sw, pt, pl, dh, dw):  # pragma: no cover
                         xrow = x[cb0, ih]
                         for kw in range(kw_n):
                             iw = ow * sw - pl + kw * dw
-                            i0 = iw + 0 * sw
-                            ok0 = i0 >= 0 and i0 < wd and ow + 0 < ow_n
-                            if not ok0:
-                                i0 = 0
-                            i1 = iw + 1 * sw
-                            ok1 = i1 >= 0 and i1 < wd and ow + 1 < ow_n
-                            if not ok1:
-                                i1 = 0
-                            i2 = iw + 2 * sw
-                            ok2 = i2 >= 0 and i2 < wd and ow + 2 < ow_n
-                            if not ok2:
-                                i2 = 0
-                            i3 = iw + 3 * sw
-                            ok3 = i3 >= 0 and i3 < wd and ow + 3 < ow_n
-                            if not ok3:
-                                i3 = 0
-                            xv = xrow[i0]
-                            a0_0 = max(a0_0, (xv[0] if ok0 else ninf))
-                            a0_1 = max(a0_1, (xv[1] if ok0 else ninf))
-                            a0_2 = max(a0_2, (xv[2] if ok0 else ninf))
-                            a0_3 = max(a0_3, (xv[3] if ok0 else ninf))
-                            a0_4 = max(a0_4, (xv[4] if ok0 else ninf))
-                            a0_5 = max(a0_5, (xv[5] if ok0 else ninf))
-                            a0_6 = max(a0_6, (xv[6] if ok0 else ninf))
-                            a0_7 = max(a0_7, (xv[7] if ok0 else ninf))
-                            a0_8 = max(a0_8, (xv[8] if ok0 else ninf))
-                            a0_9 = max(a0_9, (xv[9] if ok0 else ninf))
-                            a0_10 = max(a0_10, (xv[10] if ok0 else ninf))
-                            a0_11 = max(a0_11, (xv[11] if ok0 else ninf))
-                            a0_12 = max(a0_12, (xv[12] if ok0 else ninf))
-                            a0_13 = max(a0_13, (xv[13] if ok0 else ninf))
-                            a0_14 = max(a0_14, (xv[14] if ok0 else ninf))
-                            a0_15 = max(a0_15, (xv[15] if ok0 else ninf))
-                            xv = xrow[i1]
-                            a1_0 = max(a1_0, (xv[0] if ok1 else ninf))
-                            a1_1 = max(a1_1, (xv[1] if ok1 else ninf))
-                            a1_2 = max(a1_2, (xv[2] if ok1 else ninf))
-                            a1_3 = max(a1_3, (xv[3] if ok1 else ninf))
-                            a1_4 = max(a1_4, (xv[4] if ok1 else ninf))
-                            a1_5 = max(a1_5, (xv[5] if ok1 else ninf))
-                            a1_6 = max(a1_6, (xv[6] if ok1 else ninf))
-                            a1_7 = max(a1_7, (xv[7] if ok1 else ninf))
-                            a1_8 = max(a1_8, (xv[8] if ok1 else ninf))
-                            a1_9 = max(a1_9, (xv[9] if ok1 else ninf))
-                            a1_10 = max(a1_10, (xv[10] if ok1 else ninf))
-                            a1_11 = max(a1_11, (xv[11] if ok1 else ninf))
-                            a1_12 = max(a1_12, (xv[12] if ok1 else ninf))
-                            a1_13 = max(a1_13, (xv[13] if ok1 else ninf))
-                            a1_14 = max(a1_14, (xv[14] if ok1 else ninf))
-                            a1_15 = max(a1_15, (xv[15] if ok1 else ninf))
-                            xv = xrow[i2]
-                            a2_0 = max(a2_0, (xv[0] if ok2 else ninf))
-                            a2_1 = max(a2_1, (xv[1] if ok2 else ninf))
-                            a2_2 = max(a2_2, (xv[2] if ok2 else ninf))
-                            a2_3 = max(a2_3, (xv[3] if ok2 else ninf))
-                            a2_4 = max(a2_4, (xv[4] if ok2 else ninf))
-                            a2_5 = max(a2_5, (xv[5] if ok2 else ninf))
-                            a2_6 = max(a2_6, (xv[6] if ok2 else ninf))
-                            a2_7 = max(a2_7, (xv[7] if ok2 else ninf))
-                            a2_8 = max(a2_8, (xv[8] if ok2 else ninf))
-                            a2_9 = max(a2_9, (xv[9] if ok2 else ninf))
-                            a2_10 = max(a2_10, (xv[10] if ok2 else ninf))
-                            a2_11 = max(a2_11, (xv[11] if ok2 else ninf))
-                            a2_12 = max(a2_12, (xv[12] if ok2 else ninf))
-                            a2_13 = max(a2_13, (xv[13] if ok2 else ninf))
-                            a2_14 = max(a2_14, (xv[14] if ok2 else ninf))
-                            a2_15 = max(a2_15, (xv[15] if ok2 else ninf))
-                            xv = xrow[i3]
-                            a3_0 = max(a3_0, (xv[0] if ok3 else ninf))
-                            a3_1 = max(a3_1, (xv[1] if ok3 else ninf))
-                            a3_2 = max(a3_2, (xv[2] if ok3 else ninf))
-                            a3_3 = max(a3_3, (xv[3] if ok3 else ninf))
-                            a3_4 = max(a3_4, (xv[4] if ok3 else ninf))
-                            a3_5 = max(a3_5, (xv[5] if ok3 else ninf))
-                            a3_6 = max(a3_6, (xv[6] if ok3 else ninf))
-                            a3_7 = max(a3_7, (xv[7] if ok3 else ninf))
-                            a3_8 = max(a3_8, (xv[8] if ok3 else ninf))
-                            a3_9 = max(a3_9, (xv[9] if ok3 else ninf))
-                            a3_10 = max(a3_10, (xv[10] if ok3 else ninf))
-                            a3_11 = max(a3_11, (xv[11] if ok3 else ninf))
-                            a3_12 = max(a3_12, (xv[12] if ok3 else ninf))
-                            a3_13 = max(a3_13, (xv[13] if ok3 else ninf))
-                            a3_14 = max(a3_14, (xv[14] if ok3 else ninf))
-                            a3_15 = max(a3_15, (xv[15] if ok3 else ninf))
+                            i = iw + 0 * sw
+                            if i >= 0 and i < wd:
+                                xv = xrow[i]
+                                a0_0 = max(a0_0, xv[0])
+                                a0_1 = max(a0_1, xv[1])
+                                a0_2 = max(a0_2, xv[2])
+                                a0_3 = max(a0_3, xv[3])
+                                a0_4 = max(a0_4, xv[4])
+                                a0_5 = max(a0_5, xv[5])
+                                a0_6 = max(a0_6, xv[6])
+                                a0_7 = max(a0_7, xv[7])
+                                a0_8 = max(a0_8, xv[8])
+                                a0_9 = max(a0_9, xv[9])
+                                a0_10 = max(a0_10, xv[10])
+                                a0_11 = max(a0_11, xv[11])
+                                a0_12 = max(a0_12, xv[12])
+                                a0_13 = max(a0_13, xv[13])
+                                a0_14 = max(a0_14, xv[14])
+                                a0_15 = max(a0_15, xv[15])
+                            i = iw + 1 * sw
+                            if i >= 0 and i < wd:
+                                xv = xrow[i]
+                                a1_0 = max(a1_0, xv[0])
+                                a1_1 = max(a1_1, xv[1])
+                                a1_2 = max(a1_2, xv[2])
+                                a1_3 = max(a1_3, xv[3])
+                                a1_4 = max(a1_4, xv[4])
+                                a1_5 = max(a1_5, xv[5])
+                                a1_6 = max(a1_6, xv[6])
+                                a1_7 = max(a1_7, xv[7])
+                                a1_8 = max(a1_8, xv[8])
+                                a1_9 = max(a1_9, xv[9])
+                                a1_10 = max(a1_10, xv[10])
+                                a1_11 = max(a1_11, xv[11])
+                                a1_12 = max(a1_12, xv[12])
+                                a1_13 = max(a1_13, xv[13])
+                                a1_14 = max(a1_14, xv[14])
+                                a1_15 = max(a1_15, xv[15])
+                            i = iw + 2 * sw
+                            if i >= 0 and i < wd:
+                                xv = xrow[i]
+                                a2_0 = max(a2_0, xv[0])
+                                a2_1 = max(a2_1, xv[1])
+                                a2_2 = max(a2_2, xv[2])
+                                a2_3 = max(a2_3, xv[3])
+                                a2_4 = max(a2_4, xv[4])
+                                a2_5 = max(a2_5, xv[5])
+                                a2_6 = max(a2_6, xv[6])
+                                a2_7 = max(a2_7, xv[7])
+                                a2_8 = max(a2_8, xv[8])
+                                a2_9 = max(a2_9, xv[9])
+                                a2_10 = max(a2_10, xv[10])
+                                a2_11 = max(a2_11, xv[11])
+                                a2_12 = max(a2_12, xv[12])
+                                a2_13 = max(a2_13, xv[13])
+                                a2_14 = max(a2_14, xv[14])
+                                a2_15 = max(a2_15, xv[15])
+                            i = iw + 3 * sw
+                            if i >= 0 and i < wd:
+                                xv = xrow[i]
+                                a3_0 = max(a3_0, xv[0])
+                                a3_1 = max(a3_1, xv[1])
+                                a3_2 = max(a3_2, xv[2])
+                                a3_3 = max(a3_3, xv[3])
+                                a3_4 = max(a3_4, xv[4])
+                                a3_5 = max(a3_5, xv[5])
+                                a3_6 = max(a3_6, xv[6])
+                                a3_7 = max(a3_7, xv[7])
+                                a3_8 = max(a3_8, xv[8])
+                                a3_9 = max(a3_9, xv[9])
+                                a3_10 = max(a3_10, xv[10])
+                                a3_11 = max(a3_11, xv[11])
+                                a3_12 = max(a3_12, xv[12])
+                                a3_13 = max(a3_13, xv[13])
+                                a3_14 = max(a3_14, xv[14])
+                                a3_15 = max(a3_15, xv[15])
                     if ow + 0 < ow_n:
                         dst = y[cb0, oh, ow + 0]
                         dst[0] = a0_0
