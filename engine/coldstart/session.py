@@ -152,6 +152,7 @@ class ColdSession(InferenceSession):
         self.warm_switch = warm_switch
         self.build_aot = build_aot
         self.timings: list[StepTiming] = []
+        self.threaded: bool | None = None  # whether the first run used the preparation thread
         self.warm_error: BaseException | None = None
         self._warm_ready = threading.Event()
         self._warm_thread: threading.Thread | None = None
@@ -284,6 +285,7 @@ class ColdSession(InferenceSession):
             threaded = self.pipeline
             if threaded is None:  # a thread pays only for transforms: reading is the kernel's readahead
                 threaded = any(self._transforms(s) for s in bound.computing)
+            self.threaded = threaded
             runner = run_pipelined if threaded else run_serial
             outputs, self.timings = runner(bound, feeds, self.prepare)
         return outputs, bound
