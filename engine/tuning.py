@@ -101,10 +101,15 @@ def calibrate(cache_dir: str | os.PathLike | None = None) -> Calibration:
     return _calibrate(str(cache_dir or default_dir()))
 
 
+def calibration_key() -> str:
+    """The engine-cache entry holding this machine's calibration."""
+    return f"calibration-{machine_key()}"
+
+
 @functools.cache
 def _calibrate(cache_dir: str) -> Calibration:
     store = EntryStore(cache_dir)
-    key = f"calibration-{machine_key()}"
+    key = calibration_key()
     hit = store.get(key)
     if hit is not None:
         try:

@@ -57,13 +57,20 @@ def _build_of(module: str) -> str:
     return f"{spec.origin}@{os.stat(spec.origin).st_mtime_ns}"
 
 
-@functools.cache
-def engine_version() -> str:
-    """A digest of the engine's source files (name, size, modification time: any edit or reinstall
-    changes it, without reading every file on each start) and the numeric libraries it runs on:
-    a change to a kernel, a pass or the planner makes older cached plans and weights stale."""
+def _engine_sources() -> list[Path]:
+    """Every engine source file, found without listing ``__pycache__`` (numba's cache files fill it)."""
+    found = []
+    for top, dirs, files in os.walk(ENGINE_DIR):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        found += [Path(top) / f for f in sorted(files) if f.endswith(".py")]
+    return found
+
+
+def sources_digest(paths: list[Path]) -> str:
+    """A digest of these source files (name, size, modification time: any edit or reinstall changes
+    it, without reading them) and the numeric libraries the engine runs on."""
     h = hashlib.blake2b(digest_size=8)
-    for path in sorted(ENGINE_DIR.rglob("*.py")):
+    for path in paths:
         st = path.stat()
         h.update(f"{path.relative_to(ENGINE_DIR)}:{st.st_size}:{st.st_mtime_ns}".encode())
     h.update(f"numpy={np.__version__} numba={_build_of('numba')}".encode())
@@ -71,6 +78,15 @@ def engine_version() -> str:
 
 
 @functools.cache
-def machine_key() -> str:
-    """CPU model + CPU features + engine version, as one short digest."""
-    return _digest(cpu_model(), cpu_features(), engine_version(), platform.python_version())
+def engine_version() -> str:
+    """:func:`sources_digest` of every engine source: a change to a kernel, a pass or the planner
+    makes older cached plans and weights stale."""
+    return sources_digest(_engine_sources())
+
+
+@functools.cache
+def machine_key(sources: tuple[str, ...] | None = None) -> str:
+    """CPU model + CPU features + engine version (or, given ``sources``, the digest of just those
+    engine files, e.g. the compiled loops'), as one short digest."""
+    version = engine_version() if sources is None else sources_digest([ENGINE_DIR / s for s in sources])
+    return _digest(cpu_model(), cpu_features(), version, platform.python_version())

@@ -13,6 +13,9 @@ executed and how long the execution thread waited for it; :func:`schedule_table`
 
 The overlap is bounded by Python's GIL: numpy releases it inside large array operations (the
 convolution GEMMs), so preparation runs mostly while the execution thread is inside BLAS.
+:class:`engine.coldstart.session.ColdSession` uses this thread only when a layer has a weight
+transform to compute; when the weights are stored as the kernels read them, the kernel's readahead
+already reads ahead of execution and :func:`run_serial` is faster (no thread start, no handoffs).
 
 >>> from engine import GraphBuilder                            # doctest: +SKIP
 >>> bound = BoundPlan(plan, bind=False)                        # doctest: +SKIP

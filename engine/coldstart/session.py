@@ -2,10 +2,15 @@
 
 What a first run costs and where it goes instead:
 
-- ONNX parsing and graph optimisation: the optimised graph (structure + folded weights) is kept
-  in the engine cache as an engine model file keyed by the model's content digest and the engine
-  version; a warm cache reads its header, and each layer's weights are read (with their CRC-32) by
-  the shared :class:`engine.memory.loader.WeightLoader` on the preparation thread.
+- ONNX parsing, graph optimisation and weight packing: the optimised graph (structure + folded
+  weights, in the channel-blocked layout with its weights already packed as the kernels read them,
+  :mod:`engine.layout`) is kept in the engine cache as one engine model file keyed by the model's
+  content digest and the engine version, its weights stored small ones first, then in the order the
+  layers use them. A warm cache reads its header and maps the file (the shared
+  :class:`engine.memory.loader.WeightLoader`); the kernel reads the file front to back in the
+  background from that moment, and each layer's weights are checked (CRC-32) just before the layer
+  first runs. The small cache files a start needs (file stamp, calibration, compiled loops) are
+  prefetched together first.
 - Calibration: persisted per CPU model/features and engine version (:func:`engine.tuning.calibrate`).
 - numba (import + loading its compiled loops, ~1 s): its loops are compiled ahead of time for this
   machine (:mod:`engine.kernels.aot`, built once in a background process) and loaded in
@@ -14,15 +19,18 @@ What a first run costs and where it goes instead:
   numpy kernels, and the warm switch loads numba on a background thread.
 - Weight transforms: per layer entries of the cache keyed by model digest + node + kernel +
   shapes + CPU/engine key (:func:`engine.coldstart.fingerprint.machine_key`); views are not cached.
-- Preparing and executing overlap (:mod:`engine.coldstart.pipeline`).
-
+- Reading and executing overlap: the kernel's readahead reads layer i+1.. while layer i runs. A
+  preparation thread (:mod:`engine.coldstart.pipeline`) is added only when some layer has a weight
+  transform to compute (a cache miss of a kernel that transforms): otherwise all it would do is
+  check and bind, which costs less than handing each layer between two threads (and starting a
+  thread on a busy machine can take tens of ms).
 After the first run, a background thread loads numba, plans with the warm cost model, prepares
 and binds the warm plan, and swaps it in; a caller's ``run`` never waits for it (it keeps using the
 cold plan until the swap). Changed weights (``Train``) change the model digest, so nothing cached
 for the old weights is used; old entries age out of the LRU store.
 
 >>> sess = ColdSession("model.onnx")          # doctest: +SKIP
->>> sess.run(x)                                # first output: cold plan, pipelined   # doctest: +SKIP
+>>> sess.run(x)                                # first output: cold plan              # doctest: +SKIP
 >>> sess.wait_warm(); sess.run(x)              # warm kernels (never required)        # doctest: +SKIP
 """
 
@@ -44,14 +52,15 @@ from engine.coldstart.store import EntryStore
 from engine.format import graph_from_structure, graph_structure, save_model
 from engine.ir import Graph
 from engine.kernels import Kernel, NodeCtx, accel, aot
+from engine.layout import to_nchwc
 from engine.memory.loader import ModelFileError, WeightLoader
 from engine.passes import optimize
 from engine.plan import StepPlan, compile_plan, prepare_step
 from engine.session import BoundPlan, InferenceSession, load_graph
-from engine.tuning import calibrate
+from engine.tuning import calibrate, calibration_key
 
 HASH_CHUNK = 1 << 20
-LAZY_OPS = {"Conv", "Gemm", "MatMul"}  # their weights (inputs >= 1) are only read by the kernels
+LAZY_OPS = {"Conv", "NchwcConv", "NchwcDepthwiseConv", "Gemm", "MatMul"}  # weights (inputs >= 1) only kernels read
 LAZY_MIN_BYTES = 4096  # smaller weights are read with the header
 
 
@@ -70,13 +79,18 @@ def graph_digest(graph: Graph) -> str:
     return h.hexdigest()
 
 
+def stamp_key(path: str | os.PathLike) -> str:
+    """The store entry remembering a model file's digest (see :func:`file_digest`)."""
+    return f"stamp-{_blake(os.path.realpath(path))}"
+
+
 def file_digest(path: str | os.PathLike, store: EntryStore) -> str:
     """A digest of a model file's bytes. The digest is remembered in ``store`` under the file's path
     with its size, mtime and inode, so an unchanged file is not read again just to be hashed."""
     real = os.path.realpath(path)
     st = os.stat(real)
     stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
-    key = f"stamp-{_blake(real)}"
+    key = stamp_key(real)
     hit = store.get(key)
     if hit is not None and {k: hit[1].get(k) for k in stamp} == stamp and "digest" in hit[1]:
         return hit[1]["digest"]
@@ -89,13 +103,24 @@ def file_digest(path: str | os.PathLike, store: EntryStore) -> str:
     return digest
 
 
+def in_use_order(graph: Graph) -> dict[str, np.ndarray]:
+    """The graph's weights, small ones first, then in the order the layers use them: saved in this
+    order, the file is read front to back by a first run (the kernel's readahead streams it)."""
+    order = [t for n in graph.topological_order() for t in n.inputs if t in graph.weights]
+    rank = {t: i for i, t in reversed(list(enumerate(order)))}
+    names = sorted(graph.weights, key=lambda t: (np.asarray(graph.weights[t]).nbytes >= LAZY_MIN_BYTES,
+                                                  rank.get(t, len(order))))
+    return {t: graph.weights[t] for t in names}
+
+
 class ColdSession(InferenceSession):
     """An :class:`InferenceSession` whose first run takes the cold path (module doc), then switches
     to warm kernels in the background.
 
     ``cache_dir`` (default ``$STREAMFLOW_ENGINE_CACHE`` or ``~/.cache/streamflow/engine``) holds
     calibration, optimised graphs and transformed weights, at most ``cache_limit_bytes`` (LRU).
-    ``pipeline=False`` prepares and executes on one thread; ``warm_switch=False`` keeps the cold plan;
+    ``pipeline`` True/False forces the preparation thread on/off (default: on only when some layer has
+    a transform to compute, see the module doc); ``warm_switch=False`` keeps the cold plan;
     ``build_aot=False`` does not start the background build of the ahead-of-time loops when missing.
     ``timings`` holds the first run's per-layer schedule (:meth:`schedule`).
 
@@ -108,13 +133,17 @@ class ColdSession(InferenceSession):
 
     def __init__(self, model: Graph | str | os.PathLike, *, threads: int = 1, kernels: dict[str, str] | None = None,
                  cache_dir: str | os.PathLike | None = None, cache_limit_bytes: int = 512 << 20,
-                 pipeline: bool = True, warm_switch: bool = True, build_aot: bool = True) -> None:
+                 pipeline: bool | None = None, warm_switch: bool = True, build_aot: bool = True) -> None:
         self.store = EntryStore(cache_dir, cache_limit_bytes)
         self.source = model
         self._loader: WeightLoader | None = None
-        self._pending: dict[str, np.ndarray] = {}  # big weights still on disk: name -> buffer to read into
+        self._pending: dict[str, np.ndarray] = {}  # big weights not checked (read) yet: name -> mapped view
+        # the small files this start reads, fetched by the disk together rather than one after another
+        self.store.prefetch(*aot.files(self.store.root), self.store.path(calibration_key()),
+                            *([] if isinstance(model, Graph) else [self.store.path(stamp_key(model))]))
         self.model_digest = (graph_digest(model) if isinstance(model, Graph)
                              else file_digest(model, self.store))
+        self._blocked = accel.available() and not kernels  # forced kernels are NCHW kernels
         graph = self._optimized_graph(model)
         accel.load_ahead_of_time(self.store.root)  # numba's loops without numba, if built for this machine
         super().__init__(graph, threads=threads, kernels=kernels, calibration=calibrate(self.store.root),
@@ -123,6 +152,7 @@ class ColdSession(InferenceSession):
         self.warm_switch = warm_switch
         self.build_aot = build_aot
         self.timings: list[StepTiming] = []
+        self.threaded: bool | None = None  # whether the first run used the preparation thread
         self.warm_error: BaseException | None = None
         self._warm_ready = threading.Event()
         self._warm_thread: threading.Thread | None = None
@@ -130,8 +160,10 @@ class ColdSession(InferenceSession):
 
     def _optimized_graph(self, model: Graph | str | os.PathLike) -> Graph:
         """The optimised graph: from the cache (an engine model file; big weights are read layer by
-        layer by :meth:`prepare`), or built from ``model`` and cached."""
-        self._graph_key = f"graph-{self.model_digest}-{engine_version()}"
+        layer by :meth:`prepare`), or built from ``model`` and cached. With numba installed it is in
+        the channel-blocked layout (:mod:`engine.layout`), its weights packed as the kernels read them."""
+        layout = "nchwc" if self._blocked else "nchw"
+        self._graph_key = f"graph-{self.model_digest}-{engine_version()}-{layout}"
         path = self.store.file(self._graph_key, ".sfe")
         if path is not None:
             try:
@@ -143,39 +175,42 @@ class ColdSession(InferenceSession):
 
     def _build_graph(self, model: Graph | str | os.PathLike) -> Graph:
         graph = optimize(load_graph(model))
+        if self._blocked:
+            graph = to_nchwc(graph)
+        graph.weights = in_use_order(graph)
         with contextlib.suppress(OSError):  # a read-only cache costs the next cold start this work
             self.store.put_file(self._graph_key, ".sfe", lambda tmp: save_model(graph, tmp))
         self._loader, self._pending = None, {}
         return graph
 
     def _open_cached_graph(self, path: Path) -> Graph:
-        """Header and small weights now; each big Conv/Gemm/MatMul weight gets an empty buffer that
-        :meth:`prepare` fills through the shared :class:`WeightLoader` (CRC-checked) when its layer
-        is prepared, so reading overlaps execution."""
+        """Header now; every weight a view of one private mapping of the file, which the kernel
+        starts reading in the background (the shared :class:`WeightLoader`). Small weights are
+        checked now; each big Conv/Gemm/MatMul weight is checked (CRC-32) by :meth:`prepare` when
+        its layer is prepared, so reading the file overlaps planning and execution."""
         loader = WeightLoader(path, drop_cache=False)
         header = loader.header
         lazy_ok: dict[str, bool] = {}
         for n in header["nodes"]:
             for i, t in enumerate(n["inputs"]):
                 lazy_ok[t] = lazy_ok.get(t, True) and n["op"] in LAZY_OPS and i >= 1
-        weights, pending = {}, {}
-        for name, b in loader.blocks.items():
-            buf = np.empty(b.shape, b.dtype)
-            if lazy_ok.get(name) and b.nbytes >= LAZY_MIN_BYTES:
-                pending[name] = buf
-                weights[name] = buf
+        weights = loader.map_all()
+        pending = {}
+        for name, view in weights.items():
+            if lazy_ok.get(name) and view.nbytes >= LAZY_MIN_BYTES:
+                pending[name] = view
             else:
-                weights[name] = loader.read_into(name, buf)
+                loader.verify(name, view)
         self._loader, self._pending = loader, pending
         return graph_from_structure(header, weights)
 
     def _read_weights(self, step: StepPlan) -> bool:
-        """Read the step's weights that are still on disk; whether there were any."""
+        """Check the step's weights not checked yet (reading them from the mapping); whether there were any."""
         read = False
         for t in step.node.inputs:
-            buf = self._pending.pop(t, None)
-            if buf is not None:
-                self._loader.read_into(t, buf)
+            view = self._pending.pop(t, None)
+            if view is not None:
+                self._loader.verify(t, view)
                 read = True
         return read
 
@@ -189,6 +224,11 @@ class ColdSession(InferenceSession):
         cached = tb > 0 and self.store.path(self._weights_key(ctx, kernel)).exists()
         on_disk = sum(int(np.asarray(ctx.consts[t]).nbytes) for t in ctx.node.inputs if t in self._pending)
         return self.calibration.first_run_extra(kernel, on_disk, tb, cached, accel.loaded() is not None)
+
+    def _transforms(self, step: StepPlan) -> bool:
+        """Whether preparing ``step`` computes a weight transform (not a view, not cached)."""
+        return (step.kernel.transform_bytes(step.ctx) > 0
+                and not self.store.path(self._weights_key(step.ctx, step.kernel)).exists())
 
     def prepare(self, step: StepPlan) -> str:
         """Give ``step`` its weights: transformed ones from the cache (the originals are then not
@@ -242,7 +282,11 @@ class ColdSession(InferenceSession):
             plan = compile_plan(self.graph, dict(shapes), self.calibration, self.overrides,
                                 first_run=self._first_run_extra, transform=False)
             bound = BoundPlan(plan, bind=False)
-            runner = run_pipelined if self.pipeline else run_serial
+            threaded = self.pipeline
+            if threaded is None:  # a thread pays only for transforms: reading is the kernel's readahead
+                threaded = any(self._transforms(s) for s in bound.computing)
+            self.threaded = threaded
+            runner = run_pipelined if threaded else run_serial
             outputs, self.timings = runner(bound, feeds, self.prepare)
         return outputs, bound
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.kernels import accel, conv, elementwise, gemm, pool, raster
+from engine.kernels import accel, conv, elementwise, gemm, nchwc, pool, raster
 from engine.kernels.base import Cost, Kernel, NodeCtx
 
 REGISTRY: dict[str, list[Kernel]] = {}
@@ -27,14 +27,14 @@ def by_name(name: str) -> Kernel:
     raise KeyError(f"no kernel named {name!r}")
 
 
-for _module in (conv, gemm, elementwise, pool, raster):
+for _module in (conv, gemm, elementwise, pool, raster, nchwc):
     for _k in _module.KERNELS:
         register(_k)
 
 if accel.available():  # numba is an optional accelerator, loaded on first use; numpy covers every op
     from engine.kernels import numba_kernels
 
-    for _k in numba_kernels.KERNELS:
+    for _k in numba_kernels.KERNELS + nchwc.JIT_KERNELS:
         register(_k)
 
 __all__ = ["REGISTRY", "Cost", "Kernel", "NodeCtx", "by_name", "candidates", "register"]

@@ -3,8 +3,8 @@ without importing numba (loading the module takes milliseconds; numba's JIT, abo
 
 The module is built for this CPU (``target_cpu="host"``) by numba's ``pycc`` in a separate, niced
 process (``python -m engine.kernels.aot CACHE_DIR``, started in the background by the cold path when
-the module is missing), once per CPU model/features and engine version
-(:func:`engine.coldstart.fingerprint.machine_key`). It is written atomically into
+the module is missing), once per CPU model/features and version of the loops' sources
+(:func:`engine.coldstart.fingerprint.machine_key` of ``LOOP_SOURCES``). It is written atomically into
 ``CACHE_DIR/aot-<key>/``; its CRC-32 is kept in the engine cache, and a module whose bytes do not
 match is deleted, not loaded.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import mmap
 import os
 import shutil
 import subprocess
@@ -32,30 +33,45 @@ from types import ModuleType
 
 MODULE = "sf_engine_aot"
 STALE_LOCK_S = 600.0  # a build lock older than this belonged to a build that died
-A1, A2, A3 = "f4[::1]", "f4[:,::1]", "f4[:,:,::1]"
+A1, A2, A3, A4, A6 = "f4[::1]", "f4[:,::1]", "f4[:,:,::1]", "f4[:,:,:,::1]", "f4[:,:,:,:,:,::1]"
+BLOCKED = f"void({A4}, {A6}, {A2}, {A4}, b1, {A4}, i8, i8, i8, i8, i8, i8, i8, f8, f8)"
 SIGNATURES = {
     "bias_act": f"void({A2}, {A1}, {A2}, b1, b1, i8, f8, f8)",
     "depthwise_taps": "i8[:,::1](i8, i8, i8, i8, i8, i8)",
     "depthwise": f"void({A3}, {A3}, {A1}, {A3}, b1, {A3}, {A3}, i8[:,::1], i8, i8, i8, i8, i8, f8, f8)",
     "winograd23_in": f"void({A3}, {A3}, i8, i8, i8, i8)",
     "winograd23_out": f"void({A3}, {A3}, {A1}, {A3}, b1, i8, i8, i8, f8, f8)",
+    "nchwc_conv": BLOCKED,
+    "nchwc_depthwise": f"void({A4}, {A4}, {A2}, {A4}, b1, {A4}, i8, i8, i8, i8, i8, i8, i8, f8, f8)",
+    "nchwc_maxpool": f"void({A4}, {A4}, i8, i8, i8, i8, i8, i8, i8, i8)",
 }
+
+
+# What the compiled module is made of: a change elsewhere in the engine does not rebuild it.
+LOOP_SOURCES = ("kernels/jit.py", "kernels/nchwc_loops.py", "kernels/aot.py", "kernels/accel.py")
 
 
 def _key() -> str:
     from engine.coldstart.fingerprint import machine_key
 
-    return f"aot-{machine_key()}"
+    return f"aot-{machine_key(LOOP_SOURCES)}"
 
 
 def _suffix() -> str:
-    import sysconfig
+    import importlib.machinery  # already loaded (sysconfig, the other source, costs ~4 ms to import)
 
-    return sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return importlib.machinery.EXTENSION_SUFFIXES[0]
 
 
 def module_path(cache_dir: str | os.PathLike) -> Path:
     return Path(cache_dir) / _key() / (MODULE + _suffix())
+
+
+def files(cache_dir: str | os.PathLike) -> list[Path]:
+    """The files :func:`load` reads (to prefetch them): the module and its checksum entry."""
+    from engine.coldstart.store import EntryStore
+
+    return [module_path(cache_dir), EntryStore(cache_dir).path(_key())]
 
 
 def load(cache_dir: str | os.PathLike) -> ModuleType | None:
@@ -67,10 +83,11 @@ def load(cache_dir: str | os.PathLike) -> ModuleType | None:
         return None
     entry = EntryStore(cache_dir).get(_key())
     try:
-        raw = path.read_bytes()
-    except OSError:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as raw:
+            crc, size = zlib.crc32(raw), len(raw)  # mapped: no copy of the module to check it
+    except (OSError, ValueError):
         return None
-    if entry is None or entry[1].get("crc32") != zlib.crc32(raw) or entry[1].get("size") != len(raw):
+    if entry is None or entry[1].get("crc32") != crc or entry[1].get("size") != size:
         shutil.rmtree(path.parent, ignore_errors=True)  # corrupt or unrecorded: rebuilt, never loaded
         return None
     spec = importlib.util.spec_from_file_location(MODULE, path)

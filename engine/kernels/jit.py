@@ -225,3 +225,7 @@ def depthwise_backward(x, g, w, dx, dw_, taps, sh, sw, pt, pl, dh, dil_w):  # pr
                             acc += gs[k] * xrow[col]
                             dxrow[col] += wv * gs[k]
                     dw_[c, i, j] += acc
+
+
+# The channel-blocked loops live in a generated module that uses _act_row above (imported last).
+from engine.kernels.nchwc_loops import nchwc_conv, nchwc_depthwise, nchwc_maxpool  # noqa: E402, F401

@@ -5,6 +5,11 @@ It never maps the file: each read is one ``preadv`` straight into the caller's b
 released while the kernel copies, so a background thread overlaps with numpy compute), followed by
 ``posix_fadvise(DONTNEED)`` on the range just read so the page cache does not keep a second copy.
 
+Or, for a runtime that keeps every weight (the cold start), :meth:`WeightLoader.map_all` maps the
+whole file once (private, copy-on-write: writeable views, no copy) and starts the kernel reading it
+in the background (``MADV_WILLNEED``); :meth:`WeightLoader.verify` checks a mapped block's CRC-32
+before its first use.
+
 Every block (one weight) carries a CRC-32 in the file header. Reading a block whole, or its row
 ranges in order (slice 0, 1, ..., last), checks it when the last byte arrives; a mismatch, a short
 read, or a file replaced or resized since it was opened raises :class:`ModelFileError` naming the
@@ -18,6 +23,8 @@ block and the reason. Files written before checksums existed are checked for siz
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import threading
 import zlib
@@ -78,8 +85,30 @@ class WeightLoader:
                                      f"past the end of the file ({st.st_size} bytes): truncated")
             self.blocks[b.name] = b
         self._progress: dict[str, tuple[int, int]] = {}  # block -> (next byte expected, running crc)
+        self._map: mmap.mmap | None = None
         self._lock = threading.Lock()
         self.bytes_read = 0
+
+    def map_all(self) -> dict[str, np.ndarray]:
+        """Every block as a view of one private mapping of the file, not checked yet (see
+        :meth:`verify`). The kernel starts reading the whole file now, in the background, so the
+        disk streams it while the caller plans and computes; a view's pages are there, or arrive,
+        when first touched. Writes to a view stay in this process (copy-on-write)."""
+        if not self.blocks:
+            return {}
+        self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+        with contextlib.suppress(AttributeError, OSError):  # madvise: Python 3.8+ on Linux/BSD
+            self._map.madvise(mmap.MADV_WILLNEED)
+        return {b.name: np.frombuffer(self._map, b.dtype, count=int(np.prod(b.shape, dtype=np.int64)),
+                                      offset=b.offset).reshape(b.shape) for b in self.blocks.values()}
+
+    def verify(self, name: str, view: np.ndarray) -> None:
+        """Check a mapped block against its CRC-32 (touching its pages: this is where it is read);
+        :class:`ModelFileError` if it does not match."""
+        b = self.blocks[name]
+        if b.crc32 is not None and zlib.crc32(view.reshape(-1).view(np.uint8)) != b.crc32:
+            raise ModelFileError(f"{self.path}: weight {name!r} fails its CRC-32 check: corrupt")
+        self.bytes_read += b.nbytes
 
     def check_unchanged(self) -> None:
         """Raise if the file on disk was replaced, resized or touched since it was opened."""

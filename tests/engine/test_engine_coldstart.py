@@ -211,9 +211,39 @@ def test_cached_graph_reads_big_weights_layer_by_layer(cache, x):
     graph = small_net()
     ColdSession(graph, cache_dir=cache, warm_switch=False)
     sess = ColdSession(graph, cache_dir=cache, warm_switch=False)
-    assert sess._pending  # big conv weights still on disk after opening
+    assert sess._pending  # big conv weights not read (checked) yet after opening
     sess.run(x)
     assert not sess._pending and sess._loader.bytes_read > 0
+
+
+def test_cached_graph_stores_weights_in_the_order_a_first_run_reads_them(cache):
+    """Small weights first (read with the header), then each big weight in the order layers use it,
+    so the kernel's readahead streams the file front to back."""
+    from engine.memory.loader import WeightLoader
+
+    ColdSession(small_net(), cache_dir=cache, warm_switch=False)
+    (path,) = Path(cache).glob("graph-*.sfe")
+    sess = ColdSession(small_net(), cache_dir=cache, warm_switch=False)
+    with WeightLoader(path) as loader:
+        offsets = {name: b.offset for name, b in loader.blocks.items()}
+    small = [n for n in offsets if n not in sess._pending]
+    use = [t for node in sess.graph.topological_order() for t in node.inputs if t in sess._pending]
+    big = list(dict.fromkeys(use))
+    assert max(offsets[n] for n in small) < min(offsets[n] for n in big)
+    assert [offsets[n] for n in big] == sorted(offsets[n] for n in big)
+
+
+def test_preparation_thread_only_when_a_layer_has_a_transform_to_compute(cache, x):
+    graph = small_net()
+    plain = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    plain.run(x)
+    assert plain.threaded is False  # packed weights: only reads, which the kernel does ahead
+    forced = ColdSession(graph, cache_dir=cache, kernels=direct_convs(graph), warm_switch=False)
+    forced.run(x)
+    assert forced.threaded is True  # conv_direct's per-tap matrices are computed on the thread
+    again = ColdSession(graph, cache_dir=cache, kernels=direct_convs(graph), warm_switch=False)
+    again.run(x)
+    assert again.threaded is False  # now cached: read, not computed
 
 
 def test_changed_weights_never_use_stale_entries(cache, x):
@@ -276,7 +306,8 @@ def test_cold_process_plans_without_numba_and_switches_to_it(cache):
 
     cold, warm, numba_loaded, err = json.loads(out.strip().splitlines()[-1])
     assert err == "None"
-    assert "depthwise_numba" not in cold and "depthwise_numba" in warm
+    # the blocked layout's depthwise conv: numpy for the first output, the numba loop once warm
+    assert "nchwc_depthwise_numpy" in cold and "nchwc_depthwise" not in cold and "nchwc_depthwise" in warm
     assert not numba_loaded
 
 
@@ -327,7 +358,7 @@ def test_cold_process_with_aot_loops_matches_warm_without_numba(cache, tmp_path)
 
     err, kernels, numba_imported = json.loads(out.strip().splitlines()[-1])
     assert err <= TOL
-    assert "depthwise_numba" in kernels
+    assert "nchwc_depthwise" in kernels and "nchwc_conv" in kernels  # the compiled blocked loops
     assert not numba_imported
 
 

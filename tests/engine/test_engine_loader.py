@@ -58,6 +58,36 @@ def test_a_flipped_byte_fails_the_checksum_naming_the_weight(model_file):
         loader.read_into(name, np.empty(weights[name].nbytes, np.uint8), rows=(rows // 2, rows))
 
 
+def test_mapped_blocks_are_writeable_views_checked_on_demand(model_file):
+    path, weights = model_file
+    with WeightLoader(path) as loader:
+        views = loader.map_all()
+        for name, w in weights.items():
+            assert np.array_equal(views[name], w) and views[name].flags.writeable
+            loader.verify(name, views[name])
+        name = next(iter(weights))
+        views[name].reshape(-1)[0] += 1.0  # copy-on-write: the file keeps its bytes
+    with WeightLoader(path) as again:
+        assert np.array_equal(again.map_all()[name], weights[name])
+
+
+def test_a_flipped_byte_fails_the_mapped_check_naming_the_weight(model_file):
+    path, weights = model_file
+    name = next(iter(weights))
+    off = WeightLoader(path).blocks[name].offset + 5
+    with open(path, "r+b") as f:
+        f.seek(off)
+        byte = f.read(1)
+        f.seek(off)
+        f.write(bytes([byte[0] ^ 0x10]))
+    loader = WeightLoader(path)
+    views = loader.map_all()
+    with pytest.raises(ModelFileError, match=f"{name}.*CRC-32"):
+        loader.verify(name, views[name])
+    other = [n for n in weights if n != name][0]
+    loader.verify(other, views[other])  # the others are intact
+
+
 def test_truncated_file_is_refused_at_open(model_file):
     path, _ = model_file
     os.truncate(path, os.path.getsize(path) - 10)

@@ -68,12 +68,12 @@ def test_kernel_choice_is_inspectable_and_tunable():
                            pads=1)))
     graph = b.build()
     x = rng.standard_normal((1, 16, 20, 20), dtype=np.float32)
-    plain = InferenceSession(graph, calibration=Calibration())
+    plain = InferenceSession(graph, calibration=Calibration(), blocked=False)  # the NCHW conv kernels' choice
     step = plain.plan_for({"x": x.shape}).steps[0]
     assert {"conv_im2col", "conv_direct"} <= set(step.estimates)
     assert step.kernel.name == min(step.estimates, key=step.estimates.get)
     assert step.reason.startswith("cheapest")
-    tuned = InferenceSession(graph, calibration=Calibration(), tune=True)
+    tuned = InferenceSession(graph, calibration=Calibration(), tune=True, blocked=False)
     tstep = tuned.plan_for({"x": x.shape}).steps[0]
     assert tstep.reason.startswith("fastest measured")
     assert tstep.kernel.name == min(tstep.estimates, key=tstep.estimates.get)
@@ -89,16 +89,16 @@ def test_memory_budget_trades_kernels_for_scratch():
     b.output(y)
     graph = b.build()
     x = rng.standard_normal((1, 32, 40, 40), dtype=np.float32)
-    free = InferenceSession(graph, calibration=Calibration())
+    free = InferenceSession(graph, calibration=Calibration(), blocked=False)  # NCHW kernels: some need scratch
     free_plan = free.plan_for({"x": x.shape})
     # the least memory any kernel choice reaches: tap-by-tap convs keep one window, not nine
     budget = InferenceSession(graph, calibration=Calibration(), kernels={"Conv": "conv_direct"}) \
         .plan_for({"x": x.shape}).arena.size
     activations = 2 * x.nbytes
-    tight = InferenceSession(graph, calibration=Calibration(), memory_budget=budget)
+    tight = InferenceSession(graph, calibration=Calibration(), memory_budget=budget, blocked=False)
     plan = tight.plan_for({"x": x.shape})
     assert plan.arena.size <= budget < free_plan.arena.size
     assert any(s.budgeted and s.reason.startswith("least scratch") for s in plan.steps)
     np.testing.assert_allclose(tight.run(x)[graph.outputs[0]], free.run(x)[graph.outputs[0]], atol=1e-4)
     with pytest.raises(GraphError, match="budget"):
-        InferenceSession(graph, calibration=Calibration(), memory_budget=activations // 2).run(x)
+        InferenceSession(graph, calibration=Calibration(), memory_budget=activations // 2, blocked=False).run(x)

@@ -50,7 +50,9 @@ def test_peak_memory_matches_plan(sessions, name, traced_peak):
     plan = sess.plan_for({"x": x.shape})
     plan.arena.check()
     report = plan.memory_report()
-    assert report["arena_bytes"] <= report["sum_of_buffers_bytes"] / 3
+    # buffers share memory: the arena is close to the bytes live at the busiest step, far below the sum
+    assert report["arena_bytes"] <= 1.1 * report["live_peak_bytes"]
+    assert report["arena_bytes"] <= report["sum_of_buffers_bytes"] / 2
     assert report["arena_bytes"] >= report["live_peak_bytes"]
     peak = traced_peak(lambda: sess.run(x))
     # numpy's ufunc iteration buffers (8192 elements per operand) are the only transient allocations.
@@ -84,7 +86,7 @@ def test_plan_cli_prints_kernels_memory_and_time(onnx_models):
                          capture_output=True, text=True, check=True, cwd=root).stdout
     ops = [line.split()[1] for line in out.splitlines()[1:-1]]
     assert "BatchNormalization" not in ops and "HardSwish" not in ops  # folded/fused into the convs
-    assert "depthwise" in out and "conv1x1_gemm" in out
+    assert "nchwc_depthwise" in out and "nchwc_conv" in out  # the blocked layout (engine/layout.py)
     assert "arena" in out and "expected total" in out and "exp ms" in out
 
 
