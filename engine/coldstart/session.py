@@ -138,6 +138,7 @@ class ColdSession(InferenceSession):
         self.source = model
         self._loader: WeightLoader | None = None
         self._pending: dict[str, np.ndarray] = {}  # big weights not checked (read) yet: name -> mapped view
+        self._cold_cache_use: dict[tuple[str, str], bool] = {}  # (node, kernel) -> first run reads the cached copy
         # the small files this start reads, fetched by the disk together rather than one after another
         self.store.prefetch(*aot.files(self.store.root), self.store.path(calibration_key()),
                             *([] if isinstance(model, Graph) else [self.store.path(stamp_key(model))]))
@@ -220,34 +221,48 @@ class ColdSession(InferenceSession):
         return f"w-{_blake(self.model_digest, ctx.node.name, kernel.name, shapes, machine_key())}"
 
     def _first_run_extra(self, ctx: NodeCtx, kernel: Kernel) -> float:
+        """A kernel's first-run cost (:meth:`Calibration.first_run_choice`); remembers, per node and
+        kernel, whether the first run reads the cached transformed weights or transforms the originals."""
         tb = kernel.transform_bytes(ctx)
         cached = tb > 0 and self.store.path(self._weights_key(ctx, kernel)).exists()
         on_disk = sum(int(np.asarray(ctx.consts[t]).nbytes) for t in ctx.node.inputs if t in self._pending)
-        return self.calibration.first_run_extra(kernel, on_disk, tb, cached, accel.loaded() is not None)
+        # the mapped graph file is read ahead whole: a layer's originals are read even if it uses a cached copy
+        extra, use_cache = self.calibration.first_run_choice(kernel, on_disk, tb, cached, accel.loaded() is not None,
+                                                             originals_read_anyway=on_disk > 0)
+        self._cold_cache_use[(ctx.node.name, kernel.name)] = use_cache
+        return extra
+
+    def _uses_cache(self, step: StepPlan, cold: bool) -> bool:
+        """Whether preparing ``step`` reads its transformed weights from the cache: on the first run as
+        its plan chose (:meth:`_first_run_extra`), later whenever they are there."""
+        if cold and not self._cold_cache_use.get((step.node.name, step.kernel.name), True):
+            return False
+        return self.store.path(self._weights_key(step.ctx, step.kernel)).exists()
 
     def _transforms(self, step: StepPlan) -> bool:
-        """Whether preparing ``step`` computes a weight transform (not a view, not cached)."""
-        return (step.kernel.transform_bytes(step.ctx) > 0
-                and not self.store.path(self._weights_key(step.ctx, step.kernel)).exists())
+        """Whether preparing ``step`` on the first run computes a weight transform (not a view, not cached)."""
+        return step.kernel.transform_bytes(step.ctx) > 0 and not self._uses_cache(step, cold=True)
 
-    def prepare(self, step: StepPlan) -> str:
+    def prepare(self, step: StepPlan, cold: bool = False) -> str:
         """Give ``step`` its weights: transformed ones from the cache (the originals are then not
-        read), else the originals (read now if still on disk) as views or transformed (and cached).
-        Returns where they came from, e.g. ``"read+view"``."""
+        read) unless the first run (``cold``) chose to transform the originals, else the originals
+        (read now if still on disk) as views or transformed (and cached). Returns where they came
+        from, e.g. ``"read+view"``."""
         if step.kernel.transform_bytes(step.ctx) == 0:
             read = "read+" if self._read_weights(step) else ""
             prepare_step(step)
             return read + "view"
         key = self._weights_key(step.ctx, step.kernel)
-        hit = self.store.get(key)
+        hit = self.store.get(key) if self._uses_cache(step, cold) else None
         if hit is not None:  # the cached params are all the kernel needs: the original weights stay on disk
             prepare_step(step, hit[0])
             return "cache"
         read = "read+" if self._read_weights(step) else ""
         prepare_step(step)
-        with contextlib.suppress(OSError):  # a read-only cache only costs the next cold start this transform
-            self.store.put(key, {n: np.asarray(v) for n, v in step.params.items()},
-                           meta={"node": step.node.name, "kernel": step.kernel.name})
+        if not self.store.path(key).exists():
+            with contextlib.suppress(OSError):  # a read-only cache only costs the next cold start this transform
+                self.store.put(key, {n: np.asarray(v) for n, v in step.params.items()},
+                               meta={"node": step.node.name, "kernel": step.kernel.name})
         return read + "transform"
 
     # --- runs ----------------------------------------------------------------------------------------
@@ -287,7 +302,7 @@ class ColdSession(InferenceSession):
                 threaded = any(self._transforms(s) for s in bound.computing)
             self.threaded = threaded
             runner = run_pipelined if threaded else run_serial
-            outputs, self.timings = runner(bound, feeds, self.prepare)
+            outputs, self.timings = runner(bound, feeds, lambda step: self.prepare(step, cold=True))
         return outputs, bound
 
     def _switch(self, shapes: Mapping[str, tuple[int, ...]], key: tuple) -> None:

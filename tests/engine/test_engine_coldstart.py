@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -64,12 +65,22 @@ FIXED_CALIBRATION = Calibration(gemm_flops_per_s=5e10, vector_flops_per_s=1.5e9,
                                 jit_load_s=1.0, disk_bytes_per_s=5e8)
 
 
+def cache_calibrated(root: Path, calibration: Calibration = FIXED_CALIBRATION) -> Path:
+    """A cache directory holding ``calibration`` as this machine's persisted calibration."""
+    EntryStore(root).put(calibration_key(), {}, meta=calibration.as_dict())
+    return root
+
+
 @pytest.fixture
 def fixed_cache(tmp_path):
-    """A cache holding :data:`FIXED_CALIBRATION` as this machine's persisted calibration."""
-    root = tmp_path / "fixed-cache"
-    EntryStore(root).put(calibration_key(), {}, meta=FIXED_CALIBRATION.as_dict())
-    return root
+    return cache_calibrated(tmp_path / "fixed-cache")
+
+
+@pytest.fixture
+def fast_disk_cache(tmp_path):
+    """A disk as fast as memory: reading a cached transformed copy beats computing it, even with
+    the originals read too (the cached graph file is read ahead whole)."""
+    return cache_calibrated(tmp_path / "fast-disk", replace(FIXED_CALIBRATION, disk_bytes_per_s=1e12))
 
 
 def warm_output(graph, x):
@@ -163,7 +174,8 @@ def test_cold_paths_match_warm(cache, x, pipeline):
     np.testing.assert_allclose(first(again.run(x)), ref, atol=TOL, rtol=0)  # cold plan, second run
 
 
-def test_forced_transforming_kernel_is_cached_then_read(cache, x):
+def test_forced_transforming_kernel_is_cached_then_read(fast_disk_cache, x):
+    cache = fast_disk_cache
     graph = small_net()
     forced = direct_convs(graph)
     ref = first(InferenceSession(graph, kernels=forced).run(x))
@@ -175,10 +187,29 @@ def test_forced_transforming_kernel_is_cached_then_read(cache, x):
     assert {t.source for t in b.timings if t.kernel == "conv_direct"} == {"cache"}
     weight = {n.name: n.inputs[1] for n in b.graph.nodes if n.name in forced}
     big = [w for w in weight.values() if np.asarray(b.graph.weights[w]).nbytes >= 4096]
-    assert big and all(w in b._pending for w in big)  # the original weights were never read
+    assert big and all(w in b._pending for w in big)  # the original weights were never checked nor used
 
 
-def test_corrupt_weight_entry_is_rebuilt_not_used(cache, x):
+def test_slow_disk_first_run_transforms_the_originals_rather_than_read_a_cached_copy(fixed_cache, x):
+    """NNV12's first knob: on a disk slower than the transform, the first run reads the smaller
+    form (the originals, which the cached graph file brings anyway) and transforms them; the cached
+    copy is not read. The warm plan still takes the cached copy (nothing to compute)."""
+    graph = small_net()
+    forced = direct_convs(graph)
+    ref = first(InferenceSession(graph, kernels=forced).run(x))
+    ColdSession(graph, cache_dir=fixed_cache, kernels=forced, warm_switch=False).run(x)  # fills the cache
+    assert EntryStore(fixed_cache).keys("w-")
+    sess = ColdSession(graph, cache_dir=fixed_cache, kernels=forced)
+    np.testing.assert_allclose(first(sess.run(x)), ref, atol=TOL, rtol=0)
+    sources = [t.source for t in sess.timings if t.kernel == "conv_direct"]
+    assert {s.split("+")[-1] for s in sources} == {"transform"} and "read+transform" in sources  # no "cache"
+    assert sess.threaded is True  # a transform to compute: the preparation thread
+    assert sess.wait_warm(60) and sess.warm, sess.warm_error
+    np.testing.assert_allclose(first(sess.run(x)), ref, atol=TOL, rtol=0)
+
+
+def test_corrupt_weight_entry_is_rebuilt_not_used(fast_disk_cache, x):
+    cache = fast_disk_cache
     graph = small_net()
     forced = direct_convs(graph)
     ref = first(InferenceSession(graph, kernels=forced).run(x))
@@ -248,7 +279,8 @@ def test_cached_graph_stores_weights_in_the_order_a_first_run_reads_them(cache):
     assert [offsets[n] for n in big] == sorted(offsets[n] for n in big)
 
 
-def test_preparation_thread_only_when_a_layer_has_a_transform_to_compute(cache, x):
+def test_preparation_thread_only_when_a_layer_has_a_transform_to_compute(fast_disk_cache, x):
+    cache = fast_disk_cache
     graph = small_net()
     plain = ColdSession(graph, cache_dir=cache, warm_switch=False)
     plain.run(x)
@@ -413,7 +445,20 @@ def test_first_run_cost_counts_disk_reads_transforms_and_jit_load():
     cal = Calibration(bytes_per_s=1e9, disk_bytes_per_s=1e8, jit_load_s=1.0)
     im2col, winograd = by_name("conv_im2col"), by_name("conv_winograd_f23_numba")
     w, u = 1_000_000, 1_777_777
+    transform = w / 1e8 + 2 * u / 1e9  # read the originals, compute U
     assert cal.first_run_extra(im2col, w, 0, False, False) == pytest.approx(w / 1e8)  # read the weights
-    assert cal.first_run_extra(winograd, w, u, True, True) == pytest.approx(u / 1e8)  # read U only
-    assert cal.first_run_extra(winograd, w, u, False, True) == pytest.approx(w / 1e8 + 2 * u / 1e9)
-    assert cal.first_run_extra(winograd, w, u, True, False) == pytest.approx(u / 1e8 + 1.0)  # + numba load
+    assert cal.first_run_extra(winograd, w, u, False, True) == pytest.approx(transform)
+    assert cal.first_run_extra(winograd, w, u, False, False) == pytest.approx(transform + 1.0)  # + numba load
+    # U cached: reading its extra 0.78 w costs more than computing it, so the first run reads the
+    # smaller originals and transforms them (NNV12's first knob) ...
+    extra, from_cache = cal.first_run_choice(winograd, w, u, True, True)
+    assert extra == pytest.approx(transform) and not from_cache
+    # ... unless the transform is slower than reading the difference
+    slow_memory = Calibration(bytes_per_s=1e8, disk_bytes_per_s=1e8)
+    extra, from_cache = slow_memory.first_run_choice(winograd, w, u, True, True)
+    assert extra == pytest.approx(u / 1e8) and from_cache  # U only: the originals stay on disk
+    # where the originals are read anyway (part of a file read ahead whole), the copy costs its read on top
+    extra, from_cache = slow_memory.first_run_choice(winograd, w, u, True, True, originals_read_anyway=True)
+    assert extra == pytest.approx((u + w) / 1e8) and from_cache
+    fast_disk = Calibration(bytes_per_s=1e9, disk_bytes_per_s=1e12)
+    assert fast_disk.first_run_choice(winograd, w, u, True, True, originals_read_anyway=True)[1]
