@@ -84,6 +84,15 @@ def stamp_key(path: str | os.PathLike) -> str:
     return f"stamp-{_blake(os.path.realpath(path))}"
 
 
+def graph_link_key(path: str | os.PathLike, layout: str) -> str:
+    """The store link (:meth:`EntryStore.put_link`) from a model file, as it is now (path, size, mtime,
+    inode), to its optimised graph for this engine version and ``layout``: a warm cache finds the graph
+    file, and the model digest in its name, without reading the stamp first."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    return f"link-{_blake(real, str(st.st_size), str(st.st_mtime_ns), str(st.st_ino), engine_version(), layout)}"
+
+
 def file_digest(path: str | os.PathLike, store: EntryStore) -> str:
     """A digest of a model file's bytes. The digest is remembered in ``store`` under the file's path
     with its size, mtime and inode, so an unchanged file is not read again just to be hashed."""
@@ -139,12 +148,18 @@ class ColdSession(InferenceSession):
         self._loader: WeightLoader | None = None
         self._pending: dict[str, np.ndarray] = {}  # big weights not checked (read) yet: name -> mapped view
         self._cold_cache_use: dict[tuple[str, str], bool] = {}  # (node, kernel) -> first run reads the cached copy
-        # the small files this start reads, fetched by the disk together rather than one after another
-        self.store.prefetch(*aot.files(self.store.root), self.store.path(calibration_key()),
-                            *([] if isinstance(model, Graph) else [self.store.path(stamp_key(model))]))
-        self.model_digest = (graph_digest(model) if isinstance(model, Graph)
-                             else file_digest(model, self.store))
         self._blocked = accel.available() and not kernels  # forced kernels are NCHW kernels
+        self._layout = "nchwc" if self._blocked else "nchw"
+        # a model file seen before links to its cached graph: the digest is in the graph's name, and the
+        # disk is asked for the graph at once, behind the small files this start reads first
+        self._link_key = None if isinstance(model, Graph) else graph_link_key(model, self._layout)
+        linked = self.store.link(self._link_key) if self._link_key else None
+        linked_digest = self._digest_in(linked)
+        self.store.prefetch(*aot.files(self.store.root), self.store.path(calibration_key()),
+                            *([] if isinstance(model, Graph) or linked_digest else [self.store.path(stamp_key(model))]),
+                            *([linked] if linked_digest else []))
+        self.model_digest = (graph_digest(model) if isinstance(model, Graph)
+                             else linked_digest or file_digest(model, self.store))
         graph = self._optimized_graph(model)
         accel.load_ahead_of_time(self.store.root)  # numba's loops without numba, if built for this machine
         super().__init__(graph, threads=threads, kernels=kernels, calibration=calibrate(self.store.root),
@@ -159,20 +174,40 @@ class ColdSession(InferenceSession):
         self._warm_thread: threading.Thread | None = None
         self.aot_build = None  # the background build of the ahead-of-time loops, when one was started
 
+    def _graph_key_of(self, digest: str) -> str:
+        return f"graph-{digest}-{engine_version()}-{self._layout}"
+
+    def _digest_in(self, linked: Path | None) -> str | None:
+        """The model digest in the name of a linked graph file of this engine version and layout."""
+        if linked is None:
+            return None
+        digest = linked.name.removeprefix("graph-").partition("-")[0]
+        return digest if linked.name == self._graph_key_of(digest) + ".sfe" else None
+
     def _optimized_graph(self, model: Graph | str | os.PathLike) -> Graph:
         """The optimised graph: from the cache (an engine model file; big weights are read layer by
         layer by :meth:`prepare`), or built from ``model`` and cached. With numba installed it is in
         the channel-blocked layout (:mod:`engine.layout`), its weights packed as the kernels read them."""
-        layout = "nchwc" if self._blocked else "nchw"
-        self._graph_key = f"graph-{self.model_digest}-{engine_version()}-{layout}"
+        self._graph_key = self._graph_key_of(self.model_digest)
         path = self.store.file(self._graph_key, ".sfe")
         if path is not None:
             try:
-                return self._open_cached_graph(path)
+                graph = self._open_cached_graph(path)
+                self._link_graph()
+                return graph
             except ModelFileError:  # corrupt or truncated: rebuilt below, never used
                 self.store.stats["corrupt"] += 1
                 self.store.delete(self._graph_key, ".sfe")
-        return self._build_graph(model)
+        graph = self._build_graph(model)
+        self._link_graph()
+        return graph
+
+    def _link_graph(self) -> None:
+        """Link the model file to its cached graph (:func:`graph_link_key`) if not linked yet."""
+        target = self.store.path(self._graph_key).with_suffix(".sfe")
+        if self._link_key and self.store.link(self._link_key) != target and target.exists():
+            with contextlib.suppress(OSError):  # a read-only cache: the next start reads the stamp first
+                self.store.put_link(self._link_key, target)
 
     def _build_graph(self, model: Graph | str | os.PathLike) -> Graph:
         graph = optimize(load_graph(model))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.builder import GraphBuilder
-from engine.coldstart.session import ColdSession, graph_digest
+from engine.coldstart.session import ColdSession, graph_digest, stamp_key
 from engine.coldstart.store import EntryStore
 from engine.cost import Calibration
 from engine.session import InferenceSession
@@ -315,6 +315,37 @@ def test_model_file_rewritten_is_rehashed(cache, x, tmp_path):
     os.utime(path, ns=(1, 1))  # even with a different mtime only, the stamp does not match: rehash
     sess = ColdSession(path, cache_dir=cache, warm_switch=False)
     np.testing.assert_allclose(first(sess.run(x)), warm_output(small_net(seed=0, scale=2.0), x), atol=TOL, rtol=0)
+
+
+def test_model_file_links_to_its_cached_graph_without_reading_the_stamp(cache, x, tmp_path):
+    """A model file seen before is linked to its cached graph: the next start finds the graph (and
+    the model digest in its name) with no read of the stamp; a changed file is not linked."""
+    from engine.format import save_model
+
+    path = tmp_path / "m.sfe"
+    save_model(small_net(seed=0), path)
+    a = ColdSession(path, cache_dir=cache, warm_switch=False)
+    a.run(x)
+    EntryStore(cache).delete(stamp_key(path))  # only the link can say which graph this file is
+    b = ColdSession(path, cache_dir=cache, warm_switch=False)
+    assert b.model_digest == a.model_digest and not EntryStore(cache).path(stamp_key(path)).exists()
+    assert b._loader is not None  # the cached graph file, mapped
+    np.testing.assert_allclose(first(b.run(x)), warm_output(small_net(seed=0), x), atol=TOL, rtol=0)
+    save_model(small_net(seed=0, scale=2.0), path)
+    os.utime(path, ns=(3, 3))
+    c = ColdSession(path, cache_dir=cache, warm_switch=False)
+    assert c.model_digest != a.model_digest  # hashed again: the old link named another file
+    np.testing.assert_allclose(first(c.run(x)), warm_output(small_net(seed=0, scale=2.0), x), atol=TOL, rtol=0)
+
+
+def test_store_links_only_to_its_own_files(tmp_path):
+    store = EntryStore(tmp_path)
+    target = store.put_file("g", ".sfe", lambda tmp: tmp.write_bytes(b"x"))
+    store.put_link("l", target)
+    assert store.link("l") == target and store.link("missing") is None
+    os.symlink("/etc/passwd", tmp_path / "evil.sfl")
+    os.symlink("../g.sfe", tmp_path / "up.sfl")
+    assert store.link("evil") is None and store.link("up") is None
 
 
 def test_schedule_records_prepare_before_execute(cache, x):
