@@ -9,7 +9,8 @@ trial the page cache of the model file and of every engine-cache file is dropped
 
 - ``cold``: :class:`engine.coldstart.session.ColdSession`, cache warm (graph + weights entries);
 - ``cold_nocache``: ColdSession with no entries for this model (the machine's calibration and
-  ahead-of-time compiled loops kept: they are per machine, not per model);
+  ahead-of-time compiled loops kept: they are per machine, not per model): the model file is read,
+  hashed, imported, optimised, laid out and its graph written to the cache;
 - ``switch``: as ``cold`` with the warm switch on: the caller keeps running while the warm plan is
   prepared in the background (the slowest of those runs, and the latency after the switch);
 - ``cold_serial`` / ``cold_thread``: as ``cold`` with the preparation thread forced off / on (``cold``
@@ -211,14 +212,14 @@ def prepare_caches(name: str, model: Path, work: Path) -> dict[str, Path]:
 
     log("copying this machine's ahead-of-time compiled loops (built once per machine and engine version)")
     aot.copy_built(default_dir(), base)
-    for p in base.glob("*.sfc"):
+    for p in base.iterdir():  # nothing of this model: no stamp, no link, no optimised graph, no weights
         if not p.name.startswith(("calibration-", "aot-")):
-            p.unlink()
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     warm = work / f"{name}-warm"
-    shutil.copytree(base, warm)
+    shutil.copytree(base, warm, symlinks=True)
     trial("cold", model, warm)  # fills the graph and weights entries
     noaot = work / f"{name}-noaot"  # model entries, but the compiled loops not built yet
-    shutil.copytree(warm, noaot, ignore=shutil.ignore_patterns("aot-*"))
+    shutil.copytree(warm, noaot, symlinks=True, ignore=shutil.ignore_patterns("aot-*"))
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.optimized_model_filepath = str(work / f"{name}-ort-opt.onnx")
@@ -242,7 +243,7 @@ def bench_model(name: str, model: Path, rounds: int, work: Path) -> dict[str, fl
             if v in ("cold_nocache", "current"):
                 cache = work / f"{name}-{v}-{r}"
                 if v == "cold_nocache":
-                    shutil.copytree(caches["base"], cache)
+                    shutil.copytree(caches["base"], cache, symlinks=True)
             else:
                 cache = caches.get("cold" if v in ("cold_serial", "cold_thread", "switch") else v, model)
             got[v].append(trial(v, model, cache))
