@@ -26,7 +26,10 @@ trial the page cache of the model file and of every engine-cache file is dropped
   asked for at once (``WILLNEED``) then read whole. Nothing else.
 
 Besides times, each ``cold`` trial reports the bytes it made the kernel fetch from the disk
-(``read_bytes`` of ``/proc/self/io`` over the timed region: ``<model>_cold_read_mb``). With the
+(``read_bytes`` of ``/proc/self/io`` over the timed region: ``<model>_cold_read_mb``) and the CPU
+time of its process over that region (``<model>_cold_cpu_ms``, all threads, kernel time included;
+``<model>_warm_cpu_ms`` is a warm run's): on a busy machine a CPU-bound cold start stretches with
+the waits for a core, its CPU time does not. With the
 read floor and our warm latency this gives ``<model>_cold_floor_ms`` = max(read floor, warm): what
 a cold start would take if reading and computing overlapped perfectly and nothing else cost
 anything; ``cold_floor_vs_warm_geomean`` says which cold/warm ratio this disk allows at all.
@@ -129,52 +132,56 @@ def child(variant: str, model: str, cache: str, files: str = "") -> dict:
     started = time.perf_counter()
     if variant == "read_floor":
         paths = json.loads(Path(files).read_text())
-        imported = time.perf_counter()
+        imported, cpu_before = time.perf_counter(), time.process_time()
         io_before = disk_read_bytes()
         out["bytes"] = read_files(paths)
         y = np.zeros(1)
+        done = time.perf_counter()
     elif variant.startswith("ort"):
         import onnxruntime as ort
 
         so = ort.SessionOptions()
         so.intra_op_num_threads = so.inter_op_num_threads = 1
-        imported = time.perf_counter()
+        imported, cpu_before = time.perf_counter(), time.process_time()
         io_before = disk_read_bytes()
         path = cache if variant == "ort_cold_optcache" else model
         if variant == "ort_cold_optcache":
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # already optimised
         sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
         y = sess.run(None, {sess.get_inputs()[0].name: x})[0]
+        done = time.perf_counter()
     else:
         os.environ["STREAMFLOW_ENGINE_CACHE"] = cache
         import engine  # noqa: F401
         from engine.coldstart.session import ColdSession
         from engine.session import InferenceSession
 
-        imported = time.perf_counter()
+        imported, cpu_before = time.perf_counter(), time.process_time()
         io_before = disk_read_bytes()
         sess = (InferenceSession(model) if variant == "current"  # no background work but in "switch"
                 else ColdSession(model, cache_dir=cache, warm_switch=variant == "switch",
                                  pipeline={"cold_serial": False, "cold_thread": True}.get(variant)))
         y = next(iter(sess.run(x).values()))
+        done = time.perf_counter()
         from engine.coldstart.fingerprint import engine_version
         from engine.kernels import accel
 
         out.update(engine_version=engine_version(), aot=accel.loaded() is not None and "numba" not in sys.modules)
-    done = time.perf_counter()
     out.update(first_ms=(done - imported) * 1e3, import_ms=(imported - started) * 1e3,
-               read_bytes=disk_read_bytes() - io_before)
+               cpu_ms=(time.process_time() - cpu_before) * 1e3, read_bytes=disk_read_bytes() - io_before)
     if variant == "cold":  # the files its first output needed (the read floor reads exactly these)
         roots = (os.path.realpath(cache) + os.sep, os.path.realpath(model))
         out["files"] = sorted({os.path.realpath(p) for p in opened if os.path.realpath(p).startswith(roots)
                                and os.path.isfile(p)})
     if variant == "current":
-        times = []
+        times, cpu = [], []
         for _ in range(WARM_RUNS):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             sess.run(x)
             times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
         out["warm_ms"] = sorted(times)[len(times) // 2] * 1e3
+        out["warm_cpu_ms"] = sorted(cpu)[len(cpu) // 2] * 1e3
     if variant == "switch":  # runs while the warm plan is prepared in the background, then after
         during = []
         while not sess.warm and len(during) < 500:
@@ -269,6 +276,8 @@ def bench_model(name: str, model: Path, rounds: int, work: Path, variants: list[
         **optional,
         f"{name}_current_cold_ms": first["current"],
         f"{name}_warm_ms": warm,
+        f"{name}_cold_cpu_ms": median(t["cpu_ms"] for t in got["cold"]),
+        f"{name}_warm_cpu_ms": median(t["warm_cpu_ms"] for t in got["current"]),
         f"{name}_cold_read_mb": median(t["read_bytes"] for t in got["cold"]) / 1e6,
         f"{name}_cold_files_mb": floor_bytes / 1e6,
         f"{name}_cold_files": len(got["cold"][-1]["files"]),
