@@ -177,7 +177,6 @@ class GcPauses:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], argv, extra=options)
-    gc_pauses = GcPauses()
     per_policy = args.requests or (15 if args.quick else 1000)
     interval_s = (args.interval_ms or (40.0 if args.quick else 60.0)) / 1000.0
     outage_s = args.outage_s if args.outage_s is not None else (3.0 if args.quick else 10.0)
@@ -199,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         images, labels = eval_set(eval_size, seed=args.seed)  # held out: the zoo's accuracy used seed 0
         shim = ShimProcess(broker.bootstrap, LinkProfile(args.delay_ms, 0.0, args.seed)).start()
         client = ServeClient(DEVICE, key, bootstrap=shim.bootstrap, zoo=zoo).start()
+        gc_pauses = GcPauses()  # from here on: the collections while requests are timed
         ready_s = wait_for_cloud(client, images[0], worker, worker_log)
         # settle: the first replies of a cold worker are slow; the device's upload estimate learns from them
         settling = []
