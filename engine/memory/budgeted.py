@@ -17,7 +17,6 @@ cached per budget); the arena of the old budget is released before the new one i
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import queue
 import threading
@@ -62,32 +61,6 @@ def parse_bytes(text: str | int) -> int:
     if unit not in _UNITS or not num:
         raise ValueError(f"not a byte size: {text!r} (use e.g. 8MB, 512KB, 1048576)")
     return int(float(num) * _UNITS[unit])
-
-
-def measure_read_bps(loader: WeightLoader, streamed: set[str], probe: int = 1 << 20, total: int = 8 << 20) -> float:
-    """Bytes/s reading up to ``total`` bytes of the largest streamed weights, ``probe`` bytes at a
-    time, with the page cache dropped (what runs see: one small cold read would measure the disk's
-    latency, not its streaming rate); the probe buffer is small so opening stays within any budget."""
-    if not streamed:
-        return 1e9
-    raw = np.empty(probe + 2 * DIRECT_ALIGN, np.uint8)
-    buf = raw[(-raw.ctypes.data) % DIRECT_ALIGN:]  # aligned with room: direct reads, as runs do
-    loader.evict()
-    done, t = 0, time.perf_counter()
-    for name in sorted(streamed, key=lambda n: -loader.blocks[n].nbytes):
-        b = loader.blocks[name]
-        step = max(1, probe // max(b.row_bytes, 1)) if b.shape else 1
-        granule = DIRECT_ALIGN // math.gcd(b.row_bytes, DIRECT_ALIGN) if b.row_bytes else 1
-        step = step // granule * granule or step
-        rows = b.shape[0] if b.shape else 1
-        for r in range(0, rows, step):
-            if b.shape and step * b.row_bytes > probe:
-                break
-            got = loader.read_into(name, buf, rows=(r, min(r + step, rows)) if b.shape else None)
-            done += got.nbytes
-            if done >= total:
-                return done / max(time.perf_counter() - t, 1e-6)
-    return done / max(time.perf_counter() - t, 1e-6) if done else 1e9
 
 
 # Kernels whose weight transform only reshapes/transposes (views), so the arena slot the loader
@@ -364,7 +337,12 @@ class BudgetedSession(GraphInputs):
         # median of the last runs' timelines; when they drift REPLAN_OFF from what the current plan
         # assumed, plans are remade (e.g. streaming Winograd's bigger weights stops paying when the
         # disk turns out slower than probed).
-        self.load_bps = measure_read_bps(self.loader, self.streamed)
+        # Every block a plan may read is checked once now (a plan reads only its kernels' blocks, and
+        # which kernels run depends on the budget and the machine's calibration); the pass measures
+        # the disk's streaming rate with the page cache dropped too
+        nbytes, seconds = self.loader.verify_blocks(
+            self.streamed | {b for node in self.sections.values() for ps in node.values() for b in ps.values()})
+        self.load_bps = nbytes / seconds if nbytes and seconds > 0 else 1e9
         self.compute_scale = 1.0
         self._observed: deque[tuple[float, float | None]] = deque(maxlen=5)
         self._stale_exec = False

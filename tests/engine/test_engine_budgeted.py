@@ -211,6 +211,26 @@ def test_corrupt_and_changed_files_are_clear_errors(cnn, tmp_path):
         BudgetedSession(trunc, memory_budget="64MB", calibration=Calibration())
 
 
+def test_a_corrupt_block_no_plan_reads_is_refused_at_open(tmp_path):
+    """A block is checked when read, and which blocks a plan reads depends on its kernels (the budget,
+    the machine's calibration): a session checks every block once when it opens, so a corrupt file
+    is refused whatever plan would run. Here the file holds conv_direct's packed taps and the session
+    runs im2col, which reads the weights themselves: the taps would never be read."""
+    path = tmp_path / "convs.sfe"
+    save_streamable(conv_net(), path, transforms=["conv_direct"])
+    x = np.random.default_rng(3).standard_normal((1, 16, 12, 12)).astype(np.float32)
+    sess = BudgetedSession(path, memory_budget="64MB", calibration=Calibration(), kernels={"Conv": "conv_im2col"})
+    sess.run(x)
+    taps = {b for node in sess.sections.values() for ps in node.values() for b in ps.values()}
+    plan = sess.plan_for({"x": x.shape})
+    assert taps and not taps & (set(plan.resident) | {ld.weight for ld in plan.loads})
+    block = sess.loader.blocks[max(taps)]
+    sess.close()
+    _flip(path, block.offset + block.nbytes - 5)
+    with pytest.raises(ModelFileError, match=f"{block.name}.*checksum"):
+        BudgetedSession(path, memory_budget="64MB", calibration=Calibration(), kernels={"Conv": "conv_im2col"})
+
+
 def test_parse_bytes():
     assert parse_bytes("8MB") == 8 << 20 and parse_bytes("512kb") == 512 << 10 and parse_bytes(7) == 7
     with pytest.raises(ValueError, match="not a byte size"):

@@ -174,3 +174,20 @@ def test_aligned_reads_use_direct_io_and_others_the_page_cache(tmp_path):
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(ModelFileError, match="checksum"):
         WeightLoader(path).read_into(name, buf)
+
+
+def test_verify_blocks_reads_every_named_block_in_small_chunks_and_names_a_corrupt_one(model_file):
+    path, weights = model_file
+    names = list(weights)
+    with WeightLoader(path) as loader:
+        nbytes, seconds = loader.verify_blocks(names, chunk=256)  # several chunks per block
+        assert nbytes == loader.bytes_read == sum(w.nbytes for w in weights.values()) and seconds > 0
+        last = max(names, key=lambda n: loader.blocks[n].offset)
+        off = loader.blocks[last].offset + loader.blocks[last].nbytes - 1  # in its last chunk
+    with open(path, "r+b") as f:
+        f.seek(off)
+        byte = f.read(1)
+        f.seek(off)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with WeightLoader(path) as loader, pytest.raises(ModelFileError, match=f"{last}.*checksum"):
+        loader.verify_blocks(names, chunk=256)
