@@ -199,7 +199,7 @@ def bench_model(name: str, make, fractions: list[float], runs: int, tmp: str, me
             sess.run(x)
         bp = sess.plan_for({sess.input_names[0]: shape})
         kernels = {s.node.name: s.kernel.name for s in bp.exec_plan.steps if s.kernel is not None}
-        unsliced = InferenceSession(plain, calibration=calib, kernels=kernels)  # same kernels, weights resident
+        unsliced = InferenceSession(sfe, calibration=calib, kernels=kernels)  # same graph and kernels, resident
         timelines: list = []
         ms = interleaved_ms({"unbudgeted_mmap": lambda: ref.run(x), "budgeted": timed_with_timeline(sess, x, timelines),
                              "no_preload": lambda: lazy.run(x), "same_kernels_resident": unsliced_run(unsliced, x)},

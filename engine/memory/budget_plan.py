@@ -179,8 +179,9 @@ def _rows(r: tuple[int, int] | None) -> str:
 
 
 def sliceable(step: StepPlan, streamed: set[str]) -> bool:
-    """Conv (group 1) along output channels, ``transB`` Gemm along output features, when the output
-    slice is contiguous (batch 1) and only the weight (and bias) are streamed."""
+    """Conv (group 1) along output channels (a blocked conv along blocks of 16), ``transB`` Gemm along
+    output features, when the output slice is contiguous (batch 1) and only the weight (and bias)
+    are streamed."""
     node = step.node
     if step.kernel is None or len(node.inputs) < 2 or node.inputs[1] not in streamed:
         return False
@@ -189,6 +190,8 @@ def sliceable(step: StepPlan, streamed: set[str]) -> bool:
     out = step.ctx.outs[0].shape
     if node.op == "Conv":
         return node.attrs.get("group", 1) == 1 and out[0] == 1
+    if node.op == "NchwcConv":  # (N, C/16, H, W, 16): along output-channel blocks
+        return out[0] == 1
     if node.op == "Gemm":
         return bool(node.attrs.get("transB")) and len(out) == 2 and out[0] == 1
     return False
@@ -506,8 +509,8 @@ def plan_budget(plans: list[ExecutionPlan], streamed: set[str], weight_bytes: di
             if best is None or cand.expected_s < best.expected_s:
                 best = cand
             continue
-        units, loads = build_units(plan, blocks_of, weight_bytes, _levels(plan, blocks_of, weight_bytes, streamed,
-                                                                            set())[-1], streamed)
+        finest = _levels(plan, blocks_of, weight_bytes, streamed, set(), room=0)[-1]  # the finest slices there are
+        units, loads = build_units(plan, blocks_of, weight_bytes, finest, streamed)
         act_top = _activation_top(plan, _unit_ranges(plan, units), len(units))
         need = [act_top[j] + sum(_up_load(loads[i].nbytes) for i in u.loads) for j, u in enumerate(units)]
         least = max(need, default=0) + pinned_bytes + LOAD_ALIGN

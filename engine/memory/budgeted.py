@@ -68,7 +68,7 @@ def parse_bytes(text: str | int) -> int:
 # zeros and ones. Kernels that copy weights (Winograd, tap packing) never get streamed weights:
 # planning with them would materialise their transformed copies, over any budget.
 VIEW_TRANSFORM_KERNELS = frozenset({"conv1x1_gemm", "conv_im2col", "depthwise_numpy", "depthwise_numba", "gemm_blas",
-                                    "matmul_blas"})
+                                    "matmul_blas", "nchwc_conv", "nchwc_depthwise", "nchwc_depthwise_numpy"})
 
 
 def _view_safe(kernel: Kernel, ctx: NodeCtx, streamed: set[str]) -> bool:

@@ -59,16 +59,25 @@ def streamable(graph: Graph) -> Graph:
 
 def save_streamable(model: Graph | str | os.PathLike, path: str | os.PathLike,
                     transforms: str | Iterable[str] | None = "auto",
-                    input_shapes: dict[str, tuple[int, ...]] | None = None) -> int:
+                    input_shapes: dict[str, tuple[int, ...]] | None = None, blocked: bool | None = None) -> int:
     """Write ``model`` (a Graph, ``.onnx`` or engine file) as a streamable engine file; returns its size.
 
     ``transforms``: whose transformed weights to store as well: ``"auto"`` (the kernels the engine
     picks for ``input_shapes``, default the model's own with unknown sizes set to 1), an iterable
-    of kernel names (for every node they apply to), or None.
+    of kernel names (for every node they apply to), or None. ``blocked``: store the graph in the
+    channel-blocked layout (:mod:`engine.layout`), its conv weights packed as the blocked kernels
+    read them, output-channel blocks first (a slice of blocks is one read); default: as the
+    unbudgeted engine does (when numba is installed), unless ``transforms`` names (NCHW) kernels.
     """
+    from engine.kernels import accel
+    from engine.layout import to_nchwc
     from engine.session import load_graph
 
     g = streamable(load_graph(model))
+    if blocked is None:
+        blocked = accel.available() and (transforms is None or isinstance(transforms, str))
+    if blocked:
+        g = to_nchwc(g)
     extra, sections = transformed_weights(g, transforms, input_shapes)
     return save_model(g, path, extra_weights=extra, extra_header={"transformed": sections}, align=DIRECT_ALIGN)
 

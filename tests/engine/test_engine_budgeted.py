@@ -141,10 +141,39 @@ def test_transformed_weights_are_streamed_and_equal_the_unsliced_model(kernel, t
     sess.close()
 
 
-def test_a_copying_kernel_without_transformed_weights_is_refused(cnn):
+def test_blocked_convs_stream_their_packed_weights_a_slice_of_channel_blocks_at_a_time(tmp_path):
+    """The file holds the graph in the channel-blocked layout the unbudgeted engine runs (weights
+    packed, output-channel blocks first): a tight budget slices those convs along blocks of 16
+    output channels, with the unbudgeted engine's own kernels and its outputs."""
+    from engine.kernels import accel
+
+    if not accel.available():
+        pytest.skip("the blocked layout needs numba")
+    g = conv_net()
+    path = tmp_path / "blocked.sfe"
+    save_streamable(g, path)
+    x = np.random.default_rng(3).standard_normal((1, 16, 12, 12)).astype(np.float32)
+    engine = InferenceSession(g, calibration=Calibration())
+    y_ref = engine.run(x)[engine.output_names[0]]
+    sess = BudgetedSession(path, memory_budget="64MB", calibration=Calibration())
+    with pytest.raises(BudgetError) as err:
+        sess.plan_for({"x": x.shape}, 1)
+    sess.set_budget(err.value.smallest)
+    y = sess.run(x)[sess.output_names[0]]
+    plan = sess.plan_for({"x": x.shape})
+    sliced = [plan.exec_plan.steps[u.step] for u in plan.units if u.parts > 1]
+    assert sliced and {s.node.op for s in sliced} == {"NchwcConv"} and plan.loads
+    assert {s.kernel.name for s in plan.exec_plan.steps if s.node.op == "NchwcConv"} == {"nchwc_conv"}
+    assert np.abs(y - y_ref).max() <= 1e-5 and np.abs(y - unsliced(path, plan, x)).max() <= 1e-5
+    sess.close()
+
+
+def test_a_copying_kernel_without_transformed_weights_is_refused(cnn, tmp_path):
     from engine.ir import GraphError
 
-    g, path, x = cnn
+    g, _, x = cnn
+    path = tmp_path / "nchw.sfe"
+    save_streamable(g, path, blocked=False)  # NCHW convs: the kernels named here apply
     node = next(n.name for n in g.nodes if n.op == "Conv" and g.weights[n.inputs[1]].shape == (64, 64, 3, 3))
     sess = BudgetedSession(path, memory_budget="64MB", calibration=Calibration(), kernels={node: "conv_winograd_f43"})
     if "conv_winograd_f43" in sess.sections.get(node, {}):
@@ -206,7 +235,8 @@ def test_corrupt_and_changed_files_are_clear_errors(cnn, tmp_path):
     with pytest.raises(ModelFileError, match="changed while in use"):
         sess.run(x)
     trunc = tmp_path / "trunc.sfe"
-    trunc.write_bytes(Path(path).read_bytes()[:-1000])
+    end = max(b.offset + b.nbytes for b in sess.loader.blocks.values())
+    trunc.write_bytes(Path(path).read_bytes()[:end - 1000])  # into the last block (not just its padding)
     with pytest.raises(ModelFileError, match="truncated"):
         BudgetedSession(trunc, memory_budget="64MB", calibration=Calibration())
 
@@ -316,6 +346,8 @@ def test_rss_growth_stays_within_a_ten_percent_budget(tmp_path, model):
 def test_the_view_transform_kernel_list_is_right():
     """Every listed kernel keeps a streamed weight a view; the ones left out (Winograd, tap packing) copy it."""
     from engine.ir import Node, TensorInfo
+    from engine.layout import to_nchwc
+    from engine.ops import infer_shapes
 
     f32 = np.dtype("float32")
     cases = [  # (node, input infos, output info)
@@ -326,6 +358,16 @@ def test_the_view_transform_kernel_list_is_right():
          [(1, 8, 12, 12), (8, 1, 3, 3), (8,)], (1, 8, 12, 12)),
         (Node("Gemm", ["x", "w", "b"], ["y"], {"transB": 1}, "fc"), [(1, 8), (16, 8), (16,)], (1, 16)),
     ]
+    b = GraphBuilder("blocked")  # the channel-blocked conv and depthwise conv, as engine.layout makes them
+    h = b.conv(b.input("x", (1, 16, 12, 12)), np.ones((16, 16, 3, 3), f32), np.ones(16, f32), pads=1)
+    b.output(b.conv(h, np.ones((16, 1, 3, 3), f32), np.ones(16, f32), pads=1, group=16))
+    blocked = to_nchwc(b.build())
+    infos, _ = infer_shapes(blocked)
+    for n in blocked.nodes:
+        if n.op in ("NchwcConv", "NchwcDepthwiseConv"):
+            shapes = [infos[n.inputs[0]].shape, *(blocked.weights[t].shape for t in n.inputs[1:3])]
+            cases.append((Node(n.op, [n.inputs[0], "w", "b"], ["y"], n.attrs, n.name), shapes,
+                          infos[n.outputs[0]].shape))
     checked = set()
     for node, shapes, out in cases:
         ins = [TensorInfo(t, s, f32) for t, s in zip(node.inputs, shapes, strict=True)]
@@ -334,7 +376,11 @@ def test_the_view_transform_kernel_list_is_right():
         for k in candidates(ctx):
             assert transform_keeps_views(k, ctx, ["w"]) == (k.name in VIEW_TRANSFORM_KERNELS), k.name
             checked.add(k.name)
-    assert VIEW_TRANSFORM_KERNELS - {"matmul_blas"} <= checked and len(checked) > len(VIEW_TRANSFORM_KERNELS) - 1
+    from engine.kernels import REGISTRY
+
+    registered = {k.name for ks in REGISTRY.values() for k in ks}  # the numba ones only with numba
+    assert (VIEW_TRANSFORM_KERNELS & registered) - {"matmul_blas"} <= checked
+    assert len(checked) > len(VIEW_TRANSFORM_KERNELS & registered) - 1
 
 
 def test_cli_prints_the_budgeted_plan(cnn, capsys):
