@@ -38,7 +38,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,14 +46,6 @@ import numpy as np
 from engine.format import ModelFile, checksum_fn
 
 DIRECT_ALIGN = 4096  # offsets, addresses and lengths of direct reads (the largest logical block size)
-MIN_PIECE = 256 << 10  # a direct read is split into parallel pieces no smaller than this
-READ_DEPTH = 1  # direct reads in flight per long read (WeightLoader(read_depth=...))
-
-
-def _batch_priority() -> None:
-    """SCHED_BATCH for a reading thread: its wake-ups never preempt the compute thread."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.sched_setscheduler(threading.get_native_id(), os.SCHED_BATCH, os.sched_param(0))
 
 
 def direct_len(n: int) -> int:
@@ -92,11 +83,8 @@ class WeightLoader:
     True) uses direct I/O for aligned reads where the file system supports it.
     """
 
-    def __init__(self, path: str | os.PathLike, *, drop_cache: bool = True, direct: bool = True,
-                 read_depth: int = READ_DEPTH) -> None:
+    def __init__(self, path: str | os.PathLike, *, drop_cache: bool = True, direct: bool = True) -> None:
         self.path = Path(path)
-        self.read_depth = max(1, read_depth)
-        self._readers: ThreadPoolExecutor | None = None
         self._fd = self._dfd = -1
         try:
             mf = ModelFile(self.path)
@@ -193,25 +181,12 @@ class WeightLoader:
 
     def _read_direct(self, b: Block, buf: np.ndarray, offset: int, n: int) -> bool:
         """Read ``n`` bytes at ``offset`` into ``buf`` with direct I/O if everything is aligned and
-        ``buf`` (and the file) hold the rounded-up length; False if it cannot (then read buffered).
-        A long read is split into ``read_depth`` pieces read at once (once direct reads are known to
-        work here): the disk serves several requests in parallel faster than one after another."""
+        ``buf`` (and the file) hold the rounded-up length; False if it cannot (then read buffered)."""
         size = direct_len(n)
         if (self._dfd < 0 or n == 0 or offset % DIRECT_ALIGN or buf.ctypes.data % DIRECT_ALIGN
                 or buf.nbytes < size or offset + size > self._size):
             return False
-        view = memoryview(buf[:size])
-        pieces = self._pieces(size) if self.direct_bytes else [(0, size)]
-        if len(pieces) > 1:
-            pending = [self._pool().submit(self._pread_all, b, view, offset, lo, hi) for lo, hi in pieces[1:]]
-            try:
-                self._pread_all(b, view, offset, *pieces[0])
-            finally:
-                for f in pending:
-                    f.result()
-            self.direct_bytes += n
-            return True
-        done = 0
+        view, done = memoryview(buf[:size]), 0
         try:
             while done < n:
                 got = os.preadv(self._dfd, [view[done:]], offset + done)
@@ -227,25 +202,6 @@ class WeightLoader:
             return False
         self.direct_bytes += n
         return True
-
-    def _pieces(self, size: int) -> list[tuple[int, int]]:
-        k = min(self.read_depth, size // MIN_PIECE)
-        if k <= 1:
-            return [(0, size)]
-        cuts = [i * size // k // DIRECT_ALIGN * DIRECT_ALIGN for i in range(k)] + [size]
-        return [(a, c) for a, c in zip(cuts[:-1], cuts[1:], strict=True) if c > a]
-
-    def _pread_all(self, b: Block, view: memoryview, offset: int, lo: int, hi: int) -> None:
-        while lo < hi:
-            got = os.preadv(self._dfd, [view[lo:hi]], offset + lo)
-            if got == 0:
-                raise ModelFileError(f"{self.path}: weight {b.name!r} truncated: file ended at byte {offset + lo}")
-            lo += got
-
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._readers is None:
-            self._readers = ThreadPoolExecutor(self.read_depth - 1, "weight-read", initializer=_batch_priority)
-        return self._readers
 
     def _read_exact(self, b: Block, dst: np.ndarray, offset: int) -> None:
         view, done = memoryview(dst), 0
@@ -309,9 +265,6 @@ class WeightLoader:
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
-        if self._readers is not None:
-            self._readers.shutdown()
-            self._readers = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

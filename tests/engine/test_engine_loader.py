@@ -191,35 +191,3 @@ def test_verify_blocks_reads_every_named_block_in_small_chunks_and_names_a_corru
         f.write(bytes([byte[0] ^ 0x01]))
     with WeightLoader(path) as loader, pytest.raises(ModelFileError, match=f"{last}.*checksum"):
         loader.verify_blocks(names, chunk=256)
-
-
-def test_a_long_direct_read_in_parallel_pieces_gives_the_same_bytes_and_checks_them(tmp_path):
-    rng = np.random.default_rng(2)
-    b = GraphBuilder()
-    w = rng.standard_normal((256, 256, 3, 3)).astype(np.float32)  # 2.25 MiB: several 256 KiB pieces
-    b.output(b.conv(b.input("x", (1, 256, 4, 4)), w, pads=1))
-    path = tmp_path / "big.sfe"
-    save_model(b.build(), path, align=4096)
-    loader = WeightLoader(path, read_depth=4)
-    if loader._dfd < 0:
-        pytest.skip("this file system has no direct I/O")
-    name = next(iter(loader.blocks))
-    raw = np.empty(w.nbytes + 2 * 4096, np.uint8)
-    buf = raw[(-raw.ctypes.data) % 4096:][: w.nbytes + 4096]
-    first = loader.read_into(name, buf, rows=(0, 16)).copy()  # one direct read first: then pieces
-    assert loader._readers is None and np.array_equal(first, w[:16])
-    buf[:] = 0
-    assert np.array_equal(loader.read_into(name, buf), w) and loader._readers is not None
-    assert loader.direct_bytes == w.nbytes + 16 * w[0].nbytes
-    with open(path, "r+b") as f:  # a flipped byte in the last piece is caught
-        f.seek(loader.blocks[name].offset + w.nbytes - 3)
-        byte = f.read(1)
-        f.seek(loader.blocks[name].offset + w.nbytes - 3)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    loader.close()
-    loader = WeightLoader(path, read_depth=4)
-    loader.read_into(name, buf, rows=(0, 16))
-    with pytest.raises(ModelFileError, match="checksum"):
-        loader.read_into(name, buf)
-    assert loader._readers is not None
-    loader.close()
