@@ -129,7 +129,33 @@ def where_time_went(bp, timelines: list, unbudgeted_ms: float) -> dict:
         bound = stream_bound(bp.units, bp.loads, bp.act_top, bp.load_top, unit_s, bps)
         out["bound_ms"] = round(bound * 1e3, 2)
         out["bound_ratio"] = round(bound * 1e3 / unbudgeted_ms, 3)
+        out["stages"] = per_stage(bp, timelines)
     return out
+
+
+def _stage_times(tl, units: list[int], loads: list[int]) -> dict[str, float]:
+    return {"compute_ms": sum(tl.unit_end[u] - tl.unit_start[u] for u in units),
+            "wait_ms": sum(tl.unit_wait[u] for u in units),
+            "read_ms": sum(tl.load_end[j] - tl.load_start[j] for j in loads),
+            "start_ms": tl.unit_start[units[0]], "end_ms": tl.unit_end[units[-1]]}
+
+
+def per_stage(bp, timelines: list) -> dict[str, dict[str, float]]:
+    """Medians per stage (units grouped by their output's spatial size: ResNet's stages): compute,
+    waiting on loads, MB loaded for the stage and the loader's time reading them, and when the
+    stage started and ended. A stage whose wait is large next to its compute is read-bound."""
+    stage_of = []
+    for u in bp.units:
+        out = bp.exec_plan.steps[u.step].ctx.outs[0].shape
+        stage_of.append(f"{out[2]}x{out[3]}" if len(out) >= 4 else "head")
+    rows = {}
+    for stage in dict.fromkeys(stage_of):
+        units = [i for i, s in enumerate(stage_of) if s == stage]
+        loads = [j for j, ld in enumerate(bp.loads) if stage_of[ld.unit] == stage]
+        each = [_stage_times(tl, units, loads) for tl in timelines]
+        rows[stage] = {k: round(statistics.median(e[k] for e in each) * 1e3, 2) for k in each[0]}
+        rows[stage]["load_mb"] = round(sum(bp.loads[j].nbytes for j in loads) / 1e6, 2)
+    return rows
 
 
 def models(quick: bool) -> dict[str, object]:
