@@ -322,6 +322,13 @@ class BudgetedSession(GraphInputs):
     >>> print(sess.plan_for({"x": (1, 3, 224, 224)}).table())         # doctest: +SKIP
     """
 
+    # The loader thread under SCHED_BATCH never preempts a running thread when it wakes up. With many
+    # short loads (an earlier plan) that saved 50-100 ms per ResNet-50 inference on the busy 2-core
+    # VM: each wake-up could preempt compute. With ~2 MB direct reads it costs more than it saves: a
+    # batch thread waits for a CPU after every read completes, and the loader read at 0.39-0.48 GB/s
+    # against 0.8-1.3 GB/s as a normal thread (load 7; 290-390 vs 130-220 ms per inference).
+    loader_batch = False
+
     def __init__(self, path: str | os.PathLike, memory_budget: int | str, *, threads: int = 1,
                  calibration: Calibration | None = None, preload: bool = True, drop_cache: bool = True,
                  kernels: Mapping[str, str] | None = None) -> None:
@@ -507,12 +514,9 @@ class BudgetedSession(GraphInputs):
             self._stale_exec = True  # and remake the rate-dependent exec plans then (not in set_budget)
 
     def _loader_loop(self) -> None:
-        # SCHED_BATCH: the loader never preempts a running thread when it wakes up. Under SCHED_OTHER
-        # its many short wake-ups (after each read, when compute frees memory) each could preempt the
-        # compute thread, which then waited behind every other runnable task: 50-100 ms lost per
-        # ResNet-50 inference on a busy 2-core machine, ~1 ms with it (memory/timeline.py shows it).
-        with contextlib.suppress(AttributeError, OSError):
-            os.sched_setscheduler(threading.get_native_id(), os.SCHED_BATCH, os.sched_param(0))
+        if self.loader_batch:
+            with contextlib.suppress(AttributeError, OSError):
+                os.sched_setscheduler(threading.get_native_id(), os.SCHED_BATCH, os.sched_param(0))
         while True:
             job = self._jobs.get()
             if job is None:
