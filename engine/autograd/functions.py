@@ -67,11 +67,9 @@ class Conv2d(Function):
         cout, _, kh, kw = w.shape
         self.k = (kh, kw)
         self.oh, self.ow = _out_hw(h, wd, self.k, self.stride, self.pads, self.dil)
-        xp = _pad(x, self.pads)
-        self.xp_shape, self.w = xp.shape, w
-        win = _windows(xp, self.k, (self.oh, self.ow), self.stride, self.dil)
+        self.w = w
         self.depthwise = group == c == cout and w.shape[1] == 1
-        if self.depthwise and jit is not None:  # fused loops, padding implicit
+        if self.depthwise and jit is not None:  # fused loops, padding implicit (no padded copy)
             self.x = x
             self.taps = jit.depthwise_taps(wd, self.ow, kw, self.stride[1], self.pads[1], self.dil[1])
             phases = np.empty((self.stride[1], h if self.stride[1] > 1 else 1, -(-wd // self.stride[1])), np.float32)
@@ -81,6 +79,9 @@ class Conv2d(Function):
                 jit.depthwise(x[k], w3, b1, y[k], False, y[k], phases, self.taps, self.stride[0], self.stride[1],
                               self.pads[0], self.dil[0], 0, 0.0, 0.0)
             return y
+        xp = _pad(x, self.pads)
+        self.xp_shape = xp.shape
+        win = _windows(xp, self.k, (self.oh, self.ow), self.stride, self.dil)
         if self.depthwise:  # per-tap broadcast multiply-adds: far faster than an einsum on 6-d views
             self.win = win
             y = np.zeros((n, c, self.oh, self.ow), np.float32)
@@ -94,9 +95,15 @@ class Conv2d(Function):
             self.cols = [x.reshape(n, c, -1)] if self.pointwise else \
                 [np.ascontiguousarray(win[:, g * cg : (g + 1) * cg]).reshape(n, cg * kh * kw, -1)
                  for g in range(group)]
-            y = np.concatenate([w[g * og : (g + 1) * og].reshape(og, -1) @ self.cols[g] for g in range(group)],
-                               axis=1).reshape(n, cout, self.oh, self.ow)
-        return (y + b.reshape(1, -1, 1, 1)).astype(np.float32, copy=False)
+            if group == 1:  # one product, written once (no concatenation copy)
+                y = (w.reshape(cout, -1) @ self.cols[0]).reshape(n, cout, self.oh, self.ow)
+            else:
+                y = np.concatenate([w[g * og : (g + 1) * og].reshape(og, -1) @ self.cols[g] for g in range(group)],
+                                   axis=1).reshape(n, cout, self.oh, self.ow)
+        y = y.astype(np.float32, copy=False)
+        if b is not None and b.any():  # a fresh array: the bias goes in place (a conv before a BatchNorm has none)
+            y += b.reshape(1, -1, 1, 1)
+        return y
 
     def backward(self, g):
         w, (kh, kw) = self.w, self.k

@@ -91,7 +91,10 @@ def split_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int,
                    tries: int = 4) -> StepPlan:
     """Speed a fitting streamed plan up: add borders (fewer passes over shorter segments, one
     more tensor kept for the whole batch), the best seconds-per-byte first, while it still fits."""
-    stream, cuts = plan.stream, set(prog.cut_positions)
+    stream = plan.stream
+    # besides one-tensor positions, right before a BatchNorm: its statistics then come from a
+    # materialized tensor (no pass recomputing the segment up to it)
+    cuts = set(prog.cut_positions) | {q for q, nd in enumerate(prog.cal.nodes) if nd.op == "BatchNormalization"}
     if stream is None:
         return plan
     while True:

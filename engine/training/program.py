@@ -92,9 +92,16 @@ class StepPlan:
         return "\n".join(rows)
 
 
+_STUBS: dict[tuple[int, ...], np.ndarray] = {}
+
+
 def _stub(a: np.ndarray) -> np.ndarray:
-    """A zero-byte stand-in with ``a``'s shape, for tensors whose data the plan frees elsewhere."""
-    return np.broadcast_to(np.zeros((), np.float32), a.shape)
+    """A zero-byte stand-in with ``a``'s shape, for tensors whose data the plan frees elsewhere
+    (read-only views of one zero, cached per shape)."""
+    stub = _STUBS.get(a.shape)
+    if stub is None:
+        stub = _STUBS[a.shape] = np.broadcast_to(np.zeros((), np.float32), a.shape)
+    return stub
 
 
 class _Output:
