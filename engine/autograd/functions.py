@@ -108,15 +108,16 @@ class Conv2d(Function):
     def backward(self, g):
         w, (kh, kw) = self.w, self.k
         n, cout = g.shape[:2]
-        db = g.sum(axis=(0, 2, 3))
+        db = g.sum(axis=(0, 2, 3)) if self.needs_grad(2) else None
         if self.depthwise and jit is not None:
+            want_dw = self.needs_grad(1)
             dx = np.zeros(self.x.shape, np.float32)
             dw3 = np.zeros((w.shape[0], kh, kw), np.float32)
             w3, gc = np.ascontiguousarray(w[:, 0]), np.ascontiguousarray(g, dtype=np.float32)
             for k in range(n):
                 jit.depthwise_backward(self.x[k], gc[k], w3, dx[k], dw3, self.taps, self.stride[0], self.stride[1],
-                                       self.pads[0], self.pads[1], self.dil[0], self.dil[1])
-            return dx, dw3[:, None], db
+                                       self.pads[0], self.pads[1], self.dil[0], self.dil[1], want_dw)
+            return dx, dw3[:, None] if want_dw else None, db
         if self.depthwise:
             dw = np.empty_like(w)
             dxp = np.zeros(self.xp_shape, np.float32)
@@ -160,6 +161,11 @@ class Relu(Function):
 
 class Clip(Function):
     def forward(self, x, lo=-np.inf, hi=np.inf):
+        if jit is not None and x.dtype == np.float32:  # one pass for the mask and the clipped copy
+            flat = np.ascontiguousarray(x).reshape(-1)
+            y, self.mask = np.empty(x.shape, np.float32), np.empty(x.shape, np.bool_)
+            jit.clip_mask(flat, float(lo), float(hi), y.reshape(-1), self.mask.reshape(-1))
+            return y
         self.mask = (x > lo) & (x < hi)
         return np.clip(x, lo, hi).astype(np.float32, copy=False)
 
@@ -297,20 +303,44 @@ class BatchNormGiven(Function):
 
     def forward(self, x, gamma, beta, stats=None):
         self.stats = stats
+        self.gamma = gamma.reshape(1, -1, 1, 1)
+        if jit is not None and x.dtype == np.float32 and x.ndim == 4:  # one pass: fewer temporaries
+            n, c = x.shape[:2]
+            xhat, y = np.empty(x.shape, np.float32), np.empty(x.shape, np.float32)
+            jit.batchnorm_given(np.ascontiguousarray(x).reshape(n, c, -1), stats.mean.reshape(-1),
+                                stats.inv.reshape(-1), np.ascontiguousarray(gamma, np.float32).reshape(-1),
+                                np.ascontiguousarray(beta, np.float32).reshape(-1), xhat.reshape(n, c, -1),
+                                y.reshape(n, c, -1))
+            self.xhat = xhat
+            return y
         xhat = x - stats.mean
         xhat *= stats.inv
-        self.xhat, self.gamma = xhat, gamma.reshape(1, -1, 1, 1)
+        self.xhat = xhat
         y = xhat * self.gamma
         y += beta.reshape(1, -1, 1, 1)
         return y
 
     def backward(self, g):
         st = self.stats
+        fused = jit is not None and g.ndim == 4 and g.dtype == np.float32
+        n, c = g.shape[:2]
         if st.collecting:
+            if fused:  # both sums in one pass, accumulated in float64
+                sums = np.zeros((2, c), np.float64)
+                jit.batchnorm_sums(np.ascontiguousarray(g).reshape(n, c, -1), self.xhat.reshape(n, c, -1),
+                                   sums[0], sums[1])
+                st.sum_g, st.sum_gx = st.sum_g + sums[0], st.sum_gx + sums[1]
+                return None, None, None
             st.sum_g = st.sum_g + g.sum(axis=(0, 2, 3), dtype=np.float64)
             st.sum_gx = st.sum_gx + np.einsum("nchw,nchw->c", g, self.xhat).astype(np.float64)
             return None, None, None
         m = st.count  # as BatchNorm.backward, with the whole batch's count and sums
+        if fused:
+            dx = np.empty(g.shape, np.float32)
+            scale = (self.gamma * st.inv / m).astype(np.float32, copy=False).reshape(-1)
+            jit.batchnorm_given_dx(np.ascontiguousarray(g).reshape(n, c, -1), self.xhat.reshape(n, c, -1),
+                                   st.sum_g.reshape(-1), st.sum_gx.reshape(-1), m, scale, dx.reshape(n, c, -1))
+            return dx, None, None
         dx = self.xhat * (-st.sum_gx).reshape(1, -1, 1, 1)
         dx += m * g
         dx -= st.sum_g.reshape(1, -1, 1, 1)
