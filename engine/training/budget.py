@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.training.calibrate import NodeCost
 from engine.training.program import Program, StepPlan, plan_program
-from engine.training.stream import Stream
+from engine.training.stream import Stream, fold_of
 
 HEADROOM = 0.1  # of the budget, for what the calibration does not see (allocator rounding, small temporaries)
 BACKWARD_FACTOR = 3.0  # a node's forward and backward take about this many times its forward
@@ -247,7 +247,9 @@ def estimated_seconds(prog: Program, plan: StepPlan) -> float:
         seg = prog.segment(a, b)
         f = {i: fwd(i, st.chunk, calls) for i in range(a, b)}
         whole = sum(f.values())
-        total += sum(f[i] for j in seg.bns for i in seg.needs[j]) + whole  # forward passes
+        fold = fold_of(prog, seg, plan.batch)
+        last = sum(f[i] for i in range(fold[0], b)) if fold else whole  # the pass writing the outputs
+        total += sum(f[i] for j in seg.bns for i in seg.needs[j]) + last  # forward passes
         total += (len(seg.bns) + 1) * whole + (BACKWARD_FACTOR - 1) * (
             whole + sum(f[i] for j in seg.bns for i in range(j, b)))  # backward passes
     return total
