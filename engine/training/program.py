@@ -130,6 +130,8 @@ class Program:
         self.input = model.graph.inputs[0].name
         self.output = model.graph.outputs[0]
         self.has_batchnorm = any(n.op == "BatchNormalization" for n in model.graph.nodes)
+        if self.has_batchnorm:  # a streamed step's first use of these loops would load them mid-step
+            F.warm_streamed_batchnorm()
         self._consts: dict[int, tuple[dict, dict]] = {}
         # recomputation replays BatchNorm forwards: their running statistics go to throwaway copies
         self._replay = GraphModel.__new__(GraphModel)
