@@ -17,8 +17,9 @@ except ImportError:  # pragma: no cover - depends on the environment
     jit = None
 
 __all__ = ["Add", "Mul", "MatMul", "MatMulT", "Conv2d", "Relu", "Clip", "HardSwish", "HardSigmoid", "Sigmoid",
-           "Softmax", "BatchNorm", "BatchStats", "BatchNormGiven", "MaxPool2d", "AvgPool2d", "GlobalAvgPool",
-           "GlobalMaxPool", "ReduceMean", "Reshape", "Transpose", "Concat", "Slice", "Pad"]
+           "Softmax", "BatchNorm", "BatchStats", "BatchNormGiven", "warm_streamed_batchnorm", "MaxPool2d",
+           "AvgPool2d", "GlobalAvgPool", "GlobalMaxPool", "ReduceMean", "Reshape", "Transpose", "Concat", "Slice",
+           "Pad"]
 
 
 def _windows(xp: np.ndarray, k: tuple[int, int], out_hw: tuple[int, int], stride, dil) -> np.ndarray:
@@ -67,20 +68,20 @@ class Conv2d(Function):
         cout, _, kh, kw = w.shape
         self.k = (kh, kw)
         self.oh, self.ow = _out_hw(h, wd, self.k, self.stride, self.pads, self.dil)
-        xp = _pad(x, self.pads)
-        self.xp_shape, self.w = xp.shape, w
-        win = _windows(xp, self.k, (self.oh, self.ow), self.stride, self.dil)
+        self.w = w
         self.depthwise = group == c == cout and w.shape[1] == 1
-        if self.depthwise and jit is not None:  # fused loops, padding implicit
+        if self.depthwise and jit is not None:  # fused loops, padding implicit (no padded copy)
             self.x = x
             self.taps = jit.depthwise_taps(wd, self.ow, kw, self.stride[1], self.pads[1], self.dil[1])
             phases = np.empty((self.stride[1], h if self.stride[1] > 1 else 1, -(-wd // self.stride[1])), np.float32)
             y = np.empty((n, c, self.oh, self.ow), np.float32)
             w3, b1 = np.ascontiguousarray(w[:, 0]), np.ascontiguousarray(b, dtype=np.float32)
-            for k in range(n):
-                jit.depthwise(x[k], w3, b1, y[k], False, y[k], phases, self.taps, self.stride[0], self.stride[1],
-                              self.pads[0], self.dil[0], 0, 0.0, 0.0)
+            jit.depthwise_batch(np.ascontiguousarray(x), w3, b1, y, phases, self.taps, self.stride[0], self.stride[1],
+                                self.pads[0], self.dil[0])
             return y
+        xp = _pad(x, self.pads)
+        self.xp_shape = xp.shape
+        win = _windows(xp, self.k, (self.oh, self.ow), self.stride, self.dil)
         if self.depthwise:  # per-tap broadcast multiply-adds: far faster than an einsum on 6-d views
             self.win = win
             y = np.zeros((n, c, self.oh, self.ow), np.float32)
@@ -94,22 +95,28 @@ class Conv2d(Function):
             self.cols = [x.reshape(n, c, -1)] if self.pointwise else \
                 [np.ascontiguousarray(win[:, g * cg : (g + 1) * cg]).reshape(n, cg * kh * kw, -1)
                  for g in range(group)]
-            y = np.concatenate([w[g * og : (g + 1) * og].reshape(og, -1) @ self.cols[g] for g in range(group)],
-                               axis=1).reshape(n, cout, self.oh, self.ow)
-        return (y + b.reshape(1, -1, 1, 1)).astype(np.float32, copy=False)
+            if group == 1:  # one product, written once (no concatenation copy)
+                y = (w.reshape(cout, -1) @ self.cols[0]).reshape(n, cout, self.oh, self.ow)
+            else:
+                y = np.concatenate([w[g * og : (g + 1) * og].reshape(og, -1) @ self.cols[g] for g in range(group)],
+                                   axis=1).reshape(n, cout, self.oh, self.ow)
+        y = y.astype(np.float32, copy=False)
+        if b is not None and b.any():  # a fresh array: the bias goes in place (a conv before a BatchNorm has none)
+            y += b.reshape(1, -1, 1, 1)
+        return y
 
     def backward(self, g):
         w, (kh, kw) = self.w, self.k
         n, cout = g.shape[:2]
-        db = g.sum(axis=(0, 2, 3))
+        db = g.sum(axis=(0, 2, 3)) if self.needs_grad(2) else None
         if self.depthwise and jit is not None:
+            want_dw = self.needs_grad(1)
             dx = np.zeros(self.x.shape, np.float32)
             dw3 = np.zeros((w.shape[0], kh, kw), np.float32)
             w3, gc = np.ascontiguousarray(w[:, 0]), np.ascontiguousarray(g, dtype=np.float32)
-            for k in range(n):
-                jit.depthwise_backward(self.x[k], gc[k], w3, dx[k], dw3, self.taps, self.stride[0], self.stride[1],
-                                       self.pads[0], self.pads[1], self.dil[0], self.dil[1])
-            return dx, dw3[:, None], db
+            jit.depthwise_backward_batch(np.ascontiguousarray(self.x), gc, w3, dx, dw3, self.taps, self.stride[0],
+                                         self.stride[1], self.pads[0], self.pads[1], self.dil[0], self.dil[1], want_dw)
+            return dx, dw3[:, None] if want_dw else None, db
         if self.depthwise:
             dw = np.empty_like(w)
             dxp = np.zeros(self.xp_shape, np.float32)
@@ -153,6 +160,11 @@ class Relu(Function):
 
 class Clip(Function):
     def forward(self, x, lo=-np.inf, hi=np.inf):
+        if jit is not None and x.dtype == np.float32:  # one pass for the mask and the clipped copy
+            flat = np.ascontiguousarray(x).reshape(-1)
+            y, self.mask = np.empty(x.shape, np.float32), np.empty(x.shape, np.bool_)
+            jit.clip_mask(flat, float(lo), float(hi), y.reshape(-1), self.mask.reshape(-1))
+            return y
         self.mask = (x > lo) & (x < hi)
         return np.clip(x, lo, hi).astype(np.float32, copy=False)
 
@@ -290,25 +302,67 @@ class BatchNormGiven(Function):
 
     def forward(self, x, gamma, beta, stats=None):
         self.stats = stats
+        self.gamma = gamma.reshape(1, -1, 1, 1)
+        if jit is not None and x.dtype == np.float32 and x.ndim == 4:  # one pass: fewer temporaries
+            n, c = x.shape[:2]
+            xhat, y = np.empty(x.shape, np.float32), np.empty(x.shape, np.float32)
+            jit.batchnorm_given(np.ascontiguousarray(x).reshape(n, c, -1), stats.mean.reshape(-1),
+                                stats.inv.reshape(-1), np.ascontiguousarray(gamma, np.float32).reshape(-1),
+                                np.ascontiguousarray(beta, np.float32).reshape(-1), xhat.reshape(n, c, -1),
+                                y.reshape(n, c, -1))
+            self.xhat = xhat
+            return y
         xhat = x - stats.mean
         xhat *= stats.inv
-        self.xhat, self.gamma = xhat, gamma.reshape(1, -1, 1, 1)
+        self.xhat = xhat
         y = xhat * self.gamma
         y += beta.reshape(1, -1, 1, 1)
         return y
 
     def backward(self, g):
         st = self.stats
+        fused = jit is not None and g.ndim == 4 and g.dtype == np.float32
+        n, c = g.shape[:2]
         if st.collecting:
+            if fused:  # both sums in one pass, accumulated in float64
+                sums = np.zeros((2, c), np.float64)
+                jit.batchnorm_sums(np.ascontiguousarray(g).reshape(n, c, -1), self.xhat.reshape(n, c, -1),
+                                   sums[0], sums[1])
+                st.sum_g, st.sum_gx = st.sum_g + sums[0], st.sum_gx + sums[1]
+                return None, None, None
             st.sum_g = st.sum_g + g.sum(axis=(0, 2, 3), dtype=np.float64)
             st.sum_gx = st.sum_gx + np.einsum("nchw,nchw->c", g, self.xhat).astype(np.float64)
             return None, None, None
         m = st.count  # as BatchNorm.backward, with the whole batch's count and sums
+        if fused:
+            dx = np.empty(g.shape, np.float32)
+            scale = (self.gamma * st.inv / m).astype(np.float32, copy=False).reshape(-1)
+            jit.batchnorm_given_dx(np.ascontiguousarray(g).reshape(n, c, -1), self.xhat.reshape(n, c, -1),
+                                   st.sum_g.reshape(-1), st.sum_gx.reshape(-1), m, scale, dx.reshape(n, c, -1))
+            return dx, None, None
         dx = self.xhat * (-st.sum_gx).reshape(1, -1, 1, 1)
         dx += m * g
         dx -= st.sum_g.reshape(1, -1, 1, 1)
         dx *= self.gamma * st.inv / m
         return dx.astype(np.float32, copy=False), None, None
+
+
+def warm_streamed_batchnorm() -> None:
+    """Run :class:`BatchNormGiven` forward and both backwards once on a tiny array, so that their
+    compiled loops are loaded (numba's first call) before a measured or budgeted step needs them."""
+    x = np.arange(8, dtype=np.float32).reshape(2, 1, 2, 2)
+    st = BatchStats()
+    st.add(x)
+    st.finish(1e-5)
+    for collect in (True, False):
+        st.begin_collect()
+        if not collect:
+            st.sum_g, st.sum_gx = np.ones(1), np.ones(1)
+            st.end_collect()
+        out = BatchNormGiven.apply(Tensor(x, requires_grad=True), Tensor(np.ones(1, np.float32)),
+                                   Tensor(np.zeros(1, np.float32)), stats=st)
+        out.backward(np.ones_like(x))
+        st.end_collect()
 
 
 class MaxPool2d(Function):

@@ -190,9 +190,10 @@ def _act_scalar(v, code, p0, p1):
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def depthwise_backward(x, g, w, dx, dw_, taps, sh, sw, pt, pl, dh, dil_w):  # pragma: no cover - compiled
+def depthwise_backward(x, g, w, dx, dw_, taps, sh, sw, pt, pl, dh, dil_w, want_dw=True):  # pragma: no cover
     """Gradients of a depthwise conv for one image: dx (C, H, W) += conv^T(g), dw_ (C, KH, KW) +=
-    correlation(x, g). ``taps`` as for :func:`depthwise` (column ranges per kernel column)."""
+    correlation(x, g) (unless not ``want_dw``). ``taps`` as for :func:`depthwise` (column ranges per
+    kernel column)."""
     c_n, h, wd = x.shape
     _, oh_n, ow_n = g.shape
     kh, kw = w.shape[1], w.shape[2]
@@ -212,7 +213,12 @@ def depthwise_backward(x, g, w, dx, dw_, taps, sh, sw, pt, pl, dh, dil_w):  # pr
                     wv = w[c, i, j]
                     acc = np.float32(0.0)
                     gs = grow[lo:hi]
-                    if sw == 1:
+                    if sw == 1 and not want_dw:
+                        start = lo + j * dil_w - pl
+                        dxs = dxrow[start : start + hi - lo]
+                        for k in range(hi - lo):
+                            dxs[k] += wv * gs[k]
+                    elif sw == 1:
                         start = lo + j * dil_w - pl
                         xs = xrow[start : start + hi - lo]
                         dxs = dxrow[start : start + hi - lo]
@@ -225,6 +231,79 @@ def depthwise_backward(x, g, w, dx, dw_, taps, sh, sw, pt, pl, dh, dil_w):  # pr
                             acc += gs[k] * xrow[col]
                             dxrow[col] += wv * gs[k]
                     dw_[c, i, j] += acc
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def batchnorm_given(x, mean, inv, gamma, beta, xhat, y):  # pragma: no cover - compiled
+    """xhat = (x - mean) * inv and y = xhat * gamma + beta per channel, in one pass over x (N, C, M)
+    (the same float32 operations, in the same order, as the numpy expression)."""
+    n_n, c_n, m_n = x.shape
+    for n in range(n_n):
+        for c in range(c_n):
+            mu, s, g, b = mean[c], inv[c], gamma[c], beta[c]
+            xr, hr, yr = x[n, c], xhat[n, c], y[n, c]
+            for k in range(m_n):
+                v = (xr[k] - mu) * s
+                hr[k] = v
+                yr[k] = v * g + b
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def clip_mask(x, lo, hi, y, mask):  # pragma: no cover - compiled
+    """y = clip(x, lo, hi) and mask = lo < x < hi over flat arrays, in one pass."""
+    lo32, hi32 = np.float32(lo), np.float32(hi)
+    for k in range(x.shape[0]):
+        v = x[k]
+        mask[k] = (v > lo32) and (v < hi32)
+        y[k] = min(max(v, lo32), hi32)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def batchnorm_sums(g, xhat, sum_g, sum_gx):  # pragma: no cover - compiled
+    """sum_g[c] += sum(g[:, c]) and sum_gx[c] += sum(g[:, c] * xhat[:, c]) over (N, C, M), float64."""
+    n_n, c_n, m_n = g.shape
+    for n in range(n_n):
+        for c in range(c_n):
+            gr, hr = g[n, c], xhat[n, c]
+            a, b = 0.0, 0.0
+            for k in range(m_n):
+                v = np.float64(gr[k])
+                a += v
+                b += v * hr[k]
+            sum_g[c] += a
+            sum_gx[c] += b
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def batchnorm_given_dx(g, xhat, sum_g, sum_gx, m, scale, dx):  # pragma: no cover - compiled
+    """dx = (xhat * -sum_gx + m * g - sum_g) * scale per channel over (N, C, M): the float32
+    operations of :meth:`BatchNormGiven.backward`, in one pass."""
+    n_n, c_n, m_n = g.shape
+    mf = np.float32(m)
+    for n in range(n_n):
+        for c in range(c_n):
+            gr, hr, dr = g[n, c], xhat[n, c], dx[n, c]
+            a, b, s = -sum_gx[c], sum_g[c], scale[c]
+            for k in range(m_n):
+                v = hr[k] * a
+                v += mf * gr[k]
+                v -= b
+                dr[k] = v * s
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def depthwise_batch(x, w, b, out, phases, taps, sh, sw, pt, dh):  # pragma: no cover - compiled
+    """:func:`depthwise` (no residual, no activation) over every image of x (N, C, H, W): one call
+    for a batch instead of one per image."""
+    for k in range(x.shape[0]):
+        depthwise(x[k], w, b, out[k], False, out[k], phases, taps, sh, sw, pt, dh, 0, 0.0, 0.0)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def depthwise_backward_batch(x, g, w, dx, dw_, taps, sh, sw, pt, pl, dh, dil_w, want_dw):  # pragma: no cover
+    """:func:`depthwise_backward` over every image of a batch."""
+    for k in range(x.shape[0]):
+        depthwise_backward(x[k], g[k], w, dx[k], dw_, taps, sh, sw, pt, pl, dh, dil_w, want_dw)
 
 
 # The channel-blocked loops live in a generated module that uses _act_row above (imported last).

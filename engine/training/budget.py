@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.training.calibrate import NodeCost
 from engine.training.program import Program, StepPlan, plan_program
-from engine.training.stream import Stream
+from engine.training.stream import Stream, fold_of
 
 HEADROOM = 0.1  # of the budget, for what the calibration does not see (allocator rounding, small temporaries)
 BACKWARD_FACTOR = 3.0  # a node's forward and backward take about this many times its forward
@@ -91,7 +91,10 @@ def split_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int,
                    tries: int = 4) -> StepPlan:
     """Speed a fitting streamed plan up: add borders (fewer passes over shorter segments, one
     more tensor kept for the whole batch), the best seconds-per-byte first, while it still fits."""
-    stream, cuts = plan.stream, set(prog.cut_positions)
+    stream = plan.stream
+    # besides one-tensor positions, right before a BatchNorm: its statistics then come from a
+    # materialized tensor (no pass recomputing the segment up to it)
+    cuts = set(prog.cut_positions) | {q for q, nd in enumerate(prog.cal.nodes) if nd.op == "BatchNormalization"}
     if stream is None:
         return plan
     while True:
@@ -244,7 +247,9 @@ def estimated_seconds(prog: Program, plan: StepPlan) -> float:
         seg = prog.segment(a, b)
         f = {i: fwd(i, st.chunk, calls) for i in range(a, b)}
         whole = sum(f.values())
-        total += sum(f[i] for j in seg.bns for i in seg.needs[j]) + whole  # forward passes
+        fold = fold_of(prog, seg, plan.batch)
+        last = sum(f[i] for i in range(fold[0], b)) if fold else whole  # the pass writing the outputs
+        total += sum(f[i] for j in seg.bns for i in seg.needs[j]) + last  # forward passes
         total += (len(seg.bns) + 1) * whole + (BACKWARD_FACTOR - 1) * (
             whole + sum(f[i] for j in seg.bns for i in range(j, b)))  # backward passes
     return total

@@ -92,9 +92,16 @@ class StepPlan:
         return "\n".join(rows)
 
 
+_STUBS: dict[tuple[int, ...], np.ndarray] = {}
+
+
 def _stub(a: np.ndarray) -> np.ndarray:
-    """A zero-byte stand-in with ``a``'s shape, for tensors whose data the plan frees elsewhere."""
-    return np.broadcast_to(np.zeros((), np.float32), a.shape)
+    """A zero-byte stand-in with ``a``'s shape, for tensors whose data the plan frees elsewhere
+    (read-only views of one zero, cached per shape)."""
+    stub = _STUBS.get(a.shape)
+    if stub is None:
+        stub = _STUBS[a.shape] = np.broadcast_to(np.zeros((), np.float32), a.shape)
+    return stub
 
 
 class _Output:
@@ -123,6 +130,8 @@ class Program:
         self.input = model.graph.inputs[0].name
         self.output = model.graph.outputs[0]
         self.has_batchnorm = any(n.op == "BatchNormalization" for n in model.graph.nodes)
+        if self.has_batchnorm:  # a streamed step's first use of these loops would load them mid-step
+            F.warm_streamed_batchnorm()
         self._consts: dict[int, tuple[dict, dict]] = {}
         # recomputation replays BatchNorm forwards: their running statistics go to throwaway copies
         self._replay = GraphModel.__new__(GraphModel)

@@ -144,6 +144,30 @@ def working_sets(cal: Calibration, seg: Segment, chunk: int, consumers: dict[str
     return forward, int(np.cumsum(diff).max())
 
 
+def fold_of(prog, seg: Segment, batch: int) -> tuple[int, str, str] | None:
+    """``(j, x, t)`` when the last pass of ``seg``'s forward can start at its last BatchNorm ``j``:
+    the pass gathering ``j``'s statistics parks ``j``'s input ``x`` in the buffer of the output
+    ``t`` (same shape), and only ``j`` and the nodes after it run again, reading ``x`` from there
+    (the nodes after ``j`` read nothing computed before ``j`` but ``x``, and every output comes
+    from them). None when the segment does not allow it."""
+    if not seg.bns:
+        return None
+    nodes = prog.cal.nodes
+    j = seg.bns[-1]
+    x = nodes[j].inputs[0]
+    made_before = {nodes[i].outputs[0] for i in range(seg.a, j)}
+    if x not in made_before:
+        return None
+    for k in range(j, seg.b):
+        if any(t in made_before and not (k == j and t == x) for t in nodes[k].inputs):
+            return None
+    if any(t in made_before for t in seg.outputs):
+        return None
+    infos, _ = prog._infos(batch)
+    same = [t for t in seg.outputs if infos[t].shape == infos[x].shape]
+    return (j, x, same[0]) if same else None
+
+
 class StreamRun:
     """Runs the streamed prefix of one step: :meth:`forward` fills ``env`` with the materialized
     tensors, :meth:`backward` turns their gradients in ``grads`` into parameter gradients."""
@@ -161,10 +185,11 @@ class StreamRun:
 
     # -- one chunk -----------------------------------------------------------------------------------
     def _forward_chunk(self, seg: Segment, env_full: dict, lo: int, hi: int, order, keep_from: int | None,
-                       store: dict | None = None) -> tuple[dict, dict]:
+                       store: dict | None = None, copy: set[str] = frozenset()) -> tuple[dict, dict]:
         """Run ``order`` (node indices of ``seg``) on rows ``lo:hi``; contexts of nodes from
-        ``keep_from`` on are kept for a backward; ``store`` receives the segment's outputs."""
-        env = {t: env_full[t][lo:hi] for t in seg.inputs}
+        ``keep_from`` on are kept for a backward; ``store`` receives the segment's outputs (inputs
+        in ``copy`` are read as copies of their rows: their buffer is overwritten)."""
+        env = {t: env_full[t][lo:hi].copy() if t in copy else env_full[t][lo:hi] for t in seg.inputs}
         ctx: dict[int, tuple] = {}
         last = {}
         for i in order:
@@ -205,19 +230,29 @@ class StreamRun:
     # -- the prefix --------------------------------------------------------------------------------
     def forward(self, env: dict) -> None:
         nodes = self.nodes
+        infos, _ = self.prog._infos(self.batch)
         for seg in self.segments:
+            store = {t: np.empty(infos[t].shape, np.float32) for t in seg.outputs}
+            fold = fold_of(self.prog, seg, self.batch)
             for j in seg.bns:
                 st = BatchStats()
                 for lo, hi in self.spans:
                     out, _ = self._forward_chunk(seg, env, lo, hi, seg.needs[j], None)
                     st.add(out[nodes[j].inputs[0]])
+                    if fold is not None and j == fold[0]:
+                        store[fold[2]][lo:hi] = out[fold[1]]
                     del out
                 self.stats[j] = st
                 self.prog.gathered_batchnorm(nodes[j], st)
-            infos, _ = self.prog._infos(self.batch)
-            store = {t: np.empty(infos[t].shape, np.float32) for t in seg.outputs}
-            for lo, hi in self.spans:
-                self._forward_chunk(seg, env, lo, hi, range(seg.a, seg.b), None, store)
+            if fold is None:
+                for lo, hi in self.spans:
+                    self._forward_chunk(seg, env, lo, hi, range(seg.a, seg.b), None, store)
+            else:
+                j, x, parked = fold
+                for lo, hi in self.spans:
+                    part = {**env, x: store[parked]}
+                    tail = Segment(j, seg.b, [*seg.inputs, x], seg.outputs, [], {}, {})
+                    self._forward_chunk(tail, part, lo, hi, range(j, seg.b), None, store, copy={x})
             env.update(store)
 
     def backward(self, env: dict, grads: dict) -> None:
