@@ -257,3 +257,20 @@ def test_background_writer_and_checkpoint_commits(tmp_path):
 
 def rows_in_file_while_open(store: CollectiveStorage, table: str) -> int:
     return store.query(f'SELECT count(*) FROM "{table}"')[0][0]
+
+
+def test_background_writer_failure_is_raised_on_the_callers_thread(tmp_path, monkeypatch):
+    store = CollectiveStorage(tmp_path / "f.duckdb", flush_rows=2, background=True)
+    real_insert = store._insert
+
+    def disk_full(table, *batches):
+        monkeypatch.setattr(store, "_insert", real_insert)  # once
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(store, "_insert", disk_full)
+    store.write("t", [{"n": 1}, {"n": 2}])  # handed to the writer, which fails
+    with pytest.raises(OSError, match="No space left"):
+        store.flush()
+    store.write("t", [{"n": 3}, {"n": 4}])  # the writer goes on with the next buffers
+    assert store.query("SELECT n FROM t ORDER BY n") == [(3,), (4,)]
+    store.close()
