@@ -10,12 +10,13 @@ seconds old while writes keep coming.
 
 **Background writer** (``background=True``): a full or old buffer is handed to a writer thread that
 stores it (the batch, the INSERT, the COMMIT and its fsync) while the caller goes on; buffers are
-stored in the order they were handed over, at most two wait, and a write blocks while the writer is
-that far behind. Every read, :meth:`CollectiveStorage.flush`, :meth:`~CollectiveStorage.commit` and
-:meth:`~CollectiveStorage.close` first waits until the writer has stored what it was given, so reads
-and checkpoints see the same rows as without it. A hard crash then loses at most the buffered rows
-plus the (at most two) buffers handed to the writer and not yet committed. Refused rows are counted
-and go to the dead letter as without it, once the caller's thread next writes or flushes.
+stored in the order they were handed over; one is being stored and at most two wait, and a write
+blocks while the writer is that far behind. Every read, :meth:`CollectiveStorage.flush`,
+:meth:`~CollectiveStorage.commit` and :meth:`~CollectiveStorage.close` first waits until the writer
+has stored what it was given, so reads and checkpoints see the same rows as without it. A hard crash
+then loses at most the buffered rows plus the (at most three) buffers handed to the writer and not
+yet committed. Refused rows are counted and go to the dead letter as without it, once the caller's
+thread next writes or flushes.
 
 Rows a table cannot take (a value whose type clashes with the column's, or that no column type
 holds) are not dropped: the rest of the batch is stored and each refused row goes to the
