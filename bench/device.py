@@ -19,7 +19,8 @@ DuckDB file in a temp dir:
   stream sees it, events handed over one at a time (``block_size=1``: from taking the event to its rows
   in storage), in a run of its own; ``trigger_to_stored_block_*`` in the throughput runs over the
   backlog (blocks of ``BLOCK_SIZE`` events: from taking a block's first event to the block's rows in
-  storage, so every row is charged its whole block);
+  storage, so every row is charged its whole block); the storage stores full buffers on its background
+  writer thread, as ``streamflow run`` has it;
 - ``peak_mb_1m_users``: peak RSS of a process running the IPV job over one million distinct users
   (time-ordered, a new user every 2 s of event time) with a 30-minute state TTL, next to the same
   without a TTL (every user's state kept to the end); ``--quick`` runs 100,000 users
@@ -101,8 +102,9 @@ def replay_csv(lines: list[str], rounds: int, period: int, path: Path) -> None:
 # -- timed runs ------------------------------------------------------------------------------------
 def run_job(job: Job, records: Any, db: Path, record_latency: bool, block_size: int = BLOCK_SIZE
             ) -> tuple[float, float, DeviceRunner]:
-    """Wall and CPU seconds for ``DeviceRunner.run(records)`` (final flush included), and the runner."""
-    storage = CollectiveStorage(db)
+    """Wall and CPU seconds for ``DeviceRunner.run(records)`` (final flush included), and the runner. The
+    storage has its background writer, as ``streamflow run`` uses it."""
+    storage = CollectiveStorage(db, background=True)
     runner = DeviceRunner(job, storage, record_latency=record_latency, block_size=block_size)
     try:
         started, cpu_started = time.perf_counter(), time.process_time()

@@ -8,6 +8,16 @@ SIGTERM/SIGINT once :func:`flush_on_signals` is installed. A hard crash (SIGKILL
 loses at most the buffered rows: fewer than ``flush_rows`` per table, at most ``flush_interval_s``
 seconds old while writes keep coming.
 
+**Background writer** (``background=True``): a full or old buffer is handed to a writer thread that
+stores it (the batch, the INSERT, the COMMIT and its fsync) while the caller goes on; buffers are
+stored in the order they were handed over; one is being stored and at most two wait, and a write
+blocks while the writer is that far behind. Every read, :meth:`CollectiveStorage.flush`,
+:meth:`~CollectiveStorage.commit` and :meth:`~CollectiveStorage.close` first waits until the writer
+has stored what it was given, so reads and checkpoints see the same rows as without it. A hard crash
+then loses at most the buffered rows plus the (at most three) buffers handed to the writer and not
+yet committed. Refused rows are counted and go to the dead letter as without it, once the caller's
+thread next writes or flushes.
+
 Rows a table cannot take (a value whose type clashes with the column's, or that no column type
 holds) are not dropped: the rest of the batch is stored and each refused row goes to the
 ``dead_letter`` table with the reason (naming the task that wrote it, see
@@ -27,12 +37,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import re
 import reprlib
 import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -293,7 +305,7 @@ class CollectiveStorage:
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, flush_rows: int = 4096,
-                 flush_interval_s: float = 5.0):
+                 flush_interval_s: float = 5.0, background: bool = False):
         if flush_rows < 1:
             raise ValueError(f"flush_rows must be >= 1, got {flush_rows}")
         self.path = resolve_db_path(path)
@@ -316,6 +328,8 @@ class CollectiveStorage:
         self._writers: dict[str, list[str]] = {}
         self._closed = False
         self._on_due: Callable[[], None] | None = None  # set by hold(): flushes wait for commit()
+        #: With ``background``, full or old buffers are stored by a writer thread (see the module docstring).
+        self._writer: _BackgroundWriter | None = _BackgroundWriter(self._store) if background else None
 
     def name_writer(self, table: str, writer: str) -> None:
         """Say who writes ``table`` (e.g. ``"task ipv"``): the reason of a row it refuses names them."""
@@ -346,16 +360,33 @@ class CollectiveStorage:
                 if self._on_due is not None:
                     self._on_due()
                 else:
-                    self.flush()
+                    self._flush_buffers()
+            if self._writer is not None and self._writer.outcomes:
+                self._settle()
 
     def flush(self) -> None:
-        """Store every buffered row in the DuckDB file (held storage: nothing, rows wait for :meth:`commit`)."""
+        """Store every buffered row in the DuckDB file (held storage: nothing, rows wait for :meth:`commit`).
+
+        With a background writer, it returns once the writer has stored them."""
         with self._lock:
             if self._on_due is not None:
                 return
-            for table in list(self._buffers):
-                self._flush_table(table)
-            self._oldest = None
+            self._flush_buffers()
+            self._drain()
+
+    def _flush_buffers(self) -> None:
+        for table in list(self._buffers):
+            self._flush_table(table)
+        self._oldest = None
+
+    def _drain(self) -> None:
+        """Wait until the background writer (if any) has stored everything handed to it; count its refusals."""
+        writer = self._writer
+        while writer is not None:
+            writer.wait()
+            if not writer.outcomes:
+                return
+            self._settle()  # refused rows become dead letters, handed to the writer in turn
 
     def hold(self, on_due: Callable[[], None]) -> None:
         """Make rows durable only through :meth:`commit`; call ``on_due()`` when a flush would be due.
@@ -377,6 +408,7 @@ class CollectiveStorage:
         Rows a table refuses go to the dead letter in the same transaction (see the module docstring).
         """
         with self._lock:
+            self._drain()
             buffers = {table: buffer for table, buffer in self._buffers.items() if buffer}
             try:
                 self._transaction([(table, buffer.to_batches()) for table, buffer in buffers.items()], also)
@@ -438,9 +470,9 @@ class CollectiveStorage:
         self._con.execute("COMMIT")
 
     def pending(self) -> int:
-        """Rows buffered and not yet in the file."""
+        """Rows buffered and not yet in the file (with a background writer: also those it is storing)."""
         with self._lock:
-            return sum(b.n for b in self._buffers.values())
+            return sum(b.n for b in self._buffers.values()) + (self._writer.rows() if self._writer else 0)
 
     def _flush_table(self, table: str) -> None:
         buffer = self._buffers.get(table)
@@ -449,11 +481,29 @@ class CollectiveStorage:
         self._buffers[table] = RowBuffer()
         if not any(self._buffers.values()):
             self._oldest = None
+        if self._writer is not None:
+            self._writer.submit(table, buffer)
+        else:
+            self._account_refusals(table, self._store(table, buffer))
+        self.flushes += 1
+
+    def _store(self, table: str, buffer: RowBuffer) -> list[dict[str, Any]]:
+        """Insert ``buffer`` into ``table`` (row by row if the batch is refused); the refused rows' dead letters.
+
+        It touches only the connection and the column cache, never the counters or buffers: a background
+        writer runs it, and the caller's thread counts the refusals (:meth:`_account_refusals`)."""
         try:
             self._insert(table, *buffer.to_batches())
+            return []
         except row_encoding_errors():
-            self._insert_row_by_row(table, buffer.rows())
-        self.flushes += 1
+            return self._insert_row_by_row(table, buffer.rows())
+
+    def _settle(self) -> None:
+        """Count what the background writer refused, and hand the dead letters to it."""
+        outcomes = self._writer.outcomes
+        while outcomes:
+            table, refused = outcomes.popleft()
+            self._account_refusals(table, refused)
 
     def _insert(self, table: str, *batches: pa.Table | dict[str, np.ndarray]) -> None:
         """Insert the batches in one transaction: all of them or none."""
@@ -478,7 +528,8 @@ class CollectiveStorage:
                 "reason": f"{whose} refused by table {table}: {type(exc).__name__}: {exc}".strip()[:2000],
                 "raw": to_json(row)}
 
-    def _insert_row_by_row(self, table: str, rows: list[Mapping[str, Any]]) -> None:
+    def _insert_row_by_row(self, table: str, rows: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Insert ``rows`` one by one; the dead-letter rows of those ``table`` refused."""
         refused = []
         for index, row in enumerate(rows):
             try:
@@ -487,6 +538,10 @@ class CollectiveStorage:
                 self._insert(table, *single.to_batches())
             except row_encoding_errors() as exc:
                 refused.append(self._refusal(table, index, row, exc))
+        return refused
+
+    def _account_refusals(self, table: str, refused: list[dict[str, Any]]) -> None:
+        """Count the rows ``table`` refused and store their dead letters."""
         if refused:
             self.rows_written[table] -= len(refused)
             self.refused[table] = self.refused.get(table, 0) + len(refused)
@@ -516,6 +571,7 @@ class CollectiveStorage:
     def drop(self, tables: Iterable[str]) -> None:
         """Drop ``tables`` (and their buffered rows) if they exist."""
         with self._lock:
+            self._drain()
             for table in tables:
                 self._buffers.pop(check_table_name(table), None)
                 self._columns.pop(table, None)
@@ -534,13 +590,73 @@ class CollectiveStorage:
                 self.flush()
             finally:
                 self._closed = True
-                self._con.close()
+                try:
+                    if self._writer is not None:
+                        self._writer.stop()
+                finally:
+                    self._con.close()
 
     def __enter__(self) -> CollectiveStorage:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _BackgroundWriter:
+    """A thread that stores the buffers handed to it, in order (``CollectiveStorage(background=True)``).
+
+    ``store(table, buffer)`` does the storing and returns the dead letters of refused rows, which wait in
+    :attr:`outcomes` for the storage's own thread to count. At most ``depth`` buffers wait: ``submit``
+    blocks while the writer is behind. An exception of ``store`` is raised on the next ``submit``/``wait``.
+    """
+
+    def __init__(self, store: Callable[[str, RowBuffer], list[dict[str, Any]]], depth: int = 2):
+        self._store = store
+        self._queue: queue.Queue[tuple[str, RowBuffer] | None] = queue.Queue(maxsize=depth)
+        self._inflight: deque[RowBuffer] = deque()
+        self.outcomes: deque[tuple[str, list[dict[str, Any]]]] = deque()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="streamflow-storage-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, table: str, buffer: RowBuffer) -> None:
+        self._raise()
+        self._inflight.append(buffer)
+        self._queue.put((table, buffer))
+
+    def rows(self) -> int:
+        """Rows handed over and not stored yet."""
+        return sum(buffer.n for buffer in list(self._inflight))
+
+    def wait(self) -> None:
+        """Until every buffer handed over is stored."""
+        self._queue.join()
+        self._raise()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                refused = self._store(*item)
+                if refused:
+                    self.outcomes.append((item[0], refused))
+            except BaseException as exc:  # the storage's thread raises it
+                self._error = exc
+            finally:
+                self._inflight.popleft()
+                self._queue.task_done()
+        self._queue.task_done()
 
 
 def flush_on_signals() -> None:

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
-from pydantic import ValidationError
 
 from connectors.storage import CollectiveStorage, flush_on_signals
 from connectors.tunnel.kafka import TunnelUnavailable
@@ -40,7 +39,7 @@ from streamflow.flink.connector_jars import kafka_topic  # reads kafka://TOPIC w
 from streamflow.job import Job, JobLoadError, load_job
 from streamflow.progress import track
 from streamflow.runners.device import DeviceRunner
-from streamflow.settings import settings
+from streamflow.settings import SettingsError, env_name, settings
 from streamflow.sources import FORMATS, open_source
 from streamflow.summary import SYSTEM_TABLES, RunSummary
 from streamflow.trie import TriggerTrie
@@ -88,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     try:
         code = app(args=list(sys.argv[1:] if argv is None else argv), prog_name="streamflow", standalone_mode=False)
-    except (JobLoadError, FileNotFoundError, FileExistsError, ValueError, ValidationError, BundleError) as exc:
+    except (JobLoadError, FileNotFoundError, FileExistsError, ValueError, BundleError) as exc:
         return _error(_message(exc), 2)
     except (SpoolLocked, TunnelUnavailable) as exc:  # the spool is another process's, the broker stayed away
         return _error(str(exc), 1)
@@ -109,8 +108,8 @@ def _error(message: str, code: int) -> int:
 
 
 def _message(exc: Exception) -> str:
-    if isinstance(exc, ValidationError):  # a bad STREAMFLOW_* value
-        return "; ".join(f"STREAMFLOW_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors())
+    if isinstance(exc, SettingsError):  # a bad STREAMFLOW_* value
+        return f"{env_name(exc.name)}: {exc.reason}"
     return str(exc)
 
 
@@ -301,7 +300,7 @@ def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
     source = None if from_kafka else open_source(args.events, args.fmt, state_ttl_s=args.state_ttl)
     flush_on_signals()
     tunnel_line = ""
-    with CollectiveStorage(args.db) as storage:
+    with CollectiveStorage(args.db, background=True) as storage:  # COMMITs overlap the run
         if args.replace:
             storage.drop([task.sink for task in job.tasks] + list(SYSTEM_TABLES))
             discard_checkpoint(storage, job.name)

@@ -14,7 +14,7 @@ from connectors.tunnel.kafka import bootstrap_servers
 from connectors.tunnel.keys import KeyRegistry, resolve_registry_path
 from connectors.tunnel.spool import Spool
 from streamflow.cli import main
-from streamflow.settings import Settings, env_name, settings
+from streamflow.settings import FIELDS, SettingsError, env_name, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 IPV_JOB = ROOT / "jobs" / "ipv.py"
@@ -23,7 +23,7 @@ SOURCE_DIRS = ("streamflow", "connectors", "operators")
 
 @pytest.fixture(autouse=True)
 def _clean_environment(monkeypatch):
-    for field in Settings.model_fields:
+    for field in FIELDS:
         monkeypatch.delenv(env_name(field), raising=False)
 
 
@@ -51,6 +51,25 @@ def test_a_bad_value_is_refused_naming_the_variable(monkeypatch):
     monkeypatch.setenv("STREAMFLOW_FLINK_EXECUTION_MODE", "fibres")
     with pytest.raises(ValueError, match="flink_execution_mode"):
         settings()
+
+
+def test_values_are_converted_and_checked(monkeypatch):
+    monkeypatch.setenv("STREAMFLOW_CONSUMER_RETRY_S", "2.5")
+    monkeypatch.setenv("streamflow_serve_alpha", "1")  # the variable's case does not matter
+    s = settings()
+    assert s.consumer_retry_s == 2.5 and s.serve_alpha == 1.0 and isinstance(s.zoo_dir, Path)
+    for name, value, reason in [("consumer_retry_s", "soon", "expected a number"), ("consumer_retry_s", "0", "> 0"),
+                                ("serve_alpha", "1.5", "<= 1"), ("serve_temperature", "nan", ">= 0"),
+                                ("serve_app_id", "a b", "matching"), ("runner", "cloud", "'device', 'flink'")]:
+        monkeypatch.setenv(env_name(name), value)
+        with pytest.raises(SettingsError, match=reason) as caught:
+            settings()
+        assert caught.value.name == name and repr(value) in str(caught.value)
+        monkeypatch.delenv(env_name(name))
+    with pytest.raises(SettingsError, match="serve_alpha"):
+        settings(serve_alpha=0)  # explicit values are checked too
+    with pytest.raises(TypeError, match="no settings named"):
+        settings(databse="typo.duckdb")
 
 
 def test_no_part_reads_streamflow_variables_itself():

@@ -214,3 +214,63 @@ def test_storing_plain_rows_does_not_import_pandas(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert out.stdout.strip() == "False"
+
+
+def test_background_writer_stores_in_order_and_reads_wait_for_it(tmp_path):
+    db = tmp_path / "f.duckdb"
+    store = CollectiveStorage(db, flush_rows=3, flush_interval_s=3600, background=True)
+    for i in range(20):
+        store.write("t", [{"n": i, "s": f"row {i}"}])
+    assert store.flushes == 6  # six full buffers handed to the writer, two rows still buffered
+    assert store.query("SELECT n FROM t ORDER BY rowid") == [(i,) for i in range(20)]
+    assert store.pending() == 0 and store.rows_written == {"t": 20}
+    store.write("t", [{"n": 20, "s": "last"}])
+    store.close()
+    assert rows_in_file(db, "t") == 21
+
+
+def test_background_writer_sends_refused_rows_to_the_dead_letter(tmp_path):
+    store = CollectiveStorage(tmp_path / "f.duckdb", flush_rows=2, background=True)
+    store.write("t", [{"user_id": "u1", "n": 1}, {"user_id": "u2", "n": 2}])
+    store.write("t", [{"user_id": "u3", "n": "not a number"}, {"user_id": "u4", "n": 4}])
+    store.write("t", [{"user_id": "u5", "n": 5}])
+    assert store.query("SELECT user_id FROM t ORDER BY 1") == [("u1",), ("u2",), ("u4",), ("u5",)]
+    dead = store.query(f"SELECT source, reason, raw FROM {DEAD_LETTER_TABLE}")
+    assert len(dead) == 1 and dead[0][0] == "storage:t" and "u3" in dead[0][2]
+    assert store.rows_written == {"t": 4, DEAD_LETTER_TABLE: 1} and store.refused == {"t": 1}
+    store.close()
+
+
+def test_background_writer_and_checkpoint_commits(tmp_path):
+    db = tmp_path / "f.duckdb"
+    store = CollectiveStorage(db, flush_rows=2, flush_interval_s=3600, background=True)
+    store.write("t", [{"n": i} for i in range(5)])  # handed to the writer before the hold
+    due = []
+    store.hold(lambda: due.append(True))
+    assert rows_in_file_while_open(store, "t") == 5
+    store.write("t", [{"n": 5}, {"n": 6}])
+    assert due and store.pending() == 2  # held: the runner is told, nothing goes to the writer
+    store.commit(lambda con: con.execute("CREATE TABLE marker AS SELECT 1 AS x"))
+    assert store.query("SELECT count(*) FROM t") == [(7,)] and "marker" in store.tables()
+    store.close()
+
+
+def rows_in_file_while_open(store: CollectiveStorage, table: str) -> int:
+    return store.query(f'SELECT count(*) FROM "{table}"')[0][0]
+
+
+def test_background_writer_failure_is_raised_on_the_callers_thread(tmp_path, monkeypatch):
+    store = CollectiveStorage(tmp_path / "f.duckdb", flush_rows=2, background=True)
+    real_insert = store._insert
+
+    def disk_full(table, *batches):
+        monkeypatch.setattr(store, "_insert", real_insert)  # once
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(store, "_insert", disk_full)
+    store.write("t", [{"n": 1}, {"n": 2}])  # handed to the writer, which fails
+    with pytest.raises(OSError, match="No space left"):
+        store.flush()
+    store.write("t", [{"n": 3}, {"n": 4}])  # the writer goes on with the next buffers
+    assert store.query("SELECT n FROM t ORDER BY n") == [(3,), (4,)]
+    store.close()
