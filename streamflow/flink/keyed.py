@@ -13,6 +13,8 @@ expires at the same events on both runners.
 
 from __future__ import annotations
 
+import pickle
+import time
 from typing import Any
 
 from operators.base import field_reader
@@ -32,21 +34,33 @@ except ImportError as exc:  # the `flink` extra is optional
 _PICKLED = Types.PICKLED_BYTE_ARRAY()
 
 
-_UNREAD = object()  # a cached state not read yet in this call
+_UNREAD = object()  # a state not read yet in this call
+
+#: Decoded states kept per handle (keys); past it a handle's cache starts over.
+DEFAULT_STATE_CACHE_KEYS = 10_000
+#: Seconds after which every cache starts over (see :class:`FlinkKeyed`).
+STATE_CACHE_MAX_AGE_S = 60.0
 
 
 class _Handle:
     """A state of the current key, read at most once per call and written back once at its end
-    (:meth:`FlinkKeyed.commit`): each read or write crosses into the JVM, and one record often touches
-    the same state several times (a page exit, then an enter). The key does not change within a call."""
+    (:meth:`FlinkKeyed.commit`): each read or write crosses into the JVM (and unpickles or pickles),
+    and one record often touches the same state several times (a page exit, then an enter).
 
-    __slots__ = ("state", "written", "ttl", "owner", "_written_at", "_written_dirty")
+    What a key's state holds is also kept decoded in ``cache`` (by key) after a read or a write, so
+    a key seen again is not read from Flink: this operator instance is the only writer of its keys'
+    state, and every change is written through at the end of the call, so Flink's state is always
+    current (checkpoints see every change; a restored job starts with empty caches)."""
+
+    __slots__ = ("state", "written", "ttl", "owner", "cache", "written_cache", "_written_at", "_written_dirty")
 
     def __init__(self, state: Any, written: Any, ttl: int | None, owner: FlinkKeyed):
         self.state = state
         self.written = written  # a ValueState of the clock at the last write, with a TTL
         self.ttl = ttl
         self.owner = owner
+        self.cache: dict[Any, Any] = {}  # key -> decoded value (None: absent)
+        self.written_cache: dict[Any, Any] = {}  # key -> clock at the last write (None: none)
         self._written_at: Any = _UNREAD
         self._written_dirty = False
 
@@ -54,9 +68,13 @@ class _Handle:
         """False (and the state cleared) if the current key's value expired."""
         if self.ttl is None:
             return True
-        if self._written_at is _UNREAD:
-            self._written_at = self.written.value()
         at = self._written_at
+        if at is _UNREAD:
+            key = self.owner.cache_key
+            at = self.written_cache.get(key, _UNREAD)
+            if at is _UNREAD:
+                at = self.written_cache[key] = self.written.value()
+            self._written_at = at
         if at is not None and at + self.ttl < self.owner.clock:
             self.clear()
             return False
@@ -72,15 +90,21 @@ class _Handle:
             self._written_at, self._written_dirty = None, True
 
     def commit(self) -> None:
-        """Write what this call changed back to Flink; the next call reads afresh (another key)."""
+        """Write what this call changed back to Flink; the next call may be for another key."""
         if self._written_dirty:
-            if self._written_at is None:
+            at = self.written_cache[self.owner.cache_key] = self._written_at
+            if at is None:
                 self.written.clear()
             else:
-                self.written.update(self._written_at)
+                self.written.update(at)
             self._written_dirty = False
         self._written_at = _UNREAD
         self._commit_value()
+
+    def forget(self) -> None:
+        """Drop the cached values (they are read from Flink again)."""
+        self.cache.clear()
+        self.written_cache.clear()
 
     def _clear_value(self) -> None:
         self.state.clear()
@@ -100,9 +124,14 @@ class _Value(_Handle):
     def value(self) -> Any:
         if not self._live():
             return None
-        if self._value is _UNREAD:
-            self._value = self.state.value()
-        return self._value
+        value = self._value
+        if value is _UNREAD:
+            key = self.owner.cache_key
+            value = self.cache.get(key, _UNREAD)
+            if value is _UNREAD:
+                value = self.cache[key] = self.state.value()
+            self._value = value
+        return value
 
     def update(self, value: Any) -> None:
         if value is None:
@@ -116,10 +145,11 @@ class _Value(_Handle):
 
     def _commit_value(self) -> None:
         if self._dirty:
-            if self._value is None:
+            value = self.cache[self.owner.cache_key] = self._value
+            if value is None:
                 self.state.clear()
             else:
-                self.state.update(self._value)
+                self.state.update(value)
             self._dirty = False
         self._value = _UNREAD
 
@@ -133,15 +163,21 @@ class _List(_Handle):
         super().__init__(*args)
         self._values: Any = _UNREAD  # the whole list, once read
         self._replaced = False       # written back whole (update / clear) ...
-        self._added: list[Any] = []  # ... or only these appended (one add_all, never a rewrite)
+        self._added: list[Any] = []  # ... or only these appended (one add / add_all, never a rewrite)
 
     def get(self) -> list[Any]:
         if not self._live():
             return []
         if self._values is _UNREAD:
-            stored = self.state.get()
-            self._values = [*(stored if stored is not None else ()), *self._added]
+            self._values = [*self._stored(), *self._added]
         return self._values
+
+    def _stored(self) -> list[Any]:
+        key = self.owner.cache_key
+        stored = self.cache.get(key)
+        if stored is None:
+            stored = self.cache[key] = list(self.state.get() or ())
+        return stored
 
     def add(self, value: Any) -> None:
         self._live()
@@ -167,15 +203,26 @@ class _List(_Handle):
         self._values, self._replaced, self._added = [], True, []
 
     def _commit_value(self) -> None:
+        key = self.owner.cache_key
         if self._replaced:
-            if self._values:
-                self.state.update(self._values)
+            values = self._values
+            self.cache[key] = values
+            if values:
+                self.state.update(values)
             else:
                 self.state.clear()
-        elif len(self._added) == 1:
-            self.state.add(self._added[0])
         elif self._added:
-            self.state.add_all(self._added)
+            added = self._added
+            if self._values is not _UNREAD:
+                self.cache[key] = self._values
+            else:
+                cached = self.cache.get(key)
+                if cached is not None:
+                    cached.extend(added)
+            if len(added) == 1:
+                self.state.add(added[0])
+            else:
+                self.state.add_all(added)
         self._values, self._replaced, self._added = _UNREAD, False, []
 
 
@@ -212,11 +259,18 @@ class FlinkKeyed(KeyedProcessFunction):
 
     ``state_ttl_days`` also gives every Flink state Flink's own (processing-time) TTL: a backstop that
     reclaims the state of keys that never come back.
+
+    Each state handle keeps the decoded states of up to ``state_cache_keys`` keys (see :class:`_Handle`),
+    so a key seen again reads nothing from Flink; writes always go through. Every cache starts over
+    after :data:`STATE_CACHE_MAX_AGE_S` seconds, so a value the backstop TTL expired in Flink is not
+    served from memory for longer than that.
     """
 
-    def __init__(self, function: StreamflowFunction, state_ttl_days: int | None = None):
+    def __init__(self, function: StreamflowFunction, state_ttl_days: int | None = None,
+                 state_cache_keys: int = DEFAULT_STATE_CACHE_KEYS):
         self.function = function
         self.state_ttl_days = state_ttl_days
+        self.state_cache_keys = state_cache_keys
 
     # -- our RuntimeContext ------------------------------------------------------------------------
     def open(self, runtime_context: RuntimeContext) -> None:
@@ -224,10 +278,12 @@ class FlinkKeyed(KeyedProcessFunction):
         self._read_ts = field_reader(self.function.ts) if self.function.ts is not None else None
         self.clock = START_OF_TIME
         self.key: Any = None
+        self.cache_key: Any = None
         self.timestamp: int | None = None
         self._ctx: Any = None
         self._out: list[tuple[str, Any]] = []
         self._handles: list[_Handle] = []
+        self._cache_since = time.monotonic()
         self.function.open(self)
 
     def get_state(self, descriptor: StateDescriptor) -> Any:
@@ -258,6 +314,12 @@ class FlinkKeyed(KeyedProcessFunction):
                                            .build())
         return descriptor
 
+    def set_key(self, key: Any) -> None:
+        """Say which key the next state accesses are for (the key Flink set for this call)."""
+        self.key = key
+        # Flink tells keys apart by their serialised form; so does the cache (1 and 1.0 are two keys there).
+        self.cache_key = key if type(key) is str else pickle.dumps(key)
+
     def clear_all(self) -> None:
         """Drop every state of the current key."""
         for handle in self._handles:
@@ -265,8 +327,16 @@ class FlinkKeyed(KeyedProcessFunction):
 
     def commit(self) -> None:
         """Write back what the call changed (see :class:`_Handle`); call it before leaving the key."""
+        limit = self.state_cache_keys
         for handle in self._handles:
             handle.commit()
+            if len(handle.cache) > limit:
+                handle.forget()
+        now = time.monotonic()
+        if now - self._cache_since > STATE_CACHE_MAX_AGE_S:
+            self._cache_since = now
+            for handle in self._handles:
+                handle.forget()
 
     # -- our Context ---------------------------------------------------------------------------------
     def current_watermark(self) -> int:
@@ -303,20 +373,22 @@ class FlinkKeyed(KeyedProcessFunction):
         if ts_ms is None:
             ts_ms = to_millis(self._read_ts(item)) if self._read_ts is not None else self.clock
         self.clock = max(self.clock, ts_ms)
-        self._ctx, self.key, self.timestamp = ctx, ctx.get_current_key() if key is None else key, ts_ms
+        self._ctx, self.timestamp = ctx, ts_ms
+        self.set_key(ctx.get_current_key() if key is None else key)
         out = self._out = []
         self.function.on_event(item, self)
         return out
 
     def process_element(self, value: tuple[Any, Any], ctx: KeyedProcessFunction.Context):
         try:
-            out = self.call(ctx, value[1])
+            out = self.call(ctx, value[1], key=value[0])  # the key_by key: no crossing into the JVM for it
         finally:
             self.commit()
         yield from out
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
-        self._ctx, self.key, self.timestamp = ctx, ctx.get_current_key(), timestamp
+        self._ctx, self.timestamp = ctx, timestamp
+        self.set_key(ctx.get_current_key())
         out = self._out = []
         try:
             self.function.on_timer(timestamp, self)

@@ -156,10 +156,11 @@ class UserTasks(FlinkKeyed):
         self._reported: dict[str, TaskStats] = {}
 
     def process_element(self, value: tuple[str, int, str, Any], ctx: KeyedProcessFunction.Context):
-        _, line_no, raw, parsed = value
+        user, line_no, raw, parsed = value
         if isinstance(parsed, str):
             yield DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw)
             return
+        self.set_key(user)  # the key_by key
         try:
             out = self._record(ctx, line_no, raw, parsed)
         finally:
@@ -179,9 +180,10 @@ class UserTasks(FlinkKeyed):
         return self._run(ctx, events)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
+        self.set_key(ctx.get_current_key())
         try:
             adapter = (self.source_state.value() or (None, None))[1]
-            out = self._run(ctx, self.source.end_events(ctx.get_current_key(), adapter))
+            out = self._run(ctx, self.source.end_events(self.key, adapter))
             out.append((_STATS, self._counts()))
             self.clear_all()
         finally:
