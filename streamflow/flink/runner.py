@@ -151,6 +151,7 @@ class UserTasks(FlinkKeyed):
     def open(self, runtime_context: RuntimeContext) -> None:
         super().open(runtime_context)
         self.source_state = self.get_state(TypedValue("source"))  # (last timestamp, the format's user state)
+        self._block = self.can_call_block()
         self.guard = TimestampGuard()
         self.events = 0
         self._reported: dict[str, TaskStats] = {}
@@ -160,6 +161,7 @@ class UserTasks(FlinkKeyed):
         if isinstance(parsed, str):
             yield DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw)
             return
+        self._ctx = ctx
         self.set_key(user)  # the key_by key
         try:
             out = self._record(ctx, line_no, raw, parsed)
@@ -180,7 +182,10 @@ class UserTasks(FlinkKeyed):
         return self._run(ctx, events)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
+        self._ctx = ctx
         self.set_key(ctx.get_current_key())
+        if self.backstop_fired(ctx):
+            return
         try:
             adapter = (self.source_state.value() or (None, None))[1]
             out = self._run(ctx, self.source.end_events(self.key, adapter))
@@ -191,6 +196,12 @@ class UserTasks(FlinkKeyed):
         yield from out
 
     def _run(self, ctx: Any, events: list) -> list[tuple[str, Any]]:
+        execution = self.function.execution
+        if (self._block and not self.emit_events and execution.trie.single_step and not execution.max_events
+                and not execution.max_pages and events):
+            # what on_event does per event, in one loop over the open page (TriggerTasks.on_block, as on the device)
+            self.events += len(events)
+            return self.call_block(ctx, events, round(events[-1].ts * 1000), events[-1].user_id)
         out: list[tuple[str, Any]] = []
         for event in events:
             self.events += 1
