@@ -203,7 +203,7 @@ def test_the_backstop_drops_the_state_of_an_idle_key_and_moves_the_timer_of_an_a
 
     def fire(key, at_ms):
         now["ms"], backend.key = at_ms, key
-        return list(keyed.on_timer(at_ms, Ctx(backend, TimeDomain.PROCESSING_TIME)))
+        return keyed.on_timer(at_ms, Ctx(backend, TimeDomain.PROCESSING_TIME))
 
     start = now["ms"]
     record("a", {"kind": "enter", "v": 1})

@@ -503,22 +503,21 @@ class FlinkKeyed(KeyedProcessFunction):
 
     def process_element(self, value: tuple[Any, Any], ctx: KeyedProcessFunction.Context):
         try:
-            out = self.call(ctx, value[1], key=value[0])  # the key_by key: no crossing into the JVM for it
+            return self.call(ctx, value[1], key=value[0])  # the key_by key: no crossing into the JVM for it
         finally:
             self.commit()
-        yield from out
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
         self._ctx, self.timestamp = ctx, timestamp
         self.set_key(ctx.get_current_key())
         if self.backstop_fired(ctx):
-            return
+            return []
         out = self._out = []
         try:
             self.function.on_timer(timestamp, self)
         finally:
             self.commit()
-        yield from out
+        return out
 
     def backstop_fired(self, ctx: Any) -> bool:
         """True if this timer was the backstop's (then the current key's states are dropped if it was idle)."""

@@ -159,15 +159,13 @@ class UserTasks(FlinkKeyed):
     def process_element(self, value: tuple[str, int, str, Any], ctx: KeyedProcessFunction.Context):
         user, line_no, raw, parsed = value
         if isinstance(parsed, str):
-            yield DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw)
-            return
+            return [(DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw))]
         self._ctx = ctx
         self.set_key(user)  # the key_by key
         try:
-            out = self._record(ctx, line_no, raw, parsed)
+            return self._record(ctx, line_no, raw, parsed)
         finally:
             self.commit()
-        yield from out
 
     def _record(self, ctx: Any, line_no: int, raw: str, parsed: Any) -> list[tuple[str, Any]]:
         last_ts, adapter = self.source_state.value() or (None, None)
@@ -185,7 +183,7 @@ class UserTasks(FlinkKeyed):
         self._ctx = ctx
         self.set_key(ctx.get_current_key())
         if self.backstop_fired(ctx):
-            return
+            return []
         try:
             adapter = (self.source_state.value() or (None, None))[1]
             out = self._run(ctx, self.source.end_events(self.key, adapter))
@@ -193,7 +191,7 @@ class UserTasks(FlinkKeyed):
             self.clear_all()
         finally:
             self.commit()
-        yield from out
+        return out
 
     def _run(self, ctx: Any, events: list) -> list[tuple[str, Any]]:
         execution = self.function.execution
