@@ -157,15 +157,16 @@ RECORDS = [("a", {"kind": "enter", "v": 1}), ("b", {"kind": "enter", "v": 10}), 
            ("b", {"kind": "append", "v": 12}), ("b", {"kind": "exit"}), ("a", {"kind": "exit"})]
 
 
-def test_cached_states_give_what_the_device_gives_and_flink_holds_every_change():
+@pytest.mark.parametrize("packed", [False, True], ids=["a_state_each", "packed"])
+def test_cached_states_give_what_the_device_gives_and_flink_holds_every_change(packed):
     runtime = KeyedRuntime(Pages())
     expected = [o for key, item in RECORDS for o in runtime.process(key, item)]
-    out, backend = _run_flink(Pages(), RECORDS)
+    out, backend = _run_flink(Pages(), RECORDS, packed=packed)
     assert out == expected
     assert [row["page"] for _, row in out] == [[10], [1, 2, 3], [11, 12], [5]]
     # Flink's copy is current after every call (a checkpoint could be taken there): a fresh instance
     # reading only from the backend carries on exactly as the device runtime does.
-    fresh = FlinkKeyed(Pages())
+    fresh = FlinkKeyed(Pages(), packed=packed)
     fresh.open(Runtime(backend))
     more = [("a", {"kind": "click", "v": 6}), ("a", {"kind": "exit"})]
     got = []
@@ -181,6 +182,14 @@ def test_a_key_seen_again_reads_nothing_from_flink():
     assert cached.reads == 2  # "n" of each key; each page is written before it is first read
     assert uncached.reads > 4 * cached.reads
     assert cached.data == uncached.data
+
+
+def test_packed_states_cross_into_flink_once_per_call():
+    _, apart = _run_flink(Pages(), RECORDS)
+    _, packed = _run_flink(Pages(), RECORDS, packed=True)
+    assert packed.names("a") == {"packed"}
+    assert packed.calls == len(RECORDS) + 2  # one write per record, one read per key
+    assert apart.calls > 2 * len(RECORDS)
 
 
 def test_keys_flink_tells_apart_stay_apart_in_the_cache():

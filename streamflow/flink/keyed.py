@@ -265,6 +265,90 @@ class _CurrentKeyList:
         self.handle.update(values)
 
 
+class _Packed:
+    """The value and list states of the current key packed into one Flink ``ValueState``, one slot each:
+    a call that changed several of them writes one record, one crossing into the JVM. A list is then
+    rewritten on every append, so only functions whose lists stay short are packed (see ``FlinkKeyed``).
+    The record is cached decoded per key like the handles' states."""
+
+    __slots__ = ("state", "owner", "cache", "size", "_slots", "dirty")
+
+    def __init__(self, state: Any, owner: FlinkKeyed):
+        self.state = state
+        self.owner = owner
+        self.cache: dict[Any, list[Any]] = {}
+        self.size = 0
+        self._slots: Any = _UNREAD
+        self.dirty = False
+
+    def slot(self) -> int:
+        self.size += 1
+        return self.size - 1
+
+    def slots(self) -> list[Any]:
+        slots = self._slots
+        if slots is _UNREAD:
+            key = self.owner.cache_key
+            slots = self.cache.get(key)
+            if slots is None:
+                stored = self.state.value()
+                slots = self.cache[key] = [*(stored or ()), *[None] * (self.size - len(stored or ()))]
+            self._slots = slots
+        return slots
+
+    def set(self, index: int, value: Any) -> None:
+        self.slots()[index] = value
+        self.dirty = True
+
+    def commit(self) -> None:
+        if self.dirty:
+            slots = self._slots
+            if any(value is not None for value in slots):
+                self.state.update(slots)
+            else:
+                self.state.clear()
+            self.dirty = False
+        self._slots = _UNREAD
+
+
+class _ValueSlot:
+    """A slot of :class:`_Packed` with PyFlink's ``ValueState`` calls."""
+
+    __slots__ = ("packed", "index")
+
+    def __init__(self, packed: _Packed):
+        self.packed = packed
+        self.index = packed.slot()
+
+    def value(self) -> Any:
+        return self.packed.slots()[self.index]
+
+    def update(self, value: Any) -> None:
+        self.packed.set(self.index, value)
+
+    def clear(self) -> None:
+        self.packed.set(self.index, None)
+
+
+class _ListSlot(_ValueSlot):
+    """A slot of :class:`_Packed` with PyFlink's ``ListState`` calls (an empty list is stored as absent)."""
+
+    __slots__ = ()
+
+    def get(self) -> list[Any] | None:
+        return self.packed.slots()[self.index]
+
+    def add(self, value: Any) -> None:
+        self.add_all([value])
+
+    def add_all(self, values: list[Any]) -> None:
+        held = self.packed.slots()[self.index]
+        self.packed.set(self.index, [*(held or ()), *values])
+
+    def update(self, values: Any) -> None:
+        self.packed.set(self.index, list(values) or None)
+
+
 class _Map(_Handle):
     """Not cached: a map is read and written per entry."""
 
@@ -361,13 +445,19 @@ class FlinkKeyed(KeyedProcessFunction):
 
     Each state handle keeps the decoded states of up to ``state_cache_keys`` keys (see :class:`_Handle`),
     so a key seen again reads nothing from Flink; writes always go through.
+
+    ``packed=True`` keeps the function's value and list states of a key in one Flink ``ValueState``
+    (:class:`_Packed`): one write per call instead of one per state changed, but a list is rewritten on
+    each append. For functions whose lists stay short (the runner packs trigger tasks that keep only
+    the open page); map states are never packed.
     """
 
     def __init__(self, function: StreamflowFunction, state_ttl_days: int | None = None,
-                 state_cache_keys: int = DEFAULT_STATE_CACHE_KEYS):
+                 state_cache_keys: int = DEFAULT_STATE_CACHE_KEYS, packed: bool = False):
         self.function = function
         self.state_ttl_days = state_ttl_days
         self.state_cache_keys = state_cache_keys
+        self.packed = packed
 
     # -- our RuntimeContext ------------------------------------------------------------------------
     def open(self, runtime_context: RuntimeContext) -> None:
@@ -385,23 +475,26 @@ class FlinkKeyed(KeyedProcessFunction):
         self._cleared = False
         self._backstop = (None if self.state_ttl_days is None
                           else _Backstop(runtime_context, self.state_ttl_days * 86_400_000, self))
+        self._packed = (_Packed(runtime_context.get_state(ValueStateDescriptor("packed", _PICKLED)), self)
+                        if self.packed else None)
         self.function.open(self)
 
     def get_state(self, descriptor: StateDescriptor) -> Any:
         name, ttl = descriptor.name, descriptor.ttl_ms
-        runtime = self._runtime
+        runtime, packed = self._runtime, self._packed
         if descriptor.kind == "value":
-            state = runtime.get_state(ValueStateDescriptor(name, _PICKLED))
+            state = _ValueSlot(packed) if packed else runtime.get_state(ValueStateDescriptor(name, _PICKLED))
             handle = _Value
         elif descriptor.kind == "list":
-            state = runtime.get_list_state(ListStateDescriptor(name, _PICKLED))
+            state = _ListSlot(packed) if packed else runtime.get_list_state(ListStateDescriptor(name, _PICKLED))
             handle = _List
         else:
             state = runtime.get_map_state(MapStateDescriptor(name, _PICKLED, _PICKLED))
             handle = _Map
         written = None
         if ttl is not None:
-            written = runtime.get_state(ValueStateDescriptor(f"{name}.written", Types.LONG()))
+            written = (_ValueSlot(packed) if packed
+                       else runtime.get_state(ValueStateDescriptor(f"{name}.written", Types.LONG())))
         self._handles.append(handle(state, written, ttl, self))
         self._by_name[name] = self._handles[-1]
         return self._handles[-1]
@@ -425,13 +518,10 @@ class FlinkKeyed(KeyedProcessFunction):
     def commit(self) -> None:
         """Write back what the call changed (see :class:`_Handle`); call it before leaving the key."""
         limit = self.state_cache_keys
-        touched = self.touched
-        if touched:
-            for handle in touched:
-                handle.commit()
-                if len(handle.cache) > limit:
-                    handle.forget()
-            touched.clear()
+        self._write_back()
+        packed = self._packed
+        if packed is not None and len(packed.cache) > limit:
+            packed.cache.clear()
         backstop = self._backstop
         if backstop is not None:
             if self._cleared:
@@ -441,6 +531,18 @@ class FlinkKeyed(KeyedProcessFunction):
             if len(backstop.cache) > limit:
                 backstop.cache.clear()
         self._cleared = False
+
+    def _write_back(self) -> None:
+        limit = self.state_cache_keys
+        touched = self.touched
+        if touched:
+            for handle in touched:
+                handle.commit()
+                if len(handle.cache) > limit:
+                    handle.forget()
+            touched.clear()
+        if self._packed is not None:
+            self._packed.commit()
 
     # -- our Context ---------------------------------------------------------------------------------
     def current_watermark(self) -> int:
@@ -525,9 +627,7 @@ class FlinkKeyed(KeyedProcessFunction):
             return False
         if self._backstop.fired(ctx):
             self.clear_all()
-            for handle in self.touched:
-                handle.commit()
-            self.touched.clear()
+            self._write_back()
             self._backstop.cleared()
             self._cleared = False
         return True

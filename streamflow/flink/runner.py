@@ -144,7 +144,11 @@ class UserTasks(FlinkKeyed):
     final watermark) to emit what is still owed (the last page exits) and this subtask's counts."""
 
     def __init__(self, job: Job, source: LineSource, state_ttl_days: int):
-        super().__init__(TriggerTasks(TaskExecution(job.trigger_tasks)), state_ttl_days=state_ttl_days)
+        execution = TaskExecution(job.trigger_tasks)
+        # Tasks that keep no history hold one page per user at most: pack the user's states in one
+        # Flink state, one write per record (FlinkKeyed(packed=True)); with history, lists stay ListStates.
+        super().__init__(TriggerTasks(execution), state_ttl_days=state_ttl_days,
+                         packed=not execution.max_events and not execution.max_pages)
         self.source = source
         self.emit_events = bool(job.stream_tasks)
 
