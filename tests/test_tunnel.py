@@ -208,8 +208,17 @@ def test_rows_travel_device_to_cloud_once_and_in_order(tmp_path, kafka_bootstrap
             assert [i for (i,) in consumer.store.query(f"SELECT i FROM {table} ORDER BY seq")] == \
                 [i for i in range(1000) if (i % 3 != 0) == first]
         assert consumer.store.query("SELECT count(*) FROM ipv_online") == [(7,)]
+        stored_offsets = consumer.store.offsets(topic)
     finally:
         consumer.close()
+    # the offsets committed to Kafka (lag monitoring; throttled while running) reach the stored ones at close
+    from kafka import KafkaConsumer, TopicPartition
+
+    monitor = KafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=consumer.group_id, enable_auto_commit=False)
+    try:
+        assert {p: monitor.committed(TopicPartition(topic, p)) for p in stored_offsets} == stored_offsets
+    finally:
+        monitor.close()
 
 
 def test_oversized_batches_are_split_and_an_oversized_row_is_refused_with_its_reason(tmp_path, kafka_bootstrap,

@@ -85,6 +85,8 @@ _META_COLUMNS = ("device_id", "seq", "ingested_at")
 IDLE_AFTER_S = 0.5
 #: How often a consumer looks for partitions added to its topic (from its cached metadata).
 _ASSIGNMENT_CHECK_S = 10.0
+#: How often a consumer commits its offsets to Kafka (for lag monitoring only; Kafka's own auto-commit: 5 s).
+KAFKA_COMMIT_INTERVAL_S = 1.0
 #: What the tables can refuse a batch with (e.g. a value whose type clashes with its column's).
 _STORE_ERRORS = (duckdb.Error, pa.ArrowException, ValueError, TypeError)
 _SCHEMA = """
@@ -528,6 +530,8 @@ class CloudConsumer:
         self._assignment_checked = 0.0
         self._recovered_once = False  # parked envelopes are looked at once at start, then on new registrations
         self._last_record = float("-inf")
+        self._uncommitted: dict[tuple[str, int], int] = {}  # offsets stored in DuckDB, not yet committed to Kafka
+        self._kafka_committed_at = float("-inf")
 
     def _connect(self) -> Any:
         """A consumer assigned every partition of the topic (no group rebalance), and the dead-letter producer.
@@ -632,14 +636,22 @@ class CloudConsumer:
         self._to_dead_letter_topic(result.dead_letters)
 
     def _after_store(self, messages: int, offsets: dict[tuple[str, int], int], result: ApplyResult) -> None:
-        from kafka import TopicPartition
-        from kafka.structs import OffsetAndMetadata
-
         self.stats.count(messages, result)
         self._to_dead_letter_topic(result.dead_letters)
-        try:  # only for lag monitoring (the offsets that count are stored with the rows), so not waited for
-            self._consumer.commit_async({TopicPartition(t, p): OffsetAndMetadata(o, "", -1)
-                                         for (t, p), o in offsets.items()})
+        self._uncommitted.update(offsets)
+        if time.monotonic() - self._kafka_committed_at >= KAFKA_COMMIT_INTERVAL_S:
+            self._commit_to_kafka()
+
+    def _commit_to_kafka(self) -> None:
+        """Commit the offsets stored since the last time, without waiting: they serve lag monitoring only
+        (the offsets that count are stored with the rows), so once per ``KAFKA_COMMIT_INTERVAL_S`` is enough
+        and spares a request per poll."""
+        self._kafka_committed_at = time.monotonic()
+        if not self._uncommitted or self._consumer is None:
+            return
+        try:
+            self._consumer.commit_async(self._kafka_offsets())
+            self._uncommitted = {}
         except Exception as exc:  # noqa: BLE001 - a rebalance or a broker hiccup must not stop consuming
             log.debug("kafka offset commit skipped: %s", exc)
 
@@ -688,6 +700,12 @@ class CloudConsumer:
                 break
         return self.stats
 
+    def _kafka_offsets(self) -> dict[Any, Any]:
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        return {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in self._uncommitted.items()}
+
     def stop(self) -> None:
         self._stop.set()
 
@@ -699,5 +717,8 @@ class CloudConsumer:
         self._consumer = self._dlq_producer = None
 
     def close(self) -> None:
+        if self._consumer is not None and self._uncommitted:  # the last offsets, for lag monitoring
+            with contextlib.suppress(Exception):  # best effort: a dead broker must not hold the close
+                self._consumer.commit(self._kafka_offsets(), timeout_ms=2000)
         self._reset()
         self.store.close()

@@ -5,7 +5,11 @@ measured upload time (kafka-python), and at the same moment runs the fastest zoo
 engine). The model and the Kafka clients run in helper processes (:mod:`streamflow.serve.child` says why);
 this process keeps the deadlines. It answers each request exactly once:
 
-- with the cloud's reply as soon as one arrives before the deadline;
+- with the cloud's reply as soon as one arrives before the deadline — unless the model that answered is less
+  accurate (by the zoo) than the device's own: then with the local result, as soon as it is there (the
+  cloud's reply if the local model fails, or if the deadline comes first), counted as ``cloud_less_accurate``
+  (MDInference's policy picks the fastest cloud model when none fits the budget, which may be no better
+  than the device's);
 - otherwise, at the deadline, with the local model's result (or, if even that is not ready, with whichever
   of the two comes first after the deadline — an SLA miss, counted);
 - a cloud reply that arrives after its request was answered is counted (``late_replies``) and dropped; one
@@ -131,6 +135,7 @@ class ServeClient:
         self.bootstrap = bootstrap
         self.zoo = zoo if zoo is not None else Zoo.load(zoo_path)
         self.local_model = self.zoo.get(local_model).name if local_model else self.zoo.fastest().name
+        self._accuracy = {m.name: m.accuracy for m in self.zoo.models}
         if self.zoo.path is None:
             raise ValueError("the client's zoo must be a saved one (Zoo.load or build_zoo): the device's model "
                              "process loads it from its file")
@@ -241,7 +246,11 @@ class ServeClient:
                     pending.local_at = (time.perf_counter() - pending.start) * 1000.0
                 elif kind == "error":
                     pending.local_error = value
-                if not pending.done and (pending.policy == "local" or pending.past_deadline):
+                if pending.done:
+                    return
+                if pending.reply is not None:  # a less accurate cloud answer waited for this result
+                    self._finish(pending, "cloud" if pending.local is None else "device")
+                elif pending.policy == "local" or pending.past_deadline:
                     self._finish(pending, "device")
                 return
         window_ms = (pending.deadline - time.perf_counter()) * 1000.0  # what the device will still wait
@@ -266,7 +275,9 @@ class ServeClient:
             for pending in list(self._pending.values()):
                 if pending.local is None and pending.local_error is None:
                     pending.local_error = "the device model process exited"
-                    if pending.past_deadline or pending.policy == "local":
+                    if pending.reply is not None:
+                        self._finish(pending, "cloud")
+                    elif pending.past_deadline or pending.policy == "local":
                         self._finish(pending, "device")
 
     def _on_network(self, kind: str, request_id: int, value: Any) -> None:
@@ -307,6 +318,12 @@ class ServeClient:
             return
         pending.reply = reply
         pending.cloud = "ok"
+        local_accuracy = self._accuracy[self.local_model]
+        if pending.local_error is None and self._accuracy.get(reply.model, local_accuracy) < local_accuracy:
+            self.counts["cloud_less_accurate"] += 1
+            if pending.local is not None:
+                self._finish(pending, "device")
+            return  # else the local result (or the deadline) decides
         self._finish(pending, "cloud")
 
     # -- keeping time --------------------------------------------------------------------------------
@@ -322,7 +339,11 @@ class ServeClient:
                     if pending is None or pending.done:
                         continue
                     pending.past_deadline = True
-                    if pending.local is not None or pending.local_error is not None:
+                    if pending.local is not None:
+                        self._finish(pending, "device")
+                    elif pending.reply is not None:  # a less accurate cloud answer beats none
+                        self._finish(pending, "cloud")
+                    elif pending.local_error is not None:
                         self._finish(pending, "device")
                 wait = min(max(self._deadlines[0][0] - now if self._deadlines else 0.1, 0.0), 0.1)
                 if not self._lock.wait(timeout=wait):  # timed out: how late did this thread get to run?
