@@ -303,7 +303,7 @@ class _Packed:
     def commit(self) -> None:
         if self.dirty:
             slots = self._slots
-            if any(value is not None for value in slots):
+            if slots.count(None) < len(slots):
                 self.state.update(slots)
             else:
                 self.state.clear()
