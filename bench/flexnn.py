@@ -11,8 +11,15 @@ budget, side by side (round-robin): the budgeted session (slicing + preloading) 
 load-on-demand baseline (same plan machinery, no preload); median latency, the plan's own peak, the
 measured anonymous-RSS growth of a fresh process running at that budget (page cache dropped by the
 loader), and outputs vs the unsliced plan with the same kernels (weights resident), whose latency
-is also timed: it separates the cost of streaming/slicing from the cost of the kernels that can
-read weights in place (no Winograd, whose transformed copies are not streamed yet). ``--quick``: ResNet-50 at 10 % only.
+is also timed: it separates the cost of streaming/slicing from the cost of the kernels (the file
+holds the transformed weights of the engine's own kernel choice, so the budgeted plan can use them).
+
+Where a budgeted run's time goes (``timeline``, medians over the timed runs): compute, waiting on
+loads, bytes read per inference and the loader's read rate while reading (page cache dropped);
+and ``bound_ms``/``bound_ratio``: the least time any schedule could take with this plan's memory,
+the measured per-unit compute and the measured read rate (engine.memory.budget_plan.stream_bound):
+above 1.05, streaming at that budget cannot meet +5 % on this disk and machine whatever the
+overlap. ``--quick``: ResNet-50 at 10 % only.
 """
 
 from __future__ import annotations
@@ -102,6 +109,55 @@ def unsliced_run(session, x):
     return lambda: session.run(x)
 
 
+def timed_with_timeline(sess, x, timelines: list):
+    def run():
+        sess.run(x)
+        timelines.append(sess.last_timeline)
+    return run
+
+
+def where_time_went(bp, timelines: list, unbudgeted_ms: float) -> dict:
+    """Medians of the runs' timelines, and the schedule-independent lower bound on their latency."""
+    from engine.memory.budget_plan import stream_bound
+
+    reports = [tl.report() for tl in timelines]
+    out = {k: statistics.median(r[k] for r in reports) for k in reports[0]} if reports else {}
+    if timelines and bp.loads:
+        unit_s = [statistics.median(tl.unit_end[u] - tl.unit_start[u] for tl in timelines)
+                  for u in range(len(bp.units))]
+        bps = statistics.median(tl.read_bps for tl in timelines)
+        bound = stream_bound(bp.units, bp.loads, bp.act_top, bp.load_top, unit_s, bps)
+        out["bound_ms"] = round(bound * 1e3, 2)
+        out["bound_ratio"] = round(bound * 1e3 / unbudgeted_ms, 3)
+        out["stages"] = per_stage(bp, timelines)
+    return out
+
+
+def _stage_times(tl, units: list[int], loads: list[int]) -> dict[str, float]:
+    return {"compute_ms": sum(tl.unit_end[u] - tl.unit_start[u] for u in units),
+            "wait_ms": sum(tl.unit_wait[u] for u in units),
+            "read_ms": sum(tl.load_end[j] - tl.load_start[j] for j in loads),
+            "start_ms": tl.unit_start[units[0]], "end_ms": tl.unit_end[units[-1]]}
+
+
+def per_stage(bp, timelines: list) -> dict[str, dict[str, float]]:
+    """Medians per stage (units grouped by their output's spatial size: ResNet's stages): compute,
+    waiting on loads, MB loaded for the stage and the loader's time reading them, and when the
+    stage started and ended. A stage whose wait is large next to its compute is read-bound."""
+    stage_of = []
+    for u in bp.units:
+        out = bp.exec_plan.steps[u.step].ctx.outs[0].shape
+        stage_of.append(f"{out[2]}x{out[3]}" if len(out) >= 4 else "head")
+    rows = {}
+    for stage in dict.fromkeys(stage_of):
+        units = [i for i, s in enumerate(stage_of) if s == stage]
+        loads = [j for j, ld in enumerate(bp.loads) if stage_of[ld.unit] == stage]
+        each = [_stage_times(tl, units, loads) for tl in timelines]
+        rows[stage] = {k: round(statistics.median(e[k] for e in each) * 1e3, 2) for k in each[0]}
+        rows[stage]["load_mb"] = round(sum(bp.loads[j].nbytes for j in loads) / 1e6, 2)
+    return rows
+
+
 def models(quick: bool) -> dict[str, object]:
     from bench.builder_zoo import mobilenetv2, resnet
 
@@ -136,7 +192,9 @@ def bench_model(name: str, make, fractions: list[float], runs: int, tmp: str, me
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     ref = InferenceSession(plain, calibration=calib)  # the current engine: weights memory-mapped
     y_ref = ref.run(x)[ref.output_names[0]]
-    mem = ref.plan_for({ref.input_names[0]: shape}).memory_report()
+    ref_plan = ref.plan_for({ref.input_names[0]: shape})
+    unbudgeted_kernels = {s.node.name: s.kernel.name for s in ref_plan.steps if s.kernel is not None}
+    mem = ref_plan.memory_report()
     plan_peak = mem["arena_bytes"] + mem["weight_bytes"] + mem["transformed_weight_bytes"]
     log(f"{name}: unbudgeted plan peak {plan_peak / 2**20:.1f} MiB; measuring its resident growth")
     mmap_growth = measured_growth("mmap", plain, 0, shape)
@@ -163,12 +221,19 @@ def bench_model(name: str, make, fractions: list[float], runs: int, tmp: str, me
         t = time.perf_counter()
         sess.set_budget(budget)
         cached_ms = (time.perf_counter() - t) * 1e3
+        for _ in range(3):  # the session re-plans when its runs find the machine off its assumptions: settle
+            sess.run(x)
         bp = sess.plan_for({sess.input_names[0]: shape})
         kernels = {s.node.name: s.kernel.name for s in bp.exec_plan.steps if s.kernel is not None}
-        unsliced = InferenceSession(plain, calibration=calib, kernels=kernels)  # same kernels, weights resident
-        ms = interleaved_ms({"unbudgeted_mmap": lambda: ref.run(x), "budgeted": lambda: sess.run(x),
+        unsliced = InferenceSession(sfe, calibration=calib, kernels=kernels)  # same graph and kernels, resident
+        timelines: list = []
+        ms = interleaved_ms({"unbudgeted_mmap": lambda: ref.run(x), "budgeted": timed_with_timeline(sess, x, timelines),
                              "no_preload": lambda: lazy.run(x), "same_kernels_resident": unsliced_run(unsliced, x)},
                             runs)
+        replanned = sess.plan_for({sess.input_names[0]: shape}) is not bp
+        bp = sess.plan_for({sess.input_names[0]: shape})
+        timeline = where_time_went(bp, [tl for tl in timelines[-runs:] if tl.units == len(bp.units)
+                                        and tl.loads == len(bp.loads)], ms["unbudgeted_mmap"])
         y = sess.run(x)[sess.output_names[0]]
         y_uns = unsliced.run(x)[unsliced.output_names[0]]
         growth = measured_growth("budgeted", sfe, budget, shape) if measure_all or f == 0.1 else None
@@ -182,7 +247,13 @@ def bench_model(name: str, make, fractions: list[float], runs: int, tmp: str, me
                  "max_rel_diff_vs_default_engine": float(np.abs(y - y_ref).max() / max(np.abs(y_ref).max(), 1e-30)),
                  "switch_ms": round(switch_ms, 2), "switch_cached_ms": round(cached_ms, 3),
                  "expected_ms": round(bp.expected_s * 1e3, 1), "sliced_steps": bp.sliced_steps,
-                 "preload": bp.preload}
+                 "preload": bp.preload, "resident_mb": round(bp.resident_bytes / 1e6, 2),
+                 "streamed_mb_per_inference": round(sum(ld.nbytes for ld in bp.loads) / 1e6, 2),
+                 "transformed_kernels": sorted({s.kernel.name for s in bp.exec_plan.steps
+                                                if s.kernel is not None and sess.blocks_of(s)
+                                                and s.kernel.streamed_params}),
+                 "same_kernels_as_unbudgeted": kernels == unbudgeted_kernels, "replanned_while_timed": replanned,
+                 "timeline": timeline}
         log(f"{name} at {f:.0%} ({budget / 2**20:.1f} MiB): {entry}")
         row["budgets"][f"{f:g}"] = entry
     sess.close()
@@ -210,13 +281,16 @@ def main(argv: list[str] | None = None) -> None:
             "latency_ratio"),
         "resnet50_no_preload_ratio_at_10pct": r50.get("0.1", {}).get("no_preload_ratio"),
         "resnet50_vs_same_kernels_resident_at_10pct": r50.get("0.1", {}).get("vs_same_kernels_resident"),
+        "resnet50_timeline_at_10pct": r50.get("0.1", {}).get("timeline"),
+        "resnet50_bound_ratio_at_10pct": (r50.get("0.1", {}).get("timeline") or {}).get("bound_ratio"),
         "peak_over_budget_max": max(peaks) if peaks else None,
         "budget_switch_ms": statistics.median([e["switch_ms"] for _, _, e in ok]) if ok else None,
         "budget_switch_cached_ms": statistics.median([e["switch_cached_ms"] for _, _, e in ok]) if ok else None,
         "output_max_abs_diff": max((e["max_abs_diff_vs_unsliced"] for _, _, e in ok), default=None),
         "output_max_rel_diff_vs_default_engine": max((e["max_rel_diff_vs_default_engine"] for _, _, e in ok),
                                                      default=None),
-        "runs_per_median": runs, "cores": os.cpu_count(), "quick": args.quick, "models": results,
+        "runs_per_median": runs, "cores": os.cpu_count(), "load_average": [round(v, 2) for v in os.getloadavg()],
+        "quick": args.quick, "models": results,
     }
     finish("flexnn", metrics)
 

@@ -28,6 +28,7 @@ cloud replied to afterwards), ``per_setting`` (each setting × policy), the load
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import statistics
@@ -153,6 +154,27 @@ def summarize(rows: list[tuple[int, str, float, Answer]]) -> dict[str, dict[str,
     return out
 
 
+class GcPauses:
+    """The garbage collector's pauses in this process (the device's deadlines are kept here): a pause
+    longer than the deadline guard is an SLA miss nothing else explains."""
+
+    def __init__(self) -> None:
+        self.pauses_ms: list[float] = []
+        self._started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses_ms.append((time.perf_counter() - self._started) * 1000.0)
+
+    def summary(self) -> dict[str, float]:
+        gc.callbacks.remove(self._on_gc)
+        return {"collections": len(self.pauses_ms), "max_ms": round(max(self.pauses_ms, default=0.0), 2),
+                "over_5ms": sum(p > 5.0 for p in self.pauses_ms)}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], argv, extra=options)
     per_policy = args.requests or (15 if args.quick else 1000)
@@ -176,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         images, labels = eval_set(eval_size, seed=args.seed)  # held out: the zoo's accuracy used seed 0
         shim = ShimProcess(broker.bootstrap, LinkProfile(args.delay_ms, 0.0, args.seed)).start()
         client = ServeClient(DEVICE, key, bootstrap=shim.bootstrap, zoo=zoo).start()
+        gc_pauses = GcPauses()  # from here on: the collections while requests are timed
         ready_s = wait_for_cloud(client, images[0], worker, worker_log)
         # settle: the first replies of a cold worker are slow; the device's upload estimate learns from them
         settling = []
@@ -250,6 +273,9 @@ def main(argv: list[str] | None = None) -> None:
             "local_model": client.local_model,
             "static_model": max(zoo.models, key=lambda m: m.input_size).name,
             "zoo_accuracy": {m.name: m.accuracy for m in zoo.models},
+            "zoo_eval_size": zoo.meta.get("eval_size"),
+            "cloud_less_accurate_replies": client.counts.get("cloud_less_accurate", 0),
+            "device_process_gc": gc_pauses.summary(),
             "per_setting": per_setting,
             "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in os.getloadavg()],

@@ -38,18 +38,34 @@ class Calibration:
         return replace(self, kernel_factors=dict(factors))
 
     def first_run_extra(self, kernel: Kernel, weight_bytes: int, transform_bytes: int, cached: bool,
-                        jit_loaded: bool) -> float:
-        """What a kernel costs on a model's first run on top of its run time: reading from disk what
-        it needs (its transformed weights when ``cached``, else the original ``weight_bytes``),
-        computing its transformed weights when not cached (``transform_bytes`` written, inputs
-        read), and loading numba if the kernel needs it and it is not loaded yet."""
-        if transform_bytes and cached:
-            extra = transform_bytes / self.disk_bytes_per_s
-        else:
-            extra = weight_bytes / self.disk_bytes_per_s + 2 * transform_bytes / self.bytes_per_s
+                        jit_loaded: bool, originals_read_anyway: bool = False) -> float:
+        """What a kernel costs on a model's first run on top of its run time (seconds); see
+        :meth:`first_run_choice`."""
+        return self.first_run_choice(kernel, weight_bytes, transform_bytes, cached, jit_loaded,
+                                     originals_read_anyway)[0]
+
+    def first_run_choice(self, kernel: Kernel, weight_bytes: int, transform_bytes: int, cached: bool,
+                         jit_loaded: bool, originals_read_anyway: bool = False) -> tuple[float, bool]:
+        """(extra first-run seconds, whether to read the cached transformed weights) for a kernel.
+
+        The first run must get the kernel's weights in the cheapest form (NNV12's first knob): read
+        the original ``weight_bytes`` from disk and compute the transform (``transform_bytes``
+        written, inputs read, at memory speed), or, when ``cached``, read the transformed copy
+        instead. A transform that enlarges the weights (Winograd's U is 2.25x a 3x3 kernel) is
+        recomputed from the smaller originals unless computing it costs more than reading the
+        difference at this machine's disk rate. ``originals_read_anyway``: the originals are read
+        even if the cached copy is used (they are part of a file read ahead whole), so the copy
+        costs its whole read on top. Plus numba's load if the kernel needs it and it is not loaded.
+        """
+        extra, use_cache = weight_bytes / self.disk_bytes_per_s, False
+        if transform_bytes:
+            extra += 2 * transform_bytes / self.bytes_per_s
+            if cached:
+                from_cache = (transform_bytes + (weight_bytes if originals_read_anyway else 0)) / self.disk_bytes_per_s
+                extra, use_cache = min((extra, False), (from_cache, True))
         if kernel.needs_jit and not jit_loaded:
             extra += self.jit_load_s
-        return extra
+        return extra, use_cache
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

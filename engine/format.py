@@ -5,10 +5,12 @@ Layout::
     b"SFENGIN1" | u64 little-endian header length | JSON header | padding | weight blobs
 
 The header holds the graph (inputs, outputs, nodes with attributes) and, per weight, its dtype,
-shape, offset, size and CRC-32. Weights are read lazily: either memory-mapped as a whole
-(:func:`load_model`, pages are touched only when a kernel reads them), one at a time
-(:meth:`ModelFile.read_weight`), or block by block into caller-owned buffers with checksums
-(:class:`engine.memory.loader.WeightLoader`) so a runtime can stream weights layer by layer.
+shape, offset, size and checksums: CRC-32 (zlib), and CRC-32C when the optional ``crc32c`` package
+(hardware CRC, about 5x zlib's speed) is installed; readers check whichever they can compute.
+Weights are read lazily: either memory-mapped as a whole (:func:`load_model`, pages are touched
+only when a kernel reads them), one at a time (:meth:`ModelFile.read_weight`), or block by block
+into caller-owned buffers with checksums (:class:`engine.memory.loader.WeightLoader`) so a runtime
+can stream weights layer by layer.
 """
 
 from __future__ import annotations
@@ -24,8 +26,31 @@ import numpy as np
 
 from engine.ir import Graph, Node, TensorInfo
 
+try:  # optional: CRC-32C in hardware, so streaming weights is not held up by checking them
+    import crc32c as _crc32c
+except ImportError:  # pragma: no cover - zlib's CRC-32 is always written and checked
+    _crc32c = None
+
 MAGIC = b"SFENGIN1"
 ALIGN = 64
+
+
+def block_checksums(data: Any) -> dict[str, int]:
+    """The checksums the header stores per weight: ``crc32`` always, ``crc32c`` when available."""
+    out = {"crc32": zlib.crc32(data)}
+    if _crc32c is not None:
+        out["crc32c"] = _crc32c.crc32c(data)
+    return out
+
+
+def checksum_fn(entry: dict[str, Any]) -> tuple[str, Any] | None:
+    """The fastest checksum this process can verify for a header weight entry: ``(key, fn)`` where
+    ``fn(data, running)`` continues a running checksum, or None if the entry has none."""
+    if _crc32c is not None and "crc32c" in entry:
+        return "crc32c", _crc32c.crc32c
+    if "crc32" in entry:
+        return "crc32", zlib.crc32
+    return None
 
 
 def _jsonable(v: Any) -> Any:
@@ -40,8 +65,8 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def _align(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
 
 
 def graph_structure(graph: Graph) -> dict[str, Any]:
@@ -67,8 +92,12 @@ def graph_from_structure(h: dict[str, Any], weights: dict[str, np.ndarray]) -> G
     )
 
 
-def save_model(graph: Graph, path: str | os.PathLike) -> int:
-    """Write ``graph`` to ``path``; returns the file size in bytes.
+def save_model(graph: Graph, path: str | os.PathLike, extra_weights: dict[str, np.ndarray] | None = None,
+               extra_header: dict[str, Any] | None = None, align: int = ALIGN) -> int:
+    """Write ``graph`` to ``path``; returns the file size in bytes. ``extra_weights`` are stored as
+    blocks the graph does not read (e.g. transformed weights for streaming), ``extra_header`` as
+    more header keys. ``align`` (a multiple of 64) aligns every block's start and end in the file,
+    e.g. to 4096 for direct I/O (the header is padded with spaces: readers need not know).
 
     >>> from engine.builder import GraphBuilder
     >>> import tempfile
@@ -77,18 +106,21 @@ def save_model(graph: Graph, path: str | os.PathLike) -> int:
     True
     """
     table, offset = [], 0
-    for name, w in graph.weights.items():
+    blocks = {**graph.weights, **(extra_weights or {})}
+    for name, w in blocks.items():
         w = np.asarray(w)
         table.append({"name": name, "dtype": w.dtype.str, "shape": list(w.shape), "offset": offset,
-                      "nbytes": int(w.nbytes), "crc32": zlib.crc32(np.ascontiguousarray(w).data)})
-        offset = _align(offset + w.nbytes)
-    header = {**graph_structure(graph), "weights": table}
+                      "nbytes": int(w.nbytes), **block_checksums(np.ascontiguousarray(w).data)})
+        offset = _align(offset + w.nbytes, align)
+    header = {**graph_structure(graph), **(extra_header or {}), "weights": table,
+              "extra_weights": list(extra_weights or {})}
     blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (_align(len(MAGIC) + 8 + len(blob), align) - len(MAGIC) - 8 - len(blob))
     data_start = _align(len(MAGIC) + 8 + len(blob))
     with open(path, "wb") as f:
         f.write(MAGIC + struct.pack("<Q", len(blob)) + blob)
         f.write(b"\0" * (data_start - f.tell()))
-        for entry, w in zip(table, graph.weights.values(), strict=True):
+        for entry, w in zip(table, blocks.values(), strict=True):
             f.seek(data_start + entry["offset"])
             f.write(np.ascontiguousarray(w).tobytes())
         f.truncate(data_start + offset)
@@ -110,7 +142,8 @@ class ModelFile:
             (n,) = struct.unpack("<Q", f.read(8))
             self.header: dict[str, Any] = json.loads(f.read(n))
         self.data_start = _align(len(MAGIC) + 8 + n)
-        self._table = {w["name"]: w for w in self.header["weights"]}
+        extra = set(self.header.get("extra_weights", ()))
+        self._table = {w["name"]: w for w in self.header["weights"] if w["name"] not in extra}
 
     def weight_names(self) -> list[str]:
         return list(self._table)

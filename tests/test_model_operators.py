@@ -151,7 +151,8 @@ def test_infer_budget_change_mid_job_takes_effect():
     second = run_pipeline([op], ROWS[5:])
     plan = op._session.plan_for({op._session.input_names[0]: (5, 3)})
     assert op._session.budget == budget.bytes and plan.budget <= 256 * 1024 + 4096
-    assert plan.peak_bytes() <= plan.budget and plan.loads  # weights streamed under the small budget
+    # the weights are in the small arena: streamed, or (80 KB fit) read once and kept resident
+    assert plan.peak_bytes() <= plan.budget and (plan.loads or plan.resident)
     plain = run_pipeline([Infer(graph, features=features, into="y")], ROWS)
     np.testing.assert_allclose(np.array([r["y"] for r in first + second]), np.array([r["y"] for r in plain]),
                                atol=1e-5)

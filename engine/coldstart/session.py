@@ -84,6 +84,15 @@ def stamp_key(path: str | os.PathLike) -> str:
     return f"stamp-{_blake(os.path.realpath(path))}"
 
 
+def graph_link_key(path: str | os.PathLike, layout: str) -> str:
+    """The store link (:meth:`EntryStore.put_link`) from a model file, as it is now (path, size, mtime,
+    inode), to its optimised graph for this engine version and ``layout``: a warm cache finds the graph
+    file, and the model digest in its name, without reading the stamp first."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    return f"link-{_blake(real, str(st.st_size), str(st.st_mtime_ns), str(st.st_ino), engine_version(), layout)}"
+
+
 def file_digest(path: str | os.PathLike, store: EntryStore) -> str:
     """A digest of a model file's bytes. The digest is remembered in ``store`` under the file's path
     with its size, mtime and inode, so an unchanged file is not read again just to be hashed."""
@@ -138,12 +147,19 @@ class ColdSession(InferenceSession):
         self.source = model
         self._loader: WeightLoader | None = None
         self._pending: dict[str, np.ndarray] = {}  # big weights not checked (read) yet: name -> mapped view
-        # the small files this start reads, fetched by the disk together rather than one after another
-        self.store.prefetch(*aot.files(self.store.root), self.store.path(calibration_key()),
-                            *([] if isinstance(model, Graph) else [self.store.path(stamp_key(model))]))
-        self.model_digest = (graph_digest(model) if isinstance(model, Graph)
-                             else file_digest(model, self.store))
+        self._cold_cache_use: dict[tuple[str, str], bool] = {}  # (node, kernel) -> first run reads the cached copy
         self._blocked = accel.available() and not kernels  # forced kernels are NCHW kernels
+        self._layout = "nchwc" if self._blocked else "nchw"
+        # a model file seen before links to its cached graph: the digest is in the graph's name, and the
+        # disk is asked for the graph at once, behind the small files this start reads first
+        self._link_key = None if isinstance(model, Graph) else graph_link_key(model, self._layout)
+        linked = self.store.link(self._link_key) if self._link_key else None
+        linked_digest = self._digest_in(linked)
+        self.store.prefetch(*aot.files(self.store.root), self.store.path(calibration_key()),
+                            *([] if isinstance(model, Graph) or linked_digest else [self.store.path(stamp_key(model))]),
+                            *([linked] if linked_digest else []))
+        self.model_digest = (graph_digest(model) if isinstance(model, Graph)
+                             else linked_digest or file_digest(model, self.store))
         graph = self._optimized_graph(model)
         accel.load_ahead_of_time(self.store.root)  # numba's loops without numba, if built for this machine
         super().__init__(graph, threads=threads, kernels=kernels, calibration=calibrate(self.store.root),
@@ -158,20 +174,40 @@ class ColdSession(InferenceSession):
         self._warm_thread: threading.Thread | None = None
         self.aot_build = None  # the background build of the ahead-of-time loops, when one was started
 
+    def _graph_key_of(self, digest: str) -> str:
+        return f"graph-{digest}-{engine_version()}-{self._layout}"
+
+    def _digest_in(self, linked: Path | None) -> str | None:
+        """The model digest in the name of a linked graph file of this engine version and layout."""
+        if linked is None:
+            return None
+        digest = linked.name.removeprefix("graph-").partition("-")[0]
+        return digest if linked.name == self._graph_key_of(digest) + ".sfe" else None
+
     def _optimized_graph(self, model: Graph | str | os.PathLike) -> Graph:
         """The optimised graph: from the cache (an engine model file; big weights are read layer by
         layer by :meth:`prepare`), or built from ``model`` and cached. With numba installed it is in
         the channel-blocked layout (:mod:`engine.layout`), its weights packed as the kernels read them."""
-        layout = "nchwc" if self._blocked else "nchw"
-        self._graph_key = f"graph-{self.model_digest}-{engine_version()}-{layout}"
+        self._graph_key = self._graph_key_of(self.model_digest)
         path = self.store.file(self._graph_key, ".sfe")
         if path is not None:
             try:
-                return self._open_cached_graph(path)
+                graph = self._open_cached_graph(path)
+                self._link_graph()
+                return graph
             except ModelFileError:  # corrupt or truncated: rebuilt below, never used
                 self.store.stats["corrupt"] += 1
                 self.store.delete(self._graph_key, ".sfe")
-        return self._build_graph(model)
+        graph = self._build_graph(model)
+        self._link_graph()
+        return graph
+
+    def _link_graph(self) -> None:
+        """Link the model file to its cached graph (:func:`graph_link_key`) if not linked yet."""
+        target = self.store.path(self._graph_key).with_suffix(".sfe")
+        if self._link_key and self.store.link(self._link_key) != target and target.exists():
+            with contextlib.suppress(OSError):  # a read-only cache: the next start reads the stamp first
+                self.store.put_link(self._link_key, target)
 
     def _build_graph(self, model: Graph | str | os.PathLike) -> Graph:
         graph = optimize(load_graph(model))
@@ -220,34 +256,48 @@ class ColdSession(InferenceSession):
         return f"w-{_blake(self.model_digest, ctx.node.name, kernel.name, shapes, machine_key())}"
 
     def _first_run_extra(self, ctx: NodeCtx, kernel: Kernel) -> float:
+        """A kernel's first-run cost (:meth:`Calibration.first_run_choice`); remembers, per node and
+        kernel, whether the first run reads the cached transformed weights or transforms the originals."""
         tb = kernel.transform_bytes(ctx)
         cached = tb > 0 and self.store.path(self._weights_key(ctx, kernel)).exists()
         on_disk = sum(int(np.asarray(ctx.consts[t]).nbytes) for t in ctx.node.inputs if t in self._pending)
-        return self.calibration.first_run_extra(kernel, on_disk, tb, cached, accel.loaded() is not None)
+        # the mapped graph file is read ahead whole: a layer's originals are read even if it uses a cached copy
+        extra, use_cache = self.calibration.first_run_choice(kernel, on_disk, tb, cached, accel.loaded() is not None,
+                                                             originals_read_anyway=on_disk > 0)
+        self._cold_cache_use[(ctx.node.name, kernel.name)] = use_cache
+        return extra
+
+    def _uses_cache(self, step: StepPlan, cold: bool) -> bool:
+        """Whether preparing ``step`` reads its transformed weights from the cache: on the first run as
+        its plan chose (:meth:`_first_run_extra`), later whenever they are there."""
+        if cold and not self._cold_cache_use.get((step.node.name, step.kernel.name), True):
+            return False
+        return self.store.path(self._weights_key(step.ctx, step.kernel)).exists()
 
     def _transforms(self, step: StepPlan) -> bool:
-        """Whether preparing ``step`` computes a weight transform (not a view, not cached)."""
-        return (step.kernel.transform_bytes(step.ctx) > 0
-                and not self.store.path(self._weights_key(step.ctx, step.kernel)).exists())
+        """Whether preparing ``step`` on the first run computes a weight transform (not a view, not cached)."""
+        return step.kernel.transform_bytes(step.ctx) > 0 and not self._uses_cache(step, cold=True)
 
-    def prepare(self, step: StepPlan) -> str:
+    def prepare(self, step: StepPlan, cold: bool = False) -> str:
         """Give ``step`` its weights: transformed ones from the cache (the originals are then not
-        read), else the originals (read now if still on disk) as views or transformed (and cached).
-        Returns where they came from, e.g. ``"read+view"``."""
+        read) unless the first run (``cold``) chose to transform the originals, else the originals
+        (read now if still on disk) as views or transformed (and cached). Returns where they came
+        from, e.g. ``"read+view"``."""
         if step.kernel.transform_bytes(step.ctx) == 0:
             read = "read+" if self._read_weights(step) else ""
             prepare_step(step)
             return read + "view"
         key = self._weights_key(step.ctx, step.kernel)
-        hit = self.store.get(key)
+        hit = self.store.get(key) if self._uses_cache(step, cold) else None
         if hit is not None:  # the cached params are all the kernel needs: the original weights stay on disk
             prepare_step(step, hit[0])
             return "cache"
         read = "read+" if self._read_weights(step) else ""
         prepare_step(step)
-        with contextlib.suppress(OSError):  # a read-only cache only costs the next cold start this transform
-            self.store.put(key, {n: np.asarray(v) for n, v in step.params.items()},
-                           meta={"node": step.node.name, "kernel": step.kernel.name})
+        if not self.store.path(key).exists():
+            with contextlib.suppress(OSError):  # a read-only cache only costs the next cold start this transform
+                self.store.put(key, {n: np.asarray(v) for n, v in step.params.items()},
+                               meta={"node": step.node.name, "kernel": step.kernel.name})
         return read + "transform"
 
     # --- runs ----------------------------------------------------------------------------------------
@@ -287,7 +337,7 @@ class ColdSession(InferenceSession):
                 threaded = any(self._transforms(s) for s in bound.computing)
             self.threaded = threaded
             runner = run_pipelined if threaded else run_serial
-            outputs, self.timings = runner(bound, feeds, self.prepare)
+            outputs, self.timings = runner(bound, feeds, lambda step: self.prepare(step, cold=True))
         return outputs, bound
 
     def _switch(self, shapes: Mapping[str, tuple[int, ...]], key: tuple) -> None:

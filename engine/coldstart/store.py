@@ -36,6 +36,7 @@ MAGIC = b"SFCACHE1"
 ALIGN = 64
 SUFFIX = ".sfc"
 FILE_SUFFIXES = (SUFFIX, ".sfe")  # entries, and whole files kept by put_file (engine model files)
+LINK_SUFFIX = ".sfl"  # links to a file of the store, resolved without reading the disk
 _KEY = re.compile(r"^[A-Za-z0-9_.=-]{1,200}$")
 
 
@@ -167,6 +168,29 @@ class EntryStore:
             raise
         self.stats["writes"] += 1
         self.evict()
+
+    def put_link(self, key: str, target: Path) -> None:
+        """Remember ``target`` (a file of this store) under ``key``, as a symbolic link made atomically
+        (temp link + rename). :meth:`link` resolves it with one system call and no disk read (a short
+        link's target is kept in its inode), so a cold start can ask for the target's bytes before
+        reading anything else."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{os.getpid()}-{key}{LINK_SUFFIX}"
+        tmp.unlink(missing_ok=True)
+        os.symlink(Path(target).name, tmp)
+        os.replace(tmp, self.path(key).with_suffix(LINK_SUFFIX))
+
+    def link(self, key: str) -> Path | None:
+        """The file of this store that link ``key`` names (:meth:`put_link`), or None. The target is
+        not checked: the caller checks what it reads there (it may have been evicted or replaced)."""
+        try:
+            name = os.readlink(self.path(key).with_suffix(LINK_SUFFIX))
+        except OSError:
+            return None
+        stem, dot, suffix = name.rpartition(".")
+        if not dot or "." + suffix not in FILE_SUFFIXES or not _KEY.match(stem):
+            return None  # only a plain file name of this store, never a path elsewhere
+        return self.root / name
 
     def delete(self, key: str, suffix: str = SUFFIX) -> None:
         self.path(key).with_suffix(suffix).unlink(missing_ok=True)

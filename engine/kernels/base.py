@@ -115,6 +115,17 @@ class Kernel:
         """Weight transform done once at plan time (packing, Winograd...). Views cost nothing."""
         return {}
 
+    #: Params of :meth:`transform` that are new arrays computed from the weight (input 1), each with
+    #: the axis that follows the weight's output channels. A budgeted run (engine/memory) reads them
+    #: precomputed from the model file, output-channel slices at a time, and calls
+    #: :meth:`transform_streamed` instead of :meth:`transform`.
+    streamed_params: dict[str, int] = {}
+
+    def transform_streamed(self, ctx: NodeCtx, streamed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """:meth:`transform` with the :attr:`streamed_params` given (``ctx``'s weight is then only a
+        placeholder of the right shape); kernels with streamed params make only the rest here."""
+        return {**self.transform(ctx), **streamed}
+
     def bind(self, ctx: NodeCtx, params: dict[str, np.ndarray], ins: list[np.ndarray],
              outs: list[np.ndarray], scratch: np.ndarray) -> Step:
         raise NotImplementedError

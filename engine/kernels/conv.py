@@ -116,6 +116,10 @@ class ConvBase(Kernel):
         cout = w.shape[0]
         return {"w": w, "b": (b if b is not None else np.zeros(cout, np.float32)).reshape(cout, 1)}
 
+    def transform_streamed(self, ctx: NodeCtx, streamed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        p = ConvBase.transform(self, ctx)  # the bias; "w" is a view of the placeholder, unused
+        return {**p, **streamed}
+
     def finish(self, ctx: NodeCtx, params, y: np.ndarray, r: np.ndarray | None, tmp) -> None:
         """Bias, residual and activation on one image's output viewed as (Cout, OH*OW)."""
         epilogue.bias_residual_act(y, params["b"] if ctx.has_input(2) else None, r, ctx.attrs.get("act"),
@@ -207,6 +211,7 @@ class ConvDirect(ConvBase):
     """Tap-by-tap accumulation: kh*kw small GEMMs; scratch is one window, not kh*kw of them."""
 
     name = "conv_direct"
+    streamed_params = {"taps": 1}  # (taps, Cout, Cin)
 
     def applies(self, ctx):
         return ConvGeom.of(ctx).group == 1
@@ -265,6 +270,7 @@ class WinogradConv(ConvBase):
 
     m = 2  # output tile size
     g_matrix = _G
+    streamed_params = {"u": 1}  # (tile positions, Cout, Cin)
 
     def applies(self, ctx):
         g = ConvGeom.of(ctx)

@@ -16,7 +16,7 @@ installed): the same class for 200 of 200 evaluation pages and 100 of 100 pages 
 
 Build the zoo once per machine (it writes ``zoo.json`` and the model files, default ``settings().zoo_dir``)::
 
-    python -m streamflow.serve.zoo build [--eval-size 400] [--seed 0] [--repeats 50] [--out PATH]
+    python -m streamflow.serve.zoo build [--eval-size 2000] [--seed 0] [--repeats 50] [--out PATH]
 
 Then::
 
@@ -323,7 +323,13 @@ def _latencies(runners: list[_Runner], images: np.ndarray, repeats: int, seed: i
     return times
 
 
-def build_zoo(path: Path | None = None, *, eval_size: int = 400, seed: int = 0, repeats: int = 50,
+#: Pages the zoo's accuracy is measured on. The best models are within half a point of each other; on 400 pages
+#: their order was left to chance (pplcnet_160 1.000 vs pplcnet_224 0.9925; on 1,200 other pages 0.991 vs 0.995),
+#: and MDInference, which favours the most accurate, followed the noise.
+EVAL_SIZE = 2000
+
+
+def build_zoo(path: Path | None = None, *, eval_size: int = EVAL_SIZE, seed: int = 0, repeats: int = 50,
               sizes: Sequence[int] = SIZES) -> Zoo:
     """Write the size variants next to ``path`` (default :func:`default_path`), measure each model's accuracy on
     ``eval_set(eval_size, seed)`` and its latency over ``repeats`` warm runs, save and return the zoo."""
@@ -358,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m streamflow.serve.zoo", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="write the size variants, measure accuracy and latency, save zoo.json")
-    build.add_argument("--eval-size", type=int, default=400, help="labelled pages to measure accuracy on")
+    build.add_argument("--eval-size", type=int, default=EVAL_SIZE, help="labelled pages to measure accuracy on")
     build.add_argument("--seed", type=int, default=0, help="seed of the evaluation set")
     build.add_argument("--repeats", type=int, default=50, help="timed warm runs per model")
     build.add_argument("--out", type=Path, default=None, help="zoo.json to write (default: settings' zoo_dir)")

@@ -39,9 +39,17 @@ def test_reads_whole_blocks_and_row_ranges_into_given_buffers(model_file):
         assert loader.bytes_read == 2 * sum(w.nbytes for w in weights.values())
 
 
-def test_a_flipped_byte_fails_the_checksum_naming_the_weight(model_file):
+@pytest.mark.parametrize("kind", ["crc32c", "crc32"])
+def test_a_flipped_byte_fails_the_checksum_naming_the_weight(model_file, kind, monkeypatch):
+    import engine.format
+
     path, weights = model_file
+    if kind == "crc32c":
+        pytest.importorskip("crc32c")
+    else:  # a process without the crc32c package checks zlib's CRC-32, which every file carries
+        monkeypatch.setattr(engine.format, "_crc32c", None)
     name = next(iter(weights))
+    assert WeightLoader(path).blocks[name].checksum_kind == kind
     off = WeightLoader(path).blocks[name].offset + 7
     with open(path, "r+b") as f:
         f.seek(off)
@@ -49,7 +57,7 @@ def test_a_flipped_byte_fails_the_checksum_naming_the_weight(model_file):
         f.seek(off)
         f.write(bytes([byte[0] ^ 0xFF]))
     loader = WeightLoader(path)
-    with pytest.raises(ModelFileError, match=f"{name}.*checksum"):
+    with pytest.raises(ModelFileError, match=f"{name}.*checksum \\({kind} "):
         loader.read_into(name, np.empty(weights[name].nbytes, np.uint8))
     # also caught when the block is read slice by slice, at its last slice
     rows = loader.blocks[name].shape[0]
@@ -82,7 +90,7 @@ def test_a_flipped_byte_fails_the_mapped_check_naming_the_weight(model_file):
         f.write(bytes([byte[0] ^ 0x10]))
     loader = WeightLoader(path)
     views = loader.map_all()
-    with pytest.raises(ModelFileError, match=f"{name}.*CRC-32"):
+    with pytest.raises(ModelFileError, match=f"{name}.*checksum \\(crc32"):
         loader.verify(name, views[name])
     other = [n for n in weights if n != name][0]
     loader.verify(other, views[other])  # the others are intact
@@ -138,3 +146,48 @@ def test_usable_from_a_background_thread(model_file):
     t.start()
     t.join()
     assert all(np.array_equal(out[n], w) for n, w in weights.items())
+
+
+def test_aligned_reads_use_direct_io_and_others_the_page_cache(tmp_path):
+    rng = np.random.default_rng(1)
+    b = GraphBuilder()
+    x = b.input("x", (1, 64, 8, 8))
+    w = rng.standard_normal((64, 64, 3, 3)).astype(np.float32)  # rows of 2304 bytes: slices of 16 rows align
+    b.output(b.conv(x, w, pads=1))
+    path = tmp_path / "aligned.sfe"
+    save_model(b.build(), path, align=4096)
+    loader = WeightLoader(path)
+    name = next(iter(loader.blocks))
+    if loader._dfd < 0:
+        pytest.skip("this file system has no direct I/O")
+    raw = np.empty(w.nbytes + 3 * 4096, np.uint8)
+    buf = raw[(-raw.ctypes.data) % 4096:][: w.nbytes + 4096]  # aligned, with room for the rounded-up read
+    got = [loader.read_into(name, buf, rows=(r, r + 16)).copy() for r in range(0, 64, 16)]
+    assert np.array_equal(np.concatenate(got), w) and loader.direct_bytes == w.nbytes
+    loader.read_into(name, buf[64:], rows=(0, 16))  # an unaligned buffer: read through the page cache
+    loader.read_into(name, buf[: 8 * 2304], rows=(0, 8))  # no room for the rounded-up length: the same
+    assert loader.direct_bytes == w.nbytes and loader.bytes_read == w.nbytes + 24 * 2304
+    with open(path, "r+b") as f:  # a flipped byte is caught on the direct path too
+        f.seek(loader.blocks[name].offset + 5)
+        byte = f.read(1)
+        f.seek(loader.blocks[name].offset + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ModelFileError, match="checksum"):
+        WeightLoader(path).read_into(name, buf)
+
+
+def test_verify_blocks_reads_every_named_block_in_small_chunks_and_names_a_corrupt_one(model_file):
+    path, weights = model_file
+    names = list(weights)
+    with WeightLoader(path) as loader:
+        nbytes, seconds = loader.verify_blocks(names, chunk=256)  # several chunks per block
+        assert nbytes == loader.bytes_read == sum(w.nbytes for w in weights.values()) and seconds > 0
+        last = max(names, key=lambda n: loader.blocks[n].offset)
+        off = loader.blocks[last].offset + loader.blocks[last].nbytes - 1  # in its last chunk
+    with open(path, "r+b") as f:
+        f.seek(off)
+        byte = f.read(1)
+        f.seek(off)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with WeightLoader(path) as loader, pytest.raises(ModelFileError, match=f"{last}.*checksum"):
+        loader.verify_blocks(names, chunk=256)
