@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import count
+from typing import Any
 
 from streamflow.events import PAGE_EXIT, Event
 
@@ -140,6 +141,13 @@ class TriggerTrie:
         self._states: dict[frozenset[int], MatchState] = {}
         self._initial = self._intern(frozenset())
         self.single_step = True
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Interned states pickle as their pending list alone (generation -1, see MatchState.__reduce__);
+        # intern them afresh, or every step of an unpickled trie (a Flink worker's) would restore its state.
+        self.__dict__.update(state)
+        self._states = {}
+        self._initial = self._intern(frozenset())
 
     # -- registration -------------------------------------------------------------------------
     @property

@@ -144,27 +144,32 @@ class UserTasks(FlinkKeyed):
     final watermark) to emit what is still owed (the last page exits) and this subtask's counts."""
 
     def __init__(self, job: Job, source: LineSource, state_ttl_days: int):
-        super().__init__(TriggerTasks(TaskExecution(job.trigger_tasks)), state_ttl_days=state_ttl_days)
+        execution = TaskExecution(job.trigger_tasks)
+        # Tasks that keep no history hold one page per user at most: pack the user's states in one
+        # Flink state, one write per record (FlinkKeyed(packed=True)); with history, lists stay ListStates.
+        super().__init__(TriggerTasks(execution), state_ttl_days=state_ttl_days,
+                         packed=not execution.max_events and not execution.max_pages)
         self.source = source
         self.emit_events = bool(job.stream_tasks)
 
     def open(self, runtime_context: RuntimeContext) -> None:
         super().open(runtime_context)
         self.source_state = self.get_state(TypedValue("source"))  # (last timestamp, the format's user state)
+        self._block = self.can_call_block()
         self.guard = TimestampGuard()
         self.events = 0
         self._reported: dict[str, TaskStats] = {}
 
     def process_element(self, value: tuple[str, int, str, Any], ctx: KeyedProcessFunction.Context):
-        _, line_no, raw, parsed = value
+        user, line_no, raw, parsed = value
         if isinstance(parsed, str):
-            yield DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw)
-            return
+            return [(DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw))]
+        self._ctx = ctx
+        self.set_key(user)  # the key_by key
         try:
-            out = self._record(ctx, line_no, raw, parsed)
+            return self._record(ctx, line_no, raw, parsed)
         finally:
             self.commit()
-        yield from out
 
     def _record(self, ctx: Any, line_no: int, raw: str, parsed: Any) -> list[tuple[str, Any]]:
         last_ts, adapter = self.source_state.value() or (None, None)
@@ -179,16 +184,26 @@ class UserTasks(FlinkKeyed):
         return self._run(ctx, events)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
+        self._ctx = ctx
+        self.set_key(ctx.get_current_key())
+        if self.backstop_fired(ctx):
+            return []
         try:
             adapter = (self.source_state.value() or (None, None))[1]
-            out = self._run(ctx, self.source.end_events(ctx.get_current_key(), adapter))
+            out = self._run(ctx, self.source.end_events(self.key, adapter))
             out.append((_STATS, self._counts()))
             self.clear_all()
         finally:
             self.commit()
-        yield from out
+        return out
 
     def _run(self, ctx: Any, events: list) -> list[tuple[str, Any]]:
+        execution = self.function.execution
+        if (self._block and not self.emit_events and execution.trie.single_step and not execution.max_events
+                and not execution.max_pages and events):
+            # what on_event does per event, in one loop over the open page (TriggerTasks.on_block, as on the device)
+            self.events += len(events)
+            return self.call_block(ctx, events, round(events[-1].ts * 1000), events[-1].user_id)
         out: list[tuple[str, Any]] = []
         for event in events:
             self.events += 1
