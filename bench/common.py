@@ -9,6 +9,7 @@ metrics, also written to ``bench/results/NAME.json``. Timings are reported, neve
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -92,3 +93,24 @@ def finish(name: str, metrics: dict[str, Any]) -> None:
     (RESULTS / f"{name}.json").write_text(line + "\n", encoding="utf-8")
     log(f"results written to {RESULTS / f'{name}.json'}")
     print(line, flush=True)
+
+
+class GcPauses:
+    """The garbage collector's pauses in this process from now on (a latency benchmark's process: a pause
+    shows up in its tail)."""
+
+    def __init__(self) -> None:
+        self.pauses_ms: list[float] = []
+        self._started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses_ms.append((time.perf_counter() - self._started) * 1000.0)
+
+    def summary(self) -> dict[str, float]:
+        gc.callbacks.remove(self._on_gc)
+        return {"collections": len(self.pauses_ms), "max_ms": round(max(self.pauses_ms, default=0.0), 2),
+                "over_5ms": sum(p > 5.0 for p in self.pauses_ms)}

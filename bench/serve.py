@@ -28,7 +28,6 @@ cloud replied to afterwards), ``per_setting`` (each setting × policy), the load
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import statistics
@@ -43,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import REPO, finish, log, parse_args, percentile
+from bench.common import REPO, GcPauses, finish, log, parse_args, percentile
 from connectors.tunnel.keys import KeyRegistry
 from streamflow.serve.client import Answer, ServeClient
 from streamflow.serve.evalset import eval_set
@@ -152,27 +151,6 @@ def summarize(rows: list[tuple[int, str, float, Answer]]) -> dict[str, dict[str,
             out[policy]["median_non_model_ms"] = round(statistics.median(a.latency_ms - a.inference_ms
                                                                          for a in cloud), 2)
     return out
-
-
-class GcPauses:
-    """The garbage collector's pauses in this process (the device's deadlines are kept here): a pause
-    longer than the deadline guard is an SLA miss nothing else explains."""
-
-    def __init__(self) -> None:
-        self.pauses_ms: list[float] = []
-        self._started = 0.0
-        gc.callbacks.append(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.pauses_ms.append((time.perf_counter() - self._started) * 1000.0)
-
-    def summary(self) -> dict[str, float]:
-        gc.callbacks.remove(self._on_gc)
-        return {"collections": len(self.pauses_ms), "max_ms": round(max(self.pauses_ms, default=0.0), 2),
-                "over_5ms": sum(p > 5.0 for p in self.pauses_ms)}
 
 
 def main(argv: list[str] | None = None) -> None:

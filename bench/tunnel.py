@@ -43,6 +43,8 @@ Measured side by side in one run:
   them. The p99 still rises from round to round within one size (``p99_ms_*_rounds``): the topic
   and the cloud's DuckDB file keep growing, and the machine is shared; read the rounds, not only
   the pooled figure.
+  ``cloud_consumer_gc``: the garbage collector's pauses in the tunnel's cloud process over the whole run (the
+  consumer freezes what is alive once it is connected: ``CloudConsumer(freeze_gc=True)``).
 - **Throughput** (``rows_per_s``): IPV rows from the job (~100 B each) written one per
   ``sink.write`` as fast as possible, from the first write until the consumer's commit that makes
   the cloud hold all of them; median over rounds. ``device_acked_rows_per_s`` stops the clock at the
@@ -98,7 +100,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from bench.common import TAOBAO_SAMPLE, cpu_count, finish, log, median, parse_args, percentile, progress
+from bench.common import TAOBAO_SAMPLE, GcPauses, cpu_count, finish, log, median, parse_args, percentile, progress
 from connectors.storage import CollectiveStorage
 from connectors.tunnel.envelope import decode, encode_v1
 from connectors.tunnel.kafka import CLIENT_TIMEOUTS, ensure_topic
@@ -166,6 +168,7 @@ def _tunnel_cloud(db: str, registry: str, bootstrap: str, topic: str, group: str
         return result
 
     store.apply = timed_apply  # type: ignore[method-assign]
+    gc_pauses = GcPauses()
     try:
         while not stop.is_set():
             if active.wait(0.2):
@@ -179,7 +182,8 @@ def _tunnel_cloud(db: str, registry: str, bootstrap: str, topic: str, group: str
     if len(ingested) != len(committed_at):
         raise RuntimeError(f"{len(ingested)} ingested_at stamps for {len(committed_at)} recorded commits")
     out.put(("done", list(zip(ingested, zip(called_at, committed_at, strict=True), strict=True)), {
-        "messages": stats.messages, "stored": stats.stored, "duplicates": stats.duplicates, "dead": dict(stats.dead)}))
+        "messages": stats.messages, "stored": stats.stored, "duplicates": stats.duplicates, "dead": dict(stats.dead),
+        "gc": gc_pauses.summary()}))
 
 
 def _naive_cloud(db: str, bootstrap: str, topic: str, group: str, out: Any, stop: Any, active: Any) -> None:
@@ -615,6 +619,7 @@ def main(argv: list[str] | None = None) -> None:
         if cloud.stats.get("duplicates") or cloud.stats.get("dead"):
             log(f"cloud consumer: {cloud.stats}")
         lat = {kind: row_times(cloud.db, f"lat_{kind}", cloud.commits, acks[kind], sent[kind]) for kind in DIMS}
+        cloud_gc = cloud.stats.get("gc")
     finally:
         for sink in sinks:
             sink.close(timeout_s=2)
@@ -674,6 +679,7 @@ def main(argv: list[str] | None = None) -> None:
         "naive_rows": n_naive,
         "throughput_batches": tput_batches,
         **byte_metrics,
+        "cloud_consumer_gc": cloud_gc,
         "linger_s": linger_s,
         "batch_rows": batch_rows,
         "envelope_format": 2,
