@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from streamflow.deploy.manifest import check_task_name
+from streamflow.deploy.manifest import MAX_MANIFEST_BYTES, check_task_name
 from streamflow.deploy.policy import (
     ATTRS_HEADER,
     DEPLOY_HEADER,
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
 DIRECTIVE_FIELDS = ("task", "version", "manifest", "signature", "action")
 ACTIONS = ("update", "rollback")
-MAX_MANIFEST_BYTES = 1 << 20
 MAX_SIGNATURE_BYTES = 1024
 
 
