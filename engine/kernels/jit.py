@@ -259,22 +259,6 @@ def clip_mask(x, lo, hi, y, mask):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def batchnorm_sums(g, xhat, sum_g, sum_gx):  # pragma: no cover - compiled
-    """sum_g[c] += sum(g[:, c]) and sum_gx[c] += sum(g[:, c] * xhat[:, c]) over (N, C, M), float64."""
-    n_n, c_n, m_n = g.shape
-    for n in range(n_n):
-        for c in range(c_n):
-            gr, hr = g[n, c], xhat[n, c]
-            a, b = 0.0, 0.0
-            for k in range(m_n):
-                v = np.float64(gr[k])
-                a += v
-                b += v * hr[k]
-            sum_g[c] += a
-            sum_gx[c] += b
-
-
-@numba.njit(cache=True, nogil=True, error_model="numpy")
 def batchnorm_given_dx(g, xhat, sum_g, sum_gx, m, scale, dx):  # pragma: no cover - compiled
     """dx = (xhat * -sum_gx + m * g - sum_g) * scale per channel over (N, C, M): the float32
     operations of :meth:`BatchNormGiven.backward`, in one pass."""

@@ -6,7 +6,7 @@ While the live peak (then the planned arena) is over the budget, the step takes 
 kinds of moves, each scored ``(bytes freed x steps freed) / seconds added`` from this machine's
 calibration: drop a full-batch node's saved state and recompute it in the backward pass, or merge
 two streamed segments (their border tensor is no longer kept for the whole batch; the merged
-segment's BatchNorms each cost one more pass over it). If nothing more helps,
+segment's BatchNorms each cost more passes over it). If nothing more helps,
 :class:`BudgetError` names the smallest budget the search reached.
 """
 
@@ -20,6 +20,9 @@ from engine.training.stream import Stream, fold_of
 
 HEADROOM = 0.1  # of the budget, for what the calibration does not see (allocator rounding, small temporaries)
 BACKWARD_FACTOR = 3.0  # a node's forward and backward take about this many times its forward
+# a streamed BatchNorm's passes over its segment: one backward (forward and backward) and a second
+# forward one for its variance, relative to the backward one alone
+PASS_FACTOR = (BACKWARD_FACTOR + 1) / BACKWARD_FACTOR
 MOVES_PER_PLAN = 8  # at most this many moves between two re-plans (while far over the budget)
 
 
@@ -68,7 +71,7 @@ def _merge_scores(prog: Program, batch: int, stream: Stream, at: int) -> list[tu
         t2 = sum(_seconds(prog, i, batch) for i in range(q, b)) * BACKWARD_FACTOR
         q1 = sum(nodes[i].op == "BatchNormalization" for i in range(a, q))
         q2 = sum(nodes[i].op == "BatchNormalization" for i in range(q, b))
-        added = max(q2 * t1 + q1 * t2, 1e-6)
+        added = max((q2 * t1 + q1 * t2) * PASS_FACTOR, 1e-6)
         scores.append((freed * (2 * n - 2 * a) / added, freed, q))
     return scores
 
@@ -84,7 +87,7 @@ def _split_gain(prog: Program, batch: int, stream: Stream, at: int) -> tuple[flo
     added = sum(NodeCost.at(prog.cal.costs[j].out_bytes, batch) for j in range(a, at)
                 if any(at <= u < b for u in prog.consumers.get(nodes[j].outputs[0], ()))
                 and not any(u >= b for u in prog.consumers.get(nodes[j].outputs[0], ())))
-    return (q2 * t1 + q1 * t2) / max(added, 1), added
+    return (q2 * t1 + q1 * t2) * PASS_FACTOR / max(added, 1), added
 
 
 def split_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int, update_bytes: int,
@@ -249,7 +252,8 @@ def estimated_seconds(prog: Program, plan: StepPlan) -> float:
         whole = sum(f.values())
         fold = fold_of(prog, seg, plan.batch)
         last = sum(f[i] for i in range(fold[0], b)) if fold else whole  # the pass writing the outputs
-        total += sum(f[i] for j in seg.bns for i in seg.needs[j]) + last  # forward passes
+        stats = sum((1 if fold and j == fold[0] else 2) * sum(f[i] for i in seg.needs[j]) for j in seg.bns)
+        total += stats + last  # forward passes (a BatchNorm's sum, then its squares, unless parked)
         total += (len(seg.bns) + 1) * whole + (BACKWARD_FACTOR - 1) * (
             whole + sum(f[i] for j in seg.bns for i in range(j, b)))  # backward passes
     return total

@@ -6,14 +6,17 @@ border is materialized (the whole batch, placed in the arena); a tensor used onl
 segment exists one chunk at a time. A segment with BatchNorms ``j1 < ... < jq`` runs, over all its
 chunks:
 
-* forward: pass ``k`` computes the chunks up to ``jk``'s input (``j1 .. j(k-1)`` normalising with the
-  batch statistics already gathered) and gathers ``jk``'s mean and variance; a last pass writes the
-  segment's materialized outputs;
+* forward: two passes ``k`` compute the chunks up to ``jk``'s input (``j1 .. j(k-1)`` normalising
+  with the batch statistics already gathered) and gather ``jk``'s sum, then its squares around the
+  mean (the float32 sums of the whole batch's BatchNorm, in its order: the step equals the whole
+  batch's bitwise up to the weight gradients' sums over chunks); a last pass writes the segment's
+  materialized outputs;
 * backward: each pass recomputes the chunk's forward and back-propagates from the outputs'
   gradients; pass ``k`` (from ``jq`` down) stops at ``jk`` and gathers its ``sum(g)`` and
   ``sum(g * xhat)``; a last pass writes the gradients of the segment's inputs and parameters.
 
-So a BatchNorm costs one more pass over its segment forward and backward: the planner
+So a BatchNorm costs two more passes up to it forward (one when its input is the segment's input
+or parked, see :func:`fold_of`) and one over its segment backward: the planner
 (:mod:`engine.training.budget`) keeps segments short where memory allows. Without BatchNorm a
 segment runs one pass each way (recomputation of its chunk's forward in the backward pass).
 """
@@ -235,12 +238,20 @@ class StreamRun:
             store = {t: np.empty(infos[t].shape, np.float32) for t in seg.outputs}
             fold = fold_of(self.prog, seg, self.batch)
             for j in seg.bns:
-                st = BatchStats()
-                for lo, hi in self.spans:
+                st, x = BatchStats(), nodes[j].inputs[0]
+                parked = fold is not None and j == fold[0]
+                for lo, hi in self.spans:  # its sum, then the squares around the mean (two passes)
                     out, _ = self._forward_chunk(seg, env, lo, hi, seg.needs[j], None)
-                    st.add(out[nodes[j].inputs[0]])
-                    if fold is not None and j == fold[0]:
-                        store[fold[2]][lo:hi] = out[fold[1]]
+                    st.add(out[x])
+                    if parked:
+                        store[fold[2]][lo:hi] = out[x]
+                    del out
+                for lo, hi in self.spans:
+                    if parked:
+                        st.add_centred(store[fold[2]][lo:hi])
+                        continue
+                    out, _ = self._forward_chunk(seg, env, lo, hi, seg.needs[j], None)
+                    st.add_centred(out[x])
                     del out
                 self.stats[j] = st
                 self.prog.gathered_batchnorm(nodes[j], st)
