@@ -76,8 +76,13 @@ class Conv2d(Function):
             phases = np.empty((self.stride[1], h if self.stride[1] > 1 else 1, -(-wd // self.stride[1])), np.float32)
             y = np.empty((n, c, self.oh, self.ow), np.float32)
             w3, b1 = np.ascontiguousarray(w[:, 0]), np.ascontiguousarray(b, dtype=np.float32)
-            jit.depthwise_batch(np.ascontiguousarray(x), w3, b1, y, phases, self.taps, self.stride[0], self.stride[1],
-                                self.pads[0], self.dil[0])
+            xc = np.ascontiguousarray(x)
+            if (kh, kw, self.pads, self.dil) == (3, 3, (1, 1, 1, 1), (1, 1)) and self.stride in ((1, 1), (2, 2)) \
+                    and wd >= 2:  # MobileNet's depthwise convs: fused rows
+                (jit.depthwise3x3_s1 if self.stride == (1, 1) else jit.depthwise3x3_s2)(xc, w3, b1, y)
+                return y
+            jit.depthwise_batch(xc, w3, b1, y, phases, self.taps, self.stride[0], self.stride[1], self.pads[0],
+                                self.dil[0])
             return y
         xp = _pad(x, self.pads)
         self.xp_shape = xp.shape
