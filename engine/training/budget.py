@@ -220,12 +220,12 @@ def node_floor(prog: Program, i: int, m: int) -> int:
 
 def stream_chunks(prog: Program, batch: int, budget: int) -> list[int]:
     """Chunk sizes to stream with: the largest whose busiest node takes at most an eighth of the
-    budget, and twice that (fewer chunks, fewer calls)."""
+    budget, and twice and four times that (fewer chunks, fewer calls, while the plan fits)."""
     n = len(prog.cal.nodes)
     chunk = max(1, batch // 2)
     while chunk > 1 and max(node_floor(prog, i, chunk) for i in range(n)) > budget // 8:
         chunk //= 2
-    return list(dict.fromkeys(c for c in (2 * chunk, chunk) if c < batch))
+    return list(dict.fromkeys(c for c in (4 * chunk, 2 * chunk, chunk) if c < batch))
 
 
 def estimated_seconds(prog: Program, plan: StepPlan) -> float:
@@ -278,8 +278,8 @@ def fit_streamed(prog: Program, batch: int, budget: int, state_bytes: int, updat
                  tries: int = 4) -> StepPlan:
     """The fastest streamed plan found (by :func:`estimated_seconds`): for each chunk size, the
     shortest prefix that fits (binary search over the positions one tensor crosses) and a few
-    longer ones (each starting from short segments, merged while too big), then sped up by
-    :func:`split_segments`."""
+    longer ones (each starting from short segments, merged while too big); the fastest of them
+    sped up by :func:`split_segments`, then the fastest over the chunk sizes."""
     n = len(prog.cal.nodes)
     cuts = prog.cut_positions
     full = [node_floor(prog, i, batch) for i in range(n)]
@@ -305,14 +305,17 @@ def fit_streamed(prog: Program, batch: int, budget: int, state_bytes: int, updat
         for k in dict.fromkeys(hi + (last - hi) * j // tries for j in range(1, tries)):
             if k not in found:
                 found[k] = attempt(cuts[k])
-        for plan in found.values():
-            if plan is not None:
-                t = estimated_seconds(prog, plan)
-                if best is None or t < best[0]:
-                    best = (t, plan)
+        fitting = [(estimated_seconds(prog, p), k, p) for k, p in found.items() if p is not None]
+        if not fitting:
+            continue
+        _, _, plan = min(fitting, key=lambda f: f[:2])
+        plan = split_segments(prog, plan, budget, state_bytes, update_bytes)  # each chunk's best, sped up
+        t = estimated_seconds(prog, plan)
+        if best is None or t < best[0]:
+            best = (t, plan)
     if best is None:
         raise BudgetError(f"batch {batch} does not fit {budget} bytes streamed", min(smallest, default=0))
-    return split_segments(prog, best[1], budget, state_bytes, update_bytes)
+    return best[1]
 
 
 def fit(prog: Program, batch: int, budget: int | None, state_bytes: int, update_bytes: int,
