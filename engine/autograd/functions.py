@@ -60,9 +60,11 @@ def _out_hw(h, w, k, stride, pads, dil):
 
 
 class Conv2d(Function):
-    """y = conv(x, w) + b; ``pads`` is (top, left, bottom, right)."""
+    """y = conv(x, w) + b; ``pads`` is (top, left, bottom, right). Given ``out`` (y computed before,
+    e.g. kept by a streamed training step), only what the backward needs is set up and ``out`` is
+    returned (for a pointwise or depthwise conv that is no work)."""
 
-    def forward(self, x, w, b, stride=(1, 1), pads=(0, 0, 0, 0), dil=(1, 1), group=1):
+    def forward(self, x, w, b, stride=(1, 1), pads=(0, 0, 0, 0), dil=(1, 1), group=1, out=None):
         self.stride, self.pads, self.dil, self.group = tuple(stride), tuple(pads), tuple(dil), group
         n, c, h, wd = x.shape
         cout, _, kh, kw = w.shape
@@ -73,6 +75,8 @@ class Conv2d(Function):
         if self.depthwise and jit is not None:  # fused loops, padding implicit (no padded copy)
             self.x = x
             self.taps = jit.depthwise_taps(wd, self.ow, kw, self.stride[1], self.pads[1], self.dil[1])
+            if out is not None:
+                return out
             phases = np.empty((self.stride[1], h if self.stride[1] > 1 else 1, -(-wd // self.stride[1])), np.float32)
             y = np.empty((n, c, self.oh, self.ow), np.float32)
             w3, b1 = np.ascontiguousarray(w[:, 0]), np.ascontiguousarray(b, dtype=np.float32)
@@ -97,9 +101,13 @@ class Conv2d(Function):
             cg, og = c // group, cout // group
             # A pointwise conv needs no im2col: its columns are the input itself.
             self.pointwise = (kh, kw, self.stride, group) == (1, 1, (1, 1), 1) and not any(self.pads)
+            if out is not None and not self.needs_grad(1):  # no weight gradient wanted: no columns
+                return out
             self.cols = [x.reshape(n, c, -1)] if self.pointwise else \
                 [np.ascontiguousarray(win[:, g * cg : (g + 1) * cg]).reshape(n, cg * kh * kw, -1)
                  for g in range(group)]
+            if out is not None:
+                return out
             if group == 1:  # one product, written once (no concatenation copy)
                 y = (w.reshape(cout, -1) @ self.cols[0]).reshape(n, cout, self.oh, self.ow)
             else:
