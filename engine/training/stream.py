@@ -210,16 +210,18 @@ class StreamRun:
         self.spans = [(lo, min(batch, lo + self.stream.chunk)) for lo in range(0, batch, self.stream.chunk)]
         self.stats: dict[int, BatchStats] = {}
         self.batch = batch
+        self.shapes = {t: info.shape for t, info in prog._infos(batch)[0].items()}
 
     # -- one chunk -----------------------------------------------------------------------------------
     def _forward_chunk(self, seg: Segment, env_full: dict, lo: int, hi: int, order, keep_from: int | None,
                        store: dict | None = None, copy: set[str] = frozenset(),
-                       kept: dict | None = None) -> tuple[dict, dict]:
+                       kept: dict | None = None, unread: frozenset[int] = frozenset()) -> tuple[dict, dict]:
         """Run ``order`` (node indices of ``seg``) on rows ``lo:hi``; contexts of nodes from
         ``keep_from`` on are kept for a backward; ``store`` receives the segment's outputs (inputs
         in ``copy`` are read as copies of their rows: their buffer is overwritten); ``kept`` holds
         whole-batch tensors computed before (a Conv in ``order`` whose output is kept only sets up
-        its backward)."""
+        its backward, as does one in ``unread``: a backward pass reads neither its output nor, with
+        frozen weights, its input)."""
         env = {t: env_full[t][lo:hi].copy() if t in copy else env_full[t][lo:hi] for t in seg.inputs}
         kept = kept or {}
         for t, arr in kept.items():
@@ -234,6 +236,8 @@ class StreamRun:
             assert node.op != "BatchNormalization" or i in self.stats, "streamed BatchNorms use gathered statistics"
             t = node.outputs[0]
             given = env[t] if t in kept and node.op == "Conv" else None
+            if i in unread:
+                given = np.broadcast_to(np.zeros((), np.float32), (hi - lo, *self.shapes[t][1:]))
             res, leaves = self.prog.forward_node(node, env, hi - lo, replay=True, bn_stats=self.stats.get(i),
                                                  given=given)
             env[t] = res.data
@@ -332,6 +336,9 @@ class StreamRun:
                 return [*needed(nodes, seg.a, stop, reads, avail), *range(stop, seg.b)]
 
             params = {t for i in range(seg.a, seg.b) for t in nodes[i].inputs if t in self.prog.model.params}
+            read = {t for i in range(seg.a, seg.b) for t in nodes[i].inputs}
+            unread = frozenset(i for i in range(seg.a, seg.b)  # convs only the next segments read
+                               if nodes[i].op == "Conv" and nodes[i].outputs[0] not in read)
             for j in reversed(seg.bns):
                 st = self.stats[j]
                 st.begin_collect()
@@ -341,7 +348,7 @@ class StreamRun:
                 try:
                     order = pass_order(j)
                     for lo, hi in self.spans:
-                        _, ctx = self._forward_chunk(seg, env, lo, hi, order, j, kept=kept)
+                        _, ctx = self._forward_chunk(seg, env, lo, hi, order, j, kept=kept, unread=unread)
                         self._backward_chunk(seg, ctx, grads, lo, hi, j, final=False)
                         del ctx
                 finally:
@@ -350,7 +357,7 @@ class StreamRun:
                 st.end_collect()
             order = pass_order(seg.a)
             for lo, hi in self.spans:
-                _, ctx = self._forward_chunk(seg, env, lo, hi, order, seg.a, kept=kept)
+                _, ctx = self._forward_chunk(seg, env, lo, hi, order, seg.a, kept=kept, unread=unread)
                 self._backward_chunk(seg, ctx, grads, lo, hi, seg.a, final=True)
                 del ctx
             del kept
