@@ -19,6 +19,12 @@ So a BatchNorm costs two more passes up to it forward (one when its input is the
 or parked, see :func:`fold_of`) and one over its segment backward: the planner
 (:mod:`engine.training.budget`) keeps segments short where memory allows. Without BatchNorm a
 segment runs one pass each way (recomputation of its chunk's forward in the backward pass).
+
+A parked segment (``Stream.parked``) keeps its BatchNorms' inputs for the whole batch during its
+own passes only: forward, each node runs once (the statistics read the kept tensors); backward,
+one pass refills them, then each pass recomputes only what follows them (a Conv whose output is
+kept, or read by no later node of the segment, only sets up its backward). They are not held in
+between, where a step's peak usually is (the whole-batch layers' backward).
 """
 
 from __future__ import annotations
