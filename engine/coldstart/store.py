@@ -26,7 +26,6 @@ import os
 import re
 import struct
 import tempfile
-import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -124,15 +123,10 @@ class EntryStore:
         head = MAGIC + struct.pack("<Q", len(header)) + header
         self._replace(path, lambda tmp: tmp.write_bytes(head + b"\0" * (_align(len(head)) - len(head)) + data))
 
-    def prefetch(self, *paths: Path, background: bool = False) -> None:
+    def prefetch(self, *paths: Path) -> None:
         """Ask the kernel to read these files (entries of this store, or anything) in the background
-        now (``WILLNEED``), in this order: a cold process that needs several small files waits for the
-        disk once, not once per file. Missing files are skipped. Each advice waits while the kernel
-        allocates the pages and queues the reads (~2 ms for 8 MB, the most one advice asks for);
-        ``background=True`` gives them to a thread (they release the GIL) and returns at once."""
-        if background:
-            threading.Thread(target=self.prefetch, args=paths, name="engine-prefetch", daemon=True).start()
-            return
+        now (``WILLNEED``): a cold process that needs several small files waits for the disk once,
+        not once per file. Missing files are skipped."""
         for path in paths:
             with contextlib.suppress(OSError, AttributeError):
                 fd = os.open(path, os.O_RDONLY)
