@@ -161,8 +161,8 @@ class ColdSession(InferenceSession):
         linked_digest = self._digest_in(linked)
         self.store.prefetch(*aot.files(self.store.root), self.store.path(calibration_key()),
                             *([] if isinstance(model, Graph) or linked_digest else [self.store.path(stamp_key(model))]),
-                            *([linked] if linked_digest else []),
-                            *([self.store.path(self._plan_key(linked_digest))] if linked_digest else []))
+                            *([self.store.path(self._plan_key(linked_digest))] if linked_digest else []),
+                            *([linked] if linked_digest else []))  # last: its 8 MB would queue before the rest
         self.model_digest = (graph_digest(model) if isinstance(model, Graph)
                              else linked_digest or file_digest(model, self.store))
         graph = self._optimized_graph(model)
