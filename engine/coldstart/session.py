@@ -64,6 +64,7 @@ HASH_CHUNK = 1 << 20
 PLANS_PER_GRAPH = 8  # recorded cold plans kept per graph (one per input shapes), the latest
 LAZY_OPS = {"Conv", "NchwcConv", "NchwcDepthwiseConv", "Gemm", "MatMul"}  # weights (inputs >= 1) only kernels read
 LAZY_MIN_BYTES = 4096  # smaller weights are read with the header
+HEADER_PREFETCH = 64 << 10  # a graph file's head, asked for alone: one small read, not its first 2 MB
 
 
 def _blake(*parts: str) -> str:
@@ -162,7 +163,8 @@ class ColdSession(InferenceSession):
         self.store.prefetch(*aot.files(self.store.root), self.store.path(calibration_key()),
                             *([] if isinstance(model, Graph) or linked_digest else [self.store.path(stamp_key(model))]),
                             *([self.store.path(self._plan_key(linked_digest))] if linked_digest else []),
-                            *([linked] if linked_digest else []))  # last: its 8 MB would queue before the rest
+                            # the graph last (its first 8 MB would queue before the rest), its header first
+                            *([(linked, HEADER_PREFETCH), linked] if linked_digest else []))
         self.model_digest = (graph_digest(model) if isinstance(model, Graph)
                              else linked_digest or file_digest(model, self.store))
         graph = self._optimized_graph(model)
