@@ -419,10 +419,16 @@ class CloudStore:
             con.unregister("_sf_rows")
         return full
 
+    def online_due_in(self) -> float:
+        """Seconds until the deferred online upsert is due (infinity when nothing waits for it)."""
+        if self._pending_since is None:
+            return float("inf")
+        return max(0.0, self._pending_since + self.online_lag_s - time.monotonic())
+
     def flush_online(self, due_only: bool = False) -> None:
         """Upsert the rows stored since the last time into the online tables (see the class docstring);
         ``due_only``: only once ``online_lag_s`` passed since the first of them was stored."""
-        if self._pending_since is None or (due_only and time.monotonic() - self._pending_since < self.online_lag_s):
+        if self._pending_since is None or (due_only and self.online_due_in() > 0):
             return
         with self._lock:
             self._flush_online()
@@ -712,7 +718,7 @@ class CloudConsumer:
             self._assign(self._consumer)  # partitions added to the topic since
         if not self._recovered_once:  # envelopes parked by an earlier run whose registration arrived meanwhile
             self._recover()
-        records = self._poll(timeout_s)
+        records = self._poll(min(timeout_s, self.store.online_due_in()))  # an idle wait keeps the lag too
         if not records:
             self.store.flush_online(due_only=True)
             return ApplyResult()
