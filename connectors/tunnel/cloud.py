@@ -475,8 +475,10 @@ class CloudStore:
     def _catch_up_online(self) -> None:
         """Upsert online what a deferred upsert left out when the last process stopped without flushing."""
         con = self._con
-        tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables WHERE "
-                                            "table_catalog = current_database() AND table_schema = 'main'").fetchall()}
+        tables = {t for (t,) in con.execute(  # the store's tables: those with its own columns
+            "SELECT table_name FROM information_schema.columns WHERE table_catalog = current_database() AND "
+            "table_schema = 'main' AND column_name IN ('device_id', 'seq', 'ingested_at') GROUP BY ALL "
+            "HAVING count(*) = 3").fetchall()}
         marks = dict(con.execute("SELECT table_name, max(applied_through) FROM tunnel_online_marks "
                                  "GROUP BY ALL").fetchall())
         for table in sorted(tables):
