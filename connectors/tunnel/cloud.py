@@ -180,10 +180,10 @@ class CloudStore:
     the first of them (the consumer calls it every poll), then done in one transaction for all of them:
     on a device shipping rows one by one the upsert is most of a transaction's cost (measured, CPU of one
     :meth:`apply` of a 3 KB row, same machine and load: 10.6 ms with the upsert, 3.3 deferred), and it need
-    not hold the rows' arrival. The online table then
-    lags the offline one by about ``online_lag_s``; :meth:`query` and :meth:`close` flush first. Each
-    deferred upsert records the newest ``ingested_at`` it applied (``tunnel_online_marks``); a store
-    opened after a crash upserts the rows stored since (less :data:`_CATCH_UP_SLACK`) before anything else.
+    not hold the rows' arrival. The online table then lags the offline one by about ``online_lag_s``;
+    :meth:`query` and :meth:`close` flush first. Each deferred upsert records the newest ``ingested_at`` it
+    applied (``tunnel_online_marks``); a store opened after a crash upserts the rows stored since (less
+    :data:`_CATCH_UP_SLACK`) before anything else.
     """
 
     def __init__(self, path: str | os.PathLike[str], online_key: Sequence[str] = ("user_id",),
