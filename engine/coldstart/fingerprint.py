@@ -48,10 +48,16 @@ def cpu_features() -> str:
     return _digest(platform.machine())
 
 
+@functools.cache
 def _build_of(module: str) -> str:
     """Where a library is installed and when: changes with every (re)install, found without
     importing it (importing numba costs half a second; ``importlib.metadata`` scans every dist)."""
-    spec = importlib.util.find_spec(module)
+    if module == "numba":  # looked up once per process, with available()
+        from engine.kernels.accel import numba_spec
+
+        spec = numba_spec()
+    else:
+        spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         return "-"
     return f"{spec.origin}@{os.stat(spec.origin).st_mtime_ns}"
