@@ -280,6 +280,25 @@ def test_cold_plan_is_recorded_then_replayed_with_the_same_kernels_arena_and_out
     assert d.plan_source == "recorded"
 
 
+def test_recorded_plan_replays_kernels_and_keeps_its_arena_only_for_the_same_buffers(x):
+    from engine.ir import GraphError
+    from engine.plan import compile_plan, record_plan
+
+    graph = small_net()
+    cal = FIXED_CALIBRATION
+    planned = compile_plan(graph, {"x": x.shape}, cal)
+    recorded = record_plan(planned)
+    replay = compile_plan(graph, {"x": x.shape}, cal, recorded=recorded)
+    assert [s.kernel and s.kernel.name for s in replay.steps] == [s.kernel and s.kernel.name for s in planned.steps]
+    assert replay.arena.offsets == planned.arena.offsets
+    bigger = compile_plan(graph, {"x": (5, *x.shape[1:])}, cal, recorded=recorded)  # other buffers: placed anew
+    assert bigger.arena.size > planned.arena.size
+    assert bigger.arena.offsets == compile_plan(graph, {"x": (5, *x.shape[1:])}, cal).arena.offsets
+    recorded.kernels[next(iter(recorded.kernels))] = "no_such_kernel"
+    with pytest.raises(GraphError, match="recorded plan"):
+        compile_plan(graph, {"x": x.shape}, cal, recorded=recorded)
+
+
 def test_corrupt_cold_plan_is_detected_and_planned_again(cache, x):
     graph = small_net()
     ColdSession(graph, cache_dir=cache, warm_switch=False).run(x)
