@@ -72,6 +72,7 @@ except ImportError as exc:  # the `flink` extra is optional
 DEFAULT_STATE_TTL_DAYS = 30
 _EVENTS = OutputTag("events", Types.PICKLED_BYTE_ARRAY())  # accepted app events, for stream tasks
 _PICKLED = Types.PICKLED_BYTE_ARRAY()
+_NO_SOURCE_STATE = (None, None)
 #: Pseudo-table of a user's counts (events, fired, rows, errors per task), sent when the user's input ends.
 _STATS = "__stats__"
 
@@ -155,32 +156,40 @@ class UserTasks(FlinkKeyed):
     def open(self, runtime_context: RuntimeContext) -> None:
         super().open(runtime_context)
         self.source_state = self.get_state(TypedValue("source"))  # (last timestamp, the format's user state)
-        self._block = self.can_call_block()
+        execution = self.function.execution
+        # A record's events through on_block (TriggerTasks.on_block, as on the device) when nothing else
+        # needs them one by one; the trie's single_step can change (a quarantined task), so it is read per record.
+        self._block = (self.can_call_block() and not self.emit_events and not execution.max_events
+                       and not execution.max_pages)
         self.guard = TimestampGuard()
         self.events = 0
         self._reported: dict[str, TaskStats] = {}
 
     def process_element(self, value: tuple[str, int, str, Any], ctx: KeyedProcessFunction.Context):
         user, line_no, raw, parsed = value
-        if isinstance(parsed, str):
+        if type(parsed) is str:
             return [(DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw))]
         self._ctx = ctx
-        self.set_key(user)  # the key_by key
+        self.set_key(user)  # the key_by key (ParseLines keys a record by source.user_of)
         try:
-            return self._record(ctx, line_no, raw, parsed)
+            return self._record(ctx, line_no, raw, user, parsed)
         finally:
             self.commit()
 
-    def _record(self, ctx: Any, line_no: int, raw: str, parsed: Any) -> list[tuple[str, Any]]:
-        last_ts, adapter = self.source_state.value() or (None, None)
+    def _record(self, ctx: Any, line_no: int, raw: str, user: str, parsed: Any) -> list[tuple[str, Any]]:
+        source = self.source
+        last_ts, adapter = self.source_state.value() or _NO_SOURCE_STATE
         if last_ts is None:
             ctx.timer_service().register_event_time_timer(0)  # fires with the final watermark
-        ts = self.source.ts_of(parsed)
-        reason = self.guard.reason(self.source.user_of(parsed), ts, last_ts)
+        ts = source.ts_of(parsed)
+        reason = self.guard.reason(user, ts, last_ts)
         if reason is not None:
-            return [(DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, reason, raw))]
-        adapter, events = self.source.user_events(adapter, parsed)
+            return [(DEAD_LETTER_TABLE, _dead_letter(source.name, line_no, reason, raw))]
+        adapter, events = source.user_events(adapter, parsed)
         self.source_state.update((ts, adapter))
+        if self._block and events and self.function.execution.trie.single_step:
+            self.events += len(events)
+            return self.call_block(ctx, events, round(events[-1].ts * 1000), user)
         return self._run(ctx, events)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
@@ -198,10 +207,7 @@ class UserTasks(FlinkKeyed):
         return out
 
     def _run(self, ctx: Any, events: list) -> list[tuple[str, Any]]:
-        execution = self.function.execution
-        if (self._block and not self.emit_events and execution.trie.single_step and not execution.max_events
-                and not execution.max_pages and events):
-            # what on_event does per event, in one loop over the open page (TriggerTasks.on_block, as on the device)
+        if self._block and events and self.function.execution.trie.single_step:
             self.events += len(events)
             return self.call_block(ctx, events, round(events[-1].ts * 1000), events[-1].user_id)
         out: list[tuple[str, Any]] = []
