@@ -73,6 +73,8 @@ DEFAULT_STATE_TTL_DAYS = 30
 _EVENTS = OutputTag("events", Types.PICKLED_BYTE_ARRAY())  # accepted app events, for stream tasks
 _PICKLED = Types.PICKLED_BYTE_ARRAY()
 _NO_SOURCE_STATE = (None, None)
+#: Longest run of one user's lines ParseLines hands on as one record.
+MAX_RUN_LINES = 512
 #: Pseudo-table of a user's counts (events, fired, rows, errors per task), sent when the user's input ends.
 _STATS = "__stats__"
 
@@ -116,26 +118,53 @@ def flink_environment(cluster: str | None = None, parallelism: int = 1,
 
 
 class ParseLines(ProcessFunction):
-    """Numbers the lines and parses each; rejects go to the side output as dead-letter rows."""
+    """Numbers the lines, parses each and hands them on in runs: ``(key, [(line number, line, parsed), ...])``,
+    consecutive lines of one user (rejects: key ``""``, passed through as dead letters, so that nothing
+    needs a union). Blank lines are not records (as on the device).
 
-    def __init__(self, source: LineSource, pace_s: float = 0.0):
+    A run ends when the key changes, at ``max_run`` lines, and at line ``last_line``, the input's last
+    (known when a file is read once: :func:`_line_count`); without ``last_line`` every line is a run of
+    its own, since nothing would tell that the input ended. A run crosses into the keyed operator as one
+    record (one conversion, one state write per run, not per line); ``UserTasks`` still takes its lines
+    one by one, in order, so the rows are the same.
+    """
+
+    def __init__(self, source: LineSource, pace_s: float = 0.0, last_line: int | None = None,
+                 max_run: int = MAX_RUN_LINES):
         self.source = source
         self.pace_s = pace_s
+        self.last_line = last_line
+        self.max_run = max_run
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self.line_no = 0
+        self._key: str | None = None
+        self._run: list[tuple[int, str, Any]] = []
 
-    def process_element(self, line: str, ctx: ProcessFunction.Context):
-        self.line_no += 1
-        if not line.strip():
-            return  # blank lines are not records (as on the device)
+    def process_element(self, line: str, ctx: ProcessFunction.Context) -> list[tuple[str, list[Any]]]:
+        self.line_no = line_no = self.line_no + 1
+        out: list[tuple[str, list[Any]]] = []
+        run = self._run
         if self.pace_s:
             time.sleep(self.pace_s)  # paced replay: see run_flink(pace_ms=...)
         parsed = self.source.parse(line)
-        if isinstance(parsed, str):  # keyed by "" and passed through, so that nothing needs a union
-            yield "", self.line_no, line, parsed
-        else:
-            yield self.source.user_of(parsed), self.line_no, line, parsed
+        if type(parsed) is not str or line.strip():  # a blank line is nothing, but may end the input
+            key = "" if type(parsed) is str else self.source.user_of(parsed)
+            if run and (key != self._key or len(run) >= self.max_run):
+                out.append((self._key, run))
+                run = self._run = []
+            self._key = key
+            run.append((line_no, line, parsed))
+        if run and (self.last_line is None or line_no >= self.last_line):
+            out.append((self._key, run))
+            self._run = []
+        return out
+
+    def close(self) -> None:
+        if self._run:  # the input had fewer lines than counted (changed while read): say so, drop nothing silently
+            raise RuntimeError(f"{self.source.name}: {len(self._run)} lines from line {self._run[0][0]} on were "
+                               f"still held at the end of the input ({self.line_no} lines read, "
+                               f"{self.last_line} counted before the run): was the file changed while read?")
 
 
 class UserTasks(FlinkKeyed):
@@ -165,16 +194,20 @@ class UserTasks(FlinkKeyed):
         self.events = 0
         self._reported: dict[str, TaskStats] = {}
 
-    def process_element(self, value: tuple[str, int, str, Any], ctx: KeyedProcessFunction.Context):
-        user, line_no, raw, parsed = value
-        if type(parsed) is str:
-            return [(DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw))]
+    def process_element(self, value: tuple[str, list[tuple[int, str, Any]]], ctx: KeyedProcessFunction.Context):
+        user, lines = value  # a run of one user's lines (see ParseLines), each as a record of its own
+        out: list[tuple[str, Any]] = []
         self._ctx = ctx
         self.set_key(user)  # the key_by key (ParseLines keys a record by source.user_of)
         try:
-            return self._record(ctx, line_no, raw, user, parsed)
+            for line_no, raw, parsed in lines:
+                if type(parsed) is str:
+                    out.append((DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw)))
+                else:
+                    out += self._record(ctx, line_no, raw, user, parsed)
         finally:
-            self.commit()
+            self.commit()  # one state write for the run: no checkpoint falls inside a call
+        return out
 
     def _record(self, ctx: Any, line_no: int, raw: str, user: str, parsed: Any) -> list[tuple[str, Any]]:
         source = self.source
@@ -455,7 +488,10 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
         env.get_config().set_auto_watermark_interval(max(1, int(pace_ms / 10)))
         env.set_buffer_timeout(1)
     lines = _event_lines(env, events)
-    parsed = lines.process(ParseLines(source, pace_ms / 1000), output_type=_PICKLED).set_parallelism(1)
+    # Runs of lines need the input's end: a file read once from its start, unpaced (pacing is per line).
+    once = kafka_topic(events) is None and restore_from is None and checkpoint_dir is None and not pace_ms
+    parse = ParseLines(source, pace_ms / 1000, last_line=_line_count(events) if once else None)
+    parsed = lines.process(parse, output_type=_PICKLED).set_parallelism(1)
     outputs = per_user = (parsed.key_by(lambda value: value[0], key_type=Types.STRING())
                           .process(UserTasks(job, source, state_ttl_days), output_type=_PICKLED))
     for task in job.stream_tasks:
@@ -489,6 +525,26 @@ def _event_lines(env: StreamExecutionEnvironment, events: str | os.PathLike[str]
     return env.from_source(
         FileSource.for_record_stream_format(StreamFormat.text_line_format(), str(Path(events).resolve())).build(),
         WatermarkStrategy.no_watermarks(), "events").set_parallelism(1)
+
+
+def _line_count(path: str | os.PathLike[str]) -> int | None:
+    """How many lines Flink's file source gives for ``path``, read as its text line format reads them
+    (``BufferedReader.readLine`` over UTF-8: ``\\n``, ``\\r\\n`` and a lone ``\\r`` end a line), or ``None``
+    when it cannot be told here (a file the source decompresses, a file this process cannot read)."""
+    jvm = get_gateway().jvm
+    name = str(Path(path).resolve())
+    try:
+        if jvm.org.apache.flink.connector.file.src.compression.StandardDeCompressors \
+                .getDecompressorForFileName(name) is not None:
+            return None
+        io = jvm.java.io
+        reader = io.BufferedReader(io.InputStreamReader(io.FileInputStream(name), "UTF-8"))
+        try:
+            return int(reader.lines().count())
+        finally:
+            reader.close()
+    except Exception:  # noqa: BLE001 - py4j errors; lines then go one per record, nothing is lost
+        return None
 
 
 def _summary(job: Job, db_path: Path, report_path: Path, elapsed_s: float) -> RunSummary:
