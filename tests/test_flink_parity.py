@@ -125,3 +125,15 @@ def test_session_count_and_process_tasks_give_the_same_rows_on_both_runners():
     rows = assert_same_on_runners(load_job(ROOT / "jobs" / "sessions.py"), ACTIVITY, pace_ms=150)
     for name in ("sessions", "every_3_items", "cart_abandoned", "late_events"):
         assert rows[name], name  # the input exercises every task
+
+
+def test_line_ends_blank_lines_and_a_last_line_without_newline_read_alike(tmp_path):
+    """The Flink runner hands a user's consecutive lines on in runs, and ends the last run at the line
+    count it takes before the job (as Flink's text line format reads: CRLF, a lone CR, blank lines, no
+    final newline): miscounted, a run would be held back (the job fails) or rows would differ here."""
+    lines = SAMPLE.read_text(encoding="utf-8").splitlines()[:400]
+    body = "\r\n".join(lines[:150]) + "\r" + "\n".join(lines[150:300]) + "\n\n\n" + "\n".join(lines[300:])
+    events = tmp_path / "line_ends.csv"
+    events.write_bytes(body.encode("utf-8"))  # no newline after the last line
+    rows = assert_same_on_runners(load_job(ROOT / "jobs" / "ipv.py"), events)
+    assert len(rows["ipv"]) == 400 and "dead_letter" not in rows
