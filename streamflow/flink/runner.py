@@ -77,6 +77,8 @@ _NO_SOURCE_STATE = (None, None)
 MAX_RUN_LINES = 512
 #: Pseudo-table of a user's counts (events, fired, rows, errors per task), sent when the user's input ends.
 _STATS = "__stats__"
+#: Pseudo-table of a list of ``(table, row)``: the rows of one call of UserTasks.
+_ROWS = "__rows__"
 
 
 def flink_environment(cluster: str | None = None, parallelism: int = 1,
@@ -195,35 +197,45 @@ class UserTasks(FlinkKeyed):
         self._reported: dict[str, TaskStats] = {}
 
     def process_element(self, value: tuple[str, list[tuple[int, str, Any]]], ctx: KeyedProcessFunction.Context):
-        user, lines = value  # a run of one user's lines (see ParseLines), each as a record of its own
+        user, lines = value  # a run of one user's lines (see ParseLines)
         out: list[tuple[str, Any]] = []
         self._ctx = ctx
         self.set_key(user)  # the key_by key (ParseLines keys a record by source.user_of)
         try:
-            for line_no, raw, parsed in lines:
-                if type(parsed) is str:
-                    out.append((DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw)))
-                else:
-                    out += self._record(ctx, line_no, raw, user, parsed)
+            events = self._events(ctx, user, lines, out)
+            if events:
+                out += self._run(ctx, events)
         finally:
             self.commit()  # one state write for the run: no checkpoint falls inside a call
-        return out
+        # One record for the run's rows; events for stream tasks go to their side output one by one.
+        return out if self.emit_events or len(out) < 2 else [(_ROWS, out)]
 
-    def _record(self, ctx: Any, line_no: int, raw: str, user: str, parsed: Any) -> list[tuple[str, Any]]:
-        source = self.source
+    def _events(self, ctx: Any, user: str, lines: list[tuple[int, str, Any]], out: list[tuple[str, Any]]) -> list:
+        """The app events of a run's lines in order, each line through the timestamp check and the format's
+        adapter as on the device; a rejected line's dead-letter row goes to ``out``. The tasks then take the
+        events as they would line by line: they depend on nothing but the events and their own state."""
+        source, guard = self.source, self.guard
         last_ts, adapter = self.source_state.value() or _NO_SOURCE_STATE
         if last_ts is None:
             ctx.timer_service().register_event_time_timer(0)  # fires with the final watermark
-        ts = source.ts_of(parsed)
-        reason = self.guard.reason(user, ts, last_ts)
-        if reason is not None:
-            return [(DEAD_LETTER_TABLE, _dead_letter(source.name, line_no, reason, raw))]
-        adapter, events = source.user_events(adapter, parsed)
-        self.source_state.update((ts, adapter))
-        if self._block and events and self.function.execution.trie.single_step:
-            self.events += len(events)
-            return self.call_block(ctx, events, round(events[-1].ts * 1000), user)
-        return self._run(ctx, events)
+        events: list = []
+        accepted = False
+        for line_no, raw, parsed in lines:
+            if type(parsed) is str:
+                out.append((DEAD_LETTER_TABLE, _dead_letter(source.name, line_no, parsed, raw)))
+                continue
+            ts = source.ts_of(parsed)
+            if not guard.min_ts <= ts <= guard.max_ts or (last_ts is not None and ts < last_ts):
+                reason = guard.reason(user, ts, last_ts)  # the bound may only need the clock read again
+                if reason is not None:
+                    out.append((DEAD_LETTER_TABLE, _dead_letter(source.name, line_no, reason, raw)))
+                    continue
+            adapter, produced = source.user_events(adapter, parsed)
+            events += produced
+            last_ts, accepted = ts, True
+        if accepted:
+            self.source_state.update((last_ts, adapter))
+        return events
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
         self._ctx = ctx
@@ -395,23 +407,37 @@ class StorageWriter(ProcessFunction):
         self.rejected: Counter[str] = Counter()
         self.tasks: dict[str, dict[str, Any]] = {}
 
-    def process_element(self, value: tuple[str, dict[str, Any]], ctx: ProcessFunction.Context):
+    def process_element(self, value: tuple[str, Any], ctx: ProcessFunction.Context):
         table, row = value
-        if table == _STATS:
+        if table == _ROWS:  # a run's rows (UserTasks): stored a table at a time, each table's rows in order
+            by_table: dict[str, list[dict[str, Any]]] = {}
+            for name, one in row:
+                rows = by_table.get(name)
+                if rows is None:
+                    by_table[name] = [one]
+                else:
+                    rows.append(one)
+            for name, rows in by_table.items():
+                self._write(name, rows)
+        elif table == _STATS:
             self.events += row["events"]
             for name, counts in row["tasks"].items():
                 totals = self.tasks.setdefault(name, {"fired": 0, "rows": 0, "errors": 0})
                 for what, n in counts.items():
                     totals[what] += n
         else:
-            if table == DEAD_LETTER_TABLE:
-                self.rejected[row["reason"].split(":", 1)[0]] += 1
-            elif table in self.stream_sinks:  # a stream task's window fired
-                stats = self.tasks.setdefault(self.stream_sinks[table], {"fired": 0, "rows": 0, "errors": 0})
-                stats["fired"] += 1
-                stats["rows"] += 1
-            self.storage.write(table, [row])
+            self._write(table, [row])
         return []
+
+    def _write(self, table: str, rows: list[dict[str, Any]]) -> None:
+        if table == DEAD_LETTER_TABLE:
+            for row in rows:
+                self.rejected[row["reason"].split(":", 1)[0]] += 1
+        elif table in self.stream_sinks:  # a stream task's window fired
+            stats = self.tasks.setdefault(self.stream_sinks[table], {"fired": 0, "rows": 0, "errors": 0})
+            stats["fired"] += len(rows)
+            stats["rows"] += len(rows)
+        self.storage.write(table, rows)
 
     def close(self) -> None:
         self.storage.close()
