@@ -5,12 +5,14 @@ runner calls)::
 
     events file ─ FileSource (text lines), or kafka://TOPIC ─ KafkaSource (one line per record value)
       ─ ParseLines        parallelism 1, chained to the source: numbers the lines as the device
-                          runner does; the format's stateless ``parse``
+                          runner does; the format's stateless ``parse``; a user's consecutive lines go
+                          on as one run (one record) when the input's last line is known
       ─ key_by(user)      (malformed lines under the key "", passed through as dead letters)
-      ─ UserTasks         KeyedProcessFunction: the format's per-user adapter, the timestamp check and
-                          TaskExecution (trie + task pipelines from ``operators/``), the user's state in
-                          Flink keyed state with TTL; an event-time timer fires at the end of the input
-                          (the final watermark) to emit what is still owed (the last page exits)
+      ─ UserTasks         KeyedProcessFunction: per line the timestamp check and the format's per-user
+                          adapter, then TaskExecution (trie + task pipelines from ``operators/``) over the
+                          run's events, the user's state in Flink keyed state (one write per run); an
+                          event-time timer fires at the end of the input (the final watermark) to emit
+                          what is still owed (the last page exits)
       ─ StorageWriter     parallelism 1: CollectiveStorage, the device runner's DuckDB schema
       ─ discarding sink
 
