@@ -203,6 +203,24 @@ class MapHandle(_Handle):
 _HANDLES = {"value": ValueHandle, "list": ListHandle, "map": MapHandle}
 
 
+def rows_by_output(outputs: Iterable[Output]) -> dict[str, list[dict[str, Any]]]:
+    """``(output tag, row)`` pairs grouped by tag, each tag's rows in their order (a runner stores them a
+    table at a time).
+
+    Example:
+        >>> rows_by_output([("ipv", {"n": 1}), ("task_errors", {"e": "x"}), ("ipv", {"n": 2})])
+        {'ipv': [{'n': 1}, {'n': 2}], 'task_errors': [{'e': 'x'}]}
+    """
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for tag, row in outputs:
+        rows = grouped.get(tag)
+        if rows is None:
+            grouped[tag] = [row]
+        else:
+            rows.append(row)
+    return grouped
+
+
 class KeyedRuntime:
     """Runs one :class:`~operators.process.KeyedProcessFunction` over a keyed stream, in memory.
 

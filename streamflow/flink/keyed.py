@@ -349,25 +349,12 @@ class _ListSlot(_ValueSlot):
         self.packed.set(self.index, list(values) or None)
 
 
-class _PackedValue:
+class _PackedValue(_ValueSlot):
     """A value state without TTL kept in a slot of :class:`_Packed`: each call is a list access, nothing is
     tracked per call (the packed record is written once, at :meth:`FlinkKeyed.commit`)."""
 
-    __slots__ = ("packed", "index")
+    __slots__ = ()
     ttl = None
-
-    def __init__(self, packed: _Packed):
-        self.packed = packed
-        self.index = packed.slot()
-
-    def value(self) -> Any:
-        return self.packed.slots()[self.index]
-
-    def update(self, value: Any) -> None:
-        self.packed.set(self.index, value)
-
-    def clear(self) -> None:
-        self.packed.set(self.index, None)
 
 
 class _PackedList(_PackedValue):

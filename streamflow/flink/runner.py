@@ -46,6 +46,7 @@ from streamflow.flink.cluster import python_path, remote_environment
 from streamflow.flink.kafka_source import kafka_lines, kafka_topic
 from streamflow.flink.keyed import FlinkKeyed
 from streamflow.job import Job
+from streamflow.keyed import rows_by_output
 from streamflow.settings import settings
 from streamflow.sources import FORMATS, LineSource, open_source
 from streamflow.summary import LATE_EVENTS_TABLE, RunSummary, TaskStats
@@ -412,14 +413,7 @@ class StorageWriter(ProcessFunction):
     def process_element(self, value: tuple[str, Any], ctx: ProcessFunction.Context):
         table, row = value
         if table == _ROWS:  # a run's rows (UserTasks): stored a table at a time, each table's rows in order
-            by_table: dict[str, list[dict[str, Any]]] = {}
-            for name, one in row:
-                rows = by_table.get(name)
-                if rows is None:
-                    by_table[name] = [one]
-                else:
-                    rows.append(one)
-            for name, rows in by_table.items():
+            for name, rows in rows_by_output(row).items():
                 self._write(name, rows)
         elif table == _STATS:
             self.events += row["events"]

@@ -66,7 +66,7 @@ from streamflow.checkpoint import Checkpoint, CheckpointError, has_checkpoint, j
 from streamflow.events import Event, Rejected, TimestampGuard
 from streamflow.execution import TaskExecution, TriggerTasks, task_error_row
 from streamflow.job import Job, Task
-from streamflow.keyed import KeyedRuntime
+from streamflow.keyed import KeyedRuntime, rows_by_output
 from streamflow.sources import LineSource, SourcePosition, SourceReader
 from streamflow.summary import TASK_ERRORS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamTaskRun
@@ -429,14 +429,7 @@ class DeviceRunner:
         self.summary.events_in += len(events)
         outputs = self.triggers.process_block(events, _user_of, _ts_of)
         if outputs:
-            tables: dict[str, list[dict[str, Any]]] = {}
-            for table, row in outputs:
-                rows = tables.get(table)
-                if rows is None:
-                    tables[table] = [row]
-                else:
-                    rows.append(row)
-            for table, rows in tables.items():
+            for table, rows in rows_by_output(outputs).items():
                 self._write(table, rows)
             if self.latencies_s is not None:
                 self.latencies_s.extend([time.perf_counter() - self._block_started] * len(outputs))
