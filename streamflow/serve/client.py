@@ -180,7 +180,7 @@ class ServeClient:
             try:
                 self._network = Child("streamflow.serve.network", self._on_network).start(
                     {"device": self.device, "key": self.key, "bootstrap": bootstrap_servers(self.bootstrap),
-                     "image_format": self.image_format})
+                     "image_format": self.image_format, "local_accuracy": self._accuracy[self.local_model]})
             except Exception:
                 self._device.close()
                 raise
