@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
             "rule": args.rule,
             "settings_run": list(per_setting),
             "local_model": client.local_model,
-            "static_model": max(zoo.models, key=lambda m: m.input_size).name,
+            "static_model": zoo.largest().name,
             "zoo_accuracy": {m.name: m.accuracy for m in zoo.models},
             "zoo_eval_size": zoo.meta.get("eval_size"),
             "cloud_less_accurate_replies": client.counts.get("cloud_less_accurate", 0),

@@ -124,8 +124,9 @@ class Server:
 
     @property
     def largest(self) -> str:
-        """The static baseline's model: the largest input (most compute); among equals, the most accurate."""
-        return max(self.models, key=lambda m: (m.input_size, m.accuracy)).name
+        """The static baseline's model: the most work per image (:attr:`ZooModel.compute`: input pixels ×
+        rotations); among equals, the most accurate."""
+        return max(self.models, key=lambda m: (m.compute, m.accuracy)).name
 
     def choose(self, request: Request, profiles: dict[str, Profile], queued_ms: float = 0.0) -> Choice:
         """The policy's choice for ``request``, which has waited ``queued_ms`` in this worker already."""
