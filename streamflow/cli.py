@@ -215,7 +215,7 @@ def serve_command(
     models: Annotated[str | None, typer.Option(help="comma-separated zoo models to serve (default: "
                                                     "$STREAMFLOW_SERVE_MODELS, else every model of the zoo)")] = None,
     temperature: Annotated[float | None, typer.Option(help="softmax temperature over accuracies (default: "
-                                                           "$STREAMFLOW_SERVE_TEMPERATURE or 0.005)")] = None,
+                                                           "$STREAMFLOW_SERVE_TEMPERATURE or 0.002)")] = None,
     alpha: Annotated[float | None, typer.Option(help="EWMA weight of a new latency sample (default: "
                                                      "$STREAMFLOW_SERVE_ALPHA or 0.2)")] = None,
     explore: Annotated[float, typer.Option(help="probability of running a model that does not fit the budget, "

@@ -75,7 +75,7 @@ class ServeConfig:
     app_id: str = "streamflow-serve"
     zoo_path: Path | None = None
     models: tuple[str, ...] | None = None  # None: every model of the zoo
-    temperature: float = 0.005
+    temperature: float = 0.002
     alpha: float = 0.2
     explore: float = 0.02
     rule: str = "expected"  # MDInference's model-choice rule: "expected" or "paper" (streamflow.serve.policy)

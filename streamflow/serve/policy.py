@@ -176,12 +176,13 @@ class MDInference:
     uses ``unknown_network_cv`` (the network estimate's spread as a share of it, when a request carries no
     measured spread) and ``min_on_time`` (below this chance of arriving in time the worker runs no model).
 
-    The default temperature suits the zoo, whose best models are within a point or two of each other: a
-    model one point less accurate than the best candidate gets ``e^-2`` ≈ 0.14 of its weight (at 0.02 it got
-    0.6, and on this machine MDInference then answered less accurately than always running the largest
-    model at generous SLAs, measured by ``bench.serve``)."""
+    The default temperature suits the zoo, whose best models are within half a point of each other: a model
+    0.3 points less accurate than the best gets ``e^-1.5`` ≈ 0.22 of its weight, one a point less ``e^-5``
+    (at 0.02, and on this machine at 0.005 with the rotated models, MDInference spread its answers over the
+    near-best models and answered less accurately than always running the largest model at generous SLAs,
+    measured by ``bench.serve``)."""
 
-    temperature: float = 0.005
+    temperature: float = 0.002
     alpha: float = 0.2
     explore: float = 0.02
     clip_sigmas: float | None = 3.0
