@@ -204,9 +204,11 @@ def tunnel_consume(
     = None,
     parallelism: Annotated[int, typer.Option(help="flink: readers and decoders")] = 1,
     key_registry: KeyRegistryOption = None,
+    online_lag_ms: Annotated[float, typer.Option(min=0, help="python: the online tables follow the offline ones "
+                             "within about this; 0 upserts them in the transaction that stores the rows")] = 100.0,
 ) -> int:
     return tunnel_commands.consume(db, topic, group, online_key, idle_timeout, runner, cluster, parallelism,
-                                   key_registry)
+                                   key_registry, online_lag_ms / 1000)
 
 
 @app.command("serve", help="the serving worker (faust-streaming): answer serve.requests with a zoo model chosen "

@@ -110,7 +110,7 @@ def keys(action: str, device: str | None, key_registry: str | None) -> int:
 
 
 def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: float | None, runner: str,
-            cluster: str | None, parallelism: int, key_registry: str | None) -> int:
+            cluster: str | None, parallelism: int, key_registry: str | None, online_lag_s: float = 0.1) -> int:
     """``streamflow tunnel consume``: the features topic into a cloud DuckDB."""
     columns = [c for c in online_key.split(",") if c]
     if runner == "flink":
@@ -121,7 +121,8 @@ def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: floa
     if not registry.devices():
         print(f"streamflow: warning: the key registry {registry.path} is empty; every batch will be dead-lettered",
               file=sys.stderr)
-    consumer = CloudConsumer(Path(db), registry, topic=topic, group_id=group, online_key=columns)
+    consumer = CloudConsumer(Path(db), registry, topic=topic, group_id=group, online_key=columns,
+                             online_lag_s=online_lag_s)
     print(f"consuming {topic} from {bootstrap_servers()} into {db} (group {group})", file=sys.stderr)
     try:
         stats = consumer.run(idle_timeout_s=idle_timeout, retry_for_s=settings().consumer_retry_s)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import stat
+import time
 import uuid
 from pathlib import Path
 
@@ -173,6 +175,67 @@ def test_online_table_keeps_the_newest_row_per_key_whatever_the_arrival_order(tm
         assert store.query("SELECT user_id, item_id, n_buy FROM ipv_online ORDER BY user_id") == [
             ("u1", 99, None), ("u2", 5, 1)]
         assert store.query("SELECT count(*), count(n_buy) FROM ipv") == [(5, 1)]
+
+
+def _mixed_batches() -> list[Batch]:
+    """Two devices, out-of-order and gap-filling sequence numbers, a column that comes and goes, NULL keys."""
+    rng = random.Random(7)
+    batches, next_seq = [], {"phone-1": 0, "phone-2": 0}
+    for i in range(60):
+        device = rng.choice(sorted(next_seq))
+        n = rng.randint(1, 4)
+        columns = {"user_id": [rng.choice(["u1", "u2", "u3", None]) for _ in range(n)],
+                   "item_id": [rng.randint(0, 99) for _ in range(n)]}
+        if i % 3 == 0:
+            columns["n_buy"] = [rng.randint(0, 3) for _ in range(n)]
+        batches.append(Batch(device, "ipv", next_seq[device] + 100, pa.table(columns)))  # seq 100.. first
+        next_seq[device] += n
+    batches += [Batch(d, "ipv", 0, pa.table({"user_id": ["u1", "u2"], "item_id": [1, 2]})) for d in next_seq]
+    return batches
+
+
+ONLINE = "SELECT device_id, user_id, seq, item_id, n_buy FROM ipv_online ORDER BY ALL"
+
+
+def test_a_deferred_online_upsert_gives_the_online_table_an_upsert_per_transaction_gives(tmp_path):
+    batches = _mixed_batches()
+    with CloudStore(tmp_path / "now.duckdb") as now, CloudStore(tmp_path / "later.duckdb", online_lag_s=3600) as later:
+        for i in range(0, len(batches), 3):
+            now.apply(batches[i:i + 3])
+            later.apply(batches[i:i + 3])
+            if i == 30:
+                later.flush_online()  # one deferred upsert half-way, the rest at the query
+        assert later._con.execute(ONLINE).fetchall() != now.query(ONLINE)  # still deferred
+        assert later.query(ONLINE) == now.query(ONLINE) and len(now.query(ONLINE)) == 6
+        assert later.query("SELECT * EXCLUDE (ingested_at) FROM ipv ORDER BY ALL") == \
+            now.query("SELECT * EXCLUDE (ingested_at) FROM ipv ORDER BY ALL")
+
+
+def test_a_deferred_online_upsert_runs_once_its_lag_passed(tmp_path):
+    with CloudStore(tmp_path / "c.duckdb", online_lag_s=0.2) as store:
+        store.apply([Batch("phone-1", "ipv", 0, ROWS)])
+        store.flush_online(due_only=True)
+        tables = {t for (t,) in store._con.execute("SHOW TABLES").fetchall()}
+        assert "ipv" in tables and "ipv_online" not in tables  # created by the first upsert
+        time.sleep(0.25)
+        store.flush_online(due_only=True)
+        assert store._con.execute("SELECT count(*) FROM ipv_online").fetchone() == (2,)
+
+
+@pytest.mark.parametrize("flushed_once", [False, True])
+def test_rows_a_crash_kept_from_the_online_table_are_upserted_when_the_store_opens_again(tmp_path, flushed_once):
+    batches = _mixed_batches()
+    with CloudStore(tmp_path / "reference.duckdb") as reference:
+        reference.apply(batches)
+        expected = reference.query(ONLINE)
+    store = CloudStore(tmp_path / "c.duckdb", online_lag_s=3600)
+    store.apply(batches[:20])
+    if flushed_once:
+        store.flush_online()
+    store.apply(batches[20:])
+    store._con.close()  # the process dies: the deferred upsert never runs
+    with CloudStore(tmp_path / "c.duckdb") as reopened:
+        assert reopened._con.execute(ONLINE).fetchall() == expected
 
 
 def test_dead_letters_and_offsets_are_stored_with_the_rows(tmp_path):
