@@ -9,8 +9,9 @@ the zoo's evaluation set (a held-out seed, not the pages the zoo's accuracy was 
 Settings: SLA 100 / 150 / 250 ms × delay CV 0 / 50 / 100 % (mean one-way delay ``--delay-ms``, 15 ms), then one run
 (SLA 150, CV 50 %) with a broker outage of ``--outage-s`` (10 s; the shim drops every connection of the device and
 refuses new ones). In every setting the three policies take turns request by request, so they see the same
-network, load and worker: ``mdinference`` (the cloud picks the model), ``largest`` (the cloud always runs the
-largest model; the device still races its local model: the static cloud baseline), ``local`` (the device's
+network, load and worker: ``mdinference`` (the cloud picks the model by ``--rule``: ``expected``, the worker's
+default, or ``paper``), ``largest`` (the cloud always runs the largest model, the most work per image, whatever
+the budget; the device still races its local model: the static cloud baseline), ``local`` (the device's
 fastest model only). Requests leave every ``--interval-ms`` on a fixed schedule; the first few of each setting (2 %,
 at least 6) are a warm-up after the network changed and are not counted.
 
