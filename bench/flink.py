@@ -12,7 +12,9 @@ Measured in one process, on the local PyFlink MiniCluster (parallelism 1, ``thre
 - ``jvm_startup_s``: the first :func:`flink_environment` call, which launches the JVM (py4j gateway);
   every later Flink run in the process reuses that JVM;
 - ``streamflow_events_per_s``: :func:`run_flink` on the IPV job file, timed over ``env.execute()``
-  (the MiniCluster start, the job, the DuckDB sink's close), not the JVM start;
+  (the MiniCluster start, the job, the DuckDB sink's close), not the JVM start; ``run_flink``'s count
+  of the file's lines before ``execute()`` (so that ``ParseLines`` can hand a user's consecutive lines
+  on as one run) is in ``streamflow_run_flink_wall_s``, with the building of the job;
 - ``handwritten_events_per_s``: what a PyFlink user would write by hand for the same features —
   FileSource text lines, a plain Python parse, ``key_by(user)``, a KeyedProcessFunction whose
   ValueState holds only the open item page, emitting the IPV row on exit, an end-of-input event-time

@@ -7,6 +7,7 @@ file); the graph never copies them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,8 +30,8 @@ class TensorInfo:
     dtype: np.dtype = np.dtype(np.float32)
 
     def nbytes_for(self, batch: int = 1) -> int:
-        dims = [batch if d is None else d for d in self.shape]
-        return int(np.prod(dims, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        dims = [batch if d is None else int(d) for d in self.shape]
+        return math.prod(dims) * np.dtype(self.dtype).itemsize  # math.prod: ~10x numpy's on a short tuple
 
 
 @dataclass

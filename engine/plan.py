@@ -74,6 +74,7 @@ class ExecutionPlan:
     aliases: dict[str, str]  # tensor -> tensor whose storage it views
     arena: ArenaPlan
     calibration: Calibration
+    choices: dict[str, str] = field(default_factory=dict)  # node -> kernel, before rasters were merged
 
     def location(self, tensor: str) -> str:
         return self.aliases.get(tensor, tensor)
@@ -116,8 +117,13 @@ def _extra_bytes(params: dict[str, np.ndarray], originals: list[np.ndarray]) -> 
 def compile_plan(graph: Graph, input_shapes: dict[str, tuple[int, ...]], calibration: Calibration,
                  overrides: dict[str, str] | None = None, tune: bool = False,
                  memory_budget: int | None = None, first_run: FirstRunCost | None = None,
-                 transform: bool = True) -> ExecutionPlan:
+                 transform: bool = True, recorded: RecordedPlan | None = None) -> ExecutionPlan:
     """Plan ``graph`` (already optimised) for ``input_shapes``.
+
+    ``recorded`` replays an earlier plan of the same graph, shapes and costs (:func:`record_plan`,
+    e.g. persisted by the cold path): each node gets its recorded kernel without estimating every
+    candidate, and the arena its recorded offsets when the buffers are the same; a kernel that no
+    longer exists or applies raises :class:`GraphError` (plan again without it).
 
     ``first_run`` plans for a single (cold) run: it returns a kernel's extra first-run seconds on a
     node (transforming or reading its weights, loading numba), added to each estimate, so a kernel
@@ -146,6 +152,11 @@ def compile_plan(graph: Graph, input_shapes: dict[str, tuple[int, ...]], calibra
             aliases[node.outputs[0]] = aliases.get(src, src)
             steps.append(StepPlan(ctx, None))
             continue
+        if recorded is not None:
+            kernel = _recorded_kernel(recorded, ctx)
+            estimates = {kernel.name: recorded.expected_s.get(node.name, 0.0)}
+            steps.append(_use(StepPlan(ctx, kernel, estimates, cold=first_run is not None), kernel, transform))
+            continue
         kernels = candidates(ctx)
         if not kernels:
             raise GraphError(f"no kernel for op '{node.op}' at node '{node.name}' with inputs "
@@ -166,12 +177,63 @@ def compile_plan(graph: Graph, input_shapes: dict[str, tuple[int, ...]], calibra
         step = StepPlan(ctx, kernel, estimates, forced=bool(forced), tuned=tune and len(kernels) > 1 and not forced,
                         options=kernels, cold=first_run is not None)
         steps.append(_use(step, kernel, transform))
+    choices = {s.node.name: s.kernel.name for s in steps if s.kernel is not None}
     steps = merge_rasters(steps, graph, aliases, calibration)
-    arena = plan_arena(_buffers(graph, steps, consts, aliases, infos))
+    buffers = _buffers(graph, steps, consts, aliases, infos)
+    arena = (recorded.arena_for(buffers) if recorded is not None else None) or plan_arena(buffers)
     if memory_budget is not None:
         arena = _fit_budget(steps, memory_budget, arena, lambda: plan_arena(_buffers(graph, steps, consts, aliases,
                                                                                      infos)))
-    return ExecutionPlan(graph, infos, consts, steps, aliases, arena, calibration)
+        choices.update({s.node.name: s.kernel.name for s in steps if s.budgeted})
+    return ExecutionPlan(graph, infos, consts, steps, aliases, arena, calibration, choices)
+
+
+@dataclass
+class RecordedPlan:
+    """What :func:`compile_plan` decided, as plain data (JSON-able): per node its kernel and expected
+    seconds, and the arena's offsets. Replaying it (``compile_plan(recorded=...)``) skips estimating
+    every candidate kernel and placing every buffer."""
+
+    kernels: dict[str, str]  # node name -> kernel name
+    expected_s: dict[str, float]
+    offsets: dict[str, int]
+    sizes: dict[str, int]  # buffer name -> bytes, to check the arena still fits the buffers
+    arena_size: int
+    live_peak: int
+
+    def as_dict(self) -> dict:
+        return {"kernels": self.kernels, "expected_s": self.expected_s, "offsets": self.offsets,
+                "sizes": self.sizes, "arena_size": self.arena_size, "live_peak": self.live_peak}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RecordedPlan:
+        return cls(**{k: d[k] for k in ("kernels", "expected_s", "offsets", "sizes", "arena_size", "live_peak")})
+
+    def arena_for(self, buffers: list[Buffer]) -> ArenaPlan | None:
+        """The recorded arena if ``buffers`` are the recorded ones (names and sizes), else None."""
+        if len(buffers) != len(self.sizes) or any(self.sizes.get(b.name) != b.size for b in buffers):
+            return None
+        return ArenaPlan(dict(self.offsets), {b.name: b for b in buffers}, self.arena_size,
+                         sum(b.size for b in buffers), self.live_peak)
+
+
+def record_plan(plan: ExecutionPlan) -> RecordedPlan:
+    """The decisions of ``plan`` as a :class:`RecordedPlan` (the kernel of every node, before raster
+    steps were merged: a replay merges them again, the same way)."""
+    a = plan.arena
+    return RecordedPlan(dict(plan.choices), {s.node.name: s.expected_s for s in plan.steps if s.kernel is not None},
+                        dict(a.offsets), {n: b.size for n, b in a.buffers.items()}, a.size, a.live_peak)
+
+
+def _recorded_kernel(recorded: RecordedPlan, ctx: NodeCtx) -> Kernel:
+    name = recorded.kernels.get(ctx.node.name)
+    try:
+        kernel = by_name(name) if name else None
+    except KeyError:
+        kernel = None
+    if kernel is None or ctx.node.op not in kernel.ops or not kernel.applies(ctx):
+        raise GraphError(f"recorded plan: kernel {name!r} does not apply to node '{ctx.node.name}'")
+    return kernel
 
 
 def _use(step: StepPlan, kernel: Kernel, transform: bool = True) -> StepPlan:

@@ -125,3 +125,27 @@ def test_session_count_and_process_tasks_give_the_same_rows_on_both_runners():
     rows = assert_same_on_runners(load_job(ROOT / "jobs" / "sessions.py"), ACTIVITY, pace_ms=150)
     for name in ("sessions", "every_3_items", "cart_abandoned", "late_events"):
         assert rows[name], name  # the input exercises every task
+
+
+def test_line_ends_blank_lines_and_a_last_line_without_newline_read_alike(tmp_path):
+    """The Flink runner hands a user's consecutive lines on in runs, and ends the last run at the line
+    count it takes before the job (as Flink's text line format reads: CRLF, a lone CR, blank lines, no
+    final newline): miscounted, a run would be held back (the job fails) or rows would differ here."""
+    lines = SAMPLE.read_text(encoding="utf-8").splitlines()[:400]
+    body = "\r\n".join(lines[:150]) + "\r" + "\n".join(lines[150:300]) + "\n\n\n" + "\n".join(lines[300:])
+    events = tmp_path / "line_ends.csv"
+    events.write_bytes(body.encode("utf-8"))  # no newline after the last line
+    rows = assert_same_on_runners(load_job(ROOT / "jobs" / "ipv.py"), events)
+    assert len(rows["ipv"]) == 400 and "dead_letter" not in rows
+
+
+def test_a_run_held_back_at_the_end_of_the_input_fails_the_job_loudly(tmp_path, monkeypatch):
+    """Should the file have fewer lines than counted before the job (it changed in between), the last run
+    would be held back: the job fails naming the lines, it does not end with rows missing."""
+    from streamflow.flink import runner
+
+    events = tmp_path / "shrunk.csv"
+    events.write_text("\n".join(SAMPLE.read_text(encoding="utf-8").splitlines()[:50]) + "\n", encoding="utf-8")
+    monkeypatch.setattr(runner, "_line_count", lambda path: 60)
+    with pytest.raises(Exception, match="lines from line .* on were still held at the end of the input"):
+        runner.run_flink(load_job(ROOT / "jobs" / "ipv.py"), events, db=tmp_path / "flink.duckdb")

@@ -60,9 +60,11 @@ def _out_hw(h, w, k, stride, pads, dil):
 
 
 class Conv2d(Function):
-    """y = conv(x, w) + b; ``pads`` is (top, left, bottom, right)."""
+    """y = conv(x, w) + b; ``pads`` is (top, left, bottom, right). Given ``out`` (y computed before,
+    e.g. kept by a streamed training step), only what the backward needs is set up and ``out`` is
+    returned (for a pointwise or depthwise conv that is no work)."""
 
-    def forward(self, x, w, b, stride=(1, 1), pads=(0, 0, 0, 0), dil=(1, 1), group=1):
+    def forward(self, x, w, b, stride=(1, 1), pads=(0, 0, 0, 0), dil=(1, 1), group=1, out=None):
         self.stride, self.pads, self.dil, self.group = tuple(stride), tuple(pads), tuple(dil), group
         n, c, h, wd = x.shape
         cout, _, kh, kw = w.shape
@@ -73,11 +75,18 @@ class Conv2d(Function):
         if self.depthwise and jit is not None:  # fused loops, padding implicit (no padded copy)
             self.x = x
             self.taps = jit.depthwise_taps(wd, self.ow, kw, self.stride[1], self.pads[1], self.dil[1])
+            if out is not None:
+                return out
             phases = np.empty((self.stride[1], h if self.stride[1] > 1 else 1, -(-wd // self.stride[1])), np.float32)
             y = np.empty((n, c, self.oh, self.ow), np.float32)
             w3, b1 = np.ascontiguousarray(w[:, 0]), np.ascontiguousarray(b, dtype=np.float32)
-            jit.depthwise_batch(np.ascontiguousarray(x), w3, b1, y, phases, self.taps, self.stride[0], self.stride[1],
-                                self.pads[0], self.dil[0])
+            xc = np.ascontiguousarray(x)
+            if (kh, kw, self.pads, self.dil) == (3, 3, (1, 1, 1, 1), (1, 1)) and self.stride in ((1, 1), (2, 2)) \
+                    and wd >= 2:  # MobileNet's depthwise convs: fused rows
+                (jit.depthwise3x3_s1 if self.stride == (1, 1) else jit.depthwise3x3_s2)(xc, w3, b1, y)
+                return y
+            jit.depthwise_batch(xc, w3, b1, y, phases, self.taps, self.stride[0], self.stride[1], self.pads[0],
+                                self.dil[0])
             return y
         xp = _pad(x, self.pads)
         self.xp_shape = xp.shape
@@ -92,9 +101,13 @@ class Conv2d(Function):
             cg, og = c // group, cout // group
             # A pointwise conv needs no im2col: its columns are the input itself.
             self.pointwise = (kh, kw, self.stride, group) == (1, 1, (1, 1), 1) and not any(self.pads)
+            if out is not None and not self.needs_grad(1):  # no weight gradient wanted: no columns
+                return out
             self.cols = [x.reshape(n, c, -1)] if self.pointwise else \
                 [np.ascontiguousarray(win[:, g * cg : (g + 1) * cg]).reshape(n, cg * kh * kw, -1)
                  for g in range(group)]
+            if out is not None:
+                return out
             if group == 1:  # one product, written once (no concatenation copy)
                 y = (w.reshape(cout, -1) @ self.cols[0]).reshape(n, cout, self.oh, self.ow)
             else:
@@ -247,52 +260,67 @@ class BatchNorm(Function):
         return dx.astype(np.float32, copy=False), sum_gx, sum_g
 
 
-class BatchStats:
-    """One BatchNorm's whole-batch numbers gathered chunk by chunk, so that a batch run in chunks
-    normalises and back-propagates exactly as the whole batch would.
+def _add_rows(acc: np.ndarray | None, rows: np.ndarray) -> np.ndarray:
+    """``acc + rows[0] + rows[1] + ...`` in float32, row after row: the order in which numpy reduces
+    a whole (N, C, H, W) batch over (0, 2, 3) (each row's per-channel sum, added in row order)."""
+    acc = np.zeros(rows.shape[1], np.float32) if acc is None else acc
+    for row in rows:
+        acc += row
+    return acc
 
-    Forward: :meth:`add` each chunk of the input (Chan's parallel mean/variance, float64), then
-    :meth:`finish`. Backward: while ``collecting``, :class:`BatchNormGiven` adds each chunk's
-    ``sum(g)`` and ``sum(g * xhat)`` (the gradients of beta and gamma); after :meth:`end_collect`
-    every chunk's input gradient uses the batch's sums.
+
+class BatchStats:
+    """One BatchNorm's whole-batch numbers gathered chunk by chunk, so that a batch run in chunks of
+    rows normalises and back-propagates bitwise as :class:`BatchNorm` does on the whole batch: every
+    sum is the same float32 sum, in the same order (numpy reduces a batch over (0, 2, 3) row after
+    row, so each chunk's per-row sums are added to the running ones in row order).
+
+    Forward, two passes over the chunks of the input: :meth:`add` each (the sum, for the mean), then
+    :meth:`add_centred` each (the sum of squares around that mean, as ``BatchNorm`` computes its
+    variance), then :meth:`finish`. Backward: while ``collecting``, :class:`BatchNormGiven` adds each
+    chunk's ``sum(g)`` and ``sum(g * xhat)`` (the gradients of beta and gamma); after
+    :meth:`end_collect` every chunk's input gradient uses the batch's sums.
 
     >>> x = np.arange(16, dtype=np.float32).reshape(4, 1, 2, 2); st = BatchStats()
-    >>> st.add(x[:1]); st.add(x[1:]); mean, var = st.finish(0.0); float(mean[0]), float(var[0])
+    >>> st.add(x[:1]); st.add(x[1:]); st.add_centred(x[:3]); st.add_centred(x[3:])
+    >>> mean, var = st.finish(0.0); float(mean[0]), float(var[0])
     (7.5, 21.25)
     """
 
     def __init__(self) -> None:
         self.count = 0
-        self._mean: np.ndarray | float = 0.0
-        self._m2: np.ndarray | float = 0.0
+        self._sum: np.ndarray | None = None
+        self._squares: np.ndarray | None = None
         self.mean = self.inv = None
         self.sum_g = self.sum_gx = None
         self.collecting = False
 
     def add(self, x: np.ndarray) -> None:
-        n = x.size // x.shape[1]
-        mean = x.mean(axis=(0, 2, 3), dtype=np.float64)
-        d = x - mean.astype(np.float32).reshape(1, -1, 1, 1)
-        m2 = np.einsum("nchw,nchw->c", d, d).astype(np.float64)
-        delta, total = mean - self._mean, self.count + n
-        self._mean = self._mean + delta * (n / total)
-        self._m2 = self._m2 + m2 + delta * delta * (self.count * n / total)
-        self.count = total
+        self._sum = _add_rows(self._sum, x.sum(axis=(2, 3)))
+        self.count += x.size // x.shape[1]
+
+    def add_centred(self, x: np.ndarray) -> None:
+        if self.mean is None:
+            self.mean = (self._sum / self.count).reshape(1, -1, 1, 1)
+        d = x - self.mean
+        self._squares = _add_rows(self._squares, np.einsum("nchw,nchw->nc", d, d))
 
     def finish(self, eps: float) -> tuple[np.ndarray, np.ndarray]:
         """The batch's (mean, biased variance) as float32; sets what :class:`BatchNormGiven` uses."""
-        var = np.asarray(self._m2 / self.count)
-        self.mean = np.asarray(self._mean, np.float32).reshape(1, -1, 1, 1)
+        var = self._squares / self.count
         self.inv = (1 / np.sqrt(var + eps)).astype(np.float32).reshape(1, -1, 1, 1)
-        return self.mean.reshape(-1), var.astype(np.float32)
+        return self.mean.reshape(-1), var
+
+    def collect(self, g: np.ndarray, xhat: np.ndarray) -> None:
+        """Add one chunk's ``sum(g)`` and ``sum(g * xhat)`` (as ``BatchNorm.backward`` sums them)."""
+        self.sum_g = _add_rows(self.sum_g, g.sum(axis=(2, 3)))
+        self.sum_gx = _add_rows(self.sum_gx, np.einsum("nchw,nchw->nc", g, xhat))
 
     def begin_collect(self) -> None:
-        self.collecting, self.sum_g, self.sum_gx = True, 0.0, 0.0
+        self.collecting, self.sum_g, self.sum_gx = True, None, None
 
     def end_collect(self) -> None:
         self.collecting = False
-        self.sum_g = np.asarray(self.sum_g, np.float32)
-        self.sum_gx = np.asarray(self.sum_gx, np.float32)
 
 
 class BatchNormGiven(Function):
@@ -324,14 +352,7 @@ class BatchNormGiven(Function):
         fused = jit is not None and g.ndim == 4 and g.dtype == np.float32
         n, c = g.shape[:2]
         if st.collecting:
-            if fused:  # both sums in one pass, accumulated in float64
-                sums = np.zeros((2, c), np.float64)
-                jit.batchnorm_sums(np.ascontiguousarray(g).reshape(n, c, -1), self.xhat.reshape(n, c, -1),
-                                   sums[0], sums[1])
-                st.sum_g, st.sum_gx = st.sum_g + sums[0], st.sum_gx + sums[1]
-                return None, None, None
-            st.sum_g = st.sum_g + g.sum(axis=(0, 2, 3), dtype=np.float64)
-            st.sum_gx = st.sum_gx + np.einsum("nchw,nchw->c", g, self.xhat).astype(np.float64)
+            st.collect(np.ascontiguousarray(g), self.xhat)
             return None, None, None
         m = st.count  # as BatchNorm.backward, with the whole batch's count and sums
         if fused:
@@ -353,11 +374,12 @@ def warm_streamed_batchnorm() -> None:
     x = np.arange(8, dtype=np.float32).reshape(2, 1, 2, 2)
     st = BatchStats()
     st.add(x)
+    st.add_centred(x)
     st.finish(1e-5)
     for collect in (True, False):
         st.begin_collect()
         if not collect:
-            st.sum_g, st.sum_gx = np.ones(1), np.ones(1)
+            st.sum_g, st.sum_gx = np.ones(1, np.float32), np.ones(1, np.float32)
             st.end_collect()
         out = BatchNormGiven.apply(Tensor(x, requires_grad=True), Tensor(np.ones(1, np.float32)),
                                    Tensor(np.zeros(1, np.float32)), stats=st)

@@ -48,10 +48,16 @@ def cpu_features() -> str:
     return _digest(platform.machine())
 
 
+@functools.cache
 def _build_of(module: str) -> str:
     """Where a library is installed and when: changes with every (re)install, found without
     importing it (importing numba costs half a second; ``importlib.metadata`` scans every dist)."""
-    spec = importlib.util.find_spec(module)
+    if module == "numba":  # looked up once per process, with available()
+        from engine.kernels.accel import numba_spec
+
+        spec = numba_spec()
+    else:
+        spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         return "-"
     return f"{spec.origin}@{os.stat(spec.origin).st_mtime_ns}"
@@ -59,29 +65,44 @@ def _build_of(module: str) -> str:
 
 def _engine_sources() -> list[Path]:
     """Every engine source file, found without listing ``__pycache__`` (numba's cache files fill it)."""
-    found = []
-    for top, dirs, files in os.walk(ENGINE_DIR):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        found += [Path(top) / f for f in sorted(files) if f.endswith(".py")]
-    return found
+    return [Path(p) for p, _ in _source_stats()]
+
+
+def _source_stats() -> list[tuple[str, os.stat_result]]:
+    """(path, stat) of every engine source file, in a fixed order: one directory listing per package
+    and one ``stat`` per file (each system call costs microseconds in a VM: no more than needed)."""
+    found, todo = [], [str(ENGINE_DIR)]
+    while todo:
+        top = todo.pop()
+        with os.scandir(top) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for e in entries:
+            if e.name.endswith(".py") and e.is_file():
+                found.append((e.path, e.stat()))
+            elif e.is_dir() and e.name != "__pycache__":
+                todo.append(e.path)
+    return sorted(found)
+
+
+def _digest_stats(stats: list[tuple[str, os.stat_result]]) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    skip = len(str(ENGINE_DIR)) + 1
+    h.update("".join(f"{p[skip:]}:{st.st_size}:{st.st_mtime_ns}" for p, st in stats).encode())
+    h.update(f"numpy={np.__version__} numba={_build_of('numba')}".encode())
+    return h.hexdigest()
 
 
 def sources_digest(paths: list[Path]) -> str:
     """A digest of these source files (name, size, modification time: any edit or reinstall changes
     it, without reading them) and the numeric libraries the engine runs on."""
-    h = hashlib.blake2b(digest_size=8)
-    for path in paths:
-        st = path.stat()
-        h.update(f"{path.relative_to(ENGINE_DIR)}:{st.st_size}:{st.st_mtime_ns}".encode())
-    h.update(f"numpy={np.__version__} numba={_build_of('numba')}".encode())
-    return h.hexdigest()
+    return _digest_stats([(str(p), os.stat(p)) for p in paths])
 
 
 @functools.cache
 def engine_version() -> str:
     """:func:`sources_digest` of every engine source: a change to a kernel, a pass or the planner
     makes older cached plans and weights stale."""
-    return sources_digest(_engine_sources())
+    return _digest_stats(_source_stats())
 
 
 @functools.cache

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import threading
 from collections.abc import Mapping
@@ -50,18 +51,20 @@ from engine.coldstart.fingerprint import engine_version, machine_key
 from engine.coldstart.pipeline import StepTiming, run_pipelined, run_serial, schedule_table
 from engine.coldstart.store import EntryStore
 from engine.format import graph_from_structure, graph_structure, save_model
-from engine.ir import Graph
+from engine.ir import Graph, GraphError
 from engine.kernels import Kernel, NodeCtx, accel, aot
 from engine.layout import to_nchwc
 from engine.memory.loader import ModelFileError, WeightLoader
 from engine.passes import optimize
-from engine.plan import StepPlan, compile_plan, prepare_step
+from engine.plan import ExecutionPlan, RecordedPlan, StepPlan, compile_plan, prepare_step, record_plan
 from engine.session import BoundPlan, InferenceSession, load_graph
 from engine.tuning import calibrate, calibration_key
 
 HASH_CHUNK = 1 << 20
+PLANS_PER_GRAPH = 8  # recorded cold plans kept per graph (one per input shapes), the latest
 LAZY_OPS = {"Conv", "NchwcConv", "NchwcDepthwiseConv", "Gemm", "MatMul"}  # weights (inputs >= 1) only kernels read
 LAZY_MIN_BYTES = 4096  # smaller weights are read with the header
+HEADER_PREFETCH = 64 << 10  # a graph file's head, asked for alone: one small read, not its first 2 MB
 
 
 def _blake(*parts: str) -> str:
@@ -148,6 +151,8 @@ class ColdSession(InferenceSession):
         self._loader: WeightLoader | None = None
         self._pending: dict[str, np.ndarray] = {}  # big weights not checked (read) yet: name -> mapped view
         self._cold_cache_use: dict[tuple[str, str], bool] = {}  # (node, kernel) -> first run reads the cached copy
+        self._cache_checked: dict[str, bool] = {}  # weight entries the cold plan's costs looked for -> found
+        self.plan_source: str | None = None  # the first run's plan: "recorded" (from the cache) or "planned"
         self._blocked = accel.available() and not kernels  # forced kernels are NCHW kernels
         self._layout = "nchwc" if self._blocked else "nchw"
         # a model file seen before links to its cached graph: the digest is in the graph's name, and the
@@ -157,7 +162,9 @@ class ColdSession(InferenceSession):
         linked_digest = self._digest_in(linked)
         self.store.prefetch(*aot.files(self.store.root), self.store.path(calibration_key()),
                             *([] if isinstance(model, Graph) or linked_digest else [self.store.path(stamp_key(model))]),
-                            *([linked] if linked_digest else []))
+                            *([self.store.path(self._plan_key(linked_digest))] if linked_digest else []),
+                            # the graph last (its first 8 MB would queue before the rest), its header first
+                            *([(linked, HEADER_PREFETCH), linked] if linked_digest else []))
         self.model_digest = (graph_digest(model) if isinstance(model, Graph)
                              else linked_digest or file_digest(model, self.store))
         graph = self._optimized_graph(model)
@@ -259,7 +266,10 @@ class ColdSession(InferenceSession):
         """A kernel's first-run cost (:meth:`Calibration.first_run_choice`); remembers, per node and
         kernel, whether the first run reads the cached transformed weights or transforms the originals."""
         tb = kernel.transform_bytes(ctx)
-        cached = tb > 0 and self.store.path(self._weights_key(ctx, kernel)).exists()
+        cached = False
+        if tb > 0:
+            key = self._weights_key(ctx, kernel)
+            cached = self._cache_checked[key] = self.store.path(key).exists()
         on_disk = sum(int(np.asarray(ctx.consts[t]).nbytes) for t in ctx.node.inputs if t in self._pending)
         # the mapped graph file is read ahead whole: a layer's originals are read even if it uses a cached copy
         extra, use_cache = self.calibration.first_run_choice(kernel, on_disk, tb, cached, accel.loaded() is not None,
@@ -329,8 +339,7 @@ class ColdSession(InferenceSession):
     def _cold_run(self, feeds: dict[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]
                   ) -> tuple[dict[str, np.ndarray], BoundPlan]:
         with self._limit():
-            plan = compile_plan(self.graph, dict(shapes), self.calibration, self.overrides,
-                                first_run=self._first_run_extra, transform=False)
+            plan = self._cold_plan(shapes)
             bound = BoundPlan(plan, bind=False)
             threaded = self.pipeline
             if threaded is None:  # a thread pays only for transforms: reading is the kernel's readahead
@@ -339,6 +348,55 @@ class ColdSession(InferenceSession):
             runner = run_pipelined if threaded else run_serial
             outputs, self.timings = runner(bound, feeds, lambda step: self.prepare(step, cold=True))
         return outputs, bound
+
+    # --- the cold plan, recorded in the cache ---------------------------------------------------------
+    def _plan_key(self, digest: str) -> str:
+        """The store entry holding this graph's recorded cold plans, one per input shapes (what else
+        a plan depends on is checked inside the entry: :meth:`_plan_basis`)."""
+        return f"plan-{_blake(self._graph_key_of(digest))}"
+
+    def _plan_basis(self) -> dict[str, Any]:
+        """Everything besides graph and shapes that the cold plan's choices depend on."""
+        return {"calibration": self.calibration.as_dict(), "overrides": self.overrides,
+                "loops": accel.loaded() is not None, "machine": machine_key()}
+
+    def _cold_plan(self, shapes: Mapping[str, tuple[int, ...]]) -> ExecutionPlan:
+        """The first run's plan: replayed from the cache when it recorded this graph, these shapes and
+        the same costs (every weight entry its costs looked for still there or still missing), else
+        planned with first-run costs and recorded. A corrupt entry fails its checksum in the store and
+        is planned again; a recorded kernel that does not apply any more, too."""
+        key, shape_key = self._plan_key(self.model_digest), repr(sorted((k, list(v)) for k, v in shapes.items()))
+        hit = self.store.get(key)
+        plans = {}
+        if hit is not None:
+            try:
+                plans = json.loads(hit[0]["plan"].tobytes())
+                entry = plans.get(shape_key)
+                if entry is not None and entry["basis"] == json.loads(json.dumps(self._plan_basis())) and all(
+                        self.store.path(k).exists() == found for k, found in entry["checked"].items()):
+                    plan = compile_plan(self.graph, dict(shapes), self.calibration, self.overrides,
+                                        first_run=self._first_run_extra, transform=False,
+                                        recorded=RecordedPlan.from_dict(entry["plan"]))
+                    self._cold_cache_use.update({(n, k): use for n, k, use in entry["cache_use"]})
+                    self.plan_source = "recorded"
+                    return plan
+            except (ValueError, KeyError, TypeError, AttributeError, GraphError):
+                self.store.stats["corrupt"] += 1
+                plans = {}
+        self._cache_checked = {}
+        plan = compile_plan(self.graph, dict(shapes), self.calibration, self.overrides,
+                            first_run=self._first_run_extra, transform=False)
+        self.plan_source = "planned"
+        plans.pop(shape_key, None)
+        plans[shape_key] = {"basis": self._plan_basis(), "plan": record_plan(plan).as_dict(),
+                            "checked": self._cache_checked,
+                            "cache_use": [[s.node.name, s.kernel.name,
+                                           self._cold_cache_use.get((s.node.name, s.kernel.name), True)]
+                                          for s in plan.steps if s.kernel is not None]}
+        plans = dict(list(plans.items())[-PLANS_PER_GRAPH:])
+        with contextlib.suppress(OSError):  # a read-only cache: the next first run plans again
+            self.store.put(key, {"plan": np.frombuffer(json.dumps(plans, separators=(",", ":")).encode(), np.uint8)})
+        return plan
 
     def _switch(self, shapes: Mapping[str, tuple[int, ...]], key: tuple) -> None:
         """Load numba, plan with warm costs, prepare and bind, then swap the plan in."""

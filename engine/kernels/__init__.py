@@ -19,12 +19,22 @@ def candidates(ctx: NodeCtx) -> list[Kernel]:
     return [k for k in REGISTRY.get(ctx.node.op, []) if k.applies(ctx)]
 
 
+_BY_NAME: dict[str, Kernel] = {}
+
+
 def by_name(name: str) -> Kernel:
-    for ks in REGISTRY.values():
-        for k in ks:
-            if k.name == name:
-                return k
-    raise KeyError(f"no kernel named {name!r}")
+    kernel = _BY_NAME.get(name)
+    if kernel is None:
+        for ks in REGISTRY.values():
+            for k in ks:
+                if k.name == name:
+                    kernel = _BY_NAME[name] = k
+                    break
+            if kernel is not None:
+                break
+        else:
+            raise KeyError(f"no kernel named {name!r}")
+    return kernel
 
 
 for _module in (conv, gemm, elementwise, pool, raster, nchwc):

@@ -259,22 +259,6 @@ def clip_mask(x, lo, hi, y, mask):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def batchnorm_sums(g, xhat, sum_g, sum_gx):  # pragma: no cover - compiled
-    """sum_g[c] += sum(g[:, c]) and sum_gx[c] += sum(g[:, c] * xhat[:, c]) over (N, C, M), float64."""
-    n_n, c_n, m_n = g.shape
-    for n in range(n_n):
-        for c in range(c_n):
-            gr, hr = g[n, c], xhat[n, c]
-            a, b = 0.0, 0.0
-            for k in range(m_n):
-                v = np.float64(gr[k])
-                a += v
-                b += v * hr[k]
-            sum_g[c] += a
-            sum_gx[c] += b
-
-
-@numba.njit(cache=True, nogil=True, error_model="numpy")
 def batchnorm_given_dx(g, xhat, sum_g, sum_gx, m, scale, dx):  # pragma: no cover - compiled
     """dx = (xhat * -sum_gx + m * g - sum_g) * scale per channel over (N, C, M): the float32
     operations of :meth:`BatchNormGiven.backward`, in one pass."""
@@ -304,6 +288,57 @@ def depthwise_backward_batch(x, g, w, dx, dw_, taps, sh, sw, pt, pl, dh, dil_w, 
     """:func:`depthwise_backward` over every image of a batch."""
     for k in range(x.shape[0]):
         depthwise_backward(x[k], g[k], w, dx[k], dw_, taps, sh, sw, pt, pl, dh, dil_w, want_dw)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def depthwise3x3_s1(x, w, b, out):  # pragma: no cover - compiled
+    """A 3x3 depthwise conv, stride 1, padding 1, of x (N, C, H, W >= 2) into out (N, C, H, W): each
+    output row in one pass per input row with its three taps (9 short passes for the general loop)."""
+    n_n, c_n, h, wd = x.shape
+    for n in range(n_n):
+        for c in range(c_n):
+            bc = b[c]
+            xc, oc = x[n, c], out[n, c]
+            for oh in range(h):
+                row = oc[oh]
+                for k in range(wd):
+                    row[k] = bc
+                for i in range(3):
+                    ih = oh - 1 + i
+                    if ih < 0 or ih >= h:
+                        continue
+                    xr = xc[ih]
+                    wa, wb, wc = w[c, i, 0], w[c, i, 1], w[c, i, 2]
+                    row[0] += wb * xr[0] + wc * xr[1]
+                    for k in range(1, wd - 1):
+                        row[k] += wa * xr[k - 1] + wb * xr[k] + wc * xr[k + 1]
+                    row[wd - 1] += wa * xr[wd - 2] + wb * xr[wd - 1]
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def depthwise3x3_s2(x, w, b, out):  # pragma: no cover - compiled
+    """As :func:`depthwise3x3_s1` with stride 2 (out (N, C, ceil(H / 2), ceil(W / 2)))."""
+    n_n, c_n, h, wd = x.shape
+    oh_n, ow_n = out.shape[2], out.shape[3]
+    inner = (wd - 2) // 2 + 1  # columns k >= 1 with 2k + 1 <= wd - 1
+    for n in range(n_n):
+        for c in range(c_n):
+            bc = b[c]
+            xc, oc = x[n, c], out[n, c]
+            for oh in range(oh_n):
+                row = oc[oh]
+                for k in range(ow_n):
+                    row[k] = bc
+                for i in range(3):
+                    ih = 2 * oh - 1 + i
+                    if ih < 0 or ih >= h:
+                        continue
+                    xr = xc[ih]
+                    wa, wb, wc = w[c, i, 0], w[c, i, 1], w[c, i, 2]
+                    row[0] += wb * xr[0] + wc * xr[1]
+                    for k in range(1, inner):
+                        row[k] += wa * xr[2 * k - 1] + wb * xr[2 * k] + wc * xr[2 * k + 1]
+                    for k in range(max(inner, 1), ow_n):  # a last column whose right tap is padding
+                        row[k] += wa * xr[2 * k - 1] + wb * xr[2 * k]
 
 
 # The channel-blocked loops live in a generated module that uses _act_row above (imported last).

@@ -6,7 +6,7 @@ While the live peak (then the planned arena) is over the budget, the step takes 
 kinds of moves, each scored ``(bytes freed x steps freed) / seconds added`` from this machine's
 calibration: drop a full-batch node's saved state and recompute it in the backward pass, or merge
 two streamed segments (their border tensor is no longer kept for the whole batch; the merged
-segment's BatchNorms each cost one more pass over it). If nothing more helps,
+segment's BatchNorms each cost more passes over it). If nothing more helps,
 :class:`BudgetError` names the smallest budget the search reached.
 """
 
@@ -16,10 +16,13 @@ import numpy as np
 
 from engine.training.calibrate import NodeCost
 from engine.training.program import Program, StepPlan, plan_program
-from engine.training.stream import Stream, fold_of
+from engine.training.stream import Stream, fold_of, needed, parked_inputs
 
 HEADROOM = 0.1  # of the budget, for what the calibration does not see (allocator rounding, small temporaries)
 BACKWARD_FACTOR = 3.0  # a node's forward and backward take about this many times its forward
+# a streamed BatchNorm's passes over its segment: one backward (forward and backward) and a second
+# forward one for its variance, relative to the backward one alone
+PASS_FACTOR = (BACKWARD_FACTOR + 1) / BACKWARD_FACTOR
 MOVES_PER_PLAN = 8  # at most this many moves between two re-plans (while far over the budget)
 
 
@@ -68,7 +71,7 @@ def _merge_scores(prog: Program, batch: int, stream: Stream, at: int) -> list[tu
         t2 = sum(_seconds(prog, i, batch) for i in range(q, b)) * BACKWARD_FACTOR
         q1 = sum(nodes[i].op == "BatchNormalization" for i in range(a, q))
         q2 = sum(nodes[i].op == "BatchNormalization" for i in range(q, b))
-        added = max(q2 * t1 + q1 * t2, 1e-6)
+        added = max((q2 * t1 + q1 * t2) * PASS_FACTOR, 1e-6)
         scores.append((freed * (2 * n - 2 * a) / added, freed, q))
     return scores
 
@@ -84,7 +87,7 @@ def _split_gain(prog: Program, batch: int, stream: Stream, at: int) -> tuple[flo
     added = sum(NodeCost.at(prog.cal.costs[j].out_bytes, batch) for j in range(a, at)
                 if any(at <= u < b for u in prog.consumers.get(nodes[j].outputs[0], ()))
                 and not any(u >= b for u in prog.consumers.get(nodes[j].outputs[0], ())))
-    return (q2 * t1 + q1 * t2) / max(added, 1), added
+    return (q2 * t1 + q1 * t2) * PASS_FACTOR / max(added, 1), added
 
 
 def split_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int, update_bytes: int,
@@ -118,6 +121,38 @@ def split_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int,
         return plan
     full = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, stream=stream)
     return full if full.total_bytes <= budget else plan
+
+
+def park_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int, update_bytes: int) -> StepPlan:
+    """Speed a fitting streamed plan up by parking segments (their BatchNorms' inputs kept for the
+    whole batch during the segment's own passes, forward and backward, so that the passes do not
+    recompute the convolutions before them), the segments with the most BatchNorm passes over the
+    most calibrated time first, each while the plan still fits. Those tensors are not kept in
+    between, where a step's peak usually is."""
+    stream = plan.stream
+    if stream is None:
+        return plan
+    nodes = prog.cal.nodes
+
+    def saved(seg: tuple[int, int]) -> float:
+        a, b = seg
+        return len(prog.segment(a, b).bns) * sum(_seconds(prog, i, plan.batch) for i in range(a, b))
+
+    parked: set[int] = set()
+    best = plan
+    for a, b in sorted(stream.segments, key=saved, reverse=True):
+        if not parked_inputs(nodes, prog.segment(a, b)):
+            continue
+        trial = Stream.at(stream.end, stream.chunk, stream.borders, tuple(parked | {a}))
+        candidate = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, arena=False,
+                                 stream=trial)
+        if int(live_profile(candidate.buffers, 2 * len(nodes) + 1).max()) + candidate.pinned_bytes > budget:
+            continue
+        full = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, stream=trial)
+        if full.total_bytes <= budget:  # the placement, not only the live bytes, must fit
+            parked.add(a)
+            best = full
+    return best
 
 
 def fit_recompute(prog: Program, batch: int, budget: int, micro_batches: int, state_bytes: int,
@@ -217,12 +252,12 @@ def node_floor(prog: Program, i: int, m: int) -> int:
 
 def stream_chunks(prog: Program, batch: int, budget: int) -> list[int]:
     """Chunk sizes to stream with: the largest whose busiest node takes at most an eighth of the
-    budget, and twice that (fewer chunks, fewer calls)."""
+    budget, and twice and four times that (fewer chunks, fewer calls, while the plan fits)."""
     n = len(prog.cal.nodes)
     chunk = max(1, batch // 2)
     while chunk > 1 and max(node_floor(prog, i, chunk) for i in range(n)) > budget // 8:
         chunk //= 2
-    return list(dict.fromkeys(c for c in (2 * chunk, chunk) if c < batch))
+    return list(dict.fromkeys(c for c in (4 * chunk, 2 * chunk, chunk) if c < batch))
 
 
 def estimated_seconds(prog: Program, plan: StepPlan) -> float:
@@ -247,9 +282,19 @@ def estimated_seconds(prog: Program, plan: StepPlan) -> float:
         seg = prog.segment(a, b)
         f = {i: fwd(i, st.chunk, calls) for i in range(a, b)}
         whole = sum(f.values())
+        kept = parked_inputs(nodes, seg) if a in st.parked else []
+        if kept:  # each node once forward, once more to refill the kept tensors, then passes after them
+            lite = {i for i in range(a, b) if nodes[i].op == "Conv" and nodes[i].outputs[0] in kept}
+            refill = sum(f[i] for i in needed(nodes, a, b, kept, set(seg.inputs)))
+            passes = [j for j in seg.bns] + [a]
+            total += whole + refill + sum(
+                sum(f[i] for i in range(j, b) if i not in lite) + (BACKWARD_FACTOR - 1) * sum(f[i] for i in range(j, b))
+                for j in passes)
+            continue
         fold = fold_of(prog, seg, plan.batch)
         last = sum(f[i] for i in range(fold[0], b)) if fold else whole  # the pass writing the outputs
-        total += sum(f[i] for j in seg.bns for i in seg.needs[j]) + last  # forward passes
+        stats = sum((1 if fold and j == fold[0] else 2) * sum(f[i] for i in seg.needs[j]) for j in seg.bns)
+        total += stats + last  # forward passes (a BatchNorm's sum, then its squares, unless parked)
         total += (len(seg.bns) + 1) * whole + (BACKWARD_FACTOR - 1) * (
             whole + sum(f[i] for j in seg.bns for i in range(j, b)))  # backward passes
     return total
@@ -274,8 +319,9 @@ def fit_streamed(prog: Program, batch: int, budget: int, state_bytes: int, updat
                  tries: int = 4) -> StepPlan:
     """The fastest streamed plan found (by :func:`estimated_seconds`): for each chunk size, the
     shortest prefix that fits (binary search over the positions one tensor crosses) and a few
-    longer ones (each starting from short segments, merged while too big), then sped up by
-    :func:`split_segments`."""
+    longer ones (each starting from short segments, merged while too big), each with its segments
+    parked where it fits (:func:`park_segments`); the fastest of them, also sped up by
+    :func:`split_segments`, then the fastest over the chunk sizes."""
     n = len(prog.cal.nodes)
     cuts = prog.cut_positions
     full = [node_floor(prog, i, batch) for i in range(n)]
@@ -301,14 +347,19 @@ def fit_streamed(prog: Program, batch: int, budget: int, state_bytes: int, updat
         for k in dict.fromkeys(hi + (last - hi) * j // tries for j in range(1, tries)):
             if k not in found:
                 found[k] = attempt(cuts[k])
-        for plan in found.values():
-            if plan is not None:
-                t = estimated_seconds(prog, plan)
-                if best is None or t < best[0]:
-                    best = (t, plan)
+        parked = [park_segments(prog, p, budget, state_bytes, update_bytes) for p in found.values() if p is not None]
+        if not parked:
+            continue
+        plan = min(parked, key=lambda p: estimated_seconds(prog, p))
+        split = park_segments(prog, split_segments(prog, plan, budget, state_bytes, update_bytes), budget,
+                              state_bytes, update_bytes)  # each chunk's best, sped up
+        for p in (plan, split):
+            t = estimated_seconds(prog, p)
+            if best is None or t < best[0]:
+                best = (t, p)
     if best is None:
         raise BudgetError(f"batch {batch} does not fit {budget} bytes streamed", min(smallest, default=0))
-    return split_segments(prog, best[1], budget, state_bytes, update_bytes)
+    return best[1]
 
 
 def fit(prog: Program, batch: int, budget: int | None, state_bytes: int, update_bytes: int,

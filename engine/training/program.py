@@ -29,10 +29,11 @@ from engine.autograd.losses import cross_entropy, mse
 from engine.autograd.optim import Optimizer
 from engine.autograd.tensor import Function, Tensor
 from engine.ir import GraphError, Node
+from engine.ops import conv_attrs
 from engine.planner import ArenaPlan, Buffer
 from engine.training.calibrate import Calibration, NodeCost, calibrate
 from engine.training.pool import compare, plan_pool
-from engine.training.stream import Segment, Stream, StreamRun, consumers_of, segment, working_sets
+from engine.training.stream import Segment, Stream, StreamRun, consumers_of, parked_inputs, segment, working_sets
 
 
 class Span(NamedTuple):
@@ -70,7 +71,7 @@ class StepPlan:
         s = self.stream
         return {"batch": self.batch, "micro_batches": self.micro_batches, "recomputed_nodes": len(self.dropped),
                 "streamed_nodes": s.end if s else 0, "stream_chunk": s.chunk if s else 0,
-                "stream_segments": len(s.segments) if s else 0,
+                "stream_segments": len(s.segments) if s else 0, "stream_parked_segments": len(s.parked) if s else 0,
                 "arena_bytes": self.arena.size, "pinned_bytes": self.pinned_bytes, "total_bytes": self.total_bytes,
                 **cmp}
 
@@ -82,8 +83,10 @@ class StepPlan:
         if self.stream:
             s = self.stream
             rows.append(f"streamed: the first {s.end} node(s) in chunks of {s.chunk} row(s), {len(s.segments)} "
-                        f"segment(s) (BatchNorm statistics of the whole batch): "
-                        + ", ".join(f"{self.names[a]}..{self.names[b - 1]}" for a, b in s.segments))
+                        f"segment(s) (BatchNorm statistics of the whole batch; * keeps its BatchNorms' inputs "
+                        f"during its passes): "
+                        + ", ".join(f"{self.names[a]}..{self.names[b - 1]}{'*' if a in s.parked else ''}"
+                                    for a, b in s.segments))
         rows.append(f"{'buffer':<48} {'offset':>12} {'bytes':>12} {'steps':>12}")
         for b in sorted(self.buffers, key=lambda b: (self.arena.offsets[b.name], b.start)):
             rows.append(f"{b.name[:48]:<48} {self.arena.offsets[b.name]:>12} {b.size:>12} {b.start:>5}-{b.end:<6}")
@@ -192,9 +195,10 @@ class Program:
 
     # -- execution ---------------------------------------------------------------------------------
     def forward_node(self, node: Node, env: dict[str, np.ndarray], batch: int, replay: bool = False,
-                     bn_stats: F.BatchStats | None = None):
+                     bn_stats: F.BatchStats | None = None, given: np.ndarray | None = None):
         """Run one node on arrays in ``env``; returns its output tensor and the activation leaves.
-        A BatchNorm given ``bn_stats`` normalises with them (a chunk of a streamed batch)."""
+        A BatchNorm given ``bn_stats`` normalises with them (a chunk of a streamed batch); a Conv
+        ``given`` its output (kept from an earlier pass) only sets up its backward."""
         infos, consts = self._shapes(batch)
         model = self._replay if replay else self.model
         leaves: dict[str, Tensor] = {}
@@ -211,6 +215,14 @@ class Program:
         if bn_stats is not None:
             out = F.BatchNormGiven.apply(get(node.inputs[0]), get(node.inputs[1]), get(node.inputs[2]),
                                          stats=bn_stats)
+        elif given is not None:
+            assert node.op == "Conv", "only a Conv takes its output as given"
+            w = get(node.inputs[1])
+            c = conv_attrs(node, w.shape)
+            b = get(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else \
+                Tensor(np.zeros(w.shape[0], np.float32))
+            out = F.Conv2d.apply(get(node.inputs[0]), w, b, stride=c["strides"], pads=c["pads"],
+                                 dil=c["dilations"], group=c["group"], out=given)
         else:
             out = model._node(node, get, consts, infos, True)
         data = out.data
@@ -448,6 +460,10 @@ def plan_program(prog: Program, batch: int, dropped: frozenset[int], micro_batch
         label = nodes[a].name or nodes[a].outputs[0]
         add(f"{label}#segment-forward", fwd, a, b_ - 1)
         add(f"{label}#segment-backward", bwd, 2 * n - b_ + 1, 2 * n - a)
+        if a in stream.parked:  # its BatchNorms' inputs, whole batch, during its own passes only
+            for t in parked_inputs(nodes, prog.segment(a, b_)):
+                add(f"{t}#kept-forward", out_b[producer[t]], a, b_ - 1)
+                add(f"{t}#kept-backward", out_b[producer[t]], 2 * n - b_ + 1, 2 * n - a)
     add("loss#scratch", NodeCost.at(cal.loss_scratch, m), n, n)
     grad_bytes = 0
     updates: dict[int, list[str]] = {}

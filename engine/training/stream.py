@@ -6,16 +6,25 @@ border is materialized (the whole batch, placed in the arena); a tensor used onl
 segment exists one chunk at a time. A segment with BatchNorms ``j1 < ... < jq`` runs, over all its
 chunks:
 
-* forward: pass ``k`` computes the chunks up to ``jk``'s input (``j1 .. j(k-1)`` normalising with the
-  batch statistics already gathered) and gathers ``jk``'s mean and variance; a last pass writes the
-  segment's materialized outputs;
+* forward: two passes ``k`` compute the chunks up to ``jk``'s input (``j1 .. j(k-1)`` normalising
+  with the batch statistics already gathered) and gather ``jk``'s sum, then its squares around the
+  mean (the float32 sums of the whole batch's BatchNorm, in its order: the step equals the whole
+  batch's bitwise up to the weight gradients' sums over chunks); a last pass writes the segment's
+  materialized outputs;
 * backward: each pass recomputes the chunk's forward and back-propagates from the outputs'
   gradients; pass ``k`` (from ``jq`` down) stops at ``jk`` and gathers its ``sum(g)`` and
   ``sum(g * xhat)``; a last pass writes the gradients of the segment's inputs and parameters.
 
-So a BatchNorm costs one more pass over its segment forward and backward: the planner
+So a BatchNorm costs two more passes up to it forward (one when its input is the segment's input
+or parked, see :func:`fold_of`) and one over its segment backward: the planner
 (:mod:`engine.training.budget`) keeps segments short where memory allows. Without BatchNorm a
 segment runs one pass each way (recomputation of its chunk's forward in the backward pass).
+
+A parked segment (``Stream.parked``) keeps its BatchNorms' inputs for the whole batch during its
+own passes only: forward, each node runs once (the statistics read the kept tensors); backward,
+one pass refills them, then each pass recomputes only what follows them (a Conv whose output is
+kept, or read by no later node of the segment, only sets up its backward). They are not held in
+between, where a step's peak usually is (the whole-batch layers' backward).
 """
 
 from __future__ import annotations
@@ -32,17 +41,22 @@ from engine.training.calibrate import Calibration, NodeCost
 @dataclass(frozen=True)
 class Stream:
     """Nodes ``[0, end)`` run in chunks of ``chunk`` rows, segment by segment (``segments`` cover
-    ``[0, end)`` in order)."""
+    ``[0, end)`` in order). The segments starting at ``parked`` keep their BatchNorms' inputs for
+    the whole batch while their own passes run (forward, then again backward), see
+    :func:`parked_inputs`."""
 
     end: int
     chunk: int
     segments: tuple[tuple[int, int], ...]
+    parked: tuple[int, ...] = ()
 
     @staticmethod
-    def at(end: int, chunk: int, borders: list[int] | tuple[int, ...]) -> Stream:
+    def at(end: int, chunk: int, borders: list[int] | tuple[int, ...], parked: tuple[int, ...] = ()) -> Stream:
         """The stream of ``[0, end)`` cut at ``borders`` (positions strictly inside)."""
         cuts = [0, *sorted(q for q in set(borders) if 0 < q < end), end]
-        return Stream(end, chunk, tuple(zip(cuts[:-1], cuts[1:], strict=True)))
+        segments = tuple(zip(cuts[:-1], cuts[1:], strict=True))
+        starts = {a for a, _ in segments}
+        return Stream(end, chunk, segments, tuple(sorted(a for a in set(parked) if a in starts)))
 
     @property
     def borders(self) -> tuple[int, ...]:
@@ -91,6 +105,26 @@ def segment(nodes, a: int, b: int, input_name: str, output_name: str, consumers:
         for t in nodes[i].inputs:
             last_use[t] = i
     return Segment(a, b, inputs, outputs, bns, needs, last_use)
+
+
+def parked_inputs(nodes, seg: Segment) -> list[str]:
+    """The inputs of ``seg``'s BatchNorms computed inside it: a parked segment keeps them for the
+    whole batch during its forward passes and its backward passes (not in between), so that
+    statistics passes read them instead of recomputing, and backward passes recompute only what
+    follows them (a Conv whose output is kept only sets up its backward)."""
+    made = {nodes[i].outputs[0] for i in range(seg.a, seg.b)}
+    return list(dict.fromkeys(nodes[j].inputs[0] for j in seg.bns if nodes[j].inputs[0] in made))
+
+
+def needed(nodes, a: int, b: int, targets, available) -> list[int]:
+    """The nodes of ``[a, b)`` that compute ``targets`` from ``available`` tensors, in order."""
+    want, keep = set(targets), []
+    for i in range(b - 1, a - 1, -1):
+        t = nodes[i].outputs[0]
+        if t in want and t not in available:
+            keep.append(i)
+            want.update(nodes[i].inputs)
+    return keep[::-1]
 
 
 def working_sets(cal: Calibration, seg: Segment, chunk: int, consumers: dict[str, list[int]]) -> tuple[int, int]:
@@ -182,14 +216,22 @@ class StreamRun:
         self.spans = [(lo, min(batch, lo + self.stream.chunk)) for lo in range(0, batch, self.stream.chunk)]
         self.stats: dict[int, BatchStats] = {}
         self.batch = batch
+        self.shapes = {t: info.shape for t, info in prog._infos(batch)[0].items()}
 
     # -- one chunk -----------------------------------------------------------------------------------
     def _forward_chunk(self, seg: Segment, env_full: dict, lo: int, hi: int, order, keep_from: int | None,
-                       store: dict | None = None, copy: set[str] = frozenset()) -> tuple[dict, dict]:
+                       store: dict | None = None, copy: set[str] = frozenset(),
+                       kept: dict | None = None, unread: frozenset[int] = frozenset()) -> tuple[dict, dict]:
         """Run ``order`` (node indices of ``seg``) on rows ``lo:hi``; contexts of nodes from
         ``keep_from`` on are kept for a backward; ``store`` receives the segment's outputs (inputs
-        in ``copy`` are read as copies of their rows: their buffer is overwritten)."""
+        in ``copy`` are read as copies of their rows: their buffer is overwritten); ``kept`` holds
+        whole-batch tensors computed before (a Conv in ``order`` whose output is kept only sets up
+        its backward, as does one in ``unread``: a backward pass reads neither its output nor, with
+        frozen weights, its input)."""
         env = {t: env_full[t][lo:hi].copy() if t in copy else env_full[t][lo:hi] for t in seg.inputs}
+        kept = kept or {}
+        for t, arr in kept.items():
+            env[t] = arr[lo:hi]
         ctx: dict[int, tuple] = {}
         last = {}
         for i in order:
@@ -198,8 +240,12 @@ class StreamRun:
         for i in order:
             node = self.nodes[i]
             assert node.op != "BatchNormalization" or i in self.stats, "streamed BatchNorms use gathered statistics"
-            res, leaves = self.prog.forward_node(node, env, hi - lo, replay=True, bn_stats=self.stats.get(i))
             t = node.outputs[0]
+            given = env[t] if t in kept and node.op == "Conv" else None
+            if i in unread:
+                given = np.broadcast_to(np.zeros((), np.float32), (hi - lo, *self.shapes[t][1:]))
+            res, leaves = self.prog.forward_node(node, env, hi - lo, replay=True, bn_stats=self.stats.get(i),
+                                                 given=given)
             env[t] = res.data
             if store is not None and t in store:
                 store[t][lo:hi] = res.data
@@ -227,26 +273,49 @@ class StreamRun:
                 grads_full[t] = np.zeros((self.batch, *g.shape[1:]), np.float32)
             grads_full[t][lo:hi] += g
 
+    def _kept_buffers(self, seg: Segment) -> dict[str, np.ndarray]:
+        """Whole-batch buffers of a parked segment's BatchNorm inputs (none if it is not parked)."""
+        if seg.a not in self.stream.parked:
+            return {}
+        infos, _ = self.prog._infos(self.batch)
+        return {t: np.empty(infos[t].shape, np.float32) for t in parked_inputs(self.nodes, seg)}
+
     # -- the prefix --------------------------------------------------------------------------------
     def forward(self, env: dict) -> None:
         nodes = self.nodes
         infos, _ = self.prog._infos(self.batch)
         for seg in self.segments:
-            store = {t: np.empty(infos[t].shape, np.float32) for t in seg.outputs}
-            fold = fold_of(self.prog, seg, self.batch)
+            kept = self._kept_buffers(seg)
+            store = {t: kept[t] if t in kept else np.empty(infos[t].shape, np.float32) for t in seg.outputs}
+            fold = None if kept else fold_of(self.prog, seg, self.batch)
+            have: dict[str, np.ndarray] = {}  # kept tensors filled so far
             for j in seg.bns:
-                st = BatchStats()
+                st, x = BatchStats(), nodes[j].inputs[0]
+                parked = fold is not None and j == fold[0]
+                order = needed(nodes, seg.a, j, [x], {*seg.inputs, *have})
+                for lo, hi in self.spans:  # its sum, then the squares around the mean (two passes)
+                    out, _ = self._forward_chunk(seg, env, lo, hi, order, None, kept=have)
+                    st.add(out[x])
+                    if parked:
+                        store[fold[2]][lo:hi] = out[x]
+                    elif x in kept and x not in have:
+                        kept[x][lo:hi] = out[x]
+                    del out
+                if x in kept:
+                    have[x] = kept[x]
                 for lo, hi in self.spans:
-                    out, _ = self._forward_chunk(seg, env, lo, hi, seg.needs[j], None)
-                    st.add(out[nodes[j].inputs[0]])
-                    if fold is not None and j == fold[0]:
-                        store[fold[2]][lo:hi] = out[fold[1]]
+                    if parked or x in have:
+                        st.add_centred((store[fold[2]] if parked else have[x])[lo:hi])
+                        continue
+                    out, _ = self._forward_chunk(seg, env, lo, hi, order, None, kept=have)
+                    st.add_centred(out[x])
                     del out
                 self.stats[j] = st
                 self.prog.gathered_batchnorm(nodes[j], st)
             if fold is None:
+                order = needed(nodes, seg.a, seg.b, seg.outputs, {*seg.inputs, *have})
                 for lo, hi in self.spans:
-                    self._forward_chunk(seg, env, lo, hi, range(seg.a, seg.b), None, store)
+                    self._forward_chunk(seg, env, lo, hi, order, None, store, kept=have)
             else:
                 j, x, parked = fold
                 for lo, hi in self.spans:
@@ -254,12 +323,28 @@ class StreamRun:
                     tail = Segment(j, seg.b, [*seg.inputs, x], seg.outputs, [], {}, {})
                     self._forward_chunk(tail, part, lo, hi, range(j, seg.b), None, store, copy={x})
             env.update(store)
+            del kept, have
 
     def backward(self, env: dict, grads: dict) -> None:
-        n, ends = len(self.nodes), self.plan.ends
+        n, ends, nodes = len(self.nodes), self.plan.ends, self.nodes
         for seg in reversed(self.segments):
-            order = range(seg.a, seg.b)
-            params = {t for i in order for t in self.nodes[i].inputs if t in self.prog.model.params}
+            kept = self._kept_buffers(seg)
+            if kept:  # recompute the kept tensors once: the passes below start from them
+                order = needed(nodes, seg.a, seg.b, list(kept), set(seg.inputs))
+                for lo, hi in self.spans:
+                    self._forward_chunk(seg, env, lo, hi, order, None, store=kept)
+            avail = {*seg.inputs, *kept}
+
+            def pass_order(stop: int, seg: Segment = seg, avail: set = avail) -> list[int]:
+                """Nodes ``[stop, b)`` (whose contexts a backward pass to ``stop`` needs) and what
+                they read that is neither an input nor kept."""
+                reads = {t for i in range(stop, seg.b) for t in nodes[i].inputs}
+                return [*needed(nodes, seg.a, stop, reads, avail), *range(stop, seg.b)]
+
+            params = {t for i in range(seg.a, seg.b) for t in nodes[i].inputs if t in self.prog.model.params}
+            read = {t for i in range(seg.a, seg.b) for t in nodes[i].inputs}
+            unread = frozenset(i for i in range(seg.a, seg.b)  # convs only the next segments read
+                               if nodes[i].op == "Conv" and nodes[i].outputs[0] not in read)
             for j in reversed(seg.bns):
                 st = self.stats[j]
                 st.begin_collect()
@@ -267,20 +352,23 @@ class StreamRun:
                 for p in frozen:
                     p.requires_grad = False
                 try:
+                    order = pass_order(j)
                     for lo, hi in self.spans:
-                        _, ctx = self._forward_chunk(seg, env, lo, hi, order, j)
+                        _, ctx = self._forward_chunk(seg, env, lo, hi, order, j, kept=kept, unread=unread)
                         self._backward_chunk(seg, ctx, grads, lo, hi, j, final=False)
                         del ctx
                 finally:
                     for p in frozen:
                         p.requires_grad = True
                 st.end_collect()
+            order = pass_order(seg.a)
             for lo, hi in self.spans:
-                _, ctx = self._forward_chunk(seg, env, lo, hi, order, seg.a)
+                _, ctx = self._forward_chunk(seg, env, lo, hi, order, seg.a, kept=kept, unread=unread)
                 self._backward_chunk(seg, ctx, grads, lo, hi, seg.a, final=True)
                 del ctx
+            del kept
             for j in seg.bns:
-                self.prog.batchnorm_grads(self.nodes[j], self.stats[j])
+                self.prog.batchnorm_grads(nodes[j], self.stats[j])
             for t in seg.outputs:
                 grads.pop(t, None)
             done = 2 * n - seg.a

@@ -247,7 +247,7 @@ class _CurrentKeyList:
 
     __slots__ = ("handle",)
 
-    def __init__(self, handle: _List):
+    def __init__(self, handle: _List | _PackedList):
         self.handle = handle
 
     def get(self, key: Any, default: Any = None) -> Any:
@@ -344,6 +344,60 @@ class _ListSlot(_ValueSlot):
     def add_all(self, values: list[Any]) -> None:
         held = self.packed.slots()[self.index]
         self.packed.set(self.index, [*(held or ()), *values])
+
+    def update(self, values: Any) -> None:
+        self.packed.set(self.index, list(values) or None)
+
+
+class _PackedValue:
+    """A value state without TTL kept in a slot of :class:`_Packed`: each call is a list access, nothing is
+    tracked per call (the packed record is written once, at :meth:`FlinkKeyed.commit`)."""
+
+    __slots__ = ("packed", "index")
+    ttl = None
+
+    def __init__(self, packed: _Packed):
+        self.packed = packed
+        self.index = packed.slot()
+
+    def value(self) -> Any:
+        return self.packed.slots()[self.index]
+
+    def update(self, value: Any) -> None:
+        self.packed.set(self.index, value)
+
+    def clear(self) -> None:
+        self.packed.set(self.index, None)
+
+
+class _PackedList(_PackedValue):
+    """A list state without TTL in a slot of :class:`_Packed`, read as the device's list state reads:
+    ``get()`` returns the held list itself (or a new empty list, not held, if there is none); changing it
+    in place changes the state, so a ``get`` marks the record for writing. An empty list is held as absent."""
+
+    __slots__ = ()
+
+    def get(self) -> list[Any]:
+        packed = self.packed
+        values = packed.slots()[self.index]
+        if values is None:
+            return []
+        packed.dirty = True
+        return values
+
+    def add(self, value: Any) -> None:
+        packed = self.packed
+        slots = packed.slots()
+        values = slots[self.index]
+        if values is None:
+            slots[self.index] = [value]
+        else:
+            values.append(value)
+        packed.dirty = True
+
+    def add_all(self, values: Any) -> None:
+        for value in values:
+            self.add(value)
 
     def update(self, values: Any) -> None:
         self.packed.set(self.index, list(values) or None)
@@ -469,8 +523,9 @@ class FlinkKeyed(KeyedProcessFunction):
         self.timestamp: int | None = None
         self._ctx: Any = None
         self._out: list[tuple[str, Any]] = []
-        self._handles: list[_Handle] = []
-        self._by_name: dict[str, _Handle] = {}
+        self._handles: list[Any] = []  # _Handle, or _PackedValue / _PackedList
+        self._by_name: dict[str, Any] = {}
+        self._views: dict[str, _CurrentKeyList] = {}
         self.touched: list[_Handle] = []  # the handles used in this call
         self._cleared = False
         self._backstop = (None if self.state_ttl_days is None
@@ -482,6 +537,11 @@ class FlinkKeyed(KeyedProcessFunction):
     def get_state(self, descriptor: StateDescriptor) -> Any:
         name, ttl = descriptor.name, descriptor.ttl_ms
         runtime, packed = self._runtime, self._packed
+        if packed is not None and ttl is None and descriptor.kind != "map":
+            lean = (_PackedValue if descriptor.kind == "value" else _PackedList)(packed)
+            self._handles.append(lean)
+            self._by_name[name] = lean
+            return lean
         if descriptor.kind == "value":
             state = _ValueSlot(packed) if packed else runtime.get_state(ValueStateDescriptor(name, _PICKLED))
             handle = _Value
@@ -501,7 +561,10 @@ class FlinkKeyed(KeyedProcessFunction):
 
     def state_data(self, name: str) -> _CurrentKeyList:
         """List state ``name`` of the current key as ``on_block`` reads it (see :meth:`call_block`)."""
-        return _CurrentKeyList(self._by_name[name])
+        view = self._views.get(name)
+        if view is None:
+            view = self._views[name] = _CurrentKeyList(self._by_name[name])
+        return view
 
     def set_key(self, key: Any) -> None:
         """Say which key the next state accesses are for (the key Flink set for this call)."""

@@ -5,12 +5,14 @@ runner calls)::
 
     events file ─ FileSource (text lines), or kafka://TOPIC ─ KafkaSource (one line per record value)
       ─ ParseLines        parallelism 1, chained to the source: numbers the lines as the device
-                          runner does; the format's stateless ``parse``
+                          runner does; the format's stateless ``parse``; a user's consecutive lines go
+                          on as one run (one record) when the input's last line is known
       ─ key_by(user)      (malformed lines under the key "", passed through as dead letters)
-      ─ UserTasks         KeyedProcessFunction: the format's per-user adapter, the timestamp check and
-                          TaskExecution (trie + task pipelines from ``operators/``), the user's state in
-                          Flink keyed state with TTL; an event-time timer fires at the end of the input
-                          (the final watermark) to emit what is still owed (the last page exits)
+      ─ UserTasks         KeyedProcessFunction: per line the timestamp check and the format's per-user
+                          adapter, then TaskExecution (trie + task pipelines from ``operators/``) over the
+                          run's events, the user's state in Flink keyed state (one write per run); an
+                          event-time timer fires at the end of the input (the final watermark) to emit
+                          what is still owed (the last page exits)
       ─ StorageWriter     parallelism 1: CollectiveStorage, the device runner's DuckDB schema
       ─ discarding sink
 
@@ -72,8 +74,13 @@ except ImportError as exc:  # the `flink` extra is optional
 DEFAULT_STATE_TTL_DAYS = 30
 _EVENTS = OutputTag("events", Types.PICKLED_BYTE_ARRAY())  # accepted app events, for stream tasks
 _PICKLED = Types.PICKLED_BYTE_ARRAY()
+_NO_SOURCE_STATE = (None, None)
+#: Longest run of one user's lines ParseLines hands on as one record.
+MAX_RUN_LINES = 512
 #: Pseudo-table of a user's counts (events, fired, rows, errors per task), sent when the user's input ends.
 _STATS = "__stats__"
+#: Pseudo-table of a list of ``(table, row)``: the rows of one call of UserTasks.
+_ROWS = "__rows__"
 
 
 def flink_environment(cluster: str | None = None, parallelism: int = 1,
@@ -115,26 +122,53 @@ def flink_environment(cluster: str | None = None, parallelism: int = 1,
 
 
 class ParseLines(ProcessFunction):
-    """Numbers the lines and parses each; rejects go to the side output as dead-letter rows."""
+    """Numbers the lines, parses each and hands them on in runs: ``(key, [(line number, line, parsed), ...])``,
+    consecutive lines of one user (rejects: key ``""``, passed through as dead letters, so that nothing
+    needs a union). Blank lines are not records (as on the device).
 
-    def __init__(self, source: LineSource, pace_s: float = 0.0):
+    A run ends when the key changes, at ``max_run`` lines, and at line ``last_line``, the input's last
+    (known when a file is read once: :func:`_line_count`); without ``last_line`` every line is a run of
+    its own, since nothing would tell that the input ended. A run crosses into the keyed operator as one
+    record (one conversion, one state write per run, not per line); ``UserTasks`` still takes its lines
+    one by one, in order, so the rows are the same.
+    """
+
+    def __init__(self, source: LineSource, pace_s: float = 0.0, last_line: int | None = None,
+                 max_run: int = MAX_RUN_LINES):
         self.source = source
         self.pace_s = pace_s
+        self.last_line = last_line
+        self.max_run = max_run
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self.line_no = 0
+        self._key: str | None = None
+        self._run: list[tuple[int, str, Any]] = []
 
-    def process_element(self, line: str, ctx: ProcessFunction.Context):
-        self.line_no += 1
-        if not line.strip():
-            return  # blank lines are not records (as on the device)
+    def process_element(self, line: str, ctx: ProcessFunction.Context) -> list[tuple[str, list[Any]]]:
+        self.line_no = line_no = self.line_no + 1
+        out: list[tuple[str, list[Any]]] = []
+        run = self._run
         if self.pace_s:
             time.sleep(self.pace_s)  # paced replay: see run_flink(pace_ms=...)
         parsed = self.source.parse(line)
-        if isinstance(parsed, str):  # keyed by "" and passed through, so that nothing needs a union
-            yield "", self.line_no, line, parsed
-        else:
-            yield self.source.user_of(parsed), self.line_no, line, parsed
+        if type(parsed) is not str or line.strip():  # a blank line is nothing, but may end the input
+            key = "" if type(parsed) is str else self.source.user_of(parsed)
+            if run and (key != self._key or len(run) >= self.max_run):
+                out.append((self._key, run))
+                run = self._run = []
+            self._key = key
+            run.append((line_no, line, parsed))
+        if run and (self.last_line is None or line_no >= self.last_line):
+            out.append((self._key, run))
+            self._run = []
+        return out
+
+    def close(self) -> None:
+        if self._run:  # the input had fewer lines than counted (changed while read): say so, drop nothing silently
+            raise RuntimeError(f"{self.source.name}: {len(self._run)} lines from line {self._run[0][0]} on were "
+                               f"still held at the end of the input ({self.line_no} lines read, "
+                               f"{self.last_line} counted before the run): was the file changed while read?")
 
 
 class UserTasks(FlinkKeyed):
@@ -155,33 +189,55 @@ class UserTasks(FlinkKeyed):
     def open(self, runtime_context: RuntimeContext) -> None:
         super().open(runtime_context)
         self.source_state = self.get_state(TypedValue("source"))  # (last timestamp, the format's user state)
-        self._block = self.can_call_block()
+        execution = self.function.execution
+        # A record's events through on_block (TriggerTasks.on_block, as on the device) when nothing else
+        # needs them one by one; the trie's single_step can change (a quarantined task), so it is read per record.
+        self._block = (self.can_call_block() and not self.emit_events and not execution.max_events
+                       and not execution.max_pages)
         self.guard = TimestampGuard()
         self.events = 0
         self._reported: dict[str, TaskStats] = {}
 
-    def process_element(self, value: tuple[str, int, str, Any], ctx: KeyedProcessFunction.Context):
-        user, line_no, raw, parsed = value
-        if isinstance(parsed, str):
-            return [(DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, parsed, raw))]
+    def process_element(self, value: tuple[str, list[tuple[int, str, Any]]], ctx: KeyedProcessFunction.Context):
+        user, lines = value  # a run of one user's lines (see ParseLines)
+        out: list[tuple[str, Any]] = []
         self._ctx = ctx
-        self.set_key(user)  # the key_by key
+        self.set_key(user)  # the key_by key (ParseLines keys a record by source.user_of)
         try:
-            return self._record(ctx, line_no, raw, parsed)
+            events = self._events(ctx, user, lines, out)
+            if events:
+                out += self._run(ctx, events)
         finally:
-            self.commit()
+            self.commit()  # one state write for the run: no checkpoint falls inside a call
+        # One record for the run's rows; events for stream tasks go to their side output one by one.
+        return out if self.emit_events or len(out) < 2 else [(_ROWS, out)]
 
-    def _record(self, ctx: Any, line_no: int, raw: str, parsed: Any) -> list[tuple[str, Any]]:
-        last_ts, adapter = self.source_state.value() or (None, None)
+    def _events(self, ctx: Any, user: str, lines: list[tuple[int, str, Any]], out: list[tuple[str, Any]]) -> list:
+        """The app events of a run's lines in order, each line through the timestamp check and the format's
+        adapter as on the device; a rejected line's dead-letter row goes to ``out``. The tasks then take the
+        events as they would line by line: they depend on nothing but the events and their own state."""
+        source, guard = self.source, self.guard
+        last_ts, adapter = self.source_state.value() or _NO_SOURCE_STATE
         if last_ts is None:
             ctx.timer_service().register_event_time_timer(0)  # fires with the final watermark
-        ts = self.source.ts_of(parsed)
-        reason = self.guard.reason(self.source.user_of(parsed), ts, last_ts)
-        if reason is not None:
-            return [(DEAD_LETTER_TABLE, _dead_letter(self.source.name, line_no, reason, raw))]
-        adapter, events = self.source.user_events(adapter, parsed)
-        self.source_state.update((ts, adapter))
-        return self._run(ctx, events)
+        events: list = []
+        accepted = False
+        for line_no, raw, parsed in lines:
+            if type(parsed) is str:
+                out.append((DEAD_LETTER_TABLE, _dead_letter(source.name, line_no, parsed, raw)))
+                continue
+            ts = source.ts_of(parsed)
+            if not guard.min_ts <= ts <= guard.max_ts or (last_ts is not None and ts < last_ts):
+                reason = guard.reason(user, ts, last_ts)  # the bound may only need the clock read again
+                if reason is not None:
+                    out.append((DEAD_LETTER_TABLE, _dead_letter(source.name, line_no, reason, raw)))
+                    continue
+            adapter, produced = source.user_events(adapter, parsed)
+            events += produced
+            last_ts, accepted = ts, True
+        if accepted:
+            self.source_state.update((last_ts, adapter))
+        return events
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
         self._ctx = ctx
@@ -198,10 +254,7 @@ class UserTasks(FlinkKeyed):
         return out
 
     def _run(self, ctx: Any, events: list) -> list[tuple[str, Any]]:
-        execution = self.function.execution
-        if (self._block and not self.emit_events and execution.trie.single_step and not execution.max_events
-                and not execution.max_pages and events):
-            # what on_event does per event, in one loop over the open page (TriggerTasks.on_block, as on the device)
+        if self._block and events and self.function.execution.trie.single_step:
             self.events += len(events)
             return self.call_block(ctx, events, round(events[-1].ts * 1000), events[-1].user_id)
         out: list[tuple[str, Any]] = []
@@ -356,23 +409,37 @@ class StorageWriter(ProcessFunction):
         self.rejected: Counter[str] = Counter()
         self.tasks: dict[str, dict[str, Any]] = {}
 
-    def process_element(self, value: tuple[str, dict[str, Any]], ctx: ProcessFunction.Context):
+    def process_element(self, value: tuple[str, Any], ctx: ProcessFunction.Context):
         table, row = value
-        if table == _STATS:
+        if table == _ROWS:  # a run's rows (UserTasks): stored a table at a time, each table's rows in order
+            by_table: dict[str, list[dict[str, Any]]] = {}
+            for name, one in row:
+                rows = by_table.get(name)
+                if rows is None:
+                    by_table[name] = [one]
+                else:
+                    rows.append(one)
+            for name, rows in by_table.items():
+                self._write(name, rows)
+        elif table == _STATS:
             self.events += row["events"]
             for name, counts in row["tasks"].items():
                 totals = self.tasks.setdefault(name, {"fired": 0, "rows": 0, "errors": 0})
                 for what, n in counts.items():
                     totals[what] += n
         else:
-            if table == DEAD_LETTER_TABLE:
-                self.rejected[row["reason"].split(":", 1)[0]] += 1
-            elif table in self.stream_sinks:  # a stream task's window fired
-                stats = self.tasks.setdefault(self.stream_sinks[table], {"fired": 0, "rows": 0, "errors": 0})
-                stats["fired"] += 1
-                stats["rows"] += 1
-            self.storage.write(table, [row])
+            self._write(table, [row])
         return []
+
+    def _write(self, table: str, rows: list[dict[str, Any]]) -> None:
+        if table == DEAD_LETTER_TABLE:
+            for row in rows:
+                self.rejected[row["reason"].split(":", 1)[0]] += 1
+        elif table in self.stream_sinks:  # a stream task's window fired
+            stats = self.tasks.setdefault(self.stream_sinks[table], {"fired": 0, "rows": 0, "errors": 0})
+            stats["fired"] += len(rows)
+            stats["rows"] += len(rows)
+        self.storage.write(table, rows)
 
     def close(self) -> None:
         self.storage.close()
@@ -449,7 +516,10 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
         env.get_config().set_auto_watermark_interval(max(1, int(pace_ms / 10)))
         env.set_buffer_timeout(1)
     lines = _event_lines(env, events)
-    parsed = lines.process(ParseLines(source, pace_ms / 1000), output_type=_PICKLED).set_parallelism(1)
+    # Runs of lines need the input's end: a file read once from its start, unpaced (pacing is per line).
+    once = kafka_topic(events) is None and restore_from is None and checkpoint_dir is None and not pace_ms
+    parse = ParseLines(source, pace_ms / 1000, last_line=_line_count(events) if once else None)
+    parsed = lines.process(parse, output_type=_PICKLED).set_parallelism(1)
     outputs = per_user = (parsed.key_by(lambda value: value[0], key_type=Types.STRING())
                           .process(UserTasks(job, source, state_ttl_days), output_type=_PICKLED))
     for task in job.stream_tasks:
@@ -483,6 +553,26 @@ def _event_lines(env: StreamExecutionEnvironment, events: str | os.PathLike[str]
     return env.from_source(
         FileSource.for_record_stream_format(StreamFormat.text_line_format(), str(Path(events).resolve())).build(),
         WatermarkStrategy.no_watermarks(), "events").set_parallelism(1)
+
+
+def _line_count(path: str | os.PathLike[str]) -> int | None:
+    """How many lines Flink's file source gives for ``path``, read as its text line format reads them
+    (``BufferedReader.readLine`` over UTF-8: ``\\n``, ``\\r\\n`` and a lone ``\\r`` end a line), or ``None``
+    when it cannot be told here (a file the source decompresses, a file this process cannot read)."""
+    jvm = get_gateway().jvm
+    name = str(Path(path).resolve())
+    try:
+        if jvm.org.apache.flink.connector.file.src.compression.StandardDeCompressors \
+                .getDecompressorForFileName(name) is not None:
+            return None
+        io = jvm.java.io
+        reader = io.BufferedReader(io.InputStreamReader(io.FileInputStream(name), "UTF-8"))
+        try:
+            return int(reader.lines().count())
+        finally:
+            reader.close()
+    except Exception:  # noqa: BLE001 - py4j errors; lines then go one per record, nothing is lost
+        return None
 
 
 def _summary(job: Job, db_path: Path, report_path: Path, elapsed_s: float) -> RunSummary:

@@ -41,7 +41,7 @@ CONVS = [  # (x shape, w shape, stride, pad, dilation, group)
     ((2, 6, 9, 9), (6, 1, 3, 3), 2, 1, 1, 6),
     ((2, 5, 6, 6), (3, 5, 1, 1), 1, 0, 1, 1),
     ((1, 4, 10, 10), (4, 1, 5, 5), 1, 2, 1, 4),
-    ((2, 8, 6, 6), (8, 1, 3, 3), 1, 1, 1, 8),  # depthwise 3x3: stride 1, stride 2 with an even width, width 2
+    ((2, 8, 6, 6), (8, 1, 3, 3), 1, 1, 1, 8),  # the fused 3x3 depthwise rows: stride 1, 2 (even width), width 2
     ((2, 4, 8, 8), (4, 1, 3, 3), 2, 1, 1, 4),
     ((1, 3, 2, 2), (3, 1, 3, 3), 1, 1, 1, 3),
 ]

@@ -253,6 +253,95 @@ def test_corrupt_graph_file_is_rebuilt_not_used(cache, x, damage):
     assert again.store.stats["corrupt"] == 0
 
 
+def plan_entry(cache) -> Path:
+    (path,) = Path(cache).glob("plan-*.sfc")
+    return path
+
+
+def test_cold_plan_is_recorded_then_replayed_with_the_same_kernels_arena_and_output(cache, x):
+    graph = small_net()
+    ref = warm_output(graph, x)
+    a = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    np.testing.assert_allclose(first(a.run(x)), ref, atol=TOL, rtol=0)
+    assert a.plan_source == "planned" and plan_entry(cache).exists()
+    b = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    np.testing.assert_allclose(first(b.run(x)), ref, atol=TOL, rtol=0)
+    assert b.plan_source == "recorded"
+    pa, pb = (next(iter(s._bound.values())).plan for s in (a, b))
+    assert [(s.node.name, s.kernel and s.kernel.name) for s in pa.steps] == \
+        [(s.node.name, s.kernel and s.kernel.name) for s in pb.steps]
+    assert pa.arena.offsets == pb.arena.offsets and pa.arena.size == pb.arena.size
+    c = ColdSession(graph, cache_dir=cache, warm_switch=False)  # another batch size: planned, both kept
+    x3 = np.concatenate([x, x[:1]])
+    np.testing.assert_allclose(first(c.run(x3)), warm_output(graph, x3), atol=TOL, rtol=0)
+    assert c.plan_source == "planned"
+    d = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    d.run(x)
+    assert d.plan_source == "recorded"
+
+
+def test_recorded_plan_replays_kernels_and_keeps_its_arena_only_for_the_same_buffers(x):
+    from engine.ir import GraphError
+    from engine.plan import compile_plan, record_plan
+
+    graph = small_net()
+    cal = FIXED_CALIBRATION
+    planned = compile_plan(graph, {"x": x.shape}, cal)
+    recorded = record_plan(planned)
+    replay = compile_plan(graph, {"x": x.shape}, cal, recorded=recorded)
+    assert [s.kernel and s.kernel.name for s in replay.steps] == [s.kernel and s.kernel.name for s in planned.steps]
+    assert replay.arena.offsets == planned.arena.offsets
+    bigger = compile_plan(graph, {"x": (5, *x.shape[1:])}, cal, recorded=recorded)  # other buffers: placed anew
+    assert bigger.arena.size > planned.arena.size
+    assert bigger.arena.offsets == compile_plan(graph, {"x": (5, *x.shape[1:])}, cal).arena.offsets
+    recorded.kernels[next(iter(recorded.kernels))] = "no_such_kernel"
+    with pytest.raises(GraphError, match="recorded plan"):
+        compile_plan(graph, {"x": x.shape}, cal, recorded=recorded)
+
+
+def test_corrupt_cold_plan_is_detected_and_planned_again(cache, x):
+    graph = small_net()
+    ColdSession(graph, cache_dir=cache, warm_switch=False).run(x)
+    path = plan_entry(cache)
+    raw = bytearray(path.read_bytes())
+    digit = raw.rindex(b'"offsets":{') + 11
+    digit = raw.index(b":", digit) + 1  # the first arena offset: a wrong one would compute garbage
+    raw[digit] = ord("7") if raw[digit] != ord("7") else ord("3")
+    path.write_bytes(bytes(raw))
+    sess = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    np.testing.assert_allclose(first(sess.run(x)), warm_output(graph, x), atol=TOL, rtol=0)
+    assert sess.plan_source == "planned" and sess.store.stats["corrupt"] == 1
+    again = ColdSession(graph, cache_dir=cache, warm_switch=False)  # rewritten intact
+    again.run(x)
+    assert again.plan_source == "recorded" and again.store.stats["corrupt"] == 0
+
+
+def test_cold_plan_recorded_under_other_costs_or_with_a_kernel_that_does_not_apply_is_not_replayed(tmp_path, x):
+    import json
+
+    graph = small_net()
+    cache = cache_calibrated(tmp_path / "a")
+    ColdSession(graph, cache_dir=cache, warm_switch=False).run(x)
+    EntryStore(cache).put(calibration_key(), {}, meta=replace(FIXED_CALIBRATION, call_s=1e-3).as_dict())
+    from engine.tuning import _calibrate
+
+    _calibrate.cache_clear()
+    other = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    other.run(x)
+    assert other.plan_source == "planned"  # another machine's (or a re-measured) calibration
+    store = EntryStore(cache)
+    key = plan_entry(cache).stem
+    plans = json.loads(store.get(key)[0]["plan"].tobytes())
+    for entry in plans.values():
+        node = next(iter(entry["plan"]["kernels"]))
+        entry["plan"]["kernels"][node] = "softmax"  # a valid entry (checksum right) naming a wrong kernel
+    store.put(key, {"plan": np.frombuffer(json.dumps(plans).encode(), np.uint8)})
+    sess = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    np.testing.assert_allclose(first(sess.run(x)), warm_output(graph, x), atol=TOL, rtol=0)
+    assert sess.plan_source == "planned"
+    _calibrate.cache_clear()
+
+
 def test_cached_graph_reads_big_weights_layer_by_layer(cache, x):
     graph = small_net()
     ColdSession(graph, cache_dir=cache, warm_switch=False)
