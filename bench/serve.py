@@ -9,8 +9,9 @@ the zoo's evaluation set (a held-out seed, not the pages the zoo's accuracy was 
 Settings: SLA 100 / 150 / 250 ms × delay CV 0 / 50 / 100 % (mean one-way delay ``--delay-ms``, 15 ms), then one run
 (SLA 150, CV 50 %) with a broker outage of ``--outage-s`` (10 s; the shim drops every connection of the device and
 refuses new ones). In every setting the three policies take turns request by request, so they see the same
-network, load and worker: ``mdinference`` (the cloud picks the model), ``largest`` (the cloud always runs the
-largest model; the device still races its local model: the static cloud baseline), ``local`` (the device's
+network, load and worker: ``mdinference`` (the cloud picks the model by ``--rule``: ``expected``, the worker's
+default, or ``paper``), ``largest`` (the cloud always runs the largest model, the most work per image, whatever
+the budget; the device still races its local model: the static cloud baseline), ``local`` (the device's
 fastest model only). Requests leave every ``--interval-ms`` on a fixed schedule; the first few of each setting (2 %,
 at least 6) are a warm-up after the network changed and are not counted.
 
@@ -47,6 +48,7 @@ from connectors.tunnel.keys import KeyRegistry
 from streamflow.serve.client import Answer, ServeClient
 from streamflow.serve.evalset import eval_set
 from streamflow.serve.netshim import LinkProfile, ShimProcess
+from streamflow.serve.policy import RULES
 from streamflow.serve.zoo import Zoo, ZooError, build_zoo
 
 SLAS_MS = (100.0, 150.0, 250.0)
@@ -62,6 +64,9 @@ def options(parser: Any) -> None:
     parser.add_argument("--delay-ms", type=float, default=15.0, help="mean one-way delay of the shim per frame")
     parser.add_argument("--outage-s", type=float, default=None, help="broker outage (default 10, quick 3)")
     parser.add_argument("--eval-size", type=int, default=None, help="distinct labelled pages (default 400, quick 60)")
+    parser.add_argument("--rule", choices=RULES, default="expected", help="MDInference's model-choice rule")
+    parser.add_argument("--settings", default=None,
+                        help="comma-separated settings to run, e.g. sla100_cv100,outage (default: all)")
 
 
 def load_zoo() -> Zoo:
@@ -72,12 +77,12 @@ def load_zoo() -> Zoo:
         return build_zoo()
 
 
-def start_worker(bootstrap: str, zoo: Zoo, registry: Path, log_path: Path) -> subprocess.Popen:
+def start_worker(bootstrap: str, zoo: Zoo, registry: Path, log_path: Path, rule: str) -> subprocess.Popen:
     env = {**os.environ, "STREAMFLOW_KAFKA_BOOTSTRAP": bootstrap, "STREAMFLOW_KEY_REGISTRY": str(registry),
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     with open(log_path, "wb") as out:
         return subprocess.Popen([sys.executable, "-m", "streamflow.cli", "serve", "--app-id",
-                                 f"bench-serve-{uuid.uuid4().hex[:8]}", "--zoo", str(zoo.path)],
+                                 f"bench-serve-{uuid.uuid4().hex[:8]}", "--zoo", str(zoo.path), "--rule", rule],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
@@ -142,6 +147,9 @@ def summarize(rows: list[tuple[int, str, float, Answer]]) -> dict[str, dict[str,
             "p99_ms": round(percentile(latencies, 99), 2),
             "max_ms": round(latencies[-1], 2),
             "cloud_models": dict(cloud_models.most_common()),
+            # why the device answered: the cloud's status then (expired: the worker ran no model; pending: late)
+            "device_answers_cloud_status": dict(Counter(a.cloud for _, a in answers
+                                                        if a.answered_by == "device").most_common()),
         }
         cloud = [a for _, a in answers if a.answered_by == "cloud"]
         if cloud:
@@ -150,7 +158,41 @@ def summarize(rows: list[tuple[int, str, float, Answer]]) -> dict[str, dict[str,
             out[policy]["median_network_estimate_ms"] = round(statistics.median(a.network_ms for a in cloud), 2)
             out[policy]["median_non_model_ms"] = round(statistics.median(a.latency_ms - a.inference_ms
                                                                          for a in cloud), 2)
+            out[policy]["cloud_answers_without_budget"] = sum(a.budget_ms <= 0 for a in cloud)
     return out
+
+
+def run_outage(client: ServeClient, shim: ShimProcess, images: np.ndarray, labels: np.ndarray, next_image: int,
+               per_policy: int, interval_s: float, outage_s: float, args: Any,
+               per_setting: dict[str, Any]) -> dict[str, Any]:
+    """The outage run (added to ``per_setting``); its final JSON keys."""
+    # the outage: a quarter of the run before it, the outage, the rest after (at least 1.5 outages long)
+    shim.set_profile(LinkProfile(args.delay_ms, OUTAGE_CV, args.seed))
+    outage_per_policy = max(per_policy, int((2.5 * outage_s) / interval_s / len(POLICIES)) + 1)
+    outage_at = outage_per_policy * len(POLICIES) * interval_s / 4
+    rows, warmup, counts = run_setting(client, images, labels, next_image, OUTAGE_SLA_MS, outage_per_policy,
+                                       interval_s, shim=shim, outage=(outage_at, outage_s))
+    during = [a.request_id for _, p, at, a in rows if p != "local" and outage_at <= at < outage_at + outage_s]
+    drain_until = time.monotonic() + (8 if args.quick else 40)
+    while set(during) - client.replied and time.monotonic() < drain_until:
+        time.sleep(0.2)
+    outage = summarize(rows)
+    ids = [a.request_id for _, _, _, a in rows]
+    per_setting["outage"] = {**outage, "outage_s": outage_s, "outage_from_s": round(outage_at, 2),
+                             "sla_ms": OUTAGE_SLA_MS, "cv": OUTAGE_CV, "client_counts": counts,
+                             "requests_during_outage_to_cloud": len(during)}
+    log("outage: " + "; ".join(f"{p} sla {s['sla_attainment']:.4f} acc {s['accuracy']:.3f} "
+                               f"device {s['device_share']:.3f}" for p, s in outage.items()))
+    if missed := misses(rows):
+        log(f"outage: after the SLA: {missed}")
+    log(f"outage: client counts {counts}; cloud replied to {len(set(during) & client.replied)} of the "
+        f"{len(during)} requests sent to it during the outage")
+    return {
+        "outage_sla_attainment": outage["mdinference"]["sla_attainment"],
+        "outage_sla_attainment_all_policies": min(outage[p]["sla_attainment"] for p in POLICIES),
+        "outage_answered_once": len(set(ids)) == len(ids) == len(rows),
+        "outage_cloud_replied_share": round(len(set(during) & client.replied) / max(len(during), 1), 4),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     registry = KeyRegistry(tmp / "keys.json")
     key = registry.add(DEVICE)
     worker_log = tmp / "worker.log"
-    worker = start_worker(broker.bootstrap, zoo, registry.path, worker_log)
+    worker = start_worker(broker.bootstrap, zoo, registry.path, worker_log, args.rule)
+    wanted = set(args.settings.split(",")) if args.settings else None
     shim = client = None
     try:
         log(f"broker noida-db on {broker.bootstrap}; worker starting; zoo {zoo.path}")
@@ -192,11 +235,13 @@ def main(argv: list[str] | None = None) -> None:
         next_image = 0
         for sla in SLAS_MS:
             for cv in CVS:
+                name = f"sla{sla:g}_cv{cv * 100:g}"
+                if wanted is not None and name not in wanted:
+                    continue
                 shim.set_profile(LinkProfile(args.delay_ms, cv, args.seed))
                 rows, warmup, counts = run_setting(client, images, labels, next_image, sla, per_policy, interval_s)
                 next_image += (len(rows) + warmup) // len(POLICIES) + 1
                 summary = summarize(rows)
-                name = f"sla{sla:g}_cv{cv * 100:g}"
                 per_setting[name] = {**summary, "late_replies": counts.get("late_replies", 0)}
                 pooled_mdi += [a.latency_ms for _, p, _, a in rows if p == "mdinference"]
                 if missed := misses(rows):
@@ -208,27 +253,10 @@ def main(argv: list[str] | None = None) -> None:
                 log(f"{name}: mdinference budget {mdi.get('median_budget_ms')} ms, network estimate "
                     f"{mdi.get('median_network_estimate_ms')} ms, non-model time of cloud answers "
                     f"{mdi.get('median_non_model_ms')} ms, models {mdi['cloud_models']}")
-        # the outage: a quarter of the run before it, the outage, the rest after (at least 1.5 outages long)
-        shim.set_profile(LinkProfile(args.delay_ms, OUTAGE_CV, args.seed))
-        outage_per_policy = max(per_policy, int((2.5 * outage_s) / interval_s / len(POLICIES)) + 1)
-        outage_at = outage_per_policy * len(POLICIES) * interval_s / 4
-        rows, warmup, counts = run_setting(client, images, labels, next_image, OUTAGE_SLA_MS, outage_per_policy,
-                                           interval_s, shim=shim, outage=(outage_at, outage_s))
-        during = [a.request_id for _, p, at, a in rows if p != "local" and outage_at <= at < outage_at + outage_s]
-        drain_until = time.monotonic() + (8 if args.quick else 40)
-        while set(during) - client.replied and time.monotonic() < drain_until:
-            time.sleep(0.2)
-        outage = summarize(rows)
-        ids = [a.request_id for _, _, _, a in rows]
-        per_setting["outage"] = {**outage, "outage_s": outage_s, "outage_from_s": round(outage_at, 2),
-                                 "sla_ms": OUTAGE_SLA_MS, "cv": OUTAGE_CV, "client_counts": counts,
-                                 "requests_during_outage_to_cloud": len(during)}
-        log("outage: " + "; ".join(f"{p} sla {s['sla_attainment']:.4f} acc {s['accuracy']:.3f} "
-                                   f"device {s['device_share']:.3f}" for p, s in outage.items()))
-        if missed := misses(rows):
-            log(f"outage: after the SLA: {missed}")
-        log(f"outage: client counts {counts}; cloud replied to {len(set(during) & client.replied)} of the "
-            f"{len(during)} requests sent to it during the outage")
+        outage_metrics: dict[str, Any] = {}
+        if wanted is None or "outage" in wanted:
+            outage_metrics = run_outage(client, shim, images, labels, next_image, per_policy, interval_s, outage_s,
+                                        args, per_setting)
         network = [v for k, v in per_setting.items() if k != "outage"]
         attainments = [s["mdinference"]["sla_attainment"] for s in per_setting.values()]
         metrics = {
@@ -240,16 +268,15 @@ def main(argv: list[str] | None = None) -> None:
             "accuracy_local_only": round(statistics.fmean(s["local"]["accuracy"] for s in network), 4),
             "on_device_reliance": round(statistics.fmean(s["mdinference"]["device_share"] for s in network), 4),
             "p99_ms": round(percentile(sorted(pooled_mdi), 99), 2),
-            "outage_sla_attainment": outage["mdinference"]["sla_attainment"],
-            "outage_sla_attainment_all_policies": min(outage[p]["sla_attainment"] for p in POLICIES),
-            "outage_answered_once": len(set(ids)) == len(ids) == len(rows),
-            "outage_cloud_replied_share": round(len(set(during) & client.replied) / max(len(during), 1), 4),
+            **outage_metrics,
             "duplicate_replies": client.counts.get("duplicate_replies", 0),
             "requests_per_policy_per_setting": per_policy,
             "interval_ms": interval_s * 1000,
             "mean_delay_ms": args.delay_ms,
+            "rule": args.rule,
+            "settings_run": list(per_setting),
             "local_model": client.local_model,
-            "static_model": max(zoo.models, key=lambda m: m.input_size).name,
+            "static_model": zoo.largest().name,
             "zoo_accuracy": {m.name: m.accuracy for m in zoo.models},
             "zoo_eval_size": zoo.meta.get("eval_size"),
             "cloud_less_accurate_replies": client.counts.get("cloud_less_accurate", 0),

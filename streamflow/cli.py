@@ -217,11 +217,14 @@ def serve_command(
     models: Annotated[str | None, typer.Option(help="comma-separated zoo models to serve (default: "
                                                     "$STREAMFLOW_SERVE_MODELS, else every model of the zoo)")] = None,
     temperature: Annotated[float | None, typer.Option(help="softmax temperature over accuracies (default: "
-                                                           "$STREAMFLOW_SERVE_TEMPERATURE or 0.005)")] = None,
+                                                           "$STREAMFLOW_SERVE_TEMPERATURE or 0.002)")] = None,
     alpha: Annotated[float | None, typer.Option(help="EWMA weight of a new latency sample (default: "
                                                      "$STREAMFLOW_SERVE_ALPHA or 0.2)")] = None,
     explore: Annotated[float, typer.Option(help="probability of running a model that does not fit the budget, "
                                                "to measure it again")] = 0.02,
+    rule: Annotated[Literal["expected", "paper"] | None, typer.Option(
+        help="model choice: expected (most expected accuracy, the device's answer counted in) or paper (most "
+             "accurate model whose mean + std fits); default $STREAMFLOW_SERVE_RULE or expected")] = None,
     zoo: Annotated[str | None, typer.Option(help="the zoo's zoo.json (default: in $STREAMFLOW_ZOO_DIR)")] = None,
     app_id: Annotated[str | None, typer.Option(help="faust app id: consumer group and table topics")] = None,
     seed: Annotated[int, typer.Option(help="seed of the policy's sampling")] = 0,
@@ -235,8 +238,10 @@ def serve_command(
     from streamflow.serve.zoo import ZooError
 
     names = tuple(n.strip() for n in models.split(",") if n.strip()) if models else None
-    s = settings(serve_temperature=temperature, serve_alpha=alpha, serve_app_id=app_id)  # validates the knobs
+    s = settings(serve_temperature=temperature, serve_alpha=alpha, serve_app_id=app_id,
+                 serve_rule=rule)  # validates the knobs
     config = ServeConfig.from_settings(models=names, temperature=s.serve_temperature, alpha=s.serve_alpha,
+                                       rule=s.serve_rule,
                                        app_id=s.serve_app_id, zoo_path=Path(zoo) if zoo else None, seed=seed,
                                        explore=explore,
                                        web_port=web_port, key_registry=Path(key_registry) if key_registry else None)

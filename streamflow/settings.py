@@ -90,9 +90,12 @@ class Settings:
                                  "table topics", pattern=r"^[A-Za-z0-9._-]{1,100}$")
     serve_models: str | None = _setting(None, "comma-separated zoo models the serving worker runs (default: every "
                                               "model of the zoo)", optional=True)
-    serve_temperature: float = _setting(0.005, "MDInference: softmax temperature over the candidates' accuracies "
+    serve_temperature: float = _setting(0.002, "MDInference: softmax temperature over the candidates' accuracies "
                                                "(0 = always the most accurate)", _number, ge=0)
     serve_alpha: float = _setting(0.2, "MDInference: EWMA weight of a new latency sample", _number, gt=0, le=1)
+    serve_rule: str = _setting("expected", "MDInference's model choice: `expected` (the most expected accuracy, "
+                                           "the device's answer counted in) or `paper` (the most accurate model "
+                                           "whose mean + std fits the budget)", choices=("expected", "paper"))
 
     def __post_init__(self) -> None:
         for field in FIELDS.values():

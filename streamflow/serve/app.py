@@ -2,10 +2,12 @@
 by MDInference's policy.
 
 - an **agent** over the request topic (``serve.requests``, one partition: the profiles below are one state)
-  verifies each request, asks the policy (:mod:`streamflow.serve.policy`) for a model — its budget counts
-  from the time the device still waits when the request leaves (``window_ms``) rather than the whole SLA,
-  less the time the request has already waited in this worker (MDInference assumes an idle server; this one
-  measures its queue), and a request with no budget left is answered ``expired`` — runs it on our
+  verifies each request, asks the policy (:mod:`streamflow.serve.policy`; ``rule`` ``"expected"`` by default,
+  ``"paper"`` for the paper's fit test) for a model — its budget counts from the time the device still waits
+  when the request leaves (``window_ms``) rather than the whole SLA, less the time the request has already
+  waited in this worker (MDInference assumes an idle server; this one measures its queue), and a request the
+  policy would not run a model for (:meth:`~streamflow.serve.policy.MDInference.worth_running`: no budget
+  left, or too small a chance of arriving in time) is answered ``expired`` — runs it on our
   engine (in a thread, so the event loop keeps fetching and heartbeating), and sends a signed reply to
   ``serve.replies`` keyed by the device, on the device's partition
   (:func:`~streamflow.serve.messages.reply_partition`);
@@ -73,9 +75,10 @@ class ServeConfig:
     app_id: str = "streamflow-serve"
     zoo_path: Path | None = None
     models: tuple[str, ...] | None = None  # None: every model of the zoo
-    temperature: float = 0.005
+    temperature: float = 0.002
     alpha: float = 0.2
     explore: float = 0.02
+    rule: str = "expected"  # MDInference's model-choice rule: "expected" or "paper" (streamflow.serve.policy)
     seed: int = 0
     key_registry: Path | None = None
     skip_expired: bool = True
@@ -94,7 +97,7 @@ class ServeConfig:
         values: dict[str, Any] = {
             "bootstrap": s.kafka_bootstrap, "app_id": s.serve_app_id, "zoo_path": s.zoo_dir / "zoo.json",
             "models": names, "temperature": s.serve_temperature, "alpha": s.serve_alpha,
-            "key_registry": s.key_registry,
+            "rule": s.serve_rule, "key_registry": s.key_registry,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -121,15 +124,17 @@ class Server:
 
     @property
     def largest(self) -> str:
-        """The static baseline's model: the largest input (most compute); among equals, the most accurate."""
-        return max(self.models, key=lambda m: (m.input_size, m.accuracy)).name
+        """The static baseline's model: the most work per image (:attr:`ZooModel.compute`: input pixels ×
+        rotations); among equals, the most accurate."""
+        return max(self.models, key=lambda m: (m.compute, m.accuracy)).name
 
     def choose(self, request: Request, profiles: dict[str, Profile], queued_ms: float = 0.0) -> Choice:
         """The policy's choice for ``request``, which has waited ``queued_ms`` in this worker already."""
         wait = request.wait_ms - queued_ms
         if request.policy == "largest":
             return self.policy.static(self.largest, wait, request.upload_ms)
-        return self.policy.choose(self.models, profiles, wait, request.upload_ms, self.rng)
+        return self.policy.choose(self.models, profiles, wait, request.upload_ms, self.rng,
+                                  upload_std_ms=request.upload_std_ms, local_accuracy=request.local_accuracy)
 
     def run_model(self, name: str, request: Request) -> tuple[int, float]:
         predict = self.zoo.predictor(name)
@@ -147,7 +152,8 @@ def load_server(config: ServeConfig) -> Server:
     models = [zoo.get(name) for name in config.models] if config.models else list(zoo.models)
     if config.warm_up:
         zoo.warm_up([m.name for m in models])
-    return Server(config, zoo, models, MDInference(config.temperature, config.alpha, config.explore),
+    return Server(config, zoo, models, MDInference(config.temperature, config.alpha, config.explore,
+                                                          rule=config.rule),  # type: ignore[arg-type]
                   random.Random(config.seed),
                   KeyRegistry(config.key_registry))
 
@@ -252,7 +258,7 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
         arrived = getattr(event.message, "time_in", None)  # set by faust's monitor when the consumer got it
         queued_ms = max(time.monotonic() - arrived, 0.0) * 1000.0 if arrived is not None else 0.0
         choice = server.choose(request, current, queued_ms)
-        if choice.budget_ms <= 0 and config.skip_expired:  # not even the reply would be in time: run nothing
+        if config.skip_expired and not server.policy.worth_running(choice):  # the reply would not be in time
             count("expired")
             await reply(request, Reply(**base, status="expired", budget_ms=choice.budget_ms,
                                        network_ms=choice.network_ms, detail="no time left for a model"))

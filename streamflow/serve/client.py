@@ -8,7 +8,7 @@ this process keeps the deadlines. It answers each request exactly once:
 - with the cloud's reply as soon as one arrives before the deadline — unless the model that answered is less
   accurate (by the zoo) than the device's own: then with the local result, as soon as it is there (the
   cloud's reply if the local model fails, or if the deadline comes first), counted as ``cloud_less_accurate``
-  (MDInference's policy picks the fastest cloud model when none fits the budget, which may be no better
+  (MDInference's paper rule picks the fastest cloud model when none fits the budget, which may be no better
   than the device's);
 - otherwise, at the deadline, with the local model's result (or, if even that is not ready, with whichever
   of the two comes first after the deadline — an SLA miss, counted);
@@ -180,7 +180,7 @@ class ServeClient:
             try:
                 self._network = Child("streamflow.serve.network", self._on_network).start(
                     {"device": self.device, "key": self.key, "bootstrap": bootstrap_servers(self.bootstrap),
-                     "image_format": self.image_format})
+                     "image_format": self.image_format, "local_accuracy": self._accuracy[self.local_model]})
             except Exception:
                 self._device.close()
                 raise

