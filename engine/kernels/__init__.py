@@ -25,15 +25,10 @@ _BY_NAME: dict[str, Kernel] = {}
 def by_name(name: str) -> Kernel:
     kernel = _BY_NAME.get(name)
     if kernel is None:
-        for ks in REGISTRY.values():
-            for k in ks:
-                if k.name == name:
-                    kernel = _BY_NAME[name] = k
-                    break
-            if kernel is not None:
-                break
-        else:
+        kernel = next((k for ks in REGISTRY.values() for k in ks if k.name == name), None)
+        if kernel is None:
             raise KeyError(f"no kernel named {name!r}")
+        _BY_NAME[name] = kernel
     return kernel
 
 

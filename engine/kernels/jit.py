@@ -314,6 +314,7 @@ def depthwise3x3_s1(x, w, b, out):  # pragma: no cover - compiled
                         row[k] += wa * xr[k - 1] + wb * xr[k] + wc * xr[k + 1]
                     row[wd - 1] += wa * xr[wd - 2] + wb * xr[wd - 1]
 
+
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def depthwise3x3_s2(x, w, b, out):  # pragma: no cover - compiled
     """As :func:`depthwise3x3_s1` with stride 2 (out (N, C, ceil(H / 2), ceil(W / 2)))."""
