@@ -37,13 +37,16 @@ Measured side by side in one run:
   Each round is one continuous paced run; percentiles are over all rows
   of all rounds (``p99_ms_*_rounds`` lists each round's p99). Before the first round each sink sends
   untimed warm-up rows (producer connect, topic metadata). The latency rounds run after the
-  throughput rounds, all 3 KB rounds before the 30 KB ones: noida-db rewrites its whole state
-  (every stored record batch, as JSON) to ``kafka.json`` every ~2-3 s, so its CPU and disk load
-  grows with what the topic holds; 30 KB rows add ~3 MB/s, which would slow any 3 KB round after
-  them. The p99 still rises from round to round within one size (``p99_ms_*_rounds``): the topic
-  and the cloud's DuckDB file keep growing, and the machine is shared; read the rounds, not only
-  the pooled figure.
-  ``cloud_consumer_gc``: the garbage collector's pauses in the tunnel's cloud process over the whole run (the
+  throughput rounds, all 3 KB rounds before the 30 KB ones, on a broker and a cloud process (with its
+  DuckDB file) of their own: noida-db rewrites its whole state (every stored record batch, as JSON) to
+  ``kafka.json`` every few seconds, so its CPU and disk load grows with what it holds (measured: the
+  throughput phase leaves 27 MB of JSON, the 3 KB rounds grow it to 79 MB, the 30 KB ones to 570 MB),
+  which Apache Kafka, appending to segment files, does not do; on the shared broker the throughput
+  phase's records slowed every 3 KB round. The p99 still rises from round to round within one size
+  (``p99_ms_*_rounds``): the latency broker's state and the cloud's DuckDB file keep growing, and the
+  machine is shared; read the rounds, not only the pooled figure. With ``STREAMFLOW_KAFKA_BOOTSTRAP``
+  every phase uses that broker.
+  ``cloud_consumer_gc``: the garbage collector's pauses in the latency phase's cloud process (the
   consumer freezes what is alive once it is connected: ``CloudConsumer(freeze_gc=True)``).
 - **Throughput** (``rows_per_s``): IPV rows from the job (~100 B each) written one per
   ``sink.write`` as fast as possible, from the first write until the consumer's commit that makes
@@ -515,24 +518,29 @@ def main(argv: list[str] | None = None) -> None:
         bytes_broker_dir = None
         if bootstrap:
             log(f"broker: {bootstrap} (STREAMFLOW_KAFKA_BOOTSTRAP)")
-            bytes_bootstrap = bootstrap
+            bytes_bootstrap = lat_bootstrap = bootstrap
         else:
             from tests.kafka_broker import LocalBroker
 
             brokers.append(LocalBroker(tmp / "broker").up())
             bytes_broker_dir = tmp / "bytes_broker"
             brokers.append(LocalBroker(bytes_broker_dir).up())
-            bootstrap, bytes_bootstrap = brokers[0].bootstrap, brokers[1].bootstrap
-            log(f"broker: noida-db on {bootstrap}; bytes phase on a private one at {bytes_bootstrap}")
+            brokers.append(LocalBroker(tmp / "latency_broker").up())
+            bootstrap, bytes_bootstrap, lat_bootstrap = (b.bootstrap for b in brokers)
+            log(f"broker: noida-db on {bootstrap}; the bytes and latency phases on private ones at {bytes_bootstrap}"
+                f" and {lat_bootstrap}")
         registry = KeyRegistry(tmp / "keys.json")
         keys = {d: registry.add(d) for d in ("bench-lat-3kb", "bench-lat-30kb", "bench-tput", "bench-bytes")}
-        tunnel_topic, naive_topic = f"bench.tunnel.{run_id}", f"bench.naive.{run_id}"
+        tunnel_topic, naive_topic, lat_topic = (f"bench.{name}.{run_id}" for name in ("tunnel", "naive", "latency"))
         for topic in (tunnel_topic, naive_topic):
             ensure_topic(bootstrap, topic)
+        ensure_topic(lat_bootstrap, lat_topic)
         cloud = Cloud("tunnel", tmp / "cloud.duckdb", registry.path, bootstrap, tunnel_topic, f"bench-cloud-{run_id}")
         naive_cloud = Cloud("naive", tmp / "naive.duckdb", registry.path, bootstrap, naive_topic,
                             f"bench-naive-{run_id}")
-        clouds += [cloud, naive_cloud]
+        lat_cloud = Cloud("tunnel", tmp / "latency_cloud.duckdb", registry.path, lat_bootstrap, lat_topic,
+                          f"bench-latency-{run_id}")
+        clouds += [cloud, naive_cloud, lat_cloud]
 
         # bytes (while the cloud processes start)
         job = load_job(JOB_FILE)
@@ -551,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
         acks: dict[str, list[tuple[int, int, float, float]]] = {kind: [] for kind in DIMS}
         sent: dict[str, dict[int, float]] = {kind: {} for kind in DIMS}  # first seq → last time the sender sent it
         lat_sinks = {kind: TunnelSink(f"bench-lat-{kind}", keys[f"bench-lat-{kind}"], tmp / f"lat_{kind}.spool",
-                                      topic=tunnel_topic, bootstrap=bootstrap,
+                                      topic=lat_topic, bootstrap=lat_bootstrap,
                                       on_ack=lambda e, k=kind: acks[k].append((e.first_seq, e.n_rows, e.sealed_at,
                                                                                time.time())))
                      for kind in DIMS}
@@ -562,13 +570,15 @@ def main(argv: list[str] | None = None) -> None:
         sinks += [*lat_sinks.values(), tput]
         linger_s, batch_rows, tput_compression = tput.linger_s, tput.batch_rows, tput.compression
         rng = np.random.default_rng(args.seed)
-        cloud.resume()
+        lat_cloud.resume()
         for kind, sink in lat_sinks.items():
-            paced(sink, "warmup", rng.standard_normal((WARMUP_ROWS, DIMS[kind]), dtype=np.float32), -1)
+            paced(sink, f"warmup_{kind}", rng.standard_normal((WARMUP_ROWS, DIMS[kind]), dtype=np.float32), -1)
+        lat_cloud.wait_stored(2 * WARMUP_ROWS)
+        cloud.resume()
         for row in ipv_like_rows(ipv_rows, 1000):
             tput.write("warmup_tput", [row])
         tput.flush()
-        cloud.wait_stored(2 * WARMUP_ROWS + 1000)
+        cloud.wait_stored(1000)
         producer = naive_producer(bootstrap)
         naive_cloud.resume()
         send_naive(producer, naive_topic, b"bench-tput", ipv_like_rows(ipv_rows, 1000))
@@ -606,9 +616,9 @@ def main(argv: list[str] | None = None) -> None:
             for rnd in progress(range(args.rounds), f"{kind} latency rounds ({n_paced} rows at {RATE:.0f}/s)",
                                 total=args.rounds):
                 vectors = rng.standard_normal((n_paced, DIMS[kind]), dtype=np.float32)
-                cloud.resume()
+                lat_cloud.resume()
                 achieved[kind].append(paced(sink, f"lat_{kind}", vectors, rnd))
-                cloud.wait_stored(n_paced)
+                lat_cloud.wait_stored(n_paced)
         producer.close(timeout=5)
         tput_batches = tput.stats.batches_acked
         for sink in sinks:
@@ -616,10 +626,11 @@ def main(argv: list[str] | None = None) -> None:
         sinks.clear()
         for c in clouds:
             c.close()
-        if cloud.stats.get("duplicates") or cloud.stats.get("dead"):
-            log(f"cloud consumer: {cloud.stats}")
-        lat = {kind: row_times(cloud.db, f"lat_{kind}", cloud.commits, acks[kind], sent[kind]) for kind in DIMS}
-        cloud_gc = cloud.stats.get("gc")
+        for c in (cloud, lat_cloud):
+            if c.stats.get("duplicates") or c.stats.get("dead"):
+                log(f"cloud consumer: {c.stats}")
+        lat = {kind: row_times(lat_cloud.db, f"lat_{kind}", lat_cloud.commits, acks[kind], sent[kind]) for kind in DIMS}
+        cloud_gc = lat_cloud.stats.get("gc")
     finally:
         for sink in sinks:
             sink.close(timeout_s=2)

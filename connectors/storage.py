@@ -241,8 +241,32 @@ class RowBuffer:
 def _arrow_table(names: tuple[str, ...], columns: list[list[Any]]) -> pa.Table:
     import pyarrow as pa
 
-    arrays = [pa.array(column) for column in columns]
+    arrays = [_arrow_array(column) for column in columns]
     return pa.table({n: a for n, a in zip(names, arrays, strict=True) if not pa.types.is_null(a.type)})
+
+
+def _arrow_array(column: list[Any]) -> pa.Array:
+    """``column`` as Arrow; NumPy vectors of one length and numeric dtype (an embedding, a model's output)
+    as a fixed-size list, which DuckDB stores as an ARRAY (``FLOAT[768]``).
+
+    Why not a plain list: DuckDB (2.0) appends to a variable-length LIST column at a cost that now and
+    then grows with the table (measured, one 768-float row per transaction: every ~105th commit took
+    8 ms after 100 rows, 35 ms after 2,000), while an ARRAY column's commits stay flat (p99 1 ms).
+
+    Example:
+        >>> _arrow_array([np.zeros(3, np.float32), np.ones(3, np.float32)]).type
+        FixedSizeListType(fixed_size_list<item: float>[3])
+        >>> _arrow_array([np.zeros(3), np.ones(2)]).type  # lengths differ: a list
+        ListType(list<item: double>)
+    """
+    import pyarrow as pa
+
+    first = column[0] if column else None
+    if type(first) is np.ndarray and first.ndim == 1 and first.size and first.dtype.kind in "biuf":
+        shape, dtype = first.shape, first.dtype
+        if all(type(v) is np.ndarray and v.shape == shape and v.dtype == dtype for v in column):
+            return pa.FixedSizeListArray.from_arrays(pa.array(np.concatenate(column)), shape[0])
+    return pa.array(column)
 
 
 _NUMPY_DTYPES: dict[type, Any] = {str: object, int: np.int64, float: np.float64, bool: np.bool_}

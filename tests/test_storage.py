@@ -115,6 +115,18 @@ def test_new_columns_nulls_and_lists(tmp_path):
     store.close()
 
 
+def test_numpy_vectors_of_one_length_are_stored_as_a_fixed_size_array(tmp_path):
+    import numpy as np
+
+    store = CollectiveStorage(tmp_path / "f.duckdb", flush_rows=2)
+    store.write("t", [{"a": 1, "vec": np.array([1, 2, 3], np.float32)}, {"a": 2, "vec": np.zeros(3, np.float32)}])
+    store.write("t", [{"a": 3, "vec": np.array([0.5, 1, 2], np.float32)}, {"a": 4, "vec": None}])
+    assert store.query("SELECT a, vec, typeof(vec) FROM t ORDER BY a") == [
+        (1, (1.0, 2.0, 3.0), "FLOAT[3]"), (2, (0.0, 0.0, 0.0), "FLOAT[3]"), (3, (0.5, 1.0, 2.0), "FLOAT[3]"),
+        (4, None, "FLOAT[3]")]  # DuckDB gives an ARRAY as a tuple
+    store.close()
+
+
 def test_rows_a_table_cannot_take_go_to_dead_letter(tmp_path):
     store = CollectiveStorage(tmp_path / "f.duckdb", flush_rows=100)
     store.write("t", [{"user_id": "u1", "n": 1}])

@@ -164,6 +164,33 @@ def test_a_batch_the_tables_refuse_becomes_a_dead_letter_and_the_others_are_stor
         assert store.offsets("topic") == {0: 8}
 
 
+def test_numpy_vectors_travel_as_fixed_size_arrays_and_a_vector_of_another_length_is_a_dead_letter(tmp_path):
+    """An embedding column becomes DuckDB ``FLOAT[4]`` in the offline and online tables (see
+    ``connectors.storage._arrow_array`` for why not a LIST)."""
+    import numpy as np
+
+    from connectors.storage import RowBuffer
+
+    def envelope(first_seq: int, vectors: list) -> bytes:
+        buffer = RowBuffer()
+        buffer.extend([{"user_id": f"u{i}", "vec": v} for i, v in enumerate(vectors)])
+        (rows,) = buffer.to_arrow()
+        return encode("phone-1", "emb", first_seq, rows, KEY)
+
+    vectors = [np.arange(4, dtype=np.float32) + i for i in range(3)]
+    with CloudStore(tmp_path / "c.duckdb", online_lag_s=0.1) as store:
+        store.apply([decode(envelope(0, vectors), KEYS)])
+        store.flush_online()
+        assert store.query("SELECT DISTINCT typeof(vec) FROM emb UNION ALL SELECT DISTINCT typeof(vec) "
+                           "FROM emb_online") == [("FLOAT[4]",), ("FLOAT[4]",)]
+        assert store.query("SELECT vec FROM emb ORDER BY seq") == [(tuple(v.tolist()),) for v in vectors]
+        longer = open_message("topic", 0, 5, envelope(3, [np.zeros(5, np.float32)]), KEYS)
+        result = store.apply([longer], [], {("topic", 0): 6})
+        assert result.stored == 0 and [(d.reason, d.offset) for d in result.dead_letters] == [("unstorable", 5)]
+        assert "refused the batch" in result.dead_letters[0].detail
+        assert store.query("SELECT count(*) FROM emb") == [(3,)]
+
+
 def test_online_table_keeps_the_newest_row_per_key_whatever_the_arrival_order(tmp_path):
     with CloudStore(tmp_path / "c.duckdb") as store:
         store.apply([Batch("phone-1", "ipv", 10, pa.table({"user_id": ["u1"], "item_id": [99]}))], [])
