@@ -45,7 +45,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -296,6 +297,29 @@ def _column_names(batch: pa.Table | dict[str, np.ndarray]) -> list[str]:
     return list(batch) if isinstance(batch, dict) else batch.column_names
 
 
+@contextmanager
+def registered(con: duckdb.DuckDBPyConnection, name: str, relation: Any) -> Iterator[str]:
+    """``relation`` (an Arrow table, NumPy columns) readable as ``name`` in SQL within the block.
+
+    A statement that fails inside a transaction aborts it, and DuckDB then refuses the unregister too:
+    that second error must not replace the first, which is the reason a dead letter gives.
+
+    Example:
+        >>> con = duckdb.connect()
+        >>> with registered(con, "_rows", {"a": np.arange(3)}):
+        ...     con.sql("SELECT sum(a) FROM _rows").fetchall()
+        [(3,)]
+    """
+    con.register(name, relation)
+    try:
+        yield name
+    except BaseException:
+        with suppress(duckdb.Error):
+            con.unregister(name)
+        raise
+    con.unregister(name)
+
+
 def ensure_columns(con: duckdb.DuckDBPyConnection, table: str, relation: str, columns: Iterable[str],
                    known: set[str]) -> None:
     """Create ``table`` shaped like the registered ``relation`` or add the ``columns`` it lacks.
@@ -535,14 +559,11 @@ class CollectiveStorage:
 
     def _insert_batches(self, table: str, batches: Iterable[pa.Table | dict[str, np.ndarray]]) -> None:
         for batch in batches:
-            self._con.register("_sf_batch", batch)
-            try:
+            with registered(self._con, "_sf_batch", batch):
                 columns = _column_names(batch)
                 ensure_columns(self._con, table, "_sf_batch", columns, self._columns.setdefault(table, set()))
                 names = quoted_list(columns)
                 self._con.execute(f"INSERT INTO {quote_identifier(table)} ({names}) SELECT {names} FROM _sf_batch")
-            finally:
-                self._con.unregister("_sf_batch")
 
     def _refusal(self, table: str, index: int, row: Mapping[str, Any], exc: BaseException) -> dict[str, Any]:
         """The dead-letter row of a row ``table`` refused (naming who wrote it, see :meth:`name_writer`)."""

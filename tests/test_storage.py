@@ -124,6 +124,10 @@ def test_numpy_vectors_of_one_length_are_stored_as_a_fixed_size_array(tmp_path):
     assert store.query("SELECT a, vec, typeof(vec) FROM t ORDER BY a") == [
         (1, (1.0, 2.0, 3.0), "FLOAT[3]"), (2, (0.0, 0.0, 0.0), "FLOAT[3]"), (3, (0.5, 1.0, 2.0), "FLOAT[3]"),
         (4, None, "FLOAT[3]")]  # DuckDB gives an ARRAY as a tuple
+    store.write("t", [{"a": 5, "vec": np.zeros(4, np.float32)}])  # the column's dimension is 3: refused, kept
+    assert store.query("SELECT count(*) FROM t") == [(4,)]
+    (reason,) = store.query(f"SELECT reason FROM {DEAD_LETTER_TABLE}")[0]
+    assert "refused by table t" in reason and "array of size 4 to array of size 3" in reason
     store.close()
 
 

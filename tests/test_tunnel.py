@@ -187,7 +187,7 @@ def test_numpy_vectors_travel_as_fixed_size_arrays_and_a_vector_of_another_lengt
         longer = open_message("topic", 0, 5, envelope(3, [np.zeros(5, np.float32)]), KEYS)
         result = store.apply([longer], [], {("topic", 0): 6})
         assert result.stored == 0 and [(d.reason, d.offset) for d in result.dead_letters] == [("unstorable", 5)]
-        assert "refused the batch" in result.dead_letters[0].detail
+        assert "refused the batch" in result.dead_letters[0].detail and "size 5" in result.dead_letters[0].detail
         assert store.query("SELECT count(*) FROM emb") == [(3,)]
 
 

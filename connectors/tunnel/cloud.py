@@ -67,7 +67,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from connectors.storage import ensure_columns, is_identifier, quote_identifier, quoted_list
+from connectors.storage import ensure_columns, is_identifier, quote_identifier, quoted_list, registered
 from connectors.tunnel.envelope import Batch, EnvelopeError, Keys, Origin, decode
 from connectors.tunnel.kafka import (
     CLIENT_TIMEOUTS,
@@ -418,15 +418,12 @@ class CloudStore:
             names = quoted_list(full.column_names)
             con.execute(f"INSERT INTO {quote_identifier(table)} ({names}) SELECT {names} FROM tunnel_rows_to_store")
             return full
-        con.register("_sf_rows", full)
-        try:
+        with registered(con, "_sf_rows", full):
             names = quoted_list(full.column_names)
             ensure_columns(con, table, "_sf_rows", full.column_names, self._columns.setdefault(table, set()))
             con.execute(f"INSERT INTO {quote_identifier(table)} ({names}) SELECT {names} FROM _sf_rows")
             if self.online_lag_s == 0:
                 self._upsert_online(f"{table}_online", full)
-        finally:
-            con.unregister("_sf_rows")
         return full
 
     def online_due_in(self) -> float:
