@@ -460,9 +460,9 @@ class CloudStore:
     def _online_transaction(self, table: str, full: pa.Table) -> None:
         con = self._con
         con.execute("BEGIN")
-        con.register("_sf_rows", full)
         try:
-            self._upsert_online(f"{table}_online", full)
+            with registered(con, "_sf_rows", full):
+                self._upsert_online(f"{table}_online", full)
             con.execute("INSERT INTO tunnel_online_marks VALUES (?, ?)",
                         [table, pc.max(full.column("ingested_at")).as_py()])
             con.execute("COMMIT")
@@ -471,8 +471,6 @@ class CloudStore:
             self._columns.clear()  # a rolled-back CREATE/ALTER: re-read the tables next time
             self._online_keys.clear()
             raise
-        finally:
-            con.unregister("_sf_rows")
 
     def _online_refused(self, table: str, rows: pa.Table, exc: Exception) -> None:
         self.online_errors += 1
