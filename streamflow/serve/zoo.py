@@ -11,8 +11,8 @@ see less detail (on the evaluation set the model holds ~98% down to 96 px and fa
 The zoo also holds models with test-time rotation (``pplcnet_224_rot4`` ... ``pplcnet_96_rot4``): the page is
 fed in its four rotations as one batch of 4 and the class probabilities, each turned back by its rotation, are
 averaged. Same weights, four times the work, more accurate (on the 2,000-page evaluation set: 224 px 0.993 -> 1.000,
-160 px 0.993 -> 0.997, 128 px 0.985 -> 0.996, 96 px 0.971 -> 0.989), 5-18 ms on this machine against 2-5 ms for
-one pass: a latency/accuracy spread, without which the zoo's models differ by a few ms against tens of ms of
+160 px 0.993 -> 0.997, 128 px 0.985 -> 0.996, 96 px 0.971 -> 0.989), 4-13 ms on this machine against 1.5-4 ms
+for one pass: a latency/accuracy spread, without which the zoo's models differ by a few ms against tens of ms of
 network jitter and the choice of model hardly matters (MDInference is about that choice). The largest model
 (the most work per image, :meth:`Zoo.largest`) is then also the most accurate, ``pplcnet_224_rot4``: the static
 baseline "always the largest model" is the best answer the zoo can give when time allows.
