@@ -85,9 +85,9 @@ def compile_sources() -> None:
         compileall.compile_dir(REPO / package, quiet=1)
 
 
-def streamflow_command(csv: Path, db: Path) -> list[str]:
+def streamflow_command(csv: Path, db: Path, mode: str = "automatic") -> list[str]:
     return [sys.executable, "-m", "streamflow.cli", "run", str(JOB_FILE), "--events", str(csv), "--db", str(db),
-            "--show", "0"]
+            "--show", "0", "--mode", mode]
 
 
 def bytewax_command(csv: Path, db: Path) -> list[str]:
@@ -134,14 +134,20 @@ def ipv_rows(db: Path) -> list[tuple[Any, ...]]:
 def compare(csv: Path, lines: int, pairs: int, tmp: Path, label: str) -> dict[str, Any]:
     """``pairs`` side-by-side runs of both over ``csv``: medians of rate and peak RSS, rows equal in all."""
     ours, theirs, ours_cpu, theirs_cpu, ours_mb, theirs_mb = [], [], [], [], [], []
+    streaming_s, streaming_mb, modes = [], [], set()
     rows_equal, n_rows = True, 0
     for p in progress(range(pairs), f"{label}: pairs", total=pairs):
-        sf_db, bw_db = tmp / f"sf_{label}_{p}.duckdb", tmp / f"bw_{label}_{p}.duckdb"
-        runs = [("streamflow", streamflow_command(csv, sf_db)), ("bytewax", bytewax_command(csv, bw_db))]
+        sf_db, bw_db, st_db = (tmp / f"{name}_{label}_{p}.duckdb" for name in ("sf", "bw", "st"))
+        runs = [("streamflow", streamflow_command(csv, sf_db)), ("bytewax", bytewax_command(csv, bw_db)),
+                ("streaming", streamflow_command(csv, st_db, "streaming"))]
         measured = {}
         for name, command in runs if p % 2 == 0 else runs[::-1]:
             measured[name] = run_process(command, tmp / f"{name}.log")
+            if name == "streamflow":
+                modes.add("batch" if "runtime mode     batch" in (tmp / f"{name}.log").read_text() else "streaming")
         (sf_s, sf_cpu, sf_mb), (bw_s, bw_cpu, bw_mb) = measured["streamflow"], measured["bytewax"]
+        streaming_s.append(measured["streaming"][0])
+        streaming_mb.append(measured["streaming"][2])
         ours.append(sf_s)
         theirs.append(bw_s)
         ours_cpu.append(sf_cpu)
@@ -149,19 +155,21 @@ def compare(csv: Path, lines: int, pairs: int, tmp: Path, label: str) -> dict[st
         ours_mb.append(sf_mb)
         theirs_mb.append(bw_mb)
         sf_rows, bw_rows = ipv_rows(sf_db), ipv_rows(bw_db)
-        rows_equal = rows_equal and sf_rows == bw_rows and bool(sf_rows)
+        rows_equal = rows_equal and sf_rows == bw_rows == ipv_rows(st_db) and bool(sf_rows)
         n_rows = len(sf_rows)
-        sf_db.unlink()
-        bw_db.unlink()
+        for db in (sf_db, bw_db, st_db):
+            db.unlink()
         log(f"  {label}: streamflow {sf_s:.2f} s (CPU {sf_cpu:.2f} s) {sf_mb:.0f} MiB, "
             f"bytewax {bw_s:.2f} s (CPU {bw_cpu:.2f} s) {bw_mb:.0f} MiB, "
-            f"{len(sf_rows):,} vs {len(bw_rows):,} rows, equal: {sf_rows == bw_rows}")
+            f"{len(sf_rows):,} vs {len(bw_rows):,} rows, equal: {sf_rows == bw_rows}; "
+            f"streamflow --mode streaming {measured['streaming'][0]:.2f} s {measured['streaming'][2]:.0f} MiB")
     sf_s, bw_s = median(ours), median(theirs)
     return {"lines": lines, "wall_s": sf_s, "bytewax_wall_s": bw_s, "events_per_s": lines / sf_s,
             "bytewax_events_per_s": lines / bw_s, "events_per_cpu_s": lines / median(ours_cpu),
             "bytewax_events_per_cpu_s": lines / median(theirs_cpu),
             "peak_mb": median(ours_mb), "bytewax_peak_mb": median(theirs_mb),
-            "rows": n_rows, "rows_equal": rows_equal}
+            "rows": n_rows, "rows_equal": rows_equal, "runtime_mode": "/".join(sorted(modes)),
+            "streaming_events_per_s": lines / median(streaming_s), "streaming_peak_mb": median(streaming_mb)}
 
 
 def startup(one_line: Path, pairs: int, tmp: Path) -> tuple[float, float]:
@@ -232,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
         "peak_mb": round(big["peak_mb"], 1),
         "bytewax_peak_mb": round(big["bytewax_peak_mb"], 1),
         "rows_equal": big["rows_equal"] and small["rows_equal"],
+        "runtime_mode": big["runtime_mode"],
+        "streaming_speedup_vs_bytewax": round(big["streaming_events_per_s"] / big["bytewax_events_per_s"], 3),
+        "streaming_peak_mb": round(big["streaming_peak_mb"], 1),
         "events_per_cpu_s": round(big["events_per_cpu_s"]),
         "bytewax_events_per_cpu_s": round(big["bytewax_events_per_cpu_s"]),
         "speedup_vs_bytewax_cpu": round(big["events_per_cpu_s"] / big["bytewax_events_per_cpu_s"], 3),

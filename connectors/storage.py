@@ -412,6 +412,25 @@ class CollectiveStorage:
             if self._writer is not None and self._writer.outcomes:
                 self._settle()
 
+    def write_table(self, table: str, data: pa.Table) -> None:
+        """Store ``data`` (Arrow, a row per row) in ``table`` now, after the rows buffered for it: one insert;
+        rows the table refuses go to the dead letter, as :meth:`write`'s do (the device runner's batch mode).
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"storage {self.path} is closed")
+            check_table_name(table)
+            self._flush_table(table)
+            self._drain()
+            self.rows_written[table] = self.rows_written.get(table, 0) + data.num_rows
+            try:
+                self._insert(table, data)
+                refused = []
+            except row_encoding_errors():
+                refused = self._insert_row_by_row(table, data.to_pylist())
+            self._account_refusals(table, refused)
+            self.flushes += 1
+
     def flush(self) -> None:
         """Store every buffered row in the DuckDB file (held storage: nothing, rows wait for :meth:`commit`).
 

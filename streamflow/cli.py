@@ -38,7 +38,7 @@ from streamflow.deploy.release_commands import deploy_server, release_app
 from streamflow.flink.connector_jars import kafka_topic  # reads kafka://TOPIC without PyFlink
 from streamflow.job import Job, JobLoadError, load_job
 from streamflow.progress import track
-from streamflow.runners.device import DeviceRunner
+from streamflow.runners.device import DeviceRunner, RuntimeMode
 from streamflow.settings import SettingsError, env_name, settings
 from streamflow.sources import FORMATS, open_source
 from streamflow.summary import SYSTEM_TABLES, RunSummary
@@ -81,6 +81,7 @@ class RunOptions:
     checkpoint_interval: float | None
     checkpoint_dir: str | None
     show: int
+    mode: RuntimeMode = "automatic"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -154,6 +155,10 @@ def run(
     checkpoint_dir: Annotated[str | None, typer.Option(help="flink runner: enable Flink checkpointing into this "
                                                             "directory")] = None,
     show: Annotated[int, typer.Option(help="sample rows to print per table")] = 3,
+    mode: Annotated[RuntimeMode, typer.Option(help="device runner: streaming (event by event), batch (the whole file "
+                                                   "column by column, for jobs and clean inputs that allow it; an "
+                                                   "error otherwise), automatic (batch where allowed, else "
+                                                   "streaming)")] = "automatic",
     tunnel: Annotated[Literal["none", "kafka"], typer.Option(rich_help_panel=TUNNEL_PANEL, help="kafka: also send "
                       "every task's rows to the features topic ($STREAMFLOW_KAFKA_BOOTSTRAP)")] = "none",
     device_id: Annotated[str | None, typer.Option(rich_help_panel=TUNNEL_PANEL, help="this device's id (default: "
@@ -172,7 +177,7 @@ def run(
 ) -> int:
     options = RunOptions(events, fmt, settings(runner=runner).runner, db, workers, quarantine_after, cluster,
                          parallelism, pace_ms, state_ttl, max_users, replace, checkpoint_interval, checkpoint_dir,
-                         show)
+                         show, mode)
     tunnel_options = TunnelOptions(tunnel, device_id, key_registry, topic, compression, spool, tunnel_wait)
     return _run(load_job(job), options, tunnel_options)
 
@@ -318,7 +323,7 @@ def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
             tunnel = tunnel_commands.open_tunnel(tunnel_options, args.runner, storage)
             runner = DeviceRunner(job, storage, workers=args.workers, quarantine_after=args.quarantine_after,
                                   tunnel=tunnel, state_ttl_s=args.state_ttl, max_users=args.max_users,
-                                  checkpoint_interval_s=args.checkpoint_interval)
+                                  checkpoint_interval_s=args.checkpoint_interval, runtime_mode=args.mode)
             try:
                 summary = runner.run(source, progress=lambda records: track(records, desc=f"{job.name} on device"))
             finally:

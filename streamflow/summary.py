@@ -37,6 +37,9 @@ class RunSummary:
     elapsed_s: float = 0.0
     #: Users (keys) whose state was dropped to stay under the runner's cap on users held in memory.
     evicted_users: int = 0
+    #: How the device runner ran: ``streaming`` (event by event) or ``batch`` (column by column, see
+    #: :mod:`streamflow.batch`).
+    runtime_mode: str = "streaming"
 
     @property
     def rejected_total(self) -> int:
@@ -58,6 +61,8 @@ class RunSummary:
             state = "  QUARANTINED" if stats.quarantined else ""
             lines.append(f"  task {name:<18} fired {stats.fired:>7,}  rows {stats.rows:>7,}  "
                          f"errors {stats.errors:,}{state}")
+        if self.runtime_mode == "batch":
+            lines.append("runtime mode     batch  (the bounded input column by column)")
         if self.evicted_users:
             lines.append(f"evicted users    {self.evicted_users:,}  (state dropped: over the cap on users in memory)")
         lines.append(f"rejected records {self.rejected_total:,}" +

@@ -59,7 +59,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, check_table_name, to_json
 from streamflow.checkpoint import Checkpoint, CheckpointError, has_checkpoint, job_fingerprint, load_checkpoint
@@ -77,6 +77,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("streamflow.device")
 #: Records processed per block (see DeviceRunner.process_block).
 BLOCK_SIZE = 64
+#: How a run executes (as Flink's ``execution.runtime-mode``): ``streaming`` event by event; ``batch`` the
+#: bounded input column by column (:mod:`streamflow.batch`: refused when the job or input does not
+#: allow it); ``automatic`` batch where it is allowed, else streaming.
+RuntimeMode = Literal["streaming", "batch", "automatic"]
+RUNTIME_MODES: tuple[str, ...] = get_args(RuntimeMode)
 _user_of = attrgetter("user_id")
 _ts_of = attrgetter("ts")
 
@@ -100,7 +105,11 @@ class DeviceRunner:
     def __init__(self, job: Job, storage: CollectiveStorage, workers: int = 2, quarantine_after: int = 5,
                  guard: TimestampGuard | None = None, record_latency: bool = False, tunnel: TunnelSink | None = None,
                  max_users: int | None = None, state_ttl_s: float | None = None,
-                 checkpoint_interval_s: float | None = None, block_size: int | None = None):
+                 checkpoint_interval_s: float | None = None, block_size: int | None = None,
+                 runtime_mode: RuntimeMode = "streaming"):
+        if runtime_mode not in RUNTIME_MODES:
+            raise ValueError(f"runtime_mode must be one of {', '.join(RUNTIME_MODES)}, got {runtime_mode!r}")
+        self.runtime_mode = runtime_mode
         if checkpoint_interval_s is not None and not checkpoint_interval_s > 0:
             raise ValueError(f"checkpoint_interval_s must be > 0 seconds, got {checkpoint_interval_s!r}")
         if checkpoint_interval_s is not None:
@@ -294,6 +303,8 @@ class DeviceRunner:
         self._prechecked = (self._own_guard and isinstance(source, LineSource) and source.events_checked
                             and source.guard is None and source.state_ttl_s is None and self.state_ttl_s is None)
         try:
+            if self.runtime_mode != "streaming" and reader is None and self._run_batch(source):
+                return self.summary
             self._run_blocks(records, reader)
             self.finish()
             if reader is not None:
@@ -306,6 +317,19 @@ class DeviceRunner:
             self.summary.rows_written = dict(self.storage.rows_written)
             self.summary.refused_rows = dict(self.storage.refused)
         return self.summary
+
+    def _run_batch(self, source: Iterable[Event | Rejected] | LineSource) -> bool:
+        """Run in batch mode if the job and input allow it (see :mod:`streamflow.batch`): whether it ran."""
+        from streamflow.batch import run_batch  # here: pyarrow costs start-up time a streaming run need not pay
+
+        refusal = run_batch(self, source)
+        if refusal is None:
+            log.info("job %s ran in batch mode", self.job.name)
+            return True
+        if self.runtime_mode == "batch":
+            raise ValueError(f"batch mode cannot run job {self.job.name!r}: {refusal}")
+        log.info("job %s streams: batch mode does not apply (%s)", self.job.name, refusal)
+        return False
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint(self, position: SourcePosition, complete: bool = False) -> None:

@@ -1,0 +1,319 @@
+"""The device runner's batch mode: a bounded input computed column by column.
+
+Flink runs a DataStream program over bounded input in BATCH execution mode, with other operator
+implementations and the same final results. The device runner does the same for a file: the whole
+file is read as columns (pyarrow), every user's item-page visits are found with array operations,
+each task's aggregation becomes one array per column and its Map and Filter steps run over columns
+(:mod:`streamflow.columnar`); the rows go to storage in one insert per task, in the order the
+streaming run would write them.
+
+It applies (otherwise the runner streams, and says why) when:
+
+- the source is a Taobao CSV file read with the default timestamp guard, and every line is clean
+  (:meth:`~streamflow.sources.TaobaoBehaviorSource.clean_columns`), within the guard's bounds and
+  never earlier than the user's previous line: nothing would be dead-lettered;
+- the run keeps no state across runs or users: no checkpoints, state TTL, cap on users, tunnel,
+  latency recording, stream tasks, task swaps or safe-point hooks;
+- every task fires on the exit of the item page (``trigger=["item"]``) over the page
+  (``input="page"``), and its pipeline is an :class:`~operators.Aggregate` of ``First``/``Last``
+  (of an event field), ``Count``, ``Min``/``Max("ts")`` or ``CountBy("event_id")``, without
+  ``where=``, followed by Map and Filter steps that run over columns.
+
+Before anything is written, the rows of a sample of firings of every task are computed again the
+streaming way (the source's per-line mapping, the task's own compiled pipeline) and compared, value
+and type; a difference makes the run stream.
+
+Example:
+    >>> import os, tempfile
+    >>> from connectors import CollectiveStorage
+    >>> from operators import Aggregate, CountBy, First, Map
+    >>> from streamflow import Job, Task
+    >>> from streamflow.runners import DeviceRunner
+    >>> from streamflow.sources import TaobaoBehaviorSource
+    >>> folder = tempfile.mkdtemp()
+    >>> path = os.path.join(folder, "b.csv")
+    >>> _ = open(path, "w").write("1,10,7,pv,1511848800\\n1,10,7,fav,1511848860\\n1,11,7,pv,1511848900\\n")
+    >>> task = Task("favs", ["item"], [Aggregate(item=First("item_id"), n=CountBy("event_id")),
+    ...                                Map(lambda r: {"item": r["item"], "favs": r["n"].get("fav", 0)})], input="page")
+    >>> runner = DeviceRunner(Job("j", [task]), CollectiveStorage(os.path.join(folder, "f.duckdb")),
+    ...                       runtime_mode="batch")
+    >>> runner.run(TaobaoBehaviorSource(path)).runtime_mode
+    'batch'
+    >>> runner.storage.query("SELECT user_id, trigger_ts, item, favs FROM favs")
+    [('1', 1511848900.0, '10', 1), ('1', 1511848900.0, '11', 0)]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from operators import Aggregate, Count, CountBy, First, Last, Max, Min
+from streamflow.columnar import (
+    Column,
+    CountsColumn,
+    NotColumnar,
+    TextColumn,
+    constant,
+    numpy_of,
+    run_row_steps,
+    select_rows,
+    text_of,
+    to_arrow,
+)
+from streamflow.events import PAGE_ENTER, PAGE_EXIT, TimestampGuard
+from streamflow.sources import ITEM_PAGE, LineSource, TaobaoBehaviorSource, item_page_events
+
+if TYPE_CHECKING:
+    from streamflow.runners.device import DeviceRunner
+
+log = logging.getLogger("streamflow.batch")
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6")
+    _LIBC.malloc_trim  # noqa: B018 - glibc only
+except (OSError, AttributeError):
+    _LIBC = None
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+#: Event fields every event of an item page carries (``Event`` attributes and ``contents`` keys).
+EVENT_FIELDS = ("user_id", "event_id", "page_id", "ts", "item_id", "category_id")
+#: Firings per task recomputed the streaming way before anything is written.
+SAMPLE_FIRINGS = 16
+
+
+def refusal(runner: DeviceRunner, source: Any) -> str | None:
+    """Why batch mode cannot run ``runner``'s job over ``source`` (before reading it), or ``None``."""
+    if not isinstance(source, TaobaoBehaviorSource):
+        return f"the input is not a Taobao CSV file but {type(source).__name__}"
+    settings = {"checkpoints": runner.checkpoint_interval_s, "a state TTL": runner.state_ttl_s or source.state_ttl_s,
+                "a cap on users": runner.max_users, "the tunnel": runner.tunnel,
+                "latency recording": runner.latencies_s is not None, "stream tasks": runner._streams,
+                "a safe-point hook or task swap": runner._hooks or runner._swaps,
+                "a timestamp guard of its own": not runner._own_guard or source.guard is not None}
+    for what, on in settings.items():
+        if on:
+            return f"the run has {what}"
+    for name, task in runner.execution.tasks.items():
+        if task.input != "page" or tuple(task.trigger) != (ITEM_PAGE,):
+            return f"task {name} does not fire on the item page's exit over the page"
+        why = _pipeline_refusal(runner.execution._pipelines[name])
+        if why is not None:
+            return f"task {name}: {why}"
+    return None
+
+
+def _pipeline_refusal(pipeline: list[Any]) -> str | None:
+    if not pipeline or type(pipeline[0]) is not Aggregate:
+        return "its pipeline does not start with Aggregate"
+    for name, aggregation in pipeline[0].aggregations.items():
+        kind, field = type(aggregation), aggregation.field
+        if aggregation.where is not None or field not in (*EVENT_FIELDS, None):
+            return f"{name}={aggregation!r} reads something else than an event field"
+        if not (kind in (First, Last, Count) or (kind in (Min, Max) and field == "ts")
+                or (kind is CountBy and field == "event_id")):
+            return f"{name}={aggregation!r} has no column form here"
+    if any(getattr(op, "row_step", None) is None for op in pipeline[1:]):
+        return "a step after Aggregate is not a Map or Filter"
+    return None
+
+
+@dataclass
+class PageVisits:
+    """Every item-page visit of a file, one array entry per visit, in the order the streaming run
+    fires them (each exit is fired when the user's next line is read; the exits still open at the
+    end come last, in the order the users first appeared)."""
+
+    users: TextColumn
+    items: TextColumn
+    categories: TextColumn
+    enter_ts: np.ndarray
+    exit_ts: np.ndarray
+    n_events: np.ndarray
+    #: Per behaviour, how many events of it each page holds (``pv``: reloads, not the entering view).
+    behaviors: dict[str, np.ndarray]
+    #: Each page's first and last line, and the line after it (``-1``: none of the user's), indexing
+    #: ``lines``: the file's rows sorted by user (stable), for recomputing a firing.
+    first_line: np.ndarray
+    last_line: np.ndarray
+    next_line: np.ndarray
+    lines: dict[str, Any]
+
+    def __len__(self) -> int:
+        return len(self.enter_ts)
+
+
+def page_visits(table: pa.Table, gap: float, guard: TimestampGuard) -> PageVisits | str:
+    """The page visits of a clean file's columns (:meth:`TaobaoBehaviorSource.clean_columns`), as
+    :func:`~streamflow.sources.item_page_events` makes them line by line; or why a line would be rejected."""
+    n = table.num_rows
+    if n == 0:
+        return "no lines"
+    ts = numpy_of(table.column("ts").combine_chunks())
+    if (ts.min() < guard.min_ts or ts.max() > guard.max_ts):
+        return "a timestamp outside the timestamp guard's bounds"
+    users = text_of(table.column("user_id").combine_chunks())  # codes in order of first appearance
+    order = np.argsort(users.codes, kind="stable")
+    user, ts = users.codes[order], ts[order]
+    new_user = np.ones(n, dtype=bool)
+    new_user[1:] = user[1:] != user[:-1]
+    step = np.zeros(n)
+    step[1:] = np.diff(ts)
+    if np.any((step < 0) & ~new_user):
+        return "a timestamp earlier than the same user's previous one"
+    items = text_of(table.column("item_id").combine_chunks())
+    categories = text_of(table.column("category_id").combine_chunks())
+    behaviors = text_of(table.column("behavior").combine_chunks())
+    item, category, behavior = items.codes[order], categories.codes[order], behaviors.codes[order]
+    new_page = new_user.copy()
+    new_page[1:] |= (item[1:] != item[:-1]) | (step[1:] > gap)
+    starts = np.flatnonzero(new_page)
+    ends = np.append(starts[1:], n) - 1
+    after = ends + 1
+    same_user_next = after < n
+    same_user_next[same_user_next] = ~new_user[after[same_user_next]]
+    next_line = np.where(same_user_next, after, -1)
+    within_gap = same_user_next & (step[np.minimum(after, n - 1)] <= gap)
+    exit_ts = np.where(within_gap, ts[np.minimum(after, n - 1)], ts[ends])
+    names = behaviors.dictionary.to_pylist()
+    first_viewed = (behavior[starts] == names.index("pv")).astype(np.int64) if "pv" in names else 0 * starts
+    counts = {}
+    for code, name in enumerate(names):
+        per_page = np.add.reduceat((behavior == code).astype(np.int64), starts)
+        counts[name] = per_page - first_viewed if name == "pv" else per_page  # the entering view is no pv event
+    # The streaming run fires an exit when the user's next line is read, or at the end (users in first-seen order).
+    fired = np.argsort(np.where(same_user_next, order[np.minimum(after, n - 1)], n + user[starts]), kind="stable")
+    starts, ends, next_line, exit_ts = starts[fired], ends[fired], next_line[fired], exit_ts[fired]
+    first_viewed = first_viewed[fired]
+    counts = {name: per_page[fired] for name, per_page in counts.items()}
+    return PageVisits(
+        users=TextColumn(user[starts], users.dictionary), items=TextColumn(item[starts], items.dictionary),
+        categories=TextColumn(category[starts], categories.dictionary), enter_ts=ts[starts], exit_ts=exit_ts,
+        n_events=ends - starts + 3 - first_viewed, behaviors=counts, first_line=starts, last_line=ends,
+        next_line=next_line,
+        lines={"users": (user, users), "items": (item, items), "categories": (category, categories),
+               "behaviors": (behavior, behaviors), "ts": ts})
+
+
+def aggregate_columns(aggregate: Aggregate, visits: PageVisits) -> dict[str, Any]:
+    """One column per aggregation of ``aggregate`` over every page (see :func:`refusal` for which)."""
+    size = len(visits)
+    enter = {"user_id": visits.users, "event_id": constant(PAGE_ENTER, size), "page_id": constant(ITEM_PAGE, size),
+             "ts": Column(visits.enter_ts), "item_id": visits.items, "category_id": visits.categories}
+    leave = {**enter, "event_id": constant(PAGE_EXIT, size), "ts": Column(visits.exit_ts)}
+    columns: dict[str, Any] = {}
+    for name, aggregation in aggregate.aggregations.items():
+        kind = type(aggregation)
+        if kind in (First, Min):
+            columns[name] = enter[aggregation.field]
+        elif kind in (Last, Max):
+            columns[name] = leave[aggregation.field]
+        elif kind is Count:
+            columns[name] = Column(visits.n_events)
+        else:  # CountBy("event_id"): page_enter, then the page's behaviours, then page_exit
+            ones = np.ones(size, dtype=np.int64)
+            columns[name] = CountsColumn({PAGE_ENTER: ones, **visits.behaviors, PAGE_EXIT: ones}, size)
+    return columns
+
+
+def task_rows(runner: DeviceRunner, name: str, visits: PageVisits) -> tuple[pa.Table, np.ndarray]:
+    """Task ``name``'s rows over every page, as Arrow, and the pages they come from; or :class:`NotColumnar`."""
+    pipeline = runner.execution._pipelines[name]
+    columns = aggregate_columns(pipeline[0], visits)
+    out, kept = run_row_steps([op.row_step for op in pipeline[1:]], columns, len(visits))
+    pages = np.arange(len(visits)) if kept is None else kept
+    head = {"user_id": select_rows(visits.users, pages), "trigger_ts": Column(visits.exit_ts[pages])}
+    rows = {**head, **out}
+    return pa.Table.from_arrays([to_arrow(column) for column in rows.values()], names=list(rows)), pages
+
+
+def streaming_rows(runner: DeviceRunner, source: TaobaoBehaviorSource, name: str, visits: PageVisits,
+                   page: int) -> list[dict[str, Any]] | Exception:
+    """What the streaming run makes of page ``page`` for task ``name``: the source's per-line events, the task."""
+    lines = visits.lines
+    text = {key: lines[key][1].dictionary for key in ("users", "items", "categories", "behaviors")}
+
+    def line(i: int) -> tuple[str, str, str, str, float]:
+        values = [text[key][int(lines[key][0][i])].as_py() for key in ("users", "items", "categories", "behaviors")]
+        return (*values, float(lines["ts"][i]))
+
+    state, events = None, []
+    for i in range(visits.first_line[page], visits.last_line[page] + 1):
+        state, more = item_page_events(state, *line(i), source.inactivity_gap_s)
+        events += more
+    user = line(visits.first_line[page])[0]
+    if visits.next_line[page] >= 0:
+        exit_event = item_page_events(state, *line(visits.next_line[page]), source.inactivity_gap_s)[1][0]
+    else:
+        exit_event = source.end_events(user, state)[0]
+    return runner.execution.run_task(name, exit_event, [*events, exit_event])
+
+
+def sample_difference(runner: DeviceRunner, source: TaobaoBehaviorSource, name: str, visits: PageVisits,
+                      rows: pa.Table, pages: np.ndarray) -> str | None:
+    """How a sample of task ``name``'s batch rows differ from the streaming run's, or ``None``."""
+    sample = np.unique(np.linspace(0, len(visits) - 1, min(SAMPLE_FIRINGS, len(visits))).astype(np.int64))
+    position = {int(page): i for i, page in enumerate(pages)}
+    for page in sample.tolist():
+        expected = streaming_rows(runner, source, name, visits, page)
+        got = [rows.slice(position[page], 1).to_pylist()[0]] if page in position else []
+        if isinstance(expected, Exception) or _typed(expected) != _typed(got):
+            return f"task {name}, page {page}: the streaming pipeline gives {expected!r}, the columns {got!r}"
+    return None
+
+
+def _typed(rows: list[dict[str, Any]]) -> list[list[tuple[str, type, Any]]]:
+    return [[(key, type(value), value) for key, value in row.items()] for row in rows]
+
+
+def _release_free_memory() -> None:
+    """Hand the memory freed so far back to the system (glibc keeps freed heap for reuse; Arrow's pool
+    its own), so that DuckDB's insert does not add to the peak of the steps before it."""
+    pa.default_memory_pool().release_unused()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def run_batch(runner: DeviceRunner, source: LineSource) -> str | None:
+    """Run ``runner``'s job over ``source`` in batch mode; ``None`` when it ran (rows written, summary
+    counted), else why not (then nothing was written or counted)."""
+    why = refusal(runner, source)
+    if why is not None:
+        return why
+    if _LIBC is not None:  # arrays of 128 KiB and more straight from (and back to) the system: see _release_free_memory
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+    table = source.clean_columns()
+    if isinstance(table, str):
+        return f"the input has {table}"
+    visits = page_visits(table, source.inactivity_gap_s, runner.guard)
+    del table  # the visits hold what the rows need: memory for DuckDB's insert, which comes next
+    if isinstance(visits, str):
+        return f"the input has {visits}"
+    outputs = {}
+    for name in runner.execution.tasks:
+        try:
+            rows, pages = task_rows(runner, name, visits)
+        except NotColumnar as exc:
+            return f"task {name}'s steps do not run over columns ({exc})"
+        except Exception as exc:  # the streaming run raises it again, per row, where it belongs
+            return f"task {name}'s steps raised {type(exc).__name__} over columns"
+        difference = sample_difference(runner, source, name, visits, rows, pages)
+        if difference is not None:
+            return f"a sample row differs: {difference}"
+        outputs[name] = rows
+    events, pages_seen = int(visits.n_events.sum()), len(visits)
+    del visits
+    _release_free_memory()
+    summary = runner.summary
+    summary.events_in += events
+    for name, rows in outputs.items():
+        stats = summary.task_stats[name]
+        stats.fired += pages_seen
+        stats.rows += rows.num_rows
+        if rows.num_rows:  # as streaming: no row, no table
+            runner.storage.write_table(runner.execution.tasks[name].sink, rows)
+    summary.runtime_mode = "batch"
+    return None

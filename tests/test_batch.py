@@ -1,0 +1,157 @@
+"""Batch mode (streamflow.batch, streamflow.columnar): the same rows as streaming, or it streams."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from connectors import CollectiveStorage
+from operators import Aggregate, Count, CountBy, Filter, First, Last, Map, Max, Min
+from streamflow import Job, Task, load_job
+from streamflow.columnar import Column, ColumnRow, NotColumnar, run_row_steps
+from streamflow.runners import DeviceRunner
+from streamflow.sources import TaobaoBehaviorSource
+
+REPO = Path(__file__).resolve().parents[1]
+IPV = load_job(REPO / "jobs" / "ipv.py").tasks[0]
+T0 = 1_511_848_800
+
+
+def _visit_counts(row: dict) -> dict:
+    return {"n": row["n"], "views": row["kinds"].get("pv", 0) * 2 - 1, "last": row["last"],
+            "span_min": (row["hi"] - row["lo"]) / 60, "buys": row["kinds"].get("buy", 0) > 0}
+
+
+COUNTS = Task("counts", ["item"], [
+    Aggregate(n=Count(), kinds=CountBy("event_id"), last=Last("event_id"), lo=Min("ts"), hi=Max("ts"),
+              user=First("user_id")),
+    Map(_visit_counts),
+    Filter(lambda row: row["n"] % 3 != 0),
+], input="page")
+
+
+def _run(csv: Path, db: Path, tasks: list[Task], mode: str) -> tuple[DeviceRunner, dict]:
+    runner = DeviceRunner(Job("j", tasks), CollectiveStorage(db), runtime_mode=mode)
+    summary = runner.run(TaobaoBehaviorSource(csv))
+    runner.close()
+    tables = {}
+    for name in runner.storage.tables():
+        columns = runner.storage.query(f"SELECT column_name, data_type FROM information_schema.columns "
+                                       f"WHERE table_name = '{name}' ORDER BY ordinal_position")
+        tables[name] = (columns, runner.storage.query(f"SELECT * FROM {name}"))  # physical order, as written
+    runner.storage.close()
+    return summary, tables
+
+
+def _compare_modes(tmp_path: Path, lines: list[str], tasks: list[Task], expect: str = "batch") -> dict:
+    csv = tmp_path / "in.csv"
+    csv.write_text("".join(line + "\n" for line in lines))
+    for db in tmp_path.glob("*.duckdb*"):
+        db.unlink()
+    streamed, stream_tables = _run(csv, tmp_path / "s.duckdb", tasks, "streaming")
+    batched, batch_tables = _run(csv, tmp_path / "b.duckdb", tasks, "automatic")
+    assert batched.runtime_mode == expect
+    assert batch_tables == stream_tables
+    assert (batched.events_in, batched.rejected, batched.rows_written) == (
+        streamed.events_in, streamed.rejected, streamed.rows_written)
+    assert {n: vars(s) for n, s in batched.task_stats.items()} == {n: vars(s) for n, s in streamed.task_stats.items()}
+    return batch_tables
+
+
+_USERS = st.lists(st.tuples(st.sampled_from(["7", "8", "u9"]), st.sampled_from(["10", "11", "12"]),
+                            st.sampled_from(["pv", "pv", "fav", "cart", "buy"]),
+                            st.sampled_from([0, 0, 5, 60, 1800, 1801, 4000])), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(_USERS)
+def test_batch_mode_writes_what_streaming_writes(tmp_path: Path, steps: list) -> None:
+    clock: dict[str, int] = {}
+    lines = []
+    for user, item, behavior, gap in steps:  # per user never backwards; users interleave
+        clock[user] = clock.get(user, T0) + gap
+        lines.append(f"{user},{item},{int(item) * 3},{behavior},{clock[user]}")
+    _compare_modes(tmp_path, lines, [IPV, COUNTS])
+
+
+def test_the_shared_sample_gives_the_same_rows_in_both_modes(tmp_path: Path) -> None:
+    lines = (REPO / "jobs" / "data" / "taobao_user_behavior_10k.csv").read_text().splitlines()
+    tables = _compare_modes(tmp_path, lines, [IPV, COUNTS])
+    assert len(tables["ipv"][1]) == 10_000
+
+
+@pytest.mark.parametrize(("line", "why", "dead_letters"), [
+    ("7,10,30,nap,1511848900", "a behaviour other than pv, fav, cart, buy", 1),
+    ("7,10,30,pv", "a line without exactly five fields", 1),
+    ("7, 10,30,pv,1511848900", "bytes outside printable ASCII", 0),  # streaming strips the space
+    ("7,10,30,pv,1511848000", "a timestamp earlier than the same user's previous one", 1),
+    ("7,10,30,pv,0000000000000001511848900", "a timestamp of more than 15 digits", 1),
+])
+def test_an_input_with_a_line_off_the_clean_form_streams_and_batch_mode_says_why(
+        tmp_path: Path, line: str, why: str, dead_letters: int) -> None:
+    lines = ["7,10,30,pv,1511848800", line, "7,11,33,buy,1511849000"]
+    tables = _compare_modes(tmp_path, lines, [IPV], expect="streaming")
+    assert len(tables.get("dead_letter", ((), ()))[1]) == dead_letters
+    csv = tmp_path / "in.csv"
+    runner = DeviceRunner(Job("j", [IPV]), CollectiveStorage(tmp_path / "x.duckdb"), runtime_mode="batch")
+    with pytest.raises(ValueError, match=why):
+        runner.run(TaobaoBehaviorSource(csv))
+
+
+@pytest.mark.parametrize("step", [
+    Map(lambda row: {"log_n": math.log1p(row["n"])}),                      # a conversion: per row
+    Map(lambda row: {"x": 1 if isinstance(row["n"], int) else 2}),          # caught by the sample check
+    Map(lambda row: {"inverse": 1 / (row["kinds"].get("fav", 0))}),         # 0 in some rows: task errors
+    Map(lambda row: {"f": row["kinds"]["fav"]}),                            # a KeyError in some rows
+    Map(lambda row: {"big": row["n"] * 2 ** 60}),                           # past 2**53
+])
+def test_a_step_columns_cannot_follow_streams_with_the_same_rows(tmp_path: Path, step: Map) -> None:
+    task = Task("t", ["item"], [Aggregate(n=Count(), kinds=CountBy("event_id")), step], input="page")
+    lines = ["7,10,30,pv,1511848800", "7,10,30,fav,1511848860", "7,11,33,pv,1511848900", "8,12,36,cart,1511848900"]
+    _compare_modes(tmp_path, lines, [task], expect="streaming")
+
+
+def test_a_job_batch_mode_does_not_cover_streams(tmp_path: Path) -> None:
+    task = Task("favs", ["fav"], [Aggregate(n=Count())], input="recent")
+    _compare_modes(tmp_path, ["7,10,30,fav,1511848800", "7,10,30,fav,1511848860"], [task], expect="streaming")
+
+
+_NUMBERS = st.one_of(st.integers(-1000, 1000), st.floats(-1e6, 1e6, allow_nan=False), st.booleans())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_NUMBERS, _NUMBERS), min_size=1, max_size=8),
+       st.sampled_from(["+", "-", "*", "/", "//", "%", "**", "==", "<", ">=", "&", "|"]))
+def test_column_arithmetic_is_python_arithmetic_or_refused(pairs: list, op: str) -> None:
+    a = [x for x, _ in pairs]
+    b = [y for _, y in pairs]
+    if len({type(v) for v in a}) > 1 or len({type(v) for v in b}) > 1:
+        return  # a column holds one type
+    fn = eval(f"lambda r: {{'out': r['a'] {op} r['b']}}")  # noqa: S307 - the operator comes from the list above
+    try:
+        expected = [fn({"a": x, "b": y})["out"] for x, y in pairs]
+    except (ZeroDivisionError, OverflowError, TypeError, ValueError):
+        expected = None
+    row = {"a": Column(np.array(a)), "b": Column(np.array(b))}
+    try:
+        out, _ = run_row_steps([(True, fn)], row, len(pairs))
+    except NotColumnar:
+        return  # refused: the rows run one by one
+    assert expected is not None, f"{op} over {pairs} should have been refused"
+    got = out["out"].values.tolist()
+    assert [type(v) for v in got] == [type(v) for v in expected]
+    assert got == expected
+
+
+def test_a_row_of_columns_refuses_what_a_value_would_decide() -> None:
+    row = ColumnRow({"n": Column(np.array([1, 2]))})
+    for use in (bool, int, float, str, repr, hash, math.log1p, lambda c: f"{c}", lambda c: c if c > 1 else 0):
+        with pytest.raises(NotColumnar):
+            use(row["n"])
+    with pytest.raises(NotColumnar):
+        row["missing"]
