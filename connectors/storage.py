@@ -412,9 +412,10 @@ class CollectiveStorage:
             if self._writer is not None and self._writer.outcomes:
                 self._settle()
 
-    def write_table(self, table: str, data: pa.Table) -> None:
-        """Store ``data`` (Arrow, a row per row) in ``table`` now, after the rows buffered for it: one insert;
-        rows the table refuses go to the dead letter, as :meth:`write`'s do (the device runner's batch mode).
+    def write_table(self, table: str, data: dict[str, np.ndarray]) -> None:
+        """Store ``data`` (NumPy columns of one length; text as object arrays of ``str``) in ``table`` now,
+        after the rows buffered for it: one insert; rows the table refuses go to the dead letter, as
+        :meth:`write`'s do (the device runner's batch mode writes so).
         """
         with self._lock:
             if self._closed:
@@ -422,12 +423,15 @@ class CollectiveStorage:
             check_table_name(table)
             self._flush_table(table)
             self._drain()
-            self.rows_written[table] = self.rows_written.get(table, 0) + data.num_rows
+            names = list(data)
+            self.rows_written[table] = self.rows_written.get(table, 0) + (len(data[names[0]]) if names else 0)
             try:
                 self._insert(table, data)
                 refused = []
             except row_encoding_errors():
-                refused = self._insert_row_by_row(table, data.to_pylist())
+                columns = [data[name].tolist() for name in names]
+                rows = [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
+                refused = self._insert_row_by_row(table, rows)
             self._account_refusals(table, refused)
             self.flushes += 1
 

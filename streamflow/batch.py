@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
 
 from operators import Aggregate, Count, CountBy, First, Last, Max, Min
 from streamflow.columnar import (
@@ -60,11 +59,9 @@ from streamflow.columnar import (
     NotColumnar,
     TextColumn,
     constant,
-    numpy_of,
     run_row_steps,
     select_rows,
-    text_of,
-    to_arrow,
+    to_numpy,
 )
 from streamflow.events import PAGE_ENTER, PAGE_EXIT, TimestampGuard
 from streamflow.sources import ITEM_PAGE, LineSource, TaobaoBehaviorSource, item_page_events
@@ -146,16 +143,14 @@ class PageVisits:
         return len(self.enter_ts)
 
 
-def page_visits(table: pa.Table, gap: float, guard: TimestampGuard) -> PageVisits | str:
+def page_visits(columns: dict[str, Any], gap: float, guard: TimestampGuard) -> PageVisits | str:
     """The page visits of a clean file's columns (:meth:`TaobaoBehaviorSource.clean_columns`), as
     :func:`~streamflow.sources.item_page_events` makes them line by line; or why a line would be rejected."""
-    n = table.num_rows
-    if n == 0:
-        return "no lines"
-    ts = numpy_of(table.column("ts").combine_chunks())
+    ts = columns["ts"]
+    n = len(ts)
     if (ts.min() < guard.min_ts or ts.max() > guard.max_ts):
         return "a timestamp outside the timestamp guard's bounds"
-    users = text_of(table.column("user_id").combine_chunks())  # codes in order of first appearance
+    users = columns["user_id"]  # codes in order of first appearance
     order = np.argsort(users.codes, kind="stable")
     user, ts = users.codes[order], ts[order]
     new_user = np.ones(n, dtype=bool)
@@ -164,9 +159,7 @@ def page_visits(table: pa.Table, gap: float, guard: TimestampGuard) -> PageVisit
     step[1:] = np.diff(ts)
     if np.any((step < 0) & ~new_user):
         return "a timestamp earlier than the same user's previous one"
-    items = text_of(table.column("item_id").combine_chunks())
-    categories = text_of(table.column("category_id").combine_chunks())
-    behaviors = text_of(table.column("behavior").combine_chunks())
+    items, categories, behaviors = columns["item_id"], columns["category_id"], columns["behavior"]
     item, category, behavior = items.codes[order], categories.codes[order], behaviors.codes[order]
     new_page = new_user.copy()
     new_page[1:] |= (item[1:] != item[:-1]) | (step[1:] > gap)
@@ -178,7 +171,7 @@ def page_visits(table: pa.Table, gap: float, guard: TimestampGuard) -> PageVisit
     next_line = np.where(same_user_next, after, -1)
     within_gap = same_user_next & (step[np.minimum(after, n - 1)] <= gap)
     exit_ts = np.where(within_gap, ts[np.minimum(after, n - 1)], ts[ends])
-    names = behaviors.dictionary.to_pylist()
+    names = behaviors.values.tolist()
     first_viewed = (behavior[starts] == names.index("pv")).astype(np.int64) if "pv" in names else 0 * starts
     counts = {}
     for code, name in enumerate(names):
@@ -190,8 +183,8 @@ def page_visits(table: pa.Table, gap: float, guard: TimestampGuard) -> PageVisit
     first_viewed = first_viewed[fired]
     counts = {name: per_page[fired] for name, per_page in counts.items()}
     return PageVisits(
-        users=TextColumn(user[starts], users.dictionary), items=TextColumn(item[starts], items.dictionary),
-        categories=TextColumn(category[starts], categories.dictionary), enter_ts=ts[starts], exit_ts=exit_ts,
+        users=TextColumn(user[starts], users.values), items=TextColumn(item[starts], items.values),
+        categories=TextColumn(category[starts], categories.values), enter_ts=ts[starts], exit_ts=exit_ts,
         n_events=ends - starts + 3 - first_viewed, behaviors=counts, first_line=starts, last_line=ends,
         next_line=next_line,
         lines={"users": (user, users), "items": (item, items), "categories": (category, categories),
@@ -219,25 +212,23 @@ def aggregate_columns(aggregate: Aggregate, visits: PageVisits) -> dict[str, Any
     return columns
 
 
-def task_rows(runner: DeviceRunner, name: str, visits: PageVisits) -> tuple[pa.Table, np.ndarray]:
-    """Task ``name``'s rows over every page, as Arrow, and the pages they come from; or :class:`NotColumnar`."""
+def task_rows(runner: DeviceRunner, name: str, visits: PageVisits) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Task ``name``'s rows over every page, as NumPy columns, and the pages they come from; or :class:`NotColumnar`."""
     pipeline = runner.execution._pipelines[name]
     columns = aggregate_columns(pipeline[0], visits)
     out, kept = run_row_steps([op.row_step for op in pipeline[1:]], columns, len(visits))
     pages = np.arange(len(visits)) if kept is None else kept
     head = {"user_id": select_rows(visits.users, pages), "trigger_ts": Column(visits.exit_ts[pages])}
-    rows = {**head, **out}
-    return pa.Table.from_arrays([to_arrow(column) for column in rows.values()], names=list(rows)), pages
+    return {name: to_numpy(column) for name, column in {**head, **out}.items()}, pages
 
 
 def streaming_rows(runner: DeviceRunner, source: TaobaoBehaviorSource, name: str, visits: PageVisits,
                    page: int) -> list[dict[str, Any]] | Exception:
     """What the streaming run makes of page ``page`` for task ``name``: the source's per-line events, the task."""
     lines = visits.lines
-    text = {key: lines[key][1].dictionary for key in ("users", "items", "categories", "behaviors")}
 
     def line(i: int) -> tuple[str, str, str, str, float]:
-        values = [text[key][int(lines[key][0][i])].as_py() for key in ("users", "items", "categories", "behaviors")]
+        values = [lines[key][1].values[lines[key][0][i]] for key in ("users", "items", "categories", "behaviors")]
         return (*values, float(lines["ts"][i]))
 
     state, events = None, []
@@ -253,13 +244,16 @@ def streaming_rows(runner: DeviceRunner, source: TaobaoBehaviorSource, name: str
 
 
 def sample_difference(runner: DeviceRunner, source: TaobaoBehaviorSource, name: str, visits: PageVisits,
-                      rows: pa.Table, pages: np.ndarray) -> str | None:
+                      rows: dict[str, np.ndarray], pages: np.ndarray) -> str | None:
     """How a sample of task ``name``'s batch rows differ from the streaming run's, or ``None``."""
     sample = np.unique(np.linspace(0, len(visits) - 1, min(SAMPLE_FIRINGS, len(visits))).astype(np.int64))
-    position = {int(page): i for i, page in enumerate(pages)}
+    position = np.full(len(visits), -1)
+    position[pages] = np.arange(len(pages))  # the row of each page that has one
     for page in sample.tolist():
         expected = streaming_rows(runner, source, name, visits, page)
-        got = [rows.slice(position[page], 1).to_pylist()[0]] if page in position else []
+        row = int(position[page])
+        got = [{key: column[row] if column.dtype.kind == "O" else column[row].item()
+                for key, column in rows.items()}] if row >= 0 else []
         if isinstance(expected, Exception) or _typed(expected) != _typed(got):
             return f"task {name}, page {page}: the streaming pipeline gives {expected!r}, the columns {got!r}"
     return None
@@ -270,9 +264,8 @@ def _typed(rows: list[dict[str, Any]]) -> list[list[tuple[str, type, Any]]]:
 
 
 def _release_free_memory() -> None:
-    """Hand the memory freed so far back to the system (glibc keeps freed heap for reuse; Arrow's pool
-    its own), so that DuckDB's insert does not add to the peak of the steps before it."""
-    pa.default_memory_pool().release_unused()
+    """Hand the memory freed so far back to the system (glibc keeps freed heap for reuse), so that
+    DuckDB's insert does not add to the peak of the steps before it."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
 
@@ -285,11 +278,11 @@ def run_batch(runner: DeviceRunner, source: LineSource) -> str | None:
         return why
     if _LIBC is not None:  # arrays of 128 KiB and more straight from (and back to) the system: see _release_free_memory
         _LIBC.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
-    table = source.clean_columns()
-    if isinstance(table, str):
-        return f"the input has {table}"
-    visits = page_visits(table, source.inactivity_gap_s, runner.guard)
-    del table  # the visits hold what the rows need: memory for DuckDB's insert, which comes next
+    columns = source.clean_columns()
+    if isinstance(columns, str):
+        return f"the input has {columns}"
+    visits = page_visits(columns, source.inactivity_gap_s, runner.guard)
+    del columns  # the visits hold what the rows need: memory for DuckDB's insert, which comes next
     if isinstance(visits, str):
         return f"the input has {visits}"
     outputs = {}
@@ -312,8 +305,8 @@ def run_batch(runner: DeviceRunner, source: LineSource) -> str | None:
     for name, rows in outputs.items():
         stats = summary.task_stats[name]
         stats.fired += pages_seen
-        stats.rows += rows.num_rows
-        if rows.num_rows:  # as streaming: no row, no table
+        stats.rows += len(rows["trigger_ts"])
+        if len(rows["trigger_ts"]):  # as streaming: no row, no table
             runner.storage.write_table(runner.execution.tasks[name].sink, rows)
     summary.runtime_mode = "batch"
     return None

@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 #: Magnitudes up to which int64 and float64 arithmetic give what Python's int and float give.
 _EXACT = 2.0 ** 53
@@ -190,23 +189,23 @@ class Column(_Opaque):
 
 
 class TextColumn(_Opaque):
-    """Text per row, dictionary-coded: ``codes`` index ``dictionary`` (Arrow strings).
+    """Text per row, dictionary-coded: ``codes`` index ``values`` (an object array of ``str``).
 
     Only ``==`` and ``!=`` with a string work on it; it passes through to the output as it is.
     """
 
-    __slots__ = ("codes", "dictionary", "_index")
+    __slots__ = ("codes", "values", "_index")
 
-    def __init__(self, codes: np.ndarray, dictionary: pa.Array):
+    def __init__(self, codes: np.ndarray, values: np.ndarray):
         self.codes = codes
-        self.dictionary = dictionary
+        self.values = values
         self._index: dict[str, int] | None = None
 
     def _equal(self, other: Any) -> np.ndarray:
         if type(other) is not str:
             raise NotColumnar(f"comparing text with {type(other).__name__}")
         if self._index is None:
-            self._index = {value: code for code, value in enumerate(self.dictionary.to_pylist())}
+            self._index = {value: code for code, value in enumerate(self.values.tolist())}
         code = self._index.get(other)
         return np.zeros(len(self.codes), dtype=bool) if code is None else self.codes == code
 
@@ -277,45 +276,6 @@ class ColumnRow(Mapping):
     __hash__ = None  # type: ignore[assignment]
 
 
-_NUMPY_TYPES = {name: np.dtype(name) for name in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-                                                 "uint64")} | {"float": np.dtype(np.float32),
-                                                               "double": np.dtype(np.float64)}
-
-
-def numpy_of(array: pa.Array) -> np.ndarray:
-    """The values of a null-free Arrow array of ints or floats as NumPy, without copying.
-
-    (``pa.Array.to_numpy`` would import pandas first, a fifth of a second.)
-    """
-    if array.null_count:
-        raise ValueError("an array with nulls")
-    dtype = _NUMPY_TYPES[str(array.type)]
-    return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
-
-
-def arrow_of(values: np.ndarray) -> pa.Array:
-    """An Arrow array of a NumPy int64, float64 or bool array (see :func:`numpy_of` for why not ``pa.array``)."""
-    if values.dtype.kind == "b":
-        bits = np.packbits(values, bitorder="little")
-        return pa.Array.from_buffers(pa.bool_(), len(values), [None, pa.py_buffer(bits)])
-    arrow_type, dtype = {"i": (pa.int64(), np.int64), "f": (pa.float64(), np.float64)}[values.dtype.kind]
-    return pa.Array.from_buffers(arrow_type, len(values), [None, pa.py_buffer(np.ascontiguousarray(values, dtype))])
-
-
-def text_array(values: list[str]) -> pa.Array:
-    """An Arrow string array of ``values`` (see :func:`numpy_of` for why not ``pa.array``)."""
-    encoded = [value.encode() for value in values]
-    offsets = np.cumsum([0] + [len(value) for value in encoded], dtype=np.int32)
-    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))]
-    return pa.Array.from_buffers(pa.string(), len(values), buffers)
-
-
-def text_of(array: pa.Array) -> TextColumn:
-    """A text column of an Arrow string array."""
-    encoded = array.dictionary_encode()
-    return TextColumn(numpy_of(encoded.indices), encoded.dictionary)
-
-
 def constant(value: Any, size: int) -> Column:
     """A column holding ``value`` in every row (a Map's constant output), or :class:`NotColumnar`."""
     if type(value) is bool:
@@ -327,7 +287,7 @@ def constant(value: Any, size: int) -> Column:
     if type(value) is float:
         return Column(np.full(size, value, dtype=np.float64))
     if type(value) is str:
-        return TextColumn(np.zeros(size, dtype=np.int32), text_array([value]))
+        return TextColumn(np.zeros(size, dtype=np.int32), np.array([value], dtype=object))
     raise NotColumnar(f"a constant {type(value).__name__} output")
 
 
@@ -387,18 +347,20 @@ def select_rows(value: Any, indices: np.ndarray) -> Any:
     if isinstance(value, Column):
         return Column(value.values[indices])
     if isinstance(value, TextColumn):
-        return TextColumn(value.codes[indices], value.dictionary)
+        return TextColumn(value.codes[indices], value.values)
     if isinstance(value, CountsColumn):
         return CountsColumn({key: counts[indices] for key, counts in value.counts.items()}, len(indices))
     return value
 
 
-def to_arrow(column: Column | TextColumn) -> pa.Array:
-    """The Arrow array storage gets for the column (the type the same Python values would get)."""
+def to_numpy(column: Column | TextColumn) -> np.ndarray:
+    """The column as storage takes it (NumPy; text as an object array of ``str``), or :class:`NotColumnar`."""
     if isinstance(column, TextColumn):
-        return column.dictionary.take(arrow_of(column.codes.astype(np.int64)))
-    return arrow_of(column.values)
+        return column.values[column.codes]
+    if column.values.dtype.kind == "f" and np.isnan(column.values).any():
+        raise NotColumnar("NaN (DuckDB reads NaN in a NumPy column as NULL)")
+    return column.values
 
 
-__all__ = ["Column", "ColumnRow", "CountsColumn", "NotColumnar", "TextColumn", "arrow_of", "constant", "numpy_of",
-           "run_row_steps", "select_rows", "text_array", "text_of", "to_arrow"]
+__all__ = ["Column", "ColumnRow", "CountsColumn", "NotColumnar", "TextColumn", "constant", "run_row_steps",
+           "select_rows", "to_numpy"]

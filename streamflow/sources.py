@@ -19,14 +19,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
+
+import numpy as np
 
 from operators.process import ValueStateDescriptor
+from streamflow.csv_columns import integers, split_lines, text_codes
 from streamflow.events import PAGE_ENTER, PAGE_EXIT, Event, Rejected, TimestampGuard
 from streamflow.keyed import KeyedStore
-
-if TYPE_CHECKING:
-    import pyarrow as pa
 
 ITEM_PAGE = "item"
 TAOBAO_BEHAVIORS = frozenset(("pv", "fav", "cart", "buy"))
@@ -39,9 +39,6 @@ _CLEAN_LINE = re.compile(r"([^,\s]+),([^,\s]+),([^,\s]+),(pv|fav|cart|buy),(-?[0
 # The same, on a line as read: rstrip("\r\n") is the trailing [\r\n]* (the last field ends in a digit).
 _CLEAN_RAW_LINE = re.compile(r"([^,\s]+),([^,\s]+),([^,\s]+),(pv|fav|cart|buy),(-?[0-9]{1,15})[\r\n]*").fullmatch
 _IDENTITY_BYTES = 1 << 20
-# The bytes of a clean file's lines (printable ASCII but the space, and the newline), which
-# TaobaoBehaviorSource.clean_columns deletes to find any other.
-_CLEAN_BYTES = bytes(range(0x21, 0x7F)) + b"\n"
 
 
 class LineSource:
@@ -350,57 +347,47 @@ class TaobaoBehaviorSource(LineSource):
     def end_events(self, user: str, state: OpenPage | None) -> list[Event]:
         return [page_exit(user, state, state.last_ts)] if state is not None else []
 
-    def clean_columns(self) -> pa.Table | str:
-        """The whole file as columns (``user_id``, ``item_id``, ``category_id``, ``behavior``: text; ``ts``:
-        seconds as float64), in file order, if :meth:`parse` takes every line as it is (the clean form:
-        five non-empty fields of printable ASCII without spaces, a known behaviour, an integer timestamp
-        of at most 15 digits; blank lines are skipped); otherwise why not (the file is then read line by
-        line, where each such line gets its own reason). The device runner's batch mode reads files so.
+    def clean_columns(self) -> dict[str, Any] | str:
+        """The whole file as columns, in file order, if :meth:`parse` takes every line as it is: five
+        non-empty fields of printable ASCII without spaces, a known behaviour, an integer timestamp of at
+        most 15 digits (and no blank line, no lone carriage return); otherwise why not (the file is then
+        read line by line, where each such line gets its own reason). ``user_id``, ``item_id``,
+        ``category_id`` and ``behavior`` are :class:`~streamflow.columnar.TextColumn` s, ``ts`` seconds
+        as float64. The device runner's batch mode reads files so.
 
         Example:
             >>> import os, tempfile
             >>> path = os.path.join(tempfile.mkdtemp(), "b.csv")
             >>> _ = open(path, "w").write("1,10,7,pv,1511848894\\n1,10,7,buy,1511848900\\n")
-            >>> TaobaoBehaviorSource(path).clean_columns().column("behavior").to_pylist()
-            ['pv', 'buy']
+            >>> columns = TaobaoBehaviorSource(path).clean_columns()
+            >>> columns["behavior"].values.tolist(), columns["ts"].tolist()
+            (['pv', 'buy'], [1511848894.0, 1511848900.0])
             >>> _ = open(path, "w").write("1,10,7,pv,1511848894\\n1,10,7,nap,1511848900\\n")
             >>> TaobaoBehaviorSource(path).clean_columns()
             'a behaviour other than pv, fav, cart, buy'
         """
-        import pyarrow as pa  # here: reading line by line needs no pyarrow, and it costs start-up time
-        import pyarrow.compute as pc
-        import pyarrow.csv as pcsv
-
         if self._lines is not None:
             return "lines in memory, not a file"
         data = self.path.read_bytes()
         if b"\r" in data:
-            data = data.replace(b"\r\n", b"\n")
-        if data.translate(None, _CLEAN_BYTES) or b"+" in data:
-            return "bytes outside printable ASCII (or a '+', a space, a lone carriage return)"
-        names = ("user_id", "item_id", "category_id", "behavior", "ts")
-        try:
-            table = pcsv.read_csv(pa.BufferReader(data),
-                                  read_options=pcsv.ReadOptions(column_names=names, use_threads=False),
-                                  parse_options=pcsv.ParseOptions(quote_char=False, escape_char=False),
-                                  convert_options=pcsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()),
-                                                                      strings_can_be_null=False))
-        except pa.ArrowInvalid:
-            return "a line without exactly five fields"
-        for name in names[:3]:
-            if len(table) and pc.min(pc.binary_length(table[name])).as_py() == 0:
-                return f"an empty {name}"
-        if not set(pc.unique(table["behavior"]).to_pylist()) <= TAOBAO_BEHAVIORS:
+            data = data.replace(b"\r\n", b"\n")  # a lone carriage return stays, and is refused
+        fields = split_lines(data, 5)
+        del data  # the fields hold it
+        if isinstance(fields, str):
+            return fields
+        columns: dict[str, Any] = {}
+        for k, name in enumerate(("user_id", "item_id", "category_id", "behavior")):
+            column = text_codes(fields, k)
+            if isinstance(column, str):
+                return column
+            columns[name] = column
+        if not set(columns["behavior"].values.tolist()) <= TAOBAO_BEHAVIORS:
             return "a behaviour other than pv, fav, cart, buy"
-        stamps = table["ts"]
-        digits = pc.subtract(pc.binary_length(stamps), pc.cast(pc.starts_with(stamps, "-"), pa.int32()))
-        if len(table) and pc.max(digits).as_py() > 15:
-            return "a timestamp of more than 15 digits"
-        try:
-            seconds = pc.cast(pc.cast(stamps, pa.int64()), pa.float64())
-        except pa.ArrowInvalid:
-            return "a timestamp that is not an integer"
-        return table.set_column(4, "ts", seconds)
+        seconds = integers(fields, 4, max_digits=15)
+        if isinstance(seconds, str):
+            return f"a timestamp that is not an integer of at most 15 digits ({seconds})"
+        columns["ts"] = seconds.astype(np.float64)
+        return columns
 
     @staticmethod
     def parse(raw: str) -> tuple[str, str, str, str, float] | str:

@@ -63,7 +63,9 @@ def _compare_modes(tmp_path: Path, lines: list[str], tasks: list[Task], expect: 
     return batch_tables
 
 
-_USERS = st.lists(st.tuples(st.sampled_from(["7", "8", "u9"]), st.sampled_from(["10", "11", "12"]),
+# ids of one to eight bytes and longer (one word or several), "007" next to "7"
+_USERS = st.lists(st.tuples(st.sampled_from(["7", "007", "u9", "user-with-a-long-id-0001"]),
+                            st.sampled_from(["10", "010", "11", "item:a-much-longer-identifier"]),
                             st.sampled_from(["pv", "pv", "fav", "cart", "buy"]),
                             st.sampled_from([0, 0, 5, 60, 1800, 1801, 4000])), min_size=1, max_size=40)
 
@@ -75,7 +77,7 @@ def test_batch_mode_writes_what_streaming_writes(tmp_path: Path, steps: list) ->
     lines = []
     for user, item, behavior, gap in steps:  # per user never backwards; users interleave
         clock[user] = clock.get(user, T0) + gap
-        lines.append(f"{user},{item},{int(item) * 3},{behavior},{clock[user]}")
+        lines.append(f"{user},{item},c{len(item)},{behavior},{clock[user]}")
     _compare_modes(tmp_path, lines, [IPV, COUNTS])
 
 
@@ -87,10 +89,16 @@ def test_the_shared_sample_gives_the_same_rows_in_both_modes(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(("line", "why", "dead_letters"), [
     ("7,10,30,nap,1511848900", "a behaviour other than pv, fav, cart, buy", 1),
-    ("7,10,30,pv", "a line without exactly five fields", 1),
-    ("7, 10,30,pv,1511848900", "bytes outside printable ASCII", 0),  # streaming strips the space
+    ("7,10,30,pv", "a line without exactly 5 fields", 1),
+    ("7, 10,30,pv,1511848900", "bytes other than printable ASCII", 0),  # streaming strips the space
+    ("7,10,30\r,pv,1511848900", "bytes other than printable ASCII", 2),  # a lone CR: two lines when read as text
+    ("", "a blank line", 0),
     ("7,10,30,pv,1511848000", "a timestamp earlier than the same user's previous one", 1),
-    ("7,10,30,pv,0000000000000001511848900", "a timestamp of more than 15 digits", 1),
+    ("7,10,30,pv,0000000000000001511848900", "a timestamp that is not an integer of at most 15", 1),
+    ("7,10,30,pv,15118489x0", "a timestamp that is not an integer", 1),
+    ("7,10,30,pv,-", "a timestamp that is not an integer", 1),
+    ("7,,30,pv,1511848900", "an empty field", 1),
+    ("7,10,30,pv,1511848900,", "a line without exactly 5 fields", 1),
 ])
 def test_an_input_with_a_line_off_the_clean_form_streams_and_batch_mode_says_why(
         tmp_path: Path, line: str, why: str, dead_letters: int) -> None:
@@ -101,6 +109,10 @@ def test_an_input_with_a_line_off_the_clean_form_streams_and_batch_mode_says_why
     runner = DeviceRunner(Job("j", [IPV]), CollectiveStorage(tmp_path / "x.duckdb"), runtime_mode="batch")
     with pytest.raises(ValueError, match=why):
         runner.run(TaobaoBehaviorSource(csv))
+
+
+def test_windows_line_ends_run_in_batch_mode(tmp_path: Path) -> None:
+    _compare_modes(tmp_path, ["7,10,30,pv,1511848800\r", "7,10,30,cart,1511848860\r", "7,11,33,buy,1511849000"], [IPV])
 
 
 @pytest.mark.parametrize("step", [
