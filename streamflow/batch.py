@@ -75,7 +75,6 @@ try:
     _LIBC.malloc_trim  # noqa: B018 - glibc only
 except (OSError, AttributeError):
     _LIBC = None
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 #: Event fields every event of an item page carries (``Event`` attributes and ``contents`` keys).
 EVENT_FIELDS = ("user_id", "event_id", "page_id", "ts", "item_id", "category_id")
 #: Firings per task recomputed the streaming way before anything is written.
@@ -276,8 +275,6 @@ def run_batch(runner: DeviceRunner, source: LineSource) -> str | None:
     why = refusal(runner, source)
     if why is not None:
         return why
-    if _LIBC is not None:  # arrays of 128 KiB and more straight from (and back to) the system: see _release_free_memory
-        _LIBC.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
     columns = source.clean_columns()
     if isinstance(columns, str):
         return f"the input has {columns}"
