@@ -76,10 +76,15 @@ def _operand(value: Any) -> np.ndarray | int | float:
     raise NotColumnar(f"arithmetic between a column and {type(value).__name__}")
 
 
+def _within_exact(values: np.ndarray) -> None:
+    if values.size and not np.abs(values.astype(np.float64)).max() <= _EXACT:  # NaN, inf: not within either
+        raise NotColumnar("integers past 2**53")
+
+
 def _exact(result: np.ndarray) -> Column:
     """The column of an arithmetic result, if every value is what Python would have computed."""
-    if result.dtype.kind == "i" and result.size and np.abs(result.astype(np.float64)).max() > _EXACT:
-        raise NotColumnar("integers past 2**53")
+    if result.dtype.kind == "i":
+        _within_exact(result)
     return Column(result)
 
 
@@ -89,7 +94,7 @@ def _no_zero(divisor: np.ndarray | int | float) -> None:
 
 
 def _arithmetic(op: Callable[[Any, Any], np.ndarray], check: Callable[[Any, Any], None] | None = None,
-                reflected: bool = False) -> Callable[[Column, Any], Column]:
+                reflected: bool = False, may_grow: bool = True) -> Callable[[Column, Any], Column]:
     def method(self: Column, other: Any) -> Column:
         a, b = _operand(self), _operand(other)
         if reflected:
@@ -98,7 +103,10 @@ def _arithmetic(op: Callable[[Any, Any], np.ndarray], check: Callable[[Any, Any]
             check(a, b)
         with np.errstate(all="raise"):
             try:
-                return _exact(np.asarray(op(a, b)))
+                result = np.asarray(op(a, b))
+                if may_grow and result.dtype.kind == "i":  # int64 wraps where Python's int grows; float64 tells
+                    _within_exact(np.asarray(op(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))))
+                return _exact(result)
             except (FloatingPointError, ValueError, TypeError) as exc:
                 raise NotColumnar(f"{exc}") from None
     return method
@@ -119,7 +127,7 @@ def _power_checked(a: Any, b: Any) -> None:
 
 
 def _bitwise(op: Callable[[Any, Any], np.ndarray]) -> Callable[[Column, Any], Column]:
-    integers = _arithmetic(op)
+    integers = _arithmetic(op, may_grow=False)
 
     def method(self: Column, other: Any) -> Column:
         other_bool = other.values.dtype.kind == "b" if isinstance(other, Column) else type(other) is bool

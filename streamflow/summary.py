@@ -38,7 +38,7 @@ class RunSummary:
     #: Users (keys) whose state was dropped to stay under the runner's cap on users held in memory.
     evicted_users: int = 0
     #: How the device runner ran: ``streaming`` (event by event) or ``batch`` (column by column, see
-    #: :mod:`streamflow.batch`).
+    #: :mod:`streamflow.runners.batch`).
     runtime_mode: str = "streaming"
 
     @property

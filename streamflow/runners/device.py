@@ -67,6 +67,7 @@ from streamflow.events import Event, Rejected, TimestampGuard
 from streamflow.execution import TaskExecution, TriggerTasks, task_error_row
 from streamflow.job import Job, Task
 from streamflow.keyed import KeyedRuntime, rows_by_output
+from streamflow.runners.batch import run_batch
 from streamflow.sources import LineSource, SourcePosition, SourceReader
 from streamflow.summary import TASK_ERRORS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamTaskRun
@@ -78,7 +79,7 @@ log = logging.getLogger("streamflow.device")
 #: Records processed per block (see DeviceRunner.process_block).
 BLOCK_SIZE = 64
 #: How a run executes (as Flink's ``execution.runtime-mode``): ``streaming`` event by event; ``batch`` the
-#: bounded input column by column (:mod:`streamflow.batch`: refused when the job or input does not
+#: bounded input column by column (:mod:`streamflow.runners.batch`: refused when the job or input does not
 #: allow it); ``automatic`` batch where it is allowed, else streaming.
 RuntimeMode = Literal["streaming", "batch", "automatic"]
 RUNTIME_MODES: tuple[str, ...] = get_args(RuntimeMode)
@@ -305,6 +306,7 @@ class DeviceRunner:
         try:
             if self.runtime_mode != "streaming" and reader is None and self._run_batch(source):
                 return self.summary
+            self.summary.runtime_mode = "streaming"
             self._run_blocks(records, reader)
             self.finish()
             if reader is not None:
@@ -319,9 +321,7 @@ class DeviceRunner:
         return self.summary
 
     def _run_batch(self, source: Iterable[Event | Rejected] | LineSource) -> bool:
-        """Run in batch mode if the job and input allow it (see :mod:`streamflow.batch`): whether it ran."""
-        from streamflow.batch import run_batch  # here: pyarrow costs start-up time a streaming run need not pay
-
+        """Run in batch mode if the job and input allow it (see :mod:`streamflow.runners.batch`): whether it ran."""
         refusal = run_batch(self, source)
         if refusal is None:
             log.info("job %s ran in batch mode", self.job.name)

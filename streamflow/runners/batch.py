@@ -2,10 +2,14 @@
 
 Flink runs a DataStream program over bounded input in BATCH execution mode, with other operator
 implementations and the same final results. The device runner does the same for a file: the whole
-file is read as columns (pyarrow), every user's item-page visits are found with array operations,
-each task's aggregation becomes one array per column and its Map and Filter steps run over columns
-(:mod:`streamflow.columnar`); the rows go to storage in one insert per task, in the order the
-streaming run would write them.
+file is read as NumPy columns (:mod:`streamflow.csv_columns`), every user's item-page visits are found
+with array operations, each task's aggregation becomes one array per column and its Map and Filter
+steps run over columns (:mod:`streamflow.columnar`); each task's rows go to storage in one insert, in
+the order the streaming run would write them. On the IPV job over 200k lines it is ~2.5x faster than
+streaming at a lower peak memory (``bench.peers``).
+
+No checkpoint is taken: each task's rows are one insert, and a run stopped before the inserts wrote
+nothing and is simply run again.
 
 It applies (otherwise the runner streams, and says why) when:
 
@@ -46,7 +50,6 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +72,6 @@ from streamflow.sources import ITEM_PAGE, LineSource, TaobaoBehaviorSource, item
 if TYPE_CHECKING:
     from streamflow.runners.device import DeviceRunner
 
-log = logging.getLogger("streamflow.batch")
 try:
     _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6")
     _LIBC.malloc_trim  # noqa: B018 - glibc only
