@@ -4,8 +4,10 @@
 
 Both run as whole processes, in turn (the order alternates between pairs), over the same CSV:
 
-- streamflow: ``python -m streamflow.cli run jobs/ipv.py --events CSV --db DB --show 0`` (the
-  ``streamflow run`` command: job loading, the Taobao source, the device runner, collective storage);
+- streamflow: ``python -m streamflow.cli run jobs/ipv.py --events CSV --db DB --show 0 --mode automatic`` (the
+  ``streamflow run`` command: job loading, the Taobao source, the device runner, collective storage; the
+  default mode, batch for this job and input: ``runtime_mode`` says which ran), and the same with
+  ``--mode streaming`` as a third process per pair (``streaming_*`` keys);
 - Bytewax: ``python -m bytewax.run "bench.bytewax_ipv:build_flow(CSV, DB)"`` (see
   :mod:`bench.bytewax_ipv`: FileSource, a parse, per-user ``StatefulLogic``, a DuckDB sink).
 

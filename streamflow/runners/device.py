@@ -8,6 +8,10 @@ written once per table, in order; ``block_size=1`` hands every event over on its
 file source is read in blocks and any other iterable (a live stream) one event at a time, so an event
 never waits for a block to fill.
 
+``runtime_mode`` (as Flink's): ``streaming`` runs what follows; ``batch`` computes a bounded, clean file
+column by column (:mod:`streamflow.runners.batch`, the same rows); ``automatic`` takes batch where it
+applies and streams otherwise.
+
 Execution model: the job's trigger tasks are one keyed process function
 (:class:`~streamflow.execution.TriggerTasks`), each stream task another, each run by a
 :class:`~streamflow.keyed.KeyedRuntime` (state in dicts, timers in a heap), keyed by user.
