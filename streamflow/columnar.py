@@ -57,6 +57,12 @@ class _Opaque:
     __len__ = _refuse("len()")
     __contains__ = _refuse("'in'")
     __getitem__ = _refuse("indexing")
+    __eq__ = _refuse("==")  # type: ignore[assignment]
+    __ne__ = _refuse("!=")  # type: ignore[assignment]
+    __lt__ = _refuse("<")
+    __le__ = _refuse("<=")
+    __gt__ = _refuse(">")
+    __ge__ = _refuse(">=")
 
 
 def _numeric(values: np.ndarray) -> np.ndarray:
@@ -268,6 +274,10 @@ class ColumnRow(Mapping):
             return self.columns[name]
         except KeyError:
             raise NotColumnar(f"no field {name!r} (a KeyError in every row)") from None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """``row.get(name, default)``: the same for every row, as every row has the same fields."""
+        return self.columns.get(name, default)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.columns)

@@ -121,6 +121,7 @@ def test_windows_line_ends_run_in_batch_mode(tmp_path: Path) -> None:
     Map(lambda row: {"inverse": 1 / (row["kinds"].get("fav", 0))}),         # 0 in some rows: task errors
     Map(lambda row: {"f": row["kinds"]["fav"]}),                            # a KeyError in some rows
     Map(lambda row: {"big": row["n"] * 2 ** 60}),                           # past 2**53
+    Map(lambda row: {"n": row["n"], "who": row["kinds"] == "x"}),           # a dict compared with text
 ])
 def test_a_step_columns_cannot_follow_streams_with_the_same_rows(tmp_path: Path, step: Map) -> None:
     task = Task("t", ["item"], [Aggregate(n=Count(), kinds=CountBy("event_id")), step], input="page")
@@ -161,6 +162,13 @@ def test_column_arithmetic_is_python_arithmetic_or_refused(pairs: list, op: str)
     got = out["out"].values.tolist()
     assert [type(v) for v in got] == [type(v) for v in expected]
     assert got == expected
+
+
+def test_a_missing_field_read_with_get_gives_the_default_in_both_modes(tmp_path: Path) -> None:
+    task = Task("t", ["item"], [Aggregate(n=Count()), Map(lambda row: {"n": row["n"], "x": row.get("x", 7)})],
+                input="page")
+    tables = _compare_modes(tmp_path, ["7,10,30,pv,1511848800", "7,11,30,fav,1511848860"], [task])
+    assert [row[-1] for row in tables["t"][1]] == [7, 7]
 
 
 def test_a_row_of_columns_refuses_what_a_value_would_decide() -> None:
