@@ -425,14 +425,12 @@ class CollectiveStorage:
             self._drain()
             names = list(data)
             self.rows_written[table] = self.rows_written.get(table, 0) + (len(data[names[0]]) if names else 0)
-            try:
-                self._insert(table, data)
-                refused = []
-            except row_encoding_errors():
+
+            def rows() -> list[dict[str, Any]]:
                 columns = [data[name].tolist() for name in names]
-                rows = [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
-                refused = self._insert_row_by_row(table, rows)
-            self._account_refusals(table, refused)
+                return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
+
+            self._account_refusals(table, self._store_batches(table, lambda: [data], rows))
             self.flushes += 1
 
     def flush(self) -> None:
@@ -563,11 +561,17 @@ class CollectiveStorage:
 
         It touches only the connection and the column cache, never the counters or buffers: a background
         writer runs it, and the caller's thread counts the refusals (:meth:`_account_refusals`)."""
+        return self._store_batches(table, buffer.to_batches, buffer.rows)
+
+    def _store_batches(self, table: str, batches: Callable[[], list[pa.Table | dict[str, np.ndarray]]],
+                       rows: Callable[[], list[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+        """Insert ``batches()`` in one transaction, or, if they cannot be made or are refused, ``rows()`` one
+        by one; the refused rows' dead letters."""
         try:
-            self._insert(table, *buffer.to_batches())
+            self._insert(table, *batches())
             return []
         except row_encoding_errors():
-            return self._insert_row_by_row(table, buffer.rows())
+            return self._insert_row_by_row(table, rows())
 
     def _settle(self) -> None:
         """Count what the background writer refused, and hand the dead letters to it."""

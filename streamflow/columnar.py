@@ -203,23 +203,23 @@ class Column(_Opaque):
 
 
 class TextColumn(_Opaque):
-    """Text per row, dictionary-coded: ``codes`` index ``values`` (an object array of ``str``).
+    """Text per row, dictionary-coded: ``codes`` index ``dictionary`` (an object array of ``str``).
 
     Only ``==`` and ``!=`` with a string work on it; it passes through to the output as it is.
     """
 
-    __slots__ = ("codes", "values", "_index")
+    __slots__ = ("codes", "dictionary", "_index")
 
-    def __init__(self, codes: np.ndarray, values: np.ndarray):
+    def __init__(self, codes: np.ndarray, dictionary: np.ndarray):
         self.codes = codes
-        self.values = values
+        self.dictionary = dictionary
         self._index: dict[str, int] | None = None
 
     def _equal(self, other: Any) -> np.ndarray:
         if type(other) is not str:
             raise NotColumnar(f"comparing text with {type(other).__name__}")
         if self._index is None:
-            self._index = {value: code for code, value in enumerate(self.values.tolist())}
+            self._index = {value: code for code, value in enumerate(self.dictionary.tolist())}
         code = self._index.get(other)
         return np.zeros(len(self.codes), dtype=bool) if code is None else self.codes == code
 
@@ -365,7 +365,7 @@ def select_rows(value: Any, indices: np.ndarray) -> Any:
     if isinstance(value, Column):
         return Column(value.values[indices])
     if isinstance(value, TextColumn):
-        return TextColumn(value.codes[indices], value.values)
+        return TextColumn(value.codes[indices], value.dictionary)
     if isinstance(value, CountsColumn):
         return CountsColumn({key: counts[indices] for key, counts in value.counts.items()}, len(indices))
     return value
@@ -374,7 +374,7 @@ def select_rows(value: Any, indices: np.ndarray) -> Any:
 def to_numpy(column: Column | TextColumn) -> np.ndarray:
     """The column as storage takes it (NumPy; text as an object array of ``str``), or :class:`NotColumnar`."""
     if isinstance(column, TextColumn):
-        return column.values[column.codes]
+        return column.dictionary[column.codes]
     if column.values.dtype.kind == "f" and np.isnan(column.values).any():
         raise NotColumnar("NaN (DuckDB reads NaN in a NumPy column as NULL)")
     return column.values

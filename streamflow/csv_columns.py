@@ -8,7 +8,7 @@ pyarrow costs ~30 MB and ~60 ms, as much as the rest of the device runtime's sta
 Example:
     >>> fields = split_lines(b"7,ab,-12\\n8,ab,5\\n", 3)
     >>> column = text_codes(fields, 1)
-    >>> column.codes.tolist(), column.values.tolist(), integers(fields, 2, 15).tolist()
+    >>> column.codes.tolist(), column.dictionary.tolist(), integers(fields, 2, 15).tolist()
     ([0, 0], ['ab'], [-12, 5])
 """
 

@@ -360,7 +360,7 @@ class TaobaoBehaviorSource(LineSource):
             >>> path = os.path.join(tempfile.mkdtemp(), "b.csv")
             >>> _ = open(path, "w").write("1,10,7,pv,1511848894\\n1,10,7,buy,1511848900\\n")
             >>> columns = TaobaoBehaviorSource(path).clean_columns()
-            >>> columns["behavior"].values.tolist(), columns["ts"].tolist()
+            >>> columns["behavior"].dictionary.tolist(), columns["ts"].tolist()
             (['pv', 'buy'], [1511848894.0, 1511848900.0])
             >>> _ = open(path, "w").write("1,10,7,pv,1511848894\\n1,10,7,nap,1511848900\\n")
             >>> TaobaoBehaviorSource(path).clean_columns()
@@ -381,7 +381,7 @@ class TaobaoBehaviorSource(LineSource):
             if isinstance(column, str):
                 return column
             columns[name] = column
-        if not set(columns["behavior"].values.tolist()) <= TAOBAO_BEHAVIORS:
+        if not set(columns["behavior"].dictionary.tolist()) <= TAOBAO_BEHAVIORS:
             return "a behaviour other than pv, fav, cart, buy"
         seconds = integers(fields, 4, max_digits=15)
         if isinstance(seconds, str):

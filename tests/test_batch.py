@@ -111,6 +111,24 @@ def test_an_input_with_a_line_off_the_clean_form_streams_and_batch_mode_says_why
         runner.run(TaobaoBehaviorSource(csv))
 
 
+def test_rows_a_table_refuses_are_dead_letters_in_both_modes(tmp_path: Path) -> None:
+    csv = tmp_path / "in.csv"
+    csv.write_text("7,10,30,pv,1511848800\n7,11,33,pv,1511848860\n7,12,36,pv,1511848900\n")
+    found = {}
+    for mode in ("streaming", "batch"):
+        storage = CollectiveStorage(tmp_path / f"{mode}.duckdb")
+        storage.query("CREATE TABLE ipv (user_id VARCHAR, trigger_ts DOUBLE, item_id VARCHAR CHECK (item_id <> '11'))")
+        runner = DeviceRunner(Job("j", [IPV]), storage, runtime_mode=mode)
+        summary = runner.run(TaobaoBehaviorSource(csv))
+        runner.close()
+        found[mode] = (summary.runtime_mode, summary.refused_rows, storage.query("SELECT item_id FROM ipv"),
+                       storage.query("SELECT source, reason LIKE '%CHECK%' FROM dead_letter"))
+        storage.close()
+    assert found["batch"][0] == "batch"
+    assert found["batch"][1:] == found["streaming"][1:] == (
+        {"ipv": 1}, [("10",), ("12",)], [("storage:ipv", True)])
+
+
 def test_windows_line_ends_run_in_batch_mode(tmp_path: Path) -> None:
     _compare_modes(tmp_path, ["7,10,30,pv,1511848800\r", "7,10,30,cart,1511848860\r", "7,11,33,buy,1511849000"], [IPV])
 

@@ -172,7 +172,7 @@ def page_visits(columns: dict[str, Any], gap: float, guard: TimestampGuard) -> P
     next_line = np.where(same_user_next, after, -1)
     within_gap = same_user_next & (step[np.minimum(after, n - 1)] <= gap)
     exit_ts = np.where(within_gap, ts[np.minimum(after, n - 1)], ts[ends])
-    names = behaviors.values.tolist()
+    names = behaviors.dictionary.tolist()
     first_viewed = (behavior[starts] == names.index("pv")).astype(np.int64) if "pv" in names else 0 * starts
     counts = {}
     for code, name in enumerate(names):
@@ -184,12 +184,13 @@ def page_visits(columns: dict[str, Any], gap: float, guard: TimestampGuard) -> P
     first_viewed = first_viewed[fired]
     counts = {name: per_page[fired] for name, per_page in counts.items()}
     return PageVisits(
-        users=TextColumn(user[starts], users.values), items=TextColumn(item[starts], items.values),
-        categories=TextColumn(category[starts], categories.values), enter_ts=ts[starts], exit_ts=exit_ts,
+        users=TextColumn(user[starts], users.dictionary), items=TextColumn(item[starts], items.dictionary),
+        categories=TextColumn(category[starts], categories.dictionary), enter_ts=ts[starts], exit_ts=exit_ts,
         n_events=ends - starts + 3 - first_viewed, behaviors=counts, first_line=starts, last_line=ends,
         next_line=next_line,
-        lines={"users": (user, users), "items": (item, items), "categories": (category, categories),
-               "behaviors": (behavior, behaviors), "ts": ts})
+        lines={"users": TextColumn(user, users.dictionary), "items": TextColumn(item, items.dictionary),
+               "categories": TextColumn(category, categories.dictionary),
+               "behaviors": TextColumn(behavior, behaviors.dictionary), "ts": ts})
 
 
 def aggregate_columns(aggregate: Aggregate, visits: PageVisits) -> dict[str, Any]:
@@ -229,7 +230,7 @@ def streaming_rows(runner: DeviceRunner, source: TaobaoBehaviorSource, name: str
     lines = visits.lines
 
     def line(i: int) -> tuple[str, str, str, str, float]:
-        values = [lines[key][1].values[lines[key][0][i]] for key in ("users", "items", "categories", "behaviors")]
+        values = [lines[key].dictionary[lines[key].codes[i]] for key in ("users", "items", "categories", "behaviors")]
         return (*values, float(lines["ts"][i]))
 
     state, events = None, []
