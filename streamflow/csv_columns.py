@@ -114,7 +114,8 @@ def integers(fields: Fields, k: int, max_digits: int = 15) -> np.ndarray | str:
     block = fields.window(k, 16).astype(np.int16) - _ZERO
     negative = block[:, 0] == _MINUS - _ZERO
     digits = fields.lengths(k) - negative
-    if np.any(digits < 1) or np.any(digits > min(max_digits, 15)):
+    max_digits = min(max_digits, 15)  # the window read is 16 bytes: a sign and 15 digits
+    if np.any(digits < 1) or np.any(digits > max_digits):
         return f"a number of no digit or more than {max_digits}"
     value = np.empty(len(fields), dtype=np.int64)
     shape = digits * 2 + negative

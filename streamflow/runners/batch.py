@@ -109,7 +109,9 @@ def _pipeline_refusal(pipeline: list[Any]) -> str | None:
         return "its pipeline does not start with Aggregate"
     for name, aggregation in pipeline[0].aggregations.items():
         kind, field = type(aggregation), aggregation.field
-        if aggregation.where is not None or field not in (*EVENT_FIELDS, None):
+        if aggregation.where is not None:
+            return f"{name}={aggregation!r} has a where= condition"
+        if field not in (*EVENT_FIELDS, None):
             return f"{name}={aggregation!r} reads something else than an event field"
         if not (kind in (First, Last, Count) or (kind in (Min, Max) and field == "ts")
                 or (kind is CountBy and field == "event_id")):
@@ -170,8 +172,9 @@ def page_visits(columns: dict[str, Any], gap: float, guard: TimestampGuard) -> P
     same_user_next = after < n
     same_user_next[same_user_next] = ~new_user[after[same_user_next]]
     next_line = np.where(same_user_next, after, -1)
-    within_gap = same_user_next & (step[np.minimum(after, n - 1)] <= gap)
-    exit_ts = np.where(within_gap, ts[np.minimum(after, n - 1)], ts[ends])
+    after_or_last = np.minimum(after, n - 1)  # an index to read at, where only same_user_next rows count
+    within_gap = same_user_next & (step[after_or_last] <= gap)
+    exit_ts = np.where(within_gap, ts[after_or_last], ts[ends])
     names = behaviors.dictionary.tolist()
     first_viewed = (behavior[starts] == names.index("pv")).astype(np.int64) if "pv" in names else 0 * starts
     counts = {}
@@ -179,7 +182,7 @@ def page_visits(columns: dict[str, Any], gap: float, guard: TimestampGuard) -> P
         per_page = np.add.reduceat((behavior == code).astype(np.int64), starts)
         counts[name] = per_page - first_viewed if name == "pv" else per_page  # the entering view is no pv event
     # The streaming run fires an exit when the user's next line is read, or at the end (users in first-seen order).
-    fired = np.argsort(np.where(same_user_next, order[np.minimum(after, n - 1)], n + user[starts]), kind="stable")
+    fired = np.argsort(np.where(same_user_next, order[after_or_last], n + user[starts]), kind="stable")
     starts, ends, next_line, exit_ts = starts[fired], ends[fired], next_line[fired], exit_ts[fired]
     first_viewed = first_viewed[fired]
     counts = {name: per_page[fired] for name, per_page in counts.items()}
