@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,13 +31,15 @@ import typer
 from connectors.storage import CollectiveStorage, flush_on_signals
 from connectors.tunnel.kafka import TunnelUnavailable
 from connectors.tunnel.spool import SpoolLocked
+from operators import CountWindow, Process
+from operators.process import LATE, _FunctionProcess
 from streamflow import tunnel_commands
 from streamflow.checkpoint import discard_checkpoint
 from streamflow.deploy.commands import bundle_app
 from streamflow.deploy.errors import BundleError
 from streamflow.deploy.release_commands import deploy_server, release_app
 from streamflow.flink.connector_jars import kafka_topic  # reads kafka://TOPIC without PyFlink
-from streamflow.job import Job, JobLoadError, load_job
+from streamflow.job import Job, JobLoadError, Task, load_job
 from streamflow.progress import track
 from streamflow.runners.device import DeviceRunner, RuntimeMode
 from streamflow.settings import SettingsError, env_name, settings
@@ -44,6 +47,7 @@ from streamflow.sources import FORMATS, open_source
 from streamflow.summary import SYSTEM_TABLES, RunSummary
 from streamflow.trie import TriggerTrie
 from streamflow.tunnel_commands import TunnelOptions
+from streamflow.windowing import StreamPlan
 
 RUNNERS = ("device", "flink")
 TUNNEL_PANEL = "tunnel (device runner: ship feature rows to the cloud over Kafka)"
@@ -289,19 +293,79 @@ def flink_cluster_command(
 
 
 def describe(job: Job) -> str:
-    """The job's tasks and the trie of their trigger conditions, as text."""
+    """The job's tasks (each with its pipeline and the fields of its rows) and the trie of their trigger
+    conditions, as text.
+
+    Example:
+        >>> from operators import Aggregate, Count, KeyBy, TimeWindow
+        >>> from streamflow.job import Task
+        >>> print(describe(Job("j", [Task("n", None, [KeyBy("user_id"), TimeWindow(60), Aggregate(n=Count())],
+        ...                                input="stream")])))
+        job j
+        <BLANKLINE>
+        tasks:
+          n: input stream (every event, no trigger), key user_id, TimeWindow + Aggregate, sink table n
+            | KeyBy(key='user_id', name='user_id')
+            | TimeWindow(allowed_lateness=0.0, out_of_orderness=0.0, size=60.0, slide=60.0, offset=0.0, ts='ts')
+            | Aggregate(aggregations={'n': Count()})
+            rows: user_id, window_start, window_end, n; late items to table late_events
+        <BLANKLINE>
+        trigger trie:
+        (no trigger tasks)
+    """
     trie = TriggerTrie()
     lines = [f"job {job.name}" + (f": {job.description}" if job.description else ""), "", "tasks:"]
     for task in job.tasks:
+        if task.input == "stream":
+            lines += _describe_stream_task(task)
+            continue
         trie.register(task.name, task.trigger)
         history = f", history {task.history_events} events" + (
             f" / {task.history_s:g}s" if task.history_s is not None else "")
         lines.append(f"  {task.name}: trigger {list(task.trigger)}, input {task.input}"
                      f"{history if task.input != 'page' else ''}, sink table {task.sink}")
-        for op in task.pipeline:
-            lines.append(f"    | {op!r}")
-    lines += ["", "trigger trie:", trie.render()]
+        lines += [f"    | {_operator_text(op)}" for op in task.pipeline]
+        lines.append("    rows: user_id, trigger_ts (the firing event's), then the fields the pipeline makes")
+    lines += ["", "trigger trie:", trie.render() if job.trigger_tasks else "(no trigger tasks)"]
     return "\n".join(lines)
+
+
+def _describe_stream_task(task: Task) -> list[str]:
+    plan = StreamPlan.of(task.name, task.pipeline)
+    step = type(plan.window).__name__ + (" + Aggregate" if plan.aggregate is not None else "")
+    lines = [f"  {task.name}: input stream (every event, no trigger), key {plan.key_by.name}, {step}, "
+             f"sink table {task.sink}"]
+    lines += [f"    | {_operator_text(op)}" for op in task.pipeline]
+    if isinstance(plan.window, Process):
+        rows = f"what {_function_name(plan.window)} emits (ctx.emit); its side outputs to their own tables"
+    else:
+        bounds = [] if isinstance(plan.window, CountWindow) else ["window_start", "window_end"]
+        rows = ", ".join([plan.key_by.name, *bounds, *plan.aggregate.aggregations])
+        if plan.after_window:
+            rows += ", then what the steps after Aggregate make of them"
+        if not isinstance(plan.window, CountWindow):
+            rows += f"; late items to table {LATE}"
+    return [*lines, f"    rows: {rows}"]
+
+
+_ADDRESS = re.compile(r"<function ([\w.<>]+) at 0x[0-9a-f]+>|<([\w.]+) object at 0x[0-9a-f]+>")
+_MAX_OPERATOR_TEXT = 400
+
+
+def _operator_text(op: object) -> str:
+    """An operator's repr on one line, functions and objects by name instead of address, cut if very long (a
+    model's weights)."""
+    if isinstance(op, Process):
+        return f"Process(function={_function_name(op)}, out_of_orderness={op.out_of_orderness!r})"
+    text = _ADDRESS.sub(lambda m: m.group(1) or m.group(2).rsplit(".", 1)[-1], re.sub(r"\s*\n\s*", " ", repr(op)))
+    return text if len(text) <= _MAX_OPERATOR_TEXT else text[:_MAX_OPERATOR_TEXT - 4] + " ..."
+
+
+def _function_name(step: Process) -> str:
+    """The user's keyed process function (a class instance) or plain function of a ``Process`` step, by name."""
+    function = step.function
+    plain = function.fn if isinstance(function, _FunctionProcess) else None
+    return plain.__qualname__ if plain is not None else type(function).__name__
 
 
 def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:

@@ -173,6 +173,41 @@ def test_describe_ipv(capsys):
     assert re.search(r"^\s+item\s+-> fires ipv$", out, re.MULTILINE)
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "jobs").glob("*.py")), ids=lambda p: p.name)
+def test_describe_every_project_job(path, capsys):
+    """Issue 23: describe refused every job with a stream task ("trigger condition [] has no trigger id")."""
+    assert main(["describe", str(path)]) == 0
+    out = capsys.readouterr().out
+    job = load_job(path, f"describe_{path.stem}")
+    for task in job.tasks:
+        kind = "input stream" if task.input == "stream" else f"trigger {list(task.trigger)}"
+        assert re.search(rf"^  {task.name}: {re.escape(kind)}.*, sink table {task.sink}$", out, re.MULTILINE), out
+    assert " at 0x" not in out  # functions by name, not by address
+
+
+def test_describe_a_stream_task_shows_its_pipeline_and_rows(capsys):
+    assert main(["describe", str(ROOT / "jobs" / "sessions.py")]) == 0
+    out = capsys.readouterr().out
+    tasks = out.split("tasks:\n", 1)[1].split("\n\n", 1)[0]
+    assert tasks.splitlines()[:7] == [
+        "  sessions: input stream (every event, no trigger), key user_id, SessionWindow + Aggregate, "
+        "sink table sessions",
+        "    | Filter(predicate=<lambda>)",
+        "    | KeyBy(key='user_id', name='user_id')",
+        "    | SessionWindow(gap=30.0, ts='ts', allowed_lateness=0.0, out_of_orderness=5.0)",
+        "    | Aggregate(aggregations={'events': Count(), 'buys': Count(where=...), 'first_ts': Min('ts'), "
+        "'last_ts': Max('ts')})",
+        "    rows: user_id, window_start, window_end, events, buys, first_ts, last_ts; late items to table "
+        "late_events",
+        "  every_3_items: input stream (every event, no trigger), key user_id, CountWindow + Aggregate, "
+        "sink table every_3_items",
+    ]
+    assert "    rows: user_id, buys, last_ts\n" in tasks  # a count window has no time bounds
+    assert "    | Process(function=CartAbandoned, out_of_orderness=5.0)" in tasks
+    assert "    rows: what CartAbandoned emits (ctx.emit); its side outputs to their own tables" in tasks
+    assert out.split("trigger trie:\n", 1)[1] == "(no trigger tasks)\n"
+
+
 def test_describe_shows_the_trie_of_all_tasks(tmp_path, capsys):
     job = tmp_path / "multi.py"
     job.write_text(textwrap.dedent("""
