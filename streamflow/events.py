@@ -5,7 +5,9 @@ An :class:`Event` is ``(user_id, event_id, page_id, ts, contents)``:
 - ``event_id`` is the kind of event (``page_enter``, ``page_exit``, ``fav``, ``click_buy`` ...),
 - ``page_id`` is the page the user was on when it happened,
 - ``ts`` is event time in Unix seconds (float),
-- ``contents`` carries everything else (item id, category, ...).
+- ``contents`` carries everything else (item id, category, ...); a source that maps a record of its
+  own vocabulary to app events keeps that record's kind under ``contents["behavior"]`` on the one
+  event that is the record itself (:attr:`Event.behavior`; see :mod:`streamflow.sources`).
 
 A user's events in time order form the *time-level sequence*. The events from a page's
 ``page_enter`` up to and including its ``page_exit`` form one *page-level sequence*
@@ -28,6 +30,8 @@ from streamflow.keyed import KeyedStore
 
 PAGE_ENTER = "page_enter"
 PAGE_EXIT = "page_exit"
+#: The ``contents`` key under which a source keeps the kind of the record an event is (:attr:`Event.behavior`).
+BEHAVIOR = "behavior"
 
 #: Earliest plausible event time (2000-01-01T00:00:00Z); older stamps are rejected as absurd.
 MIN_PLAUSIBLE_TS = 946_684_800.0
@@ -66,6 +70,22 @@ class Event:
                            f"has no field {name!r}") from None
 
     __getitem__ = field  # events read like rows: event["item_id"], as operators do
+
+    @property
+    def behavior(self) -> str | None:
+        """The source record's own kind, ``contents["behavior"]``, on the event that is that record; ``None``
+        on events a source adds around it (page exits, an implicit page enter) and on events that carry none.
+
+        Counting events by it counts each source record once: ``Filter(lambda e: e.behavior in
+        {"pv", "fav", "cart", "buy"})`` keeps one event per Taobao line.
+
+        Example:
+            >>> Event("u1", "page_enter", "item", 1511848894.0, {"item_id": "10", "behavior": "pv"}).behavior
+            'pv'
+            >>> Event("u1", "page_exit", "item", 1511848900.0, {"item_id": "10"}).behavior is None
+            True
+        """
+        return self.contents.get(BEHAVIOR)
 
     def __reduce__(self) -> tuple:
         # A plain constructor call pickles several times faster than the slots dataclass default,

@@ -3,7 +3,8 @@
 Each source iterates ``Event | Rejected`` in file order (a line that is not valid UTF-8 is a
 ``Rejected`` too, never rewritten). Two formats:
 
-- :class:`TaobaoBehaviorSource` reads the Taobao UserBehavior CSV and turns it into app events.
+- :class:`TaobaoBehaviorSource` reads the Taobao UserBehavior CSV and turns it into app events (item
+  page visits; each line's own event keeps its behaviour in ``contents["behavior"]``).
 - :class:`JsonLinesSource` reads one JSON event per line (``user_id, event_id, page_id, ts,
   contents``), the format for anything else.
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from operators.process import ValueStateDescriptor
 from streamflow.csv_columns import integers, split_lines, text_codes
-from streamflow.events import PAGE_ENTER, PAGE_EXIT, Event, Rejected, TimestampGuard
+from streamflow.events import BEHAVIOR, PAGE_ENTER, PAGE_EXIT, Event, Rejected, TimestampGuard
 from streamflow.keyed import KeyedStore
 
 ITEM_PAGE = "item"
@@ -305,13 +306,18 @@ class TaobaoBehaviorSource(LineSource):
       (at that moment) or is inactive for more than ``inactivity_gap_s`` (at the time of the page's
       last activity). At the end of the input every page still open is exited at its last activity.
 
-    Every event carries ``item_id`` and ``category_id`` in ``contents``. Malformed lines, unknown
-    behaviours, non-integer, absurd or backward timestamps are yielded as :class:`Rejected`.
+    Every event carries ``item_id`` and ``category_id`` in ``contents``. The event that *is* a line (the
+    ``page_enter`` of a ``pv`` that opens a page, the ``pv`` reload, the ``fav``/``cart``/``buy`` click)
+    also carries the line's behaviour as ``contents["behavior"]`` (:attr:`~streamflow.events.Event.behavior`);
+    the events added around it (``page_exit``, the implicit ``page_enter``) carry none, so
+    ``Filter(lambda e: e.behavior in {"pv", "fav", "cart", "buy"})`` keeps exactly one event per line.
+    Malformed lines, unknown behaviours, non-integer, absurd or backward timestamps are yielded as
+    :class:`Rejected`.
 
     Example:
         >>> src = TaobaoBehaviorSource.from_lines(["1,10,7,pv,1511848894", "1,10,7,buy,1511848900"])
-        >>> [(e.event_id, e.ts) for e in src]
-        [('page_enter', 1511848894.0), ('buy', 1511848900.0), ('page_exit', 1511848900.0)]
+        >>> [(e.event_id, e.behavior, e.ts) for e in src]
+        [('page_enter', 'pv', 1511848894.0), ('buy', 'buy', 1511848900.0), ('page_exit', None, 1511848900.0)]
     """
 
     def __init__(self, path: str | Path, inactivity_gap_s: float = DEFAULT_INACTIVITY_GAP_S,
@@ -450,7 +456,7 @@ def _taobao_records(source: TaobaoBehaviorSource, reader: SourceReader, step: Ca
                 guard._clock = clock
             top = ts
         last_ts[user] = ts
-        contents = {"item_id": item, "category_id": category}
+        contents = {"item_id": item, "category_id": category, BEHAVIOR: behavior}
         page = pages.get(user)
         if page is not None and ts - page.last_ts <= gap and page.item_id == item:
             page.last_ts = ts
@@ -468,7 +474,8 @@ def _taobao_records(source: TaobaoBehaviorSource, reader: SourceReader, step: Ca
         if behavior == "pv":
             events.append(Event(user, PAGE_ENTER, ITEM_PAGE, ts, contents))
         else:
-            events.append(Event(user, PAGE_ENTER, ITEM_PAGE, ts, {**contents, "implicit": True}))
+            events.append(Event(user, PAGE_ENTER, ITEM_PAGE, ts, {"item_id": item, "category_id": category,
+                                                                  "implicit": True}))
             events.append(Event(user, behavior, ITEM_PAGE, ts, contents))
         reader.pending = events
         yield from events
@@ -480,8 +487,13 @@ def item_page_events(page: OpenPage | None, user: str, item: str, category: str,
 
     The per-user state machine of :class:`TaobaoBehaviorSource` (see its docstring), separate so
     that a runner can keep ``page`` in its own per-user state.
+
+    Example:
+        >>> page, events = item_page_events(None, "1", "10", "7", "cart", 1511848894.0, 1800.0)
+        >>> [(e.event_id, e.behavior, e.contents.get("implicit", False)) for e in events]
+        [('page_enter', None, True), ('cart', 'cart', False)]
     """
-    contents = {"item_id": item, "category_id": category}
+    contents = {"item_id": item, "category_id": category, BEHAVIOR: behavior}
     if page is None:
         events = []
     elif ts - page.last_ts > gap:
@@ -495,7 +507,8 @@ def item_page_events(page: OpenPage | None, user: str, item: str, category: str,
     if behavior == "pv":
         events.append(Event(user, PAGE_ENTER, ITEM_PAGE, ts, contents))
     else:
-        events.append(Event(user, PAGE_ENTER, ITEM_PAGE, ts, {**contents, "implicit": True}))
+        events.append(Event(user, PAGE_ENTER, ITEM_PAGE, ts, {"item_id": item, "category_id": category,
+                                                              "implicit": True}))
         events.append(Event(user, behavior, ITEM_PAGE, ts, contents))
     return page, events
 
@@ -513,7 +526,9 @@ class JsonLinesSource(LineSource):
 
     Ids may be strings or integers (integers become strings); ``ts`` is a number of Unix seconds,
     plausible and non-decreasing per user (:class:`~streamflow.events.TimestampGuard`);
-    ``contents`` is an optional object. Anything else is yielded as :class:`Rejected`.
+    ``contents`` is an optional object. Each line is one event, as written: nothing is added around it
+    and nothing is added to its ``contents`` (its :attr:`~streamflow.events.Event.behavior` is
+    ``contents["behavior"]`` if the line has one). Anything else is yielded as :class:`Rejected`.
 
     Example:
         >>> src = JsonLinesSource.from_lines(['{"user_id": 1, "event_id": "fav", "page_id": "item", "ts": 1511848951}'])

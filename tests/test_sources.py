@@ -7,21 +7,31 @@ the good records around it still produce features.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import time
+from collections import Counter
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connectors.storage import CollectiveStorage
-from operators import Aggregate, Count, LastN
+from operators import Aggregate, Count, Filter, KeyBy, LastN, TimeWindow
 from streamflow.events import MIN_PLAUSIBLE_TS, PAGE_ENTER, PAGE_EXIT, Event, Rejected, TimestampGuard
 from streamflow.job import Job, Task, load_job
 from streamflow.runners.device import DeviceRunner
 from streamflow.sequences import PageVisit, UserSequence
-from streamflow.sources import JsonLinesSource, TaobaoBehaviorSource, open_source
+from streamflow.sources import (
+    DEFAULT_INACTIVITY_GAP_S,
+    JsonLinesSource,
+    TaobaoBehaviorSource,
+    item_page_events,
+    open_source,
+    page_exit,
+)
 
 T = 1511848894  # a real timestamp of the Taobao sample (2017-11-28)
 YEAR_2100 = 4102444800
@@ -202,7 +212,8 @@ def test_taobao_click_on_item_whose_page_is_not_open_enters_it_implicitly(behavi
     assert brief(recs) == [("1", PAGE_ENTER, "10", T), ("1", PAGE_EXIT, "10", T + 3),
                            ("1", PAGE_ENTER, "20", T + 3), ("1", behavior, "20", T + 3),
                            ("1", PAGE_EXIT, "20", T + 3)]
-    assert recs[2].contents == {"item_id": "20", "category_id": "8", "implicit": True}
+    assert recs[2].contents == {"item_id": "20", "category_id": "8", "implicit": True}  # no behavior: not the line
+    assert recs[3].contents == {"item_id": "20", "category_id": "8", "behavior": behavior}
     assert "implicit" not in recs[0].contents and "implicit" not in recs[3].contents
     # also as the very first record of a user
     recs = taobao([f"1,20,8,{behavior},{T}"])
@@ -257,7 +268,7 @@ def test_taobao_reads_files_with_crlf_and_blank_lines(tmp_path):
     path.write_bytes(f"1,10,7,pv,{T}\r\n\r\n1,10,7,fav,{T + 1}\r\n".encode())
     recs = list(TaobaoBehaviorSource(path))
     assert [e.event_id for e in recs] == [PAGE_ENTER, "fav", PAGE_EXIT]
-    assert recs[0].contents == {"item_id": "10", "category_id": "7"}
+    assert recs[0].contents == {"item_id": "10", "category_id": "7", "behavior": "pv"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -561,6 +572,82 @@ def test_runner_rejects_absurd_and_backward_events_given_directly(tmp_path):
     assert sum(r.startswith("timestamp goes backwards") for r in reasons) == 1
     assert all(json.loads(d[3])["user_id"] == "u" for d in dead)
     assert [r["n"] for r in rows["favs"]] == [1, 2]
+
+
+# --------------------------------------------------------------------------------------------------
+# Taobao adapter: each line's own event keeps the line's behaviour (issue 23, defect 4)
+
+SAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "data" / "taobao_user_behavior_10k.csv"
+TAOBAO_BEHAVIORS = {"pv", "fav", "cart", "buy"}
+
+
+def test_taobao_the_event_a_line_becomes_carries_its_behavior_and_no_other_does():
+    recs = taobao([f"1,10,7,pv,{T}", f"1,10,7,pv,{T + 5}", f"1,10,7,fav,{T + 9}", f"1,20,8,cart,{T + 12}",
+                   f"1,30,9,pv,{T + 20}", f"1,30,9,buy,{T + 21}"])
+    assert [(e.event_id, e.behavior) for e in recs] == [
+        (PAGE_ENTER, "pv"), ("pv", "pv"), ("fav", "fav"),
+        (PAGE_EXIT, None), (PAGE_ENTER, None), ("cart", "cart"),  # the implicit enter is not the cart line
+        (PAGE_EXIT, None), (PAGE_ENTER, "pv"), ("buy", "buy"), (PAGE_EXIT, None)]
+    assert [e.behavior for e in recs] == [e.contents.get("behavior") for e in recs]
+    assert [e.event_id for e in recs if e.contents.get("implicit")] == [PAGE_ENTER]
+    # read as a row field too, where it is there
+    assert recs[0]["behavior"] == "pv"
+    with pytest.raises(KeyError, match="has no field 'behavior'"):
+        recs[3]["behavior"]
+
+
+def test_jsonl_events_carry_only_what_their_line_has():
+    a, b = jsonl([jline(user_id="u", event_id="fav", page_id="item", ts=T, contents={"item_id": "1"}),
+                  jline(user_id="u", event_id="x", page_id="p", ts=T, contents={"behavior": "fav"})])
+    assert (a.behavior, a.contents) == (None, {"item_id": "1"})
+    assert b.behavior == "fav"
+
+
+def _sample_behaviors() -> Counter:
+    """An independent count of the sample's behaviour column (the CSV's 4th field)."""
+    with open(SAMPLE, newline="") as f:
+        return Counter(row[3] for row in csv.reader(f))
+
+
+def test_a_filter_on_behavior_counts_every_line_of_the_sample_once(tmp_path):
+    """The first filter a Taobao user writes: over ``event_id`` it keeps ~1% of the views (a view that opens a
+    page is a page_enter); over ``behavior`` it keeps exactly one event per line."""
+    lines = Task("lines", None, input="stream", pipeline=[
+        Filter(lambda e: e.behavior in TAOBAO_BEHAVIORS), KeyBy("behavior"), TimeWindow(10 ** 9), Aggregate(n=Count())])
+    per_page = Task("per_page", ["item"], [Aggregate(
+        pv=Count(where=lambda e: e.behavior == "pv"), fav=Count(where=lambda e: e.behavior == "fav"),
+        cart=Count(where=lambda e: e.behavior == "cart"), buy=Count(where=lambda e: e.behavior == "buy"))])
+    with CollectiveStorage(tmp_path / "f.duckdb") as store:
+        runner = DeviceRunner(Job("j", [lines, per_page]), store)
+        summary = runner.run(open_source(SAMPLE))
+        runner.close()
+        assert summary.rejected == {} and sum(s.errors for s in summary.task_stats.values()) == 0
+        counted = dict(store.query("SELECT behavior, sum(n)::INT FROM lines GROUP BY ALL"))
+        summed = store.query("SELECT sum(pv)::INT, sum(fav)::INT, sum(cart)::INT, sum(buy)::INT FROM per_page")[0]
+    expected = _sample_behaviors()
+    assert counted == dict(expected) and sum(expected.values()) == 10_000
+    assert dict(zip(("pv", "fav", "cart", "buy"), summed, strict=True)) == dict(expected)
+
+
+def test_every_path_gives_the_same_events_with_their_behavior():
+    """The source's fast loop (default guard, no TTL), its per-line step (a guard of the caller's own) and
+    ``item_page_events`` per line give the same events, contents included."""
+    fast = list(open_source(SAMPLE))
+    per_line = list(TaobaoBehaviorSource(SAMPLE, guard=_OwnGuard()))
+    state: dict = {}
+    by_function = []
+    with open(SAMPLE, newline="") as f:
+        for user, item, category, behavior, ts in csv.reader(f):
+            state[user], events = item_page_events(state.get(user), user, item, category, behavior, float(ts),
+                                                   DEFAULT_INACTIVITY_GAP_S)
+            by_function += events
+    by_function += [page_exit(user, page, page.last_ts) for user, page in state.items()]
+    assert fast == per_line == by_function
+    assert Counter(e.behavior for e in fast if e.behavior is not None) == _sample_behaviors()
+
+
+class _OwnGuard(TimestampGuard):
+    """The default checks, as a guard of the caller's own (so the source reads line by line)."""
 
 
 # --------------------------------------------------------------------------------------------------
