@@ -47,8 +47,10 @@ class Task:
       windows as the watermark passes them (see :mod:`streamflow.windowing` for its shape and
       semantics).
 
-    The rows the pipeline returns are written to table ``sink`` (default: the task's name), each
-    with the ``user_id`` and the triggering event's ``trigger_ts`` in front. When the runner has a
+    The rows the pipeline returns are written to table ``sink`` (default: the task's name): a trigger
+    task's with the ``user_id`` and the triggering event's ``trigger_ts`` in front; a stream task's as its
+    keyed step makes them (a window's: the key, ``window_start``, ``window_end`` (not for a count window)
+    and the aggregates; a ``Process``'s: what it emits), through the steps after it. When the runner has a
     tunnel (``streamflow run --tunnel kafka``) they are also shipped to the cloud, unless
     ``tunnel=False`` keeps them on the device.
     """

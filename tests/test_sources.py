@@ -650,6 +650,22 @@ class _OwnGuard(TimestampGuard):
     """The default checks, as a guard of the caller's own (so the source reads line by line)."""
 
 
+def test_the_readme_worked_example_is_what_the_source_gives():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("```\n1,10,7,pv,", 1)[1].split("```", 1)[0]
+    lines, documented = [], []
+    for text in ("1,10,7,pv," + block).splitlines():
+        if "→" in text:
+            line, text = (part.strip() for part in text.split("→"))
+            if not line.startswith("("):
+                lines.append(line)
+        words = text.split()
+        documented.append((words[0], words[2], words[words.index("behavior") + 1] if "behavior" in words else None,
+                           "implicit" in words))
+    assert [(e.event_id, e["item_id"], e.behavior, e.contents.get("implicit", False)) for e in taobao(lines)
+            ] == documented
+
+
 # --------------------------------------------------------------------------------------------------
 # Taobao adapter: the parse fast path
 
