@@ -28,21 +28,34 @@ Session windows follow Flink's ``EventTimeSessionWindows`` (each item opens ``[t
 windows that touch or overlap merge) with the same lateness rules; count windows follow
 ``countWindow(size[, slide])`` (a window fires on the item that completes it; incomplete windows
 never fire).
+
+A step that raises fails alone, on both runners: an event in the steps before the keyed step (Filter/Map,
+the key, the aggregation's ``where``/``add``: :class:`StreamInput`), an event or a timer of the keyed step
+(:class:`GuardedFunction`), a fired row in the steps after it (:class:`StreamOutput`). Each failure is one
+``task_errors`` row (:func:`stream_error_row`: the task, the key, the window, the error); everything else
+goes on. ``quarantine_after`` consecutive failures of a step (:class:`Streak`) quarantine it.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import logging
+import os
+import traceback
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from connectors.storage import check_table_name, to_json
-from operators import Aggregate, CountWindow, Filter, KeyBy, Map, Operator, Process, SessionWindow, TimeWindow
+from operators import Aggregate, Count, CountWindow, Filter, KeyBy, Map, Operator, Process, SessionWindow, TimeWindow
 from operators.base import field_reader
 from operators.process import LATE, KeyedProcessFunction, ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from operators.window import to_millis, window_starts_ms
+from streamflow.events import Event
 from streamflow.keyed import KeyedRuntime
+from streamflow.summary import TASK_ERRORS_TABLE
+
+log = logging.getLogger("streamflow.windowing")
 
 WINDOWS = (TimeWindow, SessionWindow, CountWindow)
 
@@ -85,6 +98,13 @@ class StreamPlan:
     @property
     def out_of_orderness(self) -> float:
         return getattr(self.window, "out_of_orderness", 0.0)
+
+    @property
+    def ts(self) -> Any:
+        """The field (or function) with an item's event time, or ``None`` (count windows need none)."""
+        if isinstance(self.window, Process):
+            return self.window.function.ts
+        return None if isinstance(self.window, CountWindow) else self.window.ts
 
     def function(self) -> KeyedProcessFunction:
         """The keyed step as a keyed process function (rows it emits are ``window_row``s or the
@@ -285,8 +305,304 @@ def late_row(task: str, ts: float, item: Any) -> dict[str, Any]:
     return {"task": task, "ts": ts, "item": to_json(body, sort_keys=True)}
 
 
+#: Pseudo-table of a record saying a step of a stream task was quarantined (``{"task": name}``): on Flink each
+#: step (operator instance) says so itself, and the writer marks the task quarantined in the summary.
+QUARANTINED = "__quarantined__"
+_RUNNER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_NO_KEY = object()
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a step of a stream task raised, as text (picklable: on Flink it may wait in a window's accumulator).
+
+    The traceback starts at the first frame outside the runner (``streamflow/``): the user's code and the
+    operators it called, the same frames on every runner.
+    """
+
+    error: str
+    traceback: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename.startswith(_RUNNER_DIR):
+            tb = tb.tb_next
+        return cls(f"{type(exc).__name__}: {exc}", "".join(traceback.format_exception(type(exc), exc, tb)))
+
+
+def stream_error_row(task: str, failure: Failure | BaseException, item: Any = None, key: Any = _NO_KEY,
+                     ts: float | None = None, window: tuple[float, float] | None = None) -> dict[str, Any]:
+    """The ``task_errors`` row of a stream task's step that raised on ``item`` (an event, a fired window's
+    row, or nothing for a timer), with the key (text; ``None`` before the key is known) and the window
+    (``window_start``, ``window_end`` in seconds) when a window's row failed.
+
+    Its first columns are those of a trigger task's row (:func:`streamflow.execution.task_error_row`):
+    ``user_id`` and ``trigger_ts`` are the event's (else ``ts``: the item's time, a timer's), and
+    ``trigger_event`` the item as JSON.
+
+    Example:
+        >>> row = stream_error_row("rates", ZeroDivisionError("division by zero"), {"user": "u", "n": 1},
+        ...                        key="u", window=(0.0, 10.0))
+        >>> [row[k] for k in ("task", "key", "window_start", "window_end", "error", "trigger_event")]
+        ['rates', 'u', 0.0, 10.0, 'ZeroDivisionError: division by zero', '{"user": "u", "n": 1}']
+    """
+    if not isinstance(failure, Failure):
+        failure = Failure.of(failure)
+    user = None
+    if isinstance(item, Event):
+        user, ts = item.user_id, item.ts
+        body: Any = item.to_dict()
+    else:
+        if isinstance(item, Mapping) and isinstance(item.get("user_id"), str):
+            user = item["user_id"]
+        body = item
+    return {"task": task, "user_id": user, "trigger_ts": ts,
+            "trigger_event": None if item is None else to_json(body),
+            "error": failure.error, "traceback": failure.traceback,
+            "key": None if key is _NO_KEY or key is None else key if isinstance(key, str) else to_json(key),
+            "window_start": None if window is None else window[0], "window_end": None if window is None else window[1]}
+
+
+class Streak:
+    """Consecutive failures of one step of a stream task (on Flink: of one operator instance, so at
+    parallelism 1 the same as on the device); ``quarantine_after`` of them in a row quarantine the step."""
+
+    __slots__ = ("limit", "failures", "quarantined")
+
+    def __init__(self, quarantine_after: int):
+        if quarantine_after < 1:
+            raise ValueError(f"quarantine_after must be >= 1, got {quarantine_after}")
+        self.limit = quarantine_after
+        self.failures = 0
+        self.quarantined = False
+
+    def ok(self) -> None:
+        self.failures = 0
+
+    def failed(self, task: str, row: dict[str, Any]) -> bool:
+        """Count the failure whose ``task_errors`` row is ``row``; True when it quarantines the step."""
+        self.failures += 1
+        log.warning("stream task %s failed (key %s%s): %s", task, row["key"],
+                    "" if row["window_start"] is None else f", window [{row['window_start']}, {row['window_end']})",
+                    row["error"])
+        if self.failures < self.limit or self.quarantined:
+            return False
+        self.quarantined = True
+        log.error("stream task %s quarantined after %d consecutive failures; last: %s", task, self.failures,
+                  row["error"])
+        return True
+
+    def state(self) -> tuple[int, bool]:
+        return self.failures, self.quarantined
+
+    def restore(self, state: tuple[int, bool]) -> None:
+        self.failures, self.quarantined = state
+
+
+def _fails_on_items(aggregation: Any) -> bool:
+    """False for an aggregation whose ``add`` cannot raise on an item (``Count()`` without ``where``)."""
+    return not (type(aggregation) is Count and aggregation.where is None)
+
+
+class StreamInput:
+    """A stream task's steps before its keyed step, per event: Filter/Map, the key, Filter/Map, the event
+    time, and a check that the aggregation takes the item (its ``where`` and ``add``, once per event, on a
+    new accumulator: an event a window cannot take fails here once, on both runners, instead of in each of
+    its windows). ``step(item)`` is ``(key, item, ts_ms)`` for the keyed step, or ``None``; what failed is
+    in :attr:`out` as ``(table, row)`` records (``task_errors`` rows, and :data:`QUARANTINED` once).
+
+    Example:
+        >>> from operators import Count
+        >>> plan = StreamPlan.of("n", [KeyBy("user"), TimeWindow(10), Aggregate(n=Count())])
+        >>> steps = StreamInput("n", plan, quarantine_after=2)
+        >>> steps.step({"user": "u", "ts": 1.5})
+        ('u', {'user': 'u', 'ts': 1.5}, 1500)
+        >>> steps.step({"ts": 2.0}), [(table, row["key"], row["error"]) for table, row in steps.out]
+        (None, [('task_errors', None, "KeyError: 'user'")])
+    """
+
+    def __init__(self, task: str, plan: StreamPlan, quarantine_after: int = 5):
+        self.task = task
+        self.before_key, self.before_window = plan.before_key, plan.before_window
+        self.read_key = field_reader(plan.key_by.key)
+        self.read_ts = field_reader(plan.ts) if plan.ts is not None else None
+        aggregations = plan.aggregate.aggregations.values() if plan.aggregate is not None else ()
+        self.checks = [agg for agg in aggregations if _fails_on_items(agg)]
+        self.streak = Streak(quarantine_after)
+        self.out: list[tuple[str, dict[str, Any]]] = []
+
+    def step(self, event: Any) -> tuple[Any, Any, int | None] | None:
+        streak = self.streak
+        if streak.quarantined:
+            return None
+        key, ts_ms, item = _NO_KEY, None, event
+        try:
+            if self.before_key:
+                item = apply_elementwise(self.before_key, item)
+                if item is None:
+                    streak.failures = 0
+                    return None
+            key = self.read_key(item)
+            hash(key)  # a key must be hashable: keyed state is held by key
+            if self.before_window:
+                item = apply_elementwise(self.before_window, item)
+                if item is None:
+                    streak.failures = 0
+                    return None
+            if self.read_ts is not None:
+                ts_ms = to_millis(self.read_ts(item))
+            for agg in self.checks:
+                if agg.where is None or agg.where(item):
+                    agg.add(agg.create(), item)
+        except Exception as exc:
+            row = stream_error_row(self.task, exc, event, key)
+            self.out.append((TASK_ERRORS_TABLE, row))
+            if streak.failed(self.task, row):
+                self.out.append((QUARANTINED, {"task": self.task}))
+            return None
+        streak.failures = 0
+        return key, item, ts_ms
+
+
+class GuardedFunction(KeyedProcessFunction):
+    """A stream task's keyed step (a window function, or the user's ``Process``) whose ``on_event`` and
+    ``on_timer`` failures are caught per call: each becomes a ``task_errors`` side output naming the key
+    (and the window, for a time window's firing); what the call emitted before it raised is kept.
+    Events and timers keep separate streaks (on Flink a time window's events and firings are two
+    functions); either one quarantines the step, which then does nothing (:data:`QUARANTINED` is sent once).
+    ``close()`` cannot output: its failure waits in :attr:`closing` (the device runner stores it).
+
+    ``window_size_ms``: the size of a time window, whose firing timer at ``t`` is the window ``[t + 1 - size,
+    t + 1)``.
+    """
+
+    def __init__(self, function: KeyedProcessFunction, task: str, quarantine_after: int = 5,
+                 window_size_ms: int | None = None):
+        self.function = function
+        self.ts = function.ts
+        self.task = task
+        self.window_size_ms = window_size_ms
+        self.events = Streak(quarantine_after)
+        self.timers = Streak(quarantine_after)
+        self.closing: list[dict[str, Any]] = []
+
+    @property
+    def quarantined(self) -> bool:
+        return self.events.quarantined or self.timers.quarantined
+
+    def open(self, ctx: Any) -> None:
+        self.function.open(ctx)
+
+    def on_event(self, event: Any, ctx: Any) -> None:
+        if self.events.quarantined or self.timers.quarantined:
+            return
+        try:
+            self.function.on_event(event, ctx)
+        except Exception as exc:
+            ts = ctx.timestamp / 1000 if self.ts is not None and ctx.timestamp is not None else None
+            self._failed(self.events, ctx, stream_error_row(self.task, exc, event, ctx.key, ts))
+        else:
+            self.events.failures = 0
+
+    def on_timer(self, time_ms: int, ctx: Any) -> None:
+        if self.events.quarantined or self.timers.quarantined:
+            return
+        try:
+            self.function.on_timer(time_ms, ctx)
+        except Exception as exc:
+            size = self.window_size_ms
+            window = None if size is None else ((time_ms + 1 - size) / 1000, (time_ms + 1) / 1000)
+            self._failed(self.timers, ctx, stream_error_row(self.task, exc, None, ctx.key,
+                                                            None if window else time_ms / 1000, window))
+        else:
+            self.timers.failures = 0
+
+    def _failed(self, streak: Streak, ctx: Any, row: dict[str, Any]) -> None:
+        ctx.side(TASK_ERRORS_TABLE, row)
+        if streak.failed(self.task, row):
+            ctx.side(QUARANTINED, {"task": self.task})
+
+    def close(self) -> None:
+        try:
+            self.function.close()
+        except Exception as exc:
+            row = stream_error_row(self.task, exc)
+            log.warning("stream task %s failed closing: %s", self.task, row["error"])
+            self.closing.append(row)
+
+
+class StreamOutput:
+    """A stream task's outputs after its keyed step, to ``(table, row)`` records: a fired row through the
+    Filter/Map after the window (each row on its own: one that raises becomes a ``task_errors`` row naming
+    the key and the window), late items as ``late_events`` rows, side outputs by table (a table name no
+    table can have is a failure too), failures and :data:`QUARANTINED` as they are.
+
+    Example:
+        >>> from operators import Count
+        >>> plan = StreamPlan.of("r", [KeyBy("user"), TimeWindow(10), Aggregate(n=Count()), Map(lambda r: 1 / 0)])
+        >>> [(table, row["window_start"], row["error"]) for table, row in StreamOutput("r", "r", plan).records(
+        ...     "emit", {"user": "u", "window_start": 0.0, "window_end": 10.0, "n": 1})]
+        [('task_errors', 0.0, 'ZeroDivisionError: division by zero')]
+    """
+
+    def __init__(self, task: str, sink: str, plan: StreamPlan, quarantine_after: int = 5):
+        self.task = task
+        self.sink = sink
+        self.after = plan.after_window
+        self.key_name = plan.key_by.name
+        self.read_ts = field_reader(plan.ts) if plan.ts is not None else None
+        self.streak = Streak(quarantine_after)
+
+    def route(self, tag: str, value: Any, rows: list[dict[str, Any]], sides: list[tuple[str, Any]]) -> None:
+        """One output of the keyed step: a row for the sink into ``rows``, anything else into ``sides``."""
+        if tag == "emit":
+            streak = self.streak
+            if streak.quarantined:
+                return
+            try:
+                row = apply_elementwise(self.after, value) if self.after else value
+            except Exception as exc:
+                self._failed(exc, value, sides)
+                return
+            streak.failures = 0
+            if row is not None:
+                rows.append(row)
+        elif tag == LATE:
+            sides.append((LATE, late_row(self.task, self.read_ts(value) if self.read_ts else None, value)))
+        elif tag in (TASK_ERRORS_TABLE, QUARANTINED):
+            sides.append((tag, value))
+        else:
+            try:
+                sides.append((check_table_name(tag), value))
+            except ValueError as exc:
+                self._failed(exc, value, sides)
+
+    def records(self, tag: str, value: Any) -> list[tuple[str, Any]]:
+        """:meth:`route` as ``(table, row)`` records (Flink's flat_map after the keyed step)."""
+        rows: list[dict[str, Any]] = []
+        sides: list[tuple[str, Any]] = []
+        self.route(tag, value, rows, sides)
+        return [(self.sink, row) for row in rows] + sides if rows else sides
+
+    def _failed(self, exc: Exception, value: Any, sides: list[tuple[str, Any]]) -> None:
+        key, window = _NO_KEY, None
+        if isinstance(value, Mapping):
+            key = value.get(self.key_name, _NO_KEY)
+            if "window_start" in value and "window_end" in value:
+                window = (value["window_start"], value["window_end"])
+        row = stream_error_row(self.task, exc, value, key, window=window)
+        sides.append((TASK_ERRORS_TABLE, row))
+        if self.streak.failed(self.task, row):
+            sides.append((QUARANTINED, {"task": self.task}))
+
+
 class StreamTaskRun:
     """A stream task on the device runner: element operators, the keyed step, row operators.
+
+    Each step that raises fails alone (see :class:`StreamInput`, :class:`GuardedFunction`,
+    :class:`StreamOutput`): its ``task_errors`` row is among the side rows, every other row goes on;
+    ``quarantine_after`` consecutive failures of a step quarantine it (:attr:`quarantined`).
 
     Example:
         >>> from operators import Count
@@ -296,40 +612,69 @@ class StreamTaskRun:
         (([], []), ([{'user': 'u', 'window_start': 0.0, 'window_end': 10.0, 'n': 1}], []))
     """
 
-    def __init__(self, task: Any, max_keys: int | None = None):
+    def __init__(self, task: Any, max_keys: int | None = None, quarantine_after: int = 5):
         self.name = task.name
         self.sink = task.sink
-        self.plan = StreamPlan.of(task.name, copy.deepcopy(list(task.pipeline)))
-        function = self.plan.function()
-        self.runtime = KeyedRuntime(function, self.plan.out_of_orderness, max_keys)
-        self.read_key = field_reader(self.plan.key_by.key)
+        self.plan = plan = StreamPlan.of(task.name, copy.deepcopy(list(task.pipeline)))
+        self.input = StreamInput(task.name, plan, quarantine_after)
+        size = to_millis(plan.window.size) if isinstance(plan.window, TimeWindow) else None
+        self.keyed = GuardedFunction(plan.function(), task.name, quarantine_after, size)
+        self.runtime = KeyedRuntime(self.keyed, plan.out_of_orderness, max_keys)
+        self.output = StreamOutput(task.name, task.sink, plan, quarantine_after)
         self.read_ts = self.runtime.read_ts
+        #: True once a step is quarantined (it has stopped; the others go on with what they hold).
+        self.quarantined = False
+
+    @property
+    def consecutive_errors(self) -> int:
+        """The longest current run of failures among the task's steps."""
+        keyed = self.keyed
+        return max(self.input.streak.failures, keyed.events.failures, keyed.timers.failures,
+                   self.output.streak.failures)
 
     def process(self, item: Any) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
-        """One event in: ``(feature rows, side rows as (table, row))``; late items go to ``late_events``."""
-        plan = self.plan
-        item = apply_elementwise(plan.before_key, item)
-        if item is None:
-            return [], []
-        key = self.read_key(item)
-        item = apply_elementwise(plan.before_window, item)
-        if item is None:
-            return [], []
-        return self._split(self.runtime.process(key, item))
+        """One event in: ``(feature rows, side rows as (table, row))``; late items go to ``late_events``,
+        failures to ``task_errors``."""
+        entry = self.input.step(item)
+        if entry is None:
+            return [], self._failures(self.input.out) if self.input.out else []
+        return self._split(self.runtime.process(*entry))
 
     def finish(self) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
         """End of input: the rows of every window still open (the final watermark's timers)."""
-        return self._split(self.runtime.finish())
+        rows, sides = self._split(self.runtime.finish())
+        if self.keyed.closing:
+            sides += [(TASK_ERRORS_TABLE, row) for row in self.keyed.closing]
+            self.keyed.closing.clear()
+        return rows, sides
+
+    def steps_state(self) -> dict[str, tuple[int, bool]]:
+        """Each step's streak and quarantine (for a checkpoint; the keyed state is :attr:`runtime`'s)."""
+        keyed = self.keyed
+        return {"input": self.input.streak.state(), "events": keyed.events.state(),
+                "timers": keyed.timers.state(), "output": self.output.streak.state()}
+
+    def restore_steps(self, state: dict[str, tuple[int, bool]]) -> None:
+        keyed = self.keyed
+        for name, streak in (("input", self.input.streak), ("events", keyed.events), ("timers", keyed.timers),
+                             ("output", self.output.streak)):
+            streak.restore(state[name])
+        self.quarantined = any(quarantined for _, quarantined in state.values())
+
+    def _failures(self, out: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+        sides = [record for record in out if record[0] != QUARANTINED]
+        if len(sides) < len(out):
+            self.quarantined = True
+        out.clear()
+        return sides
 
     def _split(self, outputs: list[tuple[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
-        rows, sides = [], []
+        rows: list[dict[str, Any]] = []
+        sides: list[tuple[str, Any]] = []
+        route = self.output.route
         for tag, value in outputs:
-            if tag == "emit":
-                row = apply_elementwise(self.plan.after_window, value)
-                if row is not None:
-                    rows.append(row)
-            elif tag == LATE:
-                sides.append((LATE, late_row(self.name, self.read_ts(value) if self.read_ts else None, value)))
-            else:
-                sides.append((check_table_name(tag), value))
+            route(tag, value, rows, sides)
+        if sides and any(table == QUARANTINED for table, _ in sides):
+            self.quarantined = True
+            sides = [record for record in sides if record[0] != QUARANTINED]
         return rows, sides

@@ -23,7 +23,10 @@ evicting the least recently seen (counted in the summary's ``evicted_users``).
 Isolation: every task gets its own copy of its pipeline (operator state is never shared between
 tasks) and writes its own table. A task's exception is caught and stored in ``task_errors`` with
 the triggering event; the other tasks and the stream go on. After ``quarantine_after`` consecutive
-failures the task is quarantined: unregistered from the trie and reported in the summary.
+failures the task is quarantined: unregistered from the trie and reported in the summary. A stream
+task fails per event, per timer and per fired window (:mod:`streamflow.windowing`): its row names the
+key and the window, every other row is stored, and a step that fails ``quarantine_after`` times in a
+row is quarantined (reported alike).
 
 With a ``tunnel`` (a :class:`~connectors.tunnel.sink.TunnelSink`), the feature rows of every task
 (but those with ``tunnel=False``) are also shipped to the cloud over Kafka; dead letters, task
@@ -74,7 +77,7 @@ from streamflow.keyed import KeyedRuntime, rows_by_output
 from streamflow.runners.batch import run_batch
 from streamflow.sources import LineSource, SourcePosition, SourceReader
 from streamflow.summary import TASK_ERRORS_TABLE, RunSummary, TaskStats
-from streamflow.windowing import StreamTaskRun
+from streamflow.windowing import StreamTaskRun, stream_error_row
 
 if TYPE_CHECKING:
     from connectors.tunnel.sink import TunnelSink
@@ -252,7 +255,8 @@ class DeviceRunner:
             _refuse_stateful_operators(add)
         for task in add:
             check_table_name(task.sink)
-        streams = {task.name: StreamTaskRun(task, self.max_users) for task in add if task.input == "stream"}
+        streams = {task.name: StreamTaskRun(task, self.max_users, self.execution.quarantine_after)
+                   for task in add if task.input == "stream"}
         self.execution.replace([name for name in remove if name in self.execution.tasks],
                                [task for task in add if task.input != "stream"])
         for name in remove:
@@ -264,7 +268,8 @@ class DeviceRunner:
             self.tasks[task.name] = task
             if task.name in streams:
                 self._streams[task.name] = streams[task.name]
-                self.summary.task_stats.setdefault(task.name, TaskStats())
+                stats = self.summary.task_stats.setdefault(task.name, TaskStats())
+                stats.consecutive_errors, stats.quarantined = 0, False  # a new version starts afresh
             self.storage.name_writer(task.sink, f"task {task.name}")
         self._shipped = {task.sink for task in self.tasks.values() if task.tunnel}
         if not initial:
@@ -341,6 +346,7 @@ class DeviceRunner:
         state = None if complete else {
             "triggers": self.triggers.snapshot(),
             "streams": {name: stream.runtime.snapshot() for name, stream in self._streams.items()},
+            "stream_steps": {name: stream.steps_state() for name, stream in self._streams.items()},
             "guard": self.guard.snapshot(),
             "summary": {"events_in": self.summary.events_in, "rejected": self.summary.rejected,
                         "task_stats": self.summary.task_stats,
@@ -377,6 +383,8 @@ class DeviceRunner:
         self.triggers.restore(state["triggers"])
         for name, snapshot in state["streams"].items():
             self._streams[name].runtime.restore(snapshot)
+        for name, steps in state.get("stream_steps", {}).items():  # (checkpoints from before it had none)
+            self._streams[name].restore_steps(steps)
         self.guard.restore(state["guard"])
         saved = state["summary"]
         self.summary.events_in, self.summary.rejected = saved["events_in"], saved["rejected"]
@@ -494,11 +502,8 @@ class DeviceRunner:
         for stream in self._streams.values():
             try:
                 self._write_stream(stream, *stream.process(event))
-            except Exception as exc:  # a stream task's failure is data, as a trigger task's is
-                self.summary.task_stats[stream.name].errors += 1
-                log.warning("stream task %s failed on %s of user %s: %s", stream.name, event.event_id,
-                            event.user_id, exc)
-                self.storage.write(TASK_ERRORS_TABLE, [task_error_row(stream.name, event, exc)])
+            except Exception as exc:  # a backstop: each step's failure is caught where it happens
+                self._stream_failed(stream, event, exc)
         outputs = self.triggers.process(event.user_id, event, round(event.ts * 1000))
         if not outputs:
             return
@@ -510,7 +515,10 @@ class DeviceRunner:
     def finish(self) -> None:
         """End of input: close every stream task's open windows (later events count as late)."""
         for stream in self._streams.values():
-            self._write_stream(stream, *stream.finish())
+            try:
+                self._write_stream(stream, *stream.finish())
+            except Exception as exc:  # a backstop, as in process()
+                self._stream_failed(stream, None, exc)
         for table, row in self.triggers.finish():
             self._write(table, [row])
 
@@ -526,8 +534,23 @@ class DeviceRunner:
             stats.fired += len(rows)
             stats.rows += len(rows)
             self._write(stream.sink, rows)
-        for table, row in sides:
-            self.storage.write(table, [row])
+        if sides:
+            name = stream.name
+            stats = self.summary.task_stats[name]
+            for table, row in sides:
+                if table == TASK_ERRORS_TABLE and row.get("task") == name:  # as Flink's writer counts them
+                    stats.errors += 1
+                self.storage.write(table, [row])
+            stats.consecutive_errors = stream.consecutive_errors
+            if stream.quarantined:
+                stats.quarantined = True
+
+    def _stream_failed(self, stream: StreamTaskRun, event: Event | None, exc: Exception) -> None:
+        self.summary.task_stats[stream.name].errors += 1
+        log.warning("stream task %s failed%s: %s", stream.name,
+                    "" if event is None else f" on {event.event_id} of user {event.user_id}", exc)
+        row = task_error_row(stream.name, event, exc) if event is not None else stream_error_row(stream.name, exc)
+        self.storage.write(TASK_ERRORS_TABLE, [row])
 
     def _write(self, table: str, rows: list[dict[str, Any]]) -> None:
         self.storage.write(table, rows)
