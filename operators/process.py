@@ -13,8 +13,9 @@ the state of the key being processed, as in Flink. Times are integer millisecond
 
 **TTL** is measured on the stream's clock: the largest event time the function instance has seen
 (``ctx.current_time()``), not the wall clock, so a replay expires state exactly as the live stream
-did and both runners agree. A state value written at clock ``c`` reads as absent once the clock
-passes ``c + ttl``; runners also reclaim its memory then.
+did and both runners agree. A value or list written (or appended to) at clock ``c`` reads as absent
+once the clock passes ``c + ttl``; a map state's entries expire one by one, each ``ttl`` after its
+last ``put`` (as Flink's ``StateTtlConfig`` expires map entries). Runners also reclaim the memory.
 
 The device runner implements the primitive with plain dicts and a timer heap
 (:mod:`streamflow.keyed`); the Flink runner maps it one to one onto PyFlink's
@@ -84,7 +85,8 @@ class ListStateDescriptor(StateDescriptor):
 
 @dataclass(frozen=True)
 class MapStateDescriptor(StateDescriptor):
-    """A map per key (``get(k)``, ``put(k, v)``, ``remove(k)``, ``contains(k)``, ``items()``, ``clear()``)."""
+    """A map per key (``get(k)``, ``put(k, v)``, ``remove(k)``, ``contains(k)``, ``items()``, ``is_empty()``,
+    ``clear()``); entry keys compare as a dict's do. With ``ttl_s`` each entry expires on its own."""
 
     kind: ClassVar[str] = "map"
 

@@ -108,6 +108,67 @@ class KeyedStore:
         return n
 
 
+class MapStore(KeyedStore):
+    """A map state's maps by key. With a TTL, each *entry* expires ``ttl`` after its last ``put``, as Flink's
+    ``StateTtlConfig`` expires map entries (not the whole map of a key): ``written`` holds each
+    ``(key, entry key)``'s write time, oldest first. Expired entries are dropped by :meth:`expire`, which
+    :class:`KeyedRuntime` calls whenever its clock moves, so a read never sees one.
+
+    Example:
+        >>> from operators.process import MapStateDescriptor
+        >>> store = MapStore(MapStateDescriptor("seen", ttl_s=1))
+        >>> store.data["u"] = {"a": 1, "b": 2}
+        >>> store.touch_entry("u", "a", clock=0); store.touch_entry("u", "b", clock=500)
+        >>> store.expire(clock=1001), store.data
+        (1, {'u': {'b': 2}})
+    """
+
+    __slots__ = ()
+
+    def get(self, key: Any, clock: int) -> Any:
+        return self.data.get(key)
+
+    def touch(self, key: Any, clock: int) -> None:
+        pass  # entries carry their own write times (touch_entry)
+
+    def touch_entry(self, key: Any, entry: Any, clock: int) -> None:
+        written = self.written
+        if written is not None:
+            written[key, entry] = clock
+            written.move_to_end((key, entry))
+
+    def delete_entry(self, key: Any, entry: Any) -> None:
+        mapping = self.data[key]
+        del mapping[entry]
+        if self.written is not None:
+            self.written.pop((key, entry), None)
+        if not mapping:
+            del self.data[key]
+
+    def delete(self, key: Any) -> bool:
+        mapping = self.data.pop(key, None)
+        if mapping is not None and self.written is not None:
+            for entry in mapping:
+                self.written.pop((key, entry), None)
+        return mapping is not None
+
+    def expire(self, clock: int, on_expire: Any = None) -> int:
+        written, n = self.written, 0
+        if written is None:
+            return 0
+        limit = clock - self.ttl
+        while written:
+            (key, entry), at = next(iter(written.items()))
+            if at >= limit:
+                break
+            value = self.data[key][entry]
+            self.delete_entry(key, entry)
+            if on_expire is not None:
+                on_expire((key, entry), value)
+            n += 1
+        return n
+
+
 class _Handle:
     __slots__ = ("store", "runtime")
 
@@ -164,16 +225,16 @@ class ListHandle(_Handle):
 
 
 class MapHandle(_Handle):
-    """``MapState`` of the current key."""
+    """``MapState`` of the current key. With a TTL each entry expires on its own (see :class:`MapStore`)."""
 
     __slots__ = ()
+    store: MapStore
 
     def _map(self, create: bool = False) -> dict[Any, Any] | None:
         runtime = self.runtime
-        mapping = self.store.get(runtime.key, runtime.clock)
+        mapping = self.store.data.get(runtime.key)
         if mapping is None and create:
-            mapping = {}
-            self.store.set(runtime.key, mapping, runtime.clock)
+            mapping = self.store.data[runtime.key] = {}
         return mapping
 
     def get(self, key: Any, default: Any = None) -> Any:
@@ -181,14 +242,12 @@ class MapHandle(_Handle):
 
     def put(self, key: Any, value: Any) -> None:
         self._map(create=True)[key] = value
-        self.store.touch(self.runtime.key, self.runtime.clock)
+        self.store.touch_entry(self.runtime.key, key, self.runtime.clock)
 
     def remove(self, key: Any) -> None:
         mapping = self._map()
-        if mapping is not None:
-            mapping.pop(key, None)
-            if not mapping:
-                self.clear()
+        if mapping is not None and key in mapping:
+            self.store.delete_entry(self.runtime.key, key)
 
     def contains(self, key: Any) -> bool:
         return key in (self._map() or {})
@@ -257,7 +316,7 @@ class KeyedRuntime:
     def get_state(self, descriptor: StateDescriptor) -> Any:
         store = self._stores.get(descriptor.name)
         if store is None:
-            store = self._stores[descriptor.name] = KeyedStore(descriptor)
+            store = self._stores[descriptor.name] = (MapStore if descriptor.kind == "map" else KeyedStore)(descriptor)
             if store.ttl is not None:
                 self._ttl_stores.append(store)
         elif store.kind != descriptor.kind or store.ttl != descriptor.ttl_ms:

@@ -13,6 +13,7 @@ expires at the same events on both runners.
 
 from __future__ import annotations
 
+import base64
 import pickle
 import time
 from typing import Any
@@ -390,32 +391,114 @@ class _PackedList(_PackedValue):
         self.packed.set(self.index, list(values) or None)
 
 
-class _Map(_Handle):
-    """Not cached: a map is read and written per entry."""
+def map_key_text(key: Any) -> str:
+    """A map state's entry key as the string Flink keeps it by: Flink's heap backend compares keys by
+    ``equals``, which a ``byte[]`` (a pickled key) does only by identity, so a stored key would never be
+    found again; strings compare by value. A ``str`` key is kept as it is after an ``s``, any other key as
+    its pickle (base64) after a ``p``: deterministic for the keys a map is keyed by (strings, numbers,
+    tuples of them).
 
-    __slots__ = ()
+    Example:
+        >>> map_key_text("item-1"), map_key_text((1, "a")) == map_key_text((1, "a"))
+        ('sitem-1', True)
+        >>> map_key_from_text(map_key_text((1, "a")))
+        (1, 'a')
+    """
+    if type(key) is str:
+        return "s" + key
+    return "p" + base64.b64encode(pickle.dumps(key, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+
+
+def map_key_from_text(text: str) -> Any:
+    """The entry key :func:`map_key_text` made ``text`` of."""
+    if text[0] == "s":
+        return text[1:]
+    return pickle.loads(base64.b64decode(text[1:]))  # our own encoding of our own state
+
+
+class _Map(_Handle):
+    """A map state of the current key, read from Flink whole at its first use (one crossing for the
+    entries) and kept decoded per key as the other handles keep theirs; the entries a call changed are
+    written (put or removed) at its end. Lookups are a Python dict's, as on the device.
+
+    With a TTL each entry expires on its own, ``ttl`` after its last ``put`` on the stream clock (as
+    Flink's ``StateTtlConfig`` and the device's :class:`~streamflow.keyed.MapStore`): it is stored with
+    its write time and dropped when a read finds it expired."""
+
+    __slots__ = ("_entries", "_changed", "_wiped")
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self._entries: Any = _UNREAD
+        self._changed: set[Any] = set()  # entry keys put or removed in this call
+        self._wiped = False  # cleared in this call (before the changes)
+
+    def _map(self) -> dict[Any, Any]:
+        """The current key's live entries (entry key -> value, or (value, written) with a TTL)."""
+        entries = self._entries
+        if entries is _UNREAD:
+            if not self._touched:
+                self._use()
+            key = self.owner.cache_key
+            entries = self.cache.get(key)
+            if entries is None:
+                entries = self.cache[key] = {map_key_from_text(k): v for k, v in self.state.items()}
+            self._entries = entries
+        if self.ttl is not None and entries:
+            limit = self.owner.clock - self.ttl
+            for expired in [k for k, (_, at) in entries.items() if at < limit]:
+                del entries[expired]
+                self._changed.add(expired)
+        return entries
 
     def get(self, key: Any, default: Any = None) -> Any:
-        if not self._live() or not self.state.contains(key):
+        entries = self._map()
+        if key not in entries:
             return default
-        return self.state.get(key)
+        return entries[key] if self.ttl is None else entries[key][0]
 
     def put(self, key: Any, value: Any) -> None:
-        self._live()
-        self.state.put(key, value)
-        self._touch()
+        self._map()[key] = value if self.ttl is None else (value, self.owner.clock)
+        self._changed.add(key)
 
     def remove(self, key: Any) -> None:
-        self.state.remove(key)
+        entries = self._map()
+        if key in entries:
+            del entries[key]
+            self._changed.add(key)
 
     def contains(self, key: Any) -> bool:
-        return self._live() and self.state.contains(key)
+        return key in self._map()
 
     def items(self) -> Any:
-        return iter(list(self.state.items())) if self._live() else iter(())
+        entries = self._map()
+        if self.ttl is None:
+            return iter(list(entries.items()))
+        return iter([(key, value) for key, (value, _) in entries.items()])
 
     def is_empty(self) -> bool:
-        return not self._live() or self.state.is_empty()
+        return not self._map()
+
+    def clear(self) -> None:
+        entries = self._map()
+        if entries:
+            entries.clear()
+            self._wiped = True
+        self._changed.clear()
+
+    def commit(self) -> None:
+        entries = self._entries
+        if entries is not _UNREAD:
+            state = self.state
+            if self._wiped:
+                state.clear()
+            for key in self._changed:
+                if key in entries:
+                    state.put(map_key_text(key), entries[key])
+                elif not self._wiped:
+                    state.remove(map_key_text(key))
+        self._entries, self._wiped, self._touched = _UNREAD, False, False
+        self._changed = set()
 
 
 class _Backstop:
@@ -536,10 +619,10 @@ class FlinkKeyed(KeyedProcessFunction):
             state = _ListSlot(packed) if packed else runtime.get_list_state(ListStateDescriptor(name, _PICKLED))
             handle = _List
         else:
-            state = runtime.get_map_state(MapStateDescriptor(name, _PICKLED, _PICKLED))
+            state = runtime.get_map_state(MapStateDescriptor(name, Types.STRING(), _PICKLED))
             handle = _Map
         written = None
-        if ttl is not None:
+        if ttl is not None and descriptor.kind != "map":  # a map's entries carry their own write times
             written = (_ValueSlot(packed) if packed
                        else runtime.get_state(ValueStateDescriptor(f"{name}.written", Types.LONG())))
         self._handles.append(handle(state, written, ttl, self))
