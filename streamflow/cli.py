@@ -423,7 +423,8 @@ def _run_on_flink(job: Job, args: RunOptions, db: Path) -> RunSummary:
         raise ValueError(str(exc)) from exc
     return run_flink(job, args.events, args.fmt, db, cluster=args.cluster, parallelism=args.parallelism,
                      pace_ms=args.pace_ms, checkpoint_dir=args.checkpoint_dir,
-                     checkpoint_interval_ms=round((args.checkpoint_interval or 10) * 1000))
+                     checkpoint_interval_ms=round((args.checkpoint_interval or 10) * 1000),
+                     quarantine_after=args.quarantine_after)
 
 
 if __name__ == "__main__":

@@ -124,7 +124,8 @@ def rows_diff(device: Rows, flink: Rows, limit: int = 10, labels: tuple[str, str
 
 
 def summary_diff(device: RunSummary, flink: RunSummary) -> list[str]:
-    """The run counters (events in, tasks fired, rejected and refused records, per-task counts) that differ."""
+    """The run counters (events in, tasks fired, rejected and refused records, per-task counts and quarantine)
+    that differ."""
     lines = []
     for what, ours, theirs in _counters(device, flink):
         if ours != theirs:
@@ -141,6 +142,7 @@ def _counters(device: RunSummary, flink: RunSummary) -> Iterable[tuple[str, Any,
         ours, theirs = device.task_stats.get(name), flink.task_stats.get(name)
         yield (f"task {name} (fired, rows, errors)", ours and (ours.fired, ours.rows, ours.errors),
                theirs and (theirs.fired, theirs.rows, theirs.errors))
+        yield f"task {name} quarantined", ours and ours.quarantined, theirs and theirs.quarantined
 
 
 def _run(job: Job, events: Path | str, fmt: str | None, runner: str, workdir: Path, pace_ms: float

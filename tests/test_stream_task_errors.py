@@ -14,13 +14,15 @@ import importlib.util
 import json
 import re
 import shutil
+import sys
 import textwrap
 from collections import defaultdict
 
 import pytest
 
 from connectors.storage import CollectiveStorage
-from operators import Aggregate, Count, Filter, KeyBy, Map, Process, Sum, TimeWindow
+from operators import Aggregate, Count, Filter, KeyBy, Map, Max, Process, Sum, TimeWindow
+from operators.aggregations import Aggregation
 from operators.process import KeyedProcessFunction, ValueStateDescriptor
 from streamflow.cli import main
 from streamflow.events import Event
@@ -171,7 +173,7 @@ class Reminder(KeyedProcessFunction):
     def on_timer(self, time_ms, ctx):
         if ctx.key == "u1":
             raise RuntimeError(f"no reminder for u1 at {time_ms}")
-        ctx.emit({"user_id": ctx.key, "kind": "timer", "at": time_ms / 1000, "seen": self.seen.value()})
+        ctx.emit({"user_id": ctx.key, "kind": "timer", "at": time_ms / 1000})  # (when it fires is the runner's)
 
 
 def reminder_task(name: str = "remind") -> Task:
@@ -261,6 +263,18 @@ def test_streamflow_run_over_a_failing_stream_task_exits_0_and_counts_the_errors
 # Fewer failures per step than quarantine_after (5, both runners' default) where a task is not meant to be
 # quarantined: the order in which windows fire differs between the runners (Flink's watermarks are periodic).
 
+@pytest.fixture
+def shipped_by_value():
+    """This module's classes (the Process function) go to the Flink workers by value, as a job file's do:
+    they cannot import a test module by name."""
+    import cloudpickle
+
+    module = sys.modules[__name__]
+    cloudpickle.register_pickle_by_value(module)
+    yield
+    cloudpickle.unregister_pickle_by_value(module)
+
+
 def few_failures(n: int = 40) -> list[Event]:
     """Four users, one event a second: the first event of a user's 10 s window is a buy, but for four
     windows (which have none); events 5, 17 and 34 (favs) have no ``amount``."""
@@ -274,12 +288,32 @@ def few_failures(n: int = 40) -> list[Event]:
     return out
 
 
+class ViewsPerBuy(Aggregation):
+    """An aggregation of the user's own whose result divides by zero in a window without a buy."""
+
+    needs_field = False
+
+    def create(self):
+        return [0, 0]
+
+    def add(self, acc, item):
+        return [acc[0] + 1, acc[1] + (item.event_id == "buy")]
+
+    def merge(self, a, b):
+        return [a[0] + b[0], a[1] + b[1]]
+
+    def result(self, acc):
+        return acc[0] / acc[1]
+
+
 @needs_flink
-def test_window_failures_give_the_same_rows_and_counters_on_both_runners():
+def test_window_failures_give_the_same_rows_and_counters_on_both_runners(shipped_by_value):
     from streamflow.testing import assert_same_on_runners
 
     job = Job("windows", [
         buy_rate_task(),
+        Task("result", None, [KeyBy("user_id"), TimeWindow(10), Aggregate(n=Count(), per_buy=ViewsPerBuy())],
+             input="stream"),
         Task("where", None, [KeyBy("user_id"), TimeWindow(10, slide=5),
                              Aggregate(n=Count(), total=Sum("amount"), big=Count(where=lambda e: e["amount"] > 4))],
              input="stream"),
@@ -288,13 +322,15 @@ def test_window_failures_give_the_same_rows_and_counters_on_both_runners():
                              Aggregate(n=Count(), total=Sum("amount"))], input="stream"),
     ])
     rows = assert_same_on_runners(job, few_failures())
-    assert len(errors_of(rows, "rates")) >= 1 and rows["rates"]
+    assert len(errors_of(rows, "rates")) == 4 and rows["rates"]
+    assert [(e["key"], e["window_start"]) for e in errors_of(rows, "result")] == [
+        (e["key"], e["window_start"]) for e in errors_of(rows, "rates")]  # a failing result() names its window
     assert len(errors_of(rows, "where")) == 3 and rows["where"]  # per event, not per sliding window
     assert len(errors_of(rows, "keyed")) == 3 and rows["keyed"]
 
 
 @needs_flink
-def test_quarantine_and_process_failures_give_the_same_rows_and_counters_on_both_runners():
+def test_quarantine_and_process_failures_give_the_same_rows_and_counters_on_both_runners(shipped_by_value):
     from streamflow.testing import assert_same_on_runners
 
     evs = few_failures()
@@ -308,3 +344,21 @@ def test_quarantine_and_process_failures_give_the_same_rows_and_counters_on_both
     assert len(errors_of(rows, "bad")) == 5  # quarantined after 5, on both (the counters compare that too)
     assert errors_of(rows, "remind") and rows["remind"]
     assert sum(r["n"] for r in rows["counts"]) == 16
+
+
+@needs_flink
+def test_an_add_that_fails_on_what_a_window_holds_fails_that_window_on_flink():
+    """Past the per-event check, an add can still raise on what the window holds (Max of a str, then an int).
+    Flink's WindowOperator calls add per window and cannot output there: the window's accumulator becomes
+    the failure and WindowRows stores a task_errors row for the window; the job goes on. (On the device
+    such an event fails alone: the one place where the runners differ.)"""
+    from streamflow.flink.runner import WindowAggregate
+
+    aggregate = WindowAggregate({"n": Count(), "top": Max("v")})
+    acc = aggregate.create_accumulator()
+    acc = aggregate.add(("u", {"v": "x"}), acc)
+    failed = aggregate.add(("u", {"v": 3}), acc)
+    assert failed.error == "TypeError: '>' not supported between instances of 'int' and 'str'"
+    assert "runner.py" not in failed.traceback and "aggregations.py" in failed.traceback  # from the user's side
+    assert aggregate.add(("u", {"v": 4}), failed) is failed and aggregate.get_result(failed) is failed
+    assert aggregate.merge(aggregate.create_accumulator(), failed) is failed

@@ -16,6 +16,13 @@ runner calls)::
       ─ StorageWriter     parallelism 1: CollectiveStorage, the device runner's DuckDB schema
       ─ discarding sink
 
+A stream task takes UserTasks' events (a side output) through the same steps as on the device
+(:mod:`streamflow.windowing`): ``StreamEvents`` (the steps before the keyed step, ``StreamInput``), the
+keyed step (a time window: Flink's ``WindowOperator`` with ``WindowAggregate`` and ``WindowRows``; any
+other: ``FlinkKeyed`` over ``GuardedFunction``), then a flat_map over ``StreamOutput``. Every user
+function is called inside a ``try`` there, as on the device: a failure is a ``task_errors`` row, never a
+failed job; each step (operator instance) counts its consecutive failures and quarantines itself.
+
 PyFlink pitfalls handled here, not in jobs: ``python.executable`` is the running interpreter;
 ``python.execution-mode`` defaults to ``thread``; the embedded interpreter of thread mode does not
 read the virtualenv's ``.pth`` files, so ``python.pythonpath`` gives it site-packages and the
@@ -35,7 +42,7 @@ from typing import Any
 import cloudpickle
 
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, resolve_db_path
-from operators import Filter, TimeWindow
+from operators import TimeWindow
 from operators.base import field_reader
 from operators.process import LATE
 from operators.process import ValueStateDescriptor as TypedValue
@@ -49,8 +56,18 @@ from streamflow.job import Job
 from streamflow.keyed import rows_by_output
 from streamflow.settings import settings
 from streamflow.sources import FORMATS, LineSource, open_source
-from streamflow.summary import LATE_EVENTS_TABLE, RunSummary, TaskStats
-from streamflow.windowing import StreamPlan, apply_elementwise, late_row, window_row
+from streamflow.summary import TASK_ERRORS_TABLE, RunSummary, TaskStats
+from streamflow.windowing import (
+    QUARANTINED,
+    Failure,
+    GuardedFunction,
+    Streak,
+    StreamInput,
+    StreamOutput,
+    StreamPlan,
+    stream_error_row,
+    window_row,
+)
 
 try:
     from pyflink.common import Configuration, Types, WatermarkStrategy
@@ -178,8 +195,8 @@ class UserTasks(FlinkKeyed):
     its state in small typed Flink states). An event-time timer fires at the end of the input (the
     final watermark) to emit what is still owed (the last page exits) and this subtask's counts."""
 
-    def __init__(self, job: Job, source: LineSource, state_ttl_days: int):
-        execution = TaskExecution(job.trigger_tasks)
+    def __init__(self, job: Job, source: LineSource, state_ttl_days: int, quarantine_after: int = 5):
+        execution = TaskExecution(job.trigger_tasks, quarantine_after)
         # Tasks that keep no history hold one page per user at most: pack the user's states in one
         # Flink state, one write per record (FlinkKeyed(packed=True)); with history, lists stay ListStates.
         super().__init__(TriggerTasks(execution), state_ttl_days=state_ttl_days,
@@ -272,7 +289,7 @@ class UserTasks(FlinkKeyed):
         for name, stats in self.function.execution.stats.items():
             seen = self._reported.setdefault(name, TaskStats())
             tasks[name] = {"fired": stats.fired - seen.fired, "rows": stats.rows - seen.rows,
-                           "errors": stats.errors - seen.errors}
+                           "errors": stats.errors - seen.errors, "quarantined": stats.quarantined}
             seen.fired, seen.rows, seen.errors = stats.fired, stats.rows, stats.errors
         events, self.events = self.events, 0
         return {"events": events, "tasks": tasks}
@@ -293,7 +310,14 @@ class EventTime(TimestampAssigner):
 
 
 class WindowAggregate(AggregateFunction):
-    """An ``Aggregate`` operator's named aggregations as one Flink AggregateFunction."""
+    """An ``Aggregate`` operator's named aggregations as one Flink AggregateFunction.
+
+    An event reaches it only once ``StreamInput`` checked that the aggregation takes it; should an ``add``
+    still raise (it depends on what the window already holds: ``Max`` of mixed types) or a ``result``,
+    the window's accumulator becomes that :class:`~streamflow.windowing.Failure`, and :class:`WindowRows`
+    stores a ``task_errors`` row for the window instead of its row. The job goes on. (On the device such an
+    ``add`` fails its event alone, as the per-event check would: the one case the runners report apart.)
+    """
 
     def __init__(self, aggregations: dict[str, Any]):
         self.aggregations = list(aggregations.items())
@@ -301,96 +325,116 @@ class WindowAggregate(AggregateFunction):
     def create_accumulator(self) -> list[Any]:
         return [agg.create() for _, agg in self.aggregations]
 
-    def add(self, value: tuple[Any, Any], accumulator: list[Any]) -> list[Any]:
+    def add(self, value: tuple[Any, Any], accumulator: list[Any] | Failure) -> list[Any] | Failure:
+        if type(accumulator) is Failure:
+            return accumulator
         item = value[1]
-        for i, (_, agg) in enumerate(self.aggregations):
-            if agg.where is None or agg.where(item):
-                accumulator[i] = agg.add(accumulator[i], item)
+        try:
+            for i, (_, agg) in enumerate(self.aggregations):
+                if agg.where is None or agg.where(item):
+                    accumulator[i] = agg.add(accumulator[i], item)
+        except Exception as exc:
+            return Failure.of(exc)
         return accumulator
 
-    def get_result(self, accumulator: list[Any]) -> dict[str, Any]:
-        return {name: agg.result(acc) for (name, agg), acc in zip(self.aggregations, accumulator, strict=True)}
+    def get_result(self, accumulator: list[Any] | Failure) -> dict[str, Any] | Failure:
+        if type(accumulator) is Failure:
+            return accumulator
+        try:
+            return {name: agg.result(acc) for (name, agg), acc in zip(self.aggregations, accumulator, strict=True)}
+        except Exception as exc:
+            return Failure.of(exc)
 
-    def merge(self, a: list[Any], b: list[Any]) -> list[Any]:
-        return [agg.merge(x, y) for (_, agg), x, y in zip(self.aggregations, a, b, strict=True)]
+    def merge(self, a: list[Any] | Failure, b: list[Any] | Failure) -> list[Any] | Failure:
+        if type(a) is Failure or type(b) is Failure:
+            return a if type(a) is Failure else b
+        try:
+            return [agg.merge(x, y) for (_, agg), x, y in zip(self.aggregations, a, b, strict=True)]
+        except Exception as exc:
+            return Failure.of(exc)
 
 
 class WindowRows(ProcessWindowFunction):
-    """A fired window's aggregates as the row every runner produces (see ``window_row``)."""
+    """A fired window's aggregates as the row every runner produces (see ``window_row``), as ``("emit", row)``
+    for the steps after the window; a failed window as a ``task_errors`` row naming the key and the window.
+    Its failures in a row quarantine it, as ``GuardedFunction``'s timers do on the device."""
 
-    def __init__(self, key_name: str):
+    def __init__(self, task: str, key_name: str, quarantine_after: int = 5):
+        self.task = task
         self.key_name = key_name
+        self.streak = Streak(quarantine_after)
 
     def process(self, key: Any, context: ProcessWindowFunction.Context, elements: Any):
+        streak = self.streak
+        if streak.quarantined:
+            return
         window = context.window()
+        start, end = window.start / 1000, window.end / 1000
         for results in elements:
-            yield window_row(self.key_name, key, window.start / 1000, window.end / 1000, results)
+            if type(results) is Failure:
+                row = stream_error_row(self.task, results, None, key, window=(start, end))
+                yield TASK_ERRORS_TABLE, row
+                if streak.failed(self.task, row):
+                    yield QUARANTINED, {"task": self.task}
+                    return
+            else:
+                streak.failures = 0
+                yield "emit", window_row(self.key_name, key, start, end, results)
 
 
-def _elementwise(stream: DataStream, ops: list[Any], on_pair: bool = False) -> DataStream:
-    """Filter/Map operators as Flink filter/map (on the item of ``(key, item)`` pairs if ``on_pair``)."""
-    for op in ops:
-        if isinstance(op, Filter):
-            pred = op.predicate
-            stream = stream.filter((lambda pair, p=pred: p(pair[1])) if on_pair else pred)
-        else:
-            fn = op.fn
-            stream = stream.map((lambda pair, f=fn: (pair[0], f(pair[1]))) if on_pair else fn, output_type=_PICKLED)
-    return stream
+class StreamEvents(ProcessFunction):
+    """A stream task's steps before its keyed step (:class:`~streamflow.windowing.StreamInput`, as on the
+    device): ``(key, item)`` out; failures (``(table, row)`` records) to the side output ``failed``."""
+
+    def __init__(self, steps: StreamInput, failed: OutputTag):
+        self.steps = steps
+        self.failed = failed
+
+    def process_element(self, event: Any, ctx: ProcessFunction.Context) -> list[Any]:
+        entry = self.steps.step(event)
+        out = self.steps.out
+        if out:
+            records = [(self.failed, record) for record in out]
+            out.clear()
+            return records
+        return [] if entry is None else [(entry[0], entry[1])]
 
 
-def _stream_task(events: DataStream, task: Any) -> DataStream:
-    """A stream task as Flink operators: elementwise ops, key_by, the keyed step, row ops; ``(table, row)``
-    records out. A time window is Flink's own ``WindowOperator`` (watermarks, allowed lateness, a late
-    side output, the aggregate); any other keyed step is our keyed process function in :class:`FlinkKeyed`."""
+def _stream_task(events: DataStream, task: Any, quarantine_after: int = 5) -> DataStream:
+    """A stream task as Flink operators: its steps before the keyed step, key_by, the keyed step, its steps
+    after it; ``(table, row)`` records out. A time window is Flink's own ``WindowOperator`` (watermarks,
+    allowed lateness, a late side output, the aggregate); any other keyed step is our keyed process function
+    in :class:`FlinkKeyed`. Each step catches what the user's functions raise (see the module docstring)."""
     plan = StreamPlan.of(task.name, task.pipeline)
-    if not isinstance(plan.window, TimeWindow):
-        return _keyed_stream_task(events, task, plan)
-    window, read_key, read_ts = plan.window, field_reader(plan.key_by.key), field_reader(plan.window.ts)
-    late = OutputTag(f"late_{task.name}", _PICKLED)
-    pairs = _elementwise(events, plan.before_key).map(lambda item: (read_key(item), item), output_type=_PICKLED)
-    pairs = _elementwise(pairs, plan.before_window, on_pair=True).assign_timestamps_and_watermarks(
-        WatermarkStrategy.for_bounded_out_of_orderness(Duration.of_millis(to_millis(window.out_of_orderness)))
-        .with_timestamp_assigner(EventTime(read_ts)))
-    size, slide = to_millis(window.size), to_millis(window.slide)
-    offset = to_millis(window.offset) % slide  # the same alignment; Flink takes only |offset| < slide
-    windows = (pairs.key_by(lambda pair: pair[0])
-               .window(SlidingEventTimeWindows.of(Time.milliseconds(size), Time.milliseconds(slide),
-                                                  Time.milliseconds(offset)))
-               .allowed_lateness(to_millis(window.allowed_lateness))
-               .side_output_late_data(late)
-               .aggregate(WindowAggregate(plan.aggregate.aggregations), WindowRows(plan.key_by.name),
-                          accumulator_type=_PICKLED, output_type=_PICKLED))
-    sink = task.sink
-    rows = _elementwise(windows, plan.after_window).map(lambda row: (sink, row), output_type=_PICKLED)
-    name = task.name
-    lates = windows.get_side_output(late).map(
-        lambda pair: (LATE_EVENTS_TABLE, late_row(name, read_ts(pair[1]), pair[1])), output_type=_PICKLED)
-    return rows.union(lates)
-
-
-def _keyed_stream_task(events: DataStream, task: Any, plan: StreamPlan) -> DataStream:
-    function, read_key = plan.function(), field_reader(plan.key_by.key)
-    pairs = _elementwise(events, plan.before_key).map(lambda item: (read_key(item), item), output_type=_PICKLED)
-    pairs = _elementwise(pairs, plan.before_window, on_pair=True)
-    read_ts = field_reader(function.ts) if function.ts is not None else None
-    if read_ts is not None:
+    failed = OutputTag(f"failed_{task.name}", _PICKLED)
+    pairs = events.process(StreamEvents(StreamInput(task.name, plan, quarantine_after), failed),
+                           output_type=_PICKLED)
+    failures = pairs.get_side_output(failed)
+    if plan.ts is not None:
         pairs = pairs.assign_timestamps_and_watermarks(
             WatermarkStrategy.for_bounded_out_of_orderness(Duration.of_millis(to_millis(plan.out_of_orderness)))
-            .with_timestamp_assigner(EventTime(read_ts)))
-    outputs = pairs.key_by(lambda pair: pair[0]).process(FlinkKeyed(function), output_type=_PICKLED)
-    name, sink, after = task.name, task.sink, plan.after_window
-
-    def to_table(output: tuple[str, Any]) -> list[tuple[str, Any]]:
-        tag, value = output
-        if tag == "emit":
-            row = apply_elementwise(after, value)
-            return [] if row is None else [(sink, row)]
-        if tag == LATE:
-            return [(LATE_EVENTS_TABLE, late_row(name, read_ts(value) if read_ts else None, value))]
-        return [(tag, value)]
-
-    return outputs.flat_map(to_table, output_type=_PICKLED)
+            .with_timestamp_assigner(EventTime(field_reader(plan.ts))))
+    keyed = pairs.key_by(lambda pair: pair[0])
+    output = StreamOutput(task.name, task.sink, plan, quarantine_after)
+    if isinstance(plan.window, TimeWindow):
+        window = plan.window
+        late = OutputTag(f"late_{task.name}", _PICKLED)
+        size, slide = to_millis(window.size), to_millis(window.slide)
+        offset = to_millis(window.offset) % slide  # the same alignment; Flink takes only |offset| < slide
+        outputs = (keyed.window(SlidingEventTimeWindows.of(Time.milliseconds(size), Time.milliseconds(slide),
+                                                           Time.milliseconds(offset)))
+                   .allowed_lateness(to_millis(window.allowed_lateness))
+                   .side_output_late_data(late)
+                   .aggregate(WindowAggregate(plan.aggregate.aggregations),
+                              WindowRows(task.name, plan.key_by.name, quarantine_after),
+                              accumulator_type=_PICKLED, output_type=_PICKLED))
+        lates = outputs.get_side_output(late).flat_map(lambda pair: output.records(LATE, pair[1]),
+                                                       output_type=_PICKLED)
+        failures = failures.union(lates)
+    else:
+        function = GuardedFunction(plan.function(), task.name, quarantine_after)
+        outputs = keyed.process(FlinkKeyed(function), output_type=_PICKLED)
+    return outputs.flat_map(lambda tagged: output.records(*tagged), output_type=_PICKLED).union(failures)
 
 
 class StorageWriter(ProcessFunction):
@@ -400,6 +444,7 @@ class StorageWriter(ProcessFunction):
         self.db_path = db_path
         self.report_path = report_path
         self.stream_sinks = stream_sinks  # sink table -> stream task
+        self.stream_tasks = set(stream_sinks.values())
         self.tasks_by_name = tasks  # task -> sink table
 
     def open(self, runtime_context: RuntimeContext) -> None:
@@ -409,6 +454,7 @@ class StorageWriter(ProcessFunction):
         self.events = 0
         self.rejected: Counter[str] = Counter()
         self.tasks: dict[str, dict[str, Any]] = {}
+        self.quarantined: set[str] = set()
 
     def process_element(self, value: tuple[str, Any], ctx: ProcessFunction.Context):
         table, row = value
@@ -418,9 +464,13 @@ class StorageWriter(ProcessFunction):
         elif table == _STATS:
             self.events += row["events"]
             for name, counts in row["tasks"].items():
+                if counts.pop("quarantined", False):
+                    self.quarantined.add(name)
                 totals = self.tasks.setdefault(name, {"fired": 0, "rows": 0, "errors": 0})
                 for what, n in counts.items():
                     totals[what] += n
+        elif table == QUARANTINED:  # a step of a stream task quarantined itself
+            self.quarantined.add(row["task"])
         else:
             self._write(table, [row])
         return []
@@ -433,12 +483,18 @@ class StorageWriter(ProcessFunction):
             stats = self.tasks.setdefault(self.stream_sinks[table], {"fired": 0, "rows": 0, "errors": 0})
             stats["fired"] += len(rows)
             stats["rows"] += len(rows)
+        elif table == TASK_ERRORS_TABLE:  # a stream task's failures (a trigger task's are in its _STATS)
+            for row in rows:
+                name = row.get("task")
+                if name in self.stream_tasks:
+                    self.tasks.setdefault(name, {"fired": 0, "rows": 0, "errors": 0})["errors"] += 1
         self.storage.write(table, rows)
 
     def close(self) -> None:
         self.storage.close()
         report = {"events_in": self.events, "rejected": dict(self.rejected), "tasks": self.tasks,
-                  "rows_written": self.storage.rows_written, "refused": self.storage.refused}
+                  "quarantined": sorted(self.quarantined), "rows_written": self.storage.rows_written,
+                  "refused": self.storage.refused}
         Path(self.report_path).write_text(json.dumps(report), encoding="utf-8")
 
 
@@ -476,7 +532,7 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
               db: str | os.PathLike[str] | None = None, cluster: str | None = None, parallelism: int = 1,
               state_ttl_days: int = DEFAULT_STATE_TTL_DAYS, pace_ms: float = 0.0,
               checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_interval_ms: int = 10_000,
-              restore_from: str | os.PathLike[str] | None = None) -> RunSummary:
+              restore_from: str | os.PathLike[str] | None = None, quarantine_after: int = 5) -> RunSummary:
     """Run ``job`` over an events file on Flink and write its rows to DuckDB ``db``.
 
     ``events`` may also be ``kafka://TOPIC`` (broker: ``$STREAMFLOW_KAFKA_BOOTSTRAP``, default
@@ -492,6 +548,9 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
     :func:`flink_environment`). Keyed state and the file source's position are restored; the DuckDB
     writer is not yet tied to the checkpoints (no two-phase commit): rows it had buffered when the job
     died are lost, rows it had flushed after the restored checkpoint are written again.
+
+    ``quarantine_after``: consecutive failures after which a task is quarantined (a stream task's step,
+    counted per operator instance: at parallelism 1 as on the device runner).
 
     Example (starts a JVM, so not run as a doctest)::
 
@@ -515,9 +574,9 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
     parse = ParseLines(source, pace_ms / 1000, last_line=_line_count(events) if once else None)
     parsed = lines.process(parse, output_type=_PICKLED).set_parallelism(1)
     outputs = per_user = (parsed.key_by(lambda value: value[0], key_type=Types.STRING())
-                          .process(UserTasks(job, source, state_ttl_days), output_type=_PICKLED))
+                          .process(UserTasks(job, source, state_ttl_days, quarantine_after), output_type=_PICKLED))
     for task in job.stream_tasks:
-        outputs = outputs.union(_stream_task(per_user.get_side_output(_EVENTS), task))
+        outputs = outputs.union(_stream_task(per_user.get_side_output(_EVENTS), task, quarantine_after))
     stream_sinks = {task.sink: task.name for task in job.stream_tasks}
     tasks = {task.name: task.sink for task in job.tasks}
     (outputs.process(StorageWriter(str(db_path), str(report), stream_sinks, tasks), output_type=_PICKLED)
@@ -577,6 +636,7 @@ def _summary(job: Job, db_path: Path, report_path: Path, elapsed_s: float) -> Ru
     for task in job.tasks:
         counts = report["tasks"].get(task.name, {})
         summary.task_stats[task.name] = TaskStats(fired=counts.get("fired", 0), rows=counts.get("rows", 0),
-                                                  errors=counts.get("errors", 0))
+                                                  errors=counts.get("errors", 0),
+                                                  quarantined=task.name in report.get("quarantined", ()))
         summary.tasks_fired += counts.get("fired", 0)
     return summary
