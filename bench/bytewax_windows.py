@@ -140,7 +140,8 @@ def build_flow(events: str, db: str) -> Dataflow:
     fired = op.key_rm("unkey_user", op.stateful("windows", by_user, SlidingWindows))
     split = op.branch("late", fired, lambda out: out[0] == LATE)
     windows = op.map("score_per_event", op.map("window_rows", split.falses, lambda out: out[1]), score_per_event)
-    op.output("activity_table", op.filter("active", windows, lambda row: row["events"] >= 1), DuckDBSink(db, TABLE, SCHEMA))
+    active = op.filter("active", windows, lambda row: row["events"] >= 1)
+    op.output("activity_table", active, DuckDBSink(db, TABLE, SCHEMA))
     late = op.map("late_rows", split.trues, lambda out: late_row(TABLE, out[1]))
     op.output("late_table", late, DuckDBSink(db, LATE, LATE_SCHEMA))
     return flow
