@@ -400,9 +400,12 @@ class Streak:
         self.failures, self.quarantined = state
 
 
-def _fails_on_items(aggregation: Any) -> bool:
-    """False for an aggregation whose ``add`` cannot raise on an item (``Count()`` without ``where``)."""
-    return not (type(aggregation) is Count and aggregation.where is None)
+def _item_check(aggregation: Any) -> tuple[Any, Any, Any] | None:
+    """``(where, create, add)`` for what of ``aggregation`` may raise on an item: ``None`` for ``Count()``
+    (nothing), only ``where`` for ``Count(where=...)`` (its ``add`` is ``+ 1``)."""
+    if type(aggregation) is Count:
+        return None if aggregation.where is None else (aggregation.where, None, None)
+    return aggregation.where, aggregation.create, aggregation.add
 
 
 class StreamInput:
@@ -428,7 +431,7 @@ class StreamInput:
         self.read_key = field_reader(plan.key_by.key)
         self.read_ts = field_reader(plan.ts) if plan.ts is not None else None
         aggregations = plan.aggregate.aggregations.values() if plan.aggregate is not None else ()
-        self.checks = [agg for agg in aggregations if _fails_on_items(agg)]
+        self.checks = [check for agg in aggregations if (check := _item_check(agg)) is not None]
         self.streak = Streak(quarantine_after)
         self.out: list[tuple[str, dict[str, Any]]] = []
 
@@ -452,9 +455,9 @@ class StreamInput:
                     return None
             if self.read_ts is not None:
                 ts_ms = to_millis(self.read_ts(item))
-            for agg in self.checks:
-                if agg.where is None or agg.where(item):
-                    agg.add(agg.create(), item)
+            for where, create, add in self.checks:
+                if (where is None or where(item)) and add is not None:
+                    add(create(), item)
         except Exception as exc:
             row = stream_error_row(self.task, exc, event, key)
             self.out.append((TASK_ERRORS_TABLE, row))

@@ -534,16 +534,16 @@ class DeviceRunner:
             stats.fired += len(rows)
             stats.rows += len(rows)
             self._write(stream.sink, rows)
-        if sides:
-            name = stream.name
-            stats = self.summary.task_stats[name]
-            for table, row in sides:
-                if table == TASK_ERRORS_TABLE and row.get("task") == name:  # as Flink's writer counts them
-                    stats.errors += 1
-                self.storage.write(table, [row])
+        failed = False
+        for table, row in sides:
+            if table == TASK_ERRORS_TABLE and row.get("task") == stream.name:  # as Flink's writer counts them
+                self.summary.task_stats[stream.name].errors += 1
+                failed = True
+            self.storage.write(table, [row])
+        if failed:
+            stats = self.summary.task_stats[stream.name]
             stats.consecutive_errors = stream.consecutive_errors
-            if stream.quarantined:
-                stats.quarantined = True
+            stats.quarantined = stats.quarantined or stream.quarantined
 
     def _stream_failed(self, stream: StreamTaskRun, event: Event | None, exc: Exception) -> None:
         self.summary.task_stats[stream.name].errors += 1
