@@ -377,9 +377,6 @@ class Streak:
         self.failures = 0
         self.quarantined = False
 
-    def ok(self) -> None:
-        self.failures = 0
-
     def failed(self, task: str, row: dict[str, Any]) -> bool:
         """Count the failure whose ``task_errors`` row is ``row``; True when it quarantines the step."""
         self.failures += 1
