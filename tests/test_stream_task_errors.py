@@ -235,6 +235,21 @@ def test_a_failing_map_after_the_window_is_quarantined_after_consecutive_failure
     assert "rates" not in rows
 
 
+def test_a_process_function_failing_on_every_event_is_quarantined_and_a_checkpoint_keeps_it_so():
+    def boom(event, ctx):
+        raise RuntimeError("no")
+
+    task = Task("boom", None, [KeyBy("user_id"), Process(boom)], input="stream")
+    run = StreamTaskRun(task, quarantine_after=2)
+    outcomes = [run.process(Event("u", "fav", "item", T0 + i)) for i in range(4)]
+    assert [len(sides) for _, sides in outcomes] == [1, 1, 0, 0] and run.quarantined
+    assert [sides[0][1]["error"] for _, sides in outcomes[:2]] == ["RuntimeError: no"] * 2
+
+    resumed = StreamTaskRun(task, quarantine_after=2)
+    resumed.restore_steps(run.steps_state())
+    assert resumed.quarantined and resumed.process(Event("u", "fav", "item", T0 + 5)) == ([], [])
+
+
 def test_streamflow_run_over_a_failing_stream_task_exits_0_and_counts_the_errors(tmp_path, capsys):
     job = tmp_path / "rates.py"
     job.write_text(textwrap.dedent("""
