@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from operators.aggregations import Aggregation, Count, First, Last, Max, Min, Sum
+from operators.aggregations import Aggregation, Count, First, Last, Max, Min
 from operators.base import Group, Operator
 
 
@@ -58,7 +58,6 @@ _INLINE = {
     First: "{read}(items[0]) if items else None",
     Last: "{read}(items[-1]) if items else None",
     Count: "len(items)",
-    Sum: "sum(map({read}, items))",
     Min: "min(map({read}, items), default=None)",
     Max: "max(map({read}, items), default=None)",
 }

@@ -7,6 +7,8 @@ the cloud. ``where=`` restricts an aggregation to the items a predicate accepts.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -84,19 +86,110 @@ class Count(Aggregation):
 
 
 class Sum(Aggregation):
-    """Sum of a numeric field (0 over no items)."""
+    """Sum of a numeric field (0 over no items), exact: integers add as integers, and once a float is
+    among the values the sum is the correctly rounded sum of all of them (as ``math.fsum``), kept as
+    Shewchuk's partials (:class:`FloatSum`). So the result does not depend on the order the values
+    came in or on how they were split before a ``merge``: a sliding window that merges its slices, a
+    late event, either runner, all give the same float.
 
-    def create(self) -> float:
+    Example:
+        >>> total = Sum("v")
+        >>> acc = total.create()
+        >>> for v in [0.1, 0.2, 0.3]:
+        ...     acc = total.add(acc, {"v": v})
+        >>> total.result(acc), 0.1 + 0.2 + 0.3
+        (0.6, 0.6000000000000001)
+    """
+
+    def create(self) -> int:
         return 0
 
-    def add(self, acc: float, item: Any) -> float:
-        return acc + self._read(item)
+    def add(self, acc: Any, item: Any) -> Any:
+        value = self._read(item)
+        if type(acc) is int and type(value) is int:
+            return acc + value
+        return FloatSum.of(acc).add(value)
 
-    def merge(self, a: float, b: float) -> float:
-        return a + b
+    def merge(self, a: Any, b: Any) -> Any:
+        if type(a) is int and type(b) is int:
+            return a + b
+        return FloatSum.of(a).merge(b)
 
-    def _fold(self, items: list[Any]) -> float:
-        return sum(map(self._read, items))
+    def result(self, acc: Any) -> Any:
+        return acc.value() if type(acc) is FloatSum else acc
+
+    def _fold(self, items: list[Any]) -> Any:
+        values = list(map(self._read, items))
+        if all(type(value) is int for value in values):
+            return sum(values)
+        acc = FloatSum(0.0)
+        for value in values:
+            acc.add(value)
+        return acc.value()
+
+
+class FloatSum:
+    """An exact running sum of floats: non-overlapping partials whose sum is exact (Shewchuk, as
+    ``math.fsum`` keeps them); infinities and NaN add up separately, as IEEE arithmetic would.
+
+    Example:
+        >>> acc = FloatSum(1e16)
+        >>> acc.add(1.0).add(-1e16).value()
+        1.0
+    """
+
+    __slots__ = ("partials", "special")
+
+    def __init__(self, start: float = 0.0):
+        self.partials: list[float] = []
+        self.special = 0.0  # the sum of the non-finite values
+        self.add(start)
+
+    @classmethod
+    def of(cls, acc: Any) -> FloatSum:
+        """``acc`` (an int or a FloatSum) as a FloatSum of its own (``acc`` itself is not changed)."""
+        if type(acc) is FloatSum:
+            copy = cls.__new__(cls)
+            copy.partials, copy.special = list(acc.partials), acc.special
+            return copy
+        return cls(acc)
+
+    def add(self, value: Any) -> FloatSum:
+        if not isinstance(value, numbers.Real):
+            raise TypeError(f"Sum adds numbers, got {value!r} ({type(value).__name__})")
+        x = float(value)
+        if not math.isfinite(x):
+            self.special += x
+            return self
+        partials, i = self.partials, 0
+        for y in partials:
+            if abs(x) < abs(y):
+                x, y = y, x
+            high = x + y
+            low = y - (high - x)
+            if low:
+                partials[i] = low
+                i += 1
+            x = high
+        partials[i:] = [x]
+        return self
+
+    def merge(self, other: Any) -> FloatSum:
+        if type(other) is FloatSum:
+            for partial in other.partials:
+                self.add(partial)
+            self.special += other.special
+            return self
+        return self.add(other)
+
+    def value(self) -> float:
+        return self.special + math.fsum(self.partials) if self.special else math.fsum(self.partials)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is FloatSum and self.value() == other.value()
+
+    def __repr__(self) -> str:
+        return f"FloatSum({self.value()!r})"
 
 
 class Min(Aggregation):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import traceback
 from collections.abc import Mapping, Sequence
@@ -48,6 +49,7 @@ from typing import Any
 
 from connectors.storage import check_table_name, to_json
 from operators import Aggregate, Count, CountWindow, Filter, KeyBy, Map, Operator, Process, SessionWindow, TimeWindow
+from operators.aggregations import Aggregation
 from operators.base import field_reader
 from operators.process import LATE, KeyedProcessFunction, ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from operators.window import to_millis, window_starts_ms
@@ -159,6 +161,17 @@ class _AggregatingWindows(KeyedProcessFunction):
 class EventTimeWindows(_AggregatingWindows):
     """Tumbling and sliding event-time windows (rules in the module docstring), as a keyed process function.
 
+    **Slices** (panes, as in Flink's sliding-window literature and Scotty): when every aggregation has a
+    ``merge``, an event is added once, to its *slice* (``gcd(size, slide)`` wide, aligned as the windows
+    are), not to each of the ``size / slide`` windows that hold it; a window's result merges the slices it
+    covers. A key's slices are kept as *runs* in arrival order (a new run starts when an event's slice
+    differs from the previous event's), and merged in that order, so order-sensitive aggregations (``First``,
+    ``Last``, ``LastN``, ``Distinct``) give what adding each event to each window in arrival order gives,
+    out-of-order events included; ``Sum`` is exact, so no rounding depends on the split. Timers are
+    registered when a key's slice is created (its windows' ends and cleanup times), not per event, and
+    a timer finds its window by arithmetic, not by a scan. Aggregations without ``merge`` keep one
+    accumulator per window (each event added to each of its windows).
+
     Example:
         >>> from operators import Count
         >>> runtime = KeyedRuntime(EventTimeWindows(TimeWindow(10), Aggregate(n=Count()), "user"))
@@ -173,11 +186,84 @@ class EventTimeWindows(_AggregatingWindows):
         self.ts = window.ts
         self.size, self.slide = to_millis(window.size), to_millis(window.slide)
         self.offset, self.lateness = to_millis(window.offset), to_millis(window.allowed_lateness)
+        self.pane = math.gcd(self.size, self.slide)
+        self.sliced = all(type(agg).merge is not Aggregation.merge for _, agg in self.aggregations)
 
     def open(self, ctx: Any) -> None:
-        self.windows = ctx.get_state(MapStateDescriptor("windows"))  # window start -> accumulators
+        if self.sliced:
+            self.runs = ctx.get_state(ValueStateDescriptor("runs"))  # [[slice start, accumulators]], arrival order
+        else:
+            self.windows = ctx.get_state(MapStateDescriptor("windows"))  # window start -> accumulators
 
     def on_event(self, item: Any, ctx: Any) -> None:
+        if not self.sliced:
+            self._add_to_each_window(item, ctx)
+            return
+        ts, size, slide, watermark = ctx.timestamp, self.size, self.slide, ctx.current_watermark()
+        newest = ts - (ts - self.offset) % slide  # the start of the newest window holding ts
+        oldest_last = newest + size - 1 - slide * ((newest + size - 1 - ts) // slide)  # the first of them to end
+        if oldest_last > watermark:  # none of ts's windows fired yet: nothing late, nothing to fire again
+            self._add_to_slice(item, ts, watermark, ctx)
+            return
+        starts = [start for start in window_starts_ms(ts, size, slide, self.offset)
+                  if start + size - 1 + self.lateness > watermark]  # its windows that are not late
+        if not starts:
+            ctx.side(LATE, item)
+            return
+        runs = self._add_to_slice(item, ts, watermark, ctx)
+        for start in starts:
+            if start + size - 1 <= watermark:
+                ctx.emit(self.row(ctx.key, start, start + size, self._window(runs, start)))  # late firing
+
+    def _add_to_slice(self, item: Any, ts: int, watermark: int, ctx: Any) -> list[list[Any]]:
+        """Add ``item`` to its slice's latest run (a new run if the key's last event was in another slice);
+        a slice new to the key registers its windows' timers. The key's runs."""
+        runs = self.runs.value()
+        pane_start = ts - (ts - self.offset) % self.pane
+        if runs and runs[-1][0] == pane_start:
+            self.add(runs[-1][1], item)
+        else:
+            if runs is None:
+                runs = []
+            if not any(run[0] == pane_start for run in runs):
+                size, lateness = self.size, self.lateness
+                for start in window_starts_ms(ts, size, self.slide, self.offset):
+                    last = start + size - 1
+                    if last + lateness > watermark:
+                        if last > watermark:
+                            ctx.register_event_time_timer(last)
+                        ctx.register_event_time_timer(last + lateness)
+            runs.append([pane_start, self.add(self.create(), item)])
+        self.runs.update(runs)
+        return runs
+
+    def _window(self, runs: list[list[Any]], start: int) -> list[Any]:
+        """The accumulators of window ``[start, start + size)``: its slices' runs merged in arrival order."""
+        end, merged = start + self.size, self.create()
+        for pane_start, accs in runs:
+            if start <= pane_start < end:
+                merged = self.merge(merged, accs)
+        return merged
+
+    def on_timer(self, time_ms: int, ctx: Any) -> None:
+        if not self.sliced:
+            self._fire_each_window(time_ms, ctx)
+            return
+        runs = self.runs.value()
+        if not runs:
+            return
+        size, slide, offset = self.size, self.slide, self.offset
+        start = time_ms + 1 - size
+        if (start - offset) % slide == 0 and any(start <= run[0] < start + size for run in runs):
+            ctx.emit(self.row(ctx.key, start, start + size, self._window(runs, start)))
+        # Every window starting at or before `done` is past its allowed lateness: the slices only they hold go.
+        done = time_ms + 1 - size - self.lateness
+        done -= (done - offset) % slide
+        kept = [run for run in runs if run[0] >= done + slide]
+        if len(kept) != len(runs):
+            self.runs.update(kept)
+
+    def _add_to_each_window(self, item: Any, ctx: Any) -> None:
         ts, watermark, windows = ctx.timestamp, ctx.current_watermark(), self.windows
         skipped = True
         for start in window_starts_ms(ts, self.size, self.slide, self.offset):
@@ -195,7 +281,7 @@ class EventTimeWindows(_AggregatingWindows):
         if skipped:
             ctx.side(LATE, item)
 
-    def on_timer(self, time_ms: int, ctx: Any) -> None:
+    def _fire_each_window(self, time_ms: int, ctx: Any) -> None:
         for start, accs in self.windows.items():
             last = start + self.size - 1
             if last == time_ms:
