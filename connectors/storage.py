@@ -320,24 +320,77 @@ def registered(con: duckdb.DuckDBPyConnection, name: str, relation: Any) -> Iter
     con.unregister(name)
 
 
-def ensure_columns(con: duckdb.DuckDBPyConnection, table: str, relation: str, columns: Iterable[str],
-                   known: set[str]) -> None:
-    """Create ``table`` shaped like the registered ``relation`` or add the ``columns`` it lacks.
+class KnownColumns(set):
+    """A table's column names as :func:`ensure_columns` last saw them, with their DuckDB types and the batch
+    shapes (:func:`batch_shape`) already checked against them."""
 
-    ``known`` caches the table's columns between calls (pass an empty set the first time).
+    def __init__(self) -> None:
+        super().__init__()
+        self.types: dict[str, str] = {}
+        self.shapes: set[Any] = set()
+
+
+_NUMERIC = {"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT",
+            "UHUGEINT", "FLOAT", "DOUBLE"}
+
+
+def _numbers(column_type: str) -> str | None:
+    """The shape of a number, or of a list or array of numbers (``""`` for ``BIGINT`` or ``DECIMAL(9,2)``,
+    ``"[]"`` for ``DOUBLE[]``, ``"[768]"`` for ``FLOAT[768]``); ``None`` for any other type."""
+    shape = re.search(r"(\[\d*\])*$", column_type).group()
+    base = column_type[:len(column_type) - len(shape)]
+    return shape if base in _NUMERIC or base.startswith("DECIMAL(") else None
+
+
+def batch_shape(batch: pa.Table | dict[str, np.ndarray]) -> Any:
+    """What a batch's column types are decided by: its Arrow schema, or its NumPy columns' dtypes and shapes."""
+    if isinstance(batch, dict):
+        return tuple((name, array.dtype.str, array.shape[1:]) for name, array in batch.items())
+    return batch.schema
+
+
+def ensure_columns(con: duckdb.DuckDBPyConnection, table: str, relation: str, columns: Iterable[str],
+                   known: KnownColumns, shape: Any = None) -> None:
+    """Create ``table`` shaped like the registered ``relation``, add the ``columns`` it lacks, and widen a
+    numeric column the relation brings wider values for (a ``BIGINT`` column made by a first batch of
+    integers becomes ``DOUBLE`` when floats come: DuckDB's INSERT would otherwise cast 0.1 to 0, silently).
+
+    ``known`` caches the table's columns between calls (pass a new :class:`KnownColumns` the first time);
+    a batch of a ``shape`` (:func:`batch_shape`) checked before is not described again.
+
+    Example:
+        >>> con, known = duckdb.connect(), KnownColumns()
+        >>> for batch in ({"n": np.array([1])}, {"n": np.array([0.1])}):
+        ...     with registered(con, "_rows", batch):
+        ...         ensure_columns(con, "t", "_rows", ["n"], known, batch_shape(batch))
+        ...         _ = con.execute("INSERT INTO t SELECT * FROM _rows")
+        >>> con.sql("SELECT n FROM t").fetchall(), known.types
+        ([(1.0,), (0.1,)], {'n': 'DOUBLE'})
     """
     quoted_table, source = quote_identifier(table), quote_identifier(relation)
     if not known:
         con.execute(f"CREATE TABLE IF NOT EXISTS {quoted_table} AS SELECT * FROM {source} WHERE false")
-        known.update(row[0] for row in con.execute(
-            "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [table]).fetchall())
-    missing = [name for name in columns if name not in known]
-    if missing:
-        # the relation's own types (DuckDB quotes the field names inside nested types itself)
-        types = dict(con.execute(f"SELECT column_name, column_type FROM (DESCRIBE SELECT * FROM {source})").fetchall())
-        for name in missing:
-            con.execute(f"ALTER TABLE {quoted_table} ADD COLUMN {quote_identifier(name)} {types[name]}")
+        known.types = dict(con.execute(f"SELECT column_name, column_type FROM (DESCRIBE {quoted_table})").fetchall())
+        known.update(known.types)
+    columns = list(columns)
+    if shape is not None and shape in known.shapes and known.issuperset(columns):
+        return
+    # the relation's own types (DuckDB quotes the field names inside nested types itself)
+    types = dict(con.execute(f"SELECT column_name, column_type FROM (DESCRIBE SELECT * FROM {source})").fetchall())
+    for name in columns:
+        new, old = types[name], known.types.get(name)
+        if old is None:
+            con.execute(f"ALTER TABLE {quoted_table} ADD COLUMN {quote_identifier(name)} {new}")
             known.add(name)
+            known.types[name] = new
+        elif new != old and _numbers(new) is not None and _numbers(new) == _numbers(old):
+            wider = con.execute(f"SELECT typeof(x) FROM (SELECT NULL::{old} AS x UNION ALL SELECT NULL::{new})"
+                                ).fetchone()[0]
+            if wider != old:
+                con.execute(f"ALTER TABLE {quoted_table} ALTER COLUMN {quote_identifier(name)} SET DATA TYPE {wider}")
+                known.types[name] = wider
+    if shape is not None:
+        known.shapes.add(shape)
 
 
 class CollectiveStorage:
@@ -372,7 +425,7 @@ class CollectiveStorage:
         self._buffers: dict[str, RowBuffer] = {}
         self._oldest: float | None = None
         self._lock = threading.RLock()
-        self._columns: dict[str, set[str]] = {}
+        self._columns: dict[str, KnownColumns] = {}
         self._writers: dict[str, list[str]] = {}
         self._closed = False
         self._on_due: Callable[[], None] | None = None  # set by hold(): flushes wait for commit()
@@ -588,7 +641,8 @@ class CollectiveStorage:
         for batch in batches:
             with registered(self._con, "_sf_batch", batch):
                 columns = _column_names(batch)
-                ensure_columns(self._con, table, "_sf_batch", columns, self._columns.setdefault(table, set()))
+                ensure_columns(self._con, table, "_sf_batch", columns, self._columns.setdefault(table, KnownColumns()),
+                               batch_shape(batch))
                 names = quoted_list(columns)
                 self._con.execute(f"INSERT INTO {quote_identifier(table)} ({names}) SELECT {names} FROM _sf_batch")
 

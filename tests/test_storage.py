@@ -290,3 +290,20 @@ def test_background_writer_failure_is_raised_on_the_callers_thread(tmp_path, mon
     store.write("t", [{"n": 3}, {"n": 4}])  # the writer goes on with the next buffers
     assert store.query("SELECT n FROM t ORDER BY n") == [(3,), (4,)]
     store.close()
+
+
+def test_a_column_made_of_integers_widens_when_floats_come_instead_of_rounding_them(tmp_path):
+    """A table's column types come from its first batch: an integer column took 0.1 as 0 and 2.7 as 3 (DuckDB
+    casts on INSERT), silently; so did a list of integers take a list of floats."""
+    store = CollectiveStorage(tmp_path / "f.duckdb", flush_rows=100)
+    store.write("t", [{"n": 1, "values": [1, 2]}])
+    store.flush()
+    store.write("t", [{"n": 0.1, "values": [0.5, 3]}, {"n": 2.7, "values": []}])
+    store.flush()
+    assert store.query("SELECT n, values, typeof(n), typeof(values) FROM t ORDER BY n") == [
+        (0.1, [0.5, 3.0], "DOUBLE", "DOUBLE[]"), (1.0, [1.0, 2.0], "DOUBLE", "DOUBLE[]"),
+        (2.7, [], "DOUBLE", "DOUBLE[]")]
+    store.write("t", [{"n": "text", "values": [1]}])  # not a number: refused with the reason, not cast
+    store.flush()
+    assert store.query("SELECT count(*) FROM t") == [(3,)] and store.refused == {"t": 1}
+    store.close()

@@ -67,7 +67,15 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from connectors.storage import ensure_columns, is_identifier, quote_identifier, quoted_list, registered
+from connectors.storage import (
+    KnownColumns,
+    batch_shape,
+    ensure_columns,
+    is_identifier,
+    quote_identifier,
+    quoted_list,
+    registered,
+)
 from connectors.tunnel.envelope import Batch, EnvelopeError, Keys, Origin, decode
 from connectors.tunnel.kafka import (
     CLIENT_TIMEOUTS,
@@ -207,7 +215,7 @@ class CloudStore:
         for device, kind, id_, body in self._con.execute("SELECT device_id, kind, id, body FROM tunnel_registry "
                                                          "ORDER BY registered_at").fetchall():
             self._remember(device, Registration(kind, id_, body))
-        self._columns: dict[str, set[str]] = {}
+        self._columns: dict[str, KnownColumns] = {}
         self._online_keys: dict[str, list[str]] = {}
         self._seq_end: dict[str, int] = {}  # device → one past its highest stored seq
         self._lock = threading.Lock()
@@ -410,7 +418,7 @@ class CloudStore:
         full = parts[0] if len(parts) == 1 else pa.concat_tables(parts, promote_options="default")
         con = self._con
         known = self._columns.get(table)
-        if self.online_lag_s > 0 and known and known.issuperset(full.column_names):
+        if self.online_lag_s > 0 and known and known.issuperset(full.column_names) and full.schema in known.shapes:
             # the usual case, in one statement: DuckDB reads the local Arrow table by its name (a replacement
             # scan; registering and unregistering a view cost ~0.6 ms of CPU a transaction more). No stored
             # table can take the name: "tunnel_" names are the store's own and refused to devices.
@@ -420,7 +428,8 @@ class CloudStore:
             return full
         with registered(con, "_sf_rows", full):
             names = quoted_list(full.column_names)
-            ensure_columns(con, table, "_sf_rows", full.column_names, self._columns.setdefault(table, set()))
+            ensure_columns(con, table, "_sf_rows", full.column_names, self._columns.setdefault(table, KnownColumns()),
+                           batch_shape(full))
             con.execute(f"INSERT INTO {quote_identifier(table)} ({names}) SELECT {names} FROM _sf_rows")
             if self.online_lag_s == 0:
                 self._upsert_online(f"{table}_online", full)
@@ -522,8 +531,8 @@ class CloudStore:
                     "SELECT unnest(constraint_column_names) FROM duckdb_constraints() "
                     "WHERE table_name = ? AND constraint_type = 'PRIMARY KEY'", [online]).fetchall()]
             self._online_keys[online] = key
-        known = self._columns.setdefault(online, set())
-        ensure_columns(con, online, "_sf_rows", full.column_names, known)
+        known = self._columns.setdefault(online, KnownColumns())
+        ensure_columns(con, online, "_sf_rows", full.column_names, known, batch_shape(full))
         if any(k not in full.column_names for k in key):
             return  # these rows lack a key column: offline only
         names, target = quoted_list(full.column_names), quote_identifier(online)
