@@ -312,13 +312,17 @@ class SessionWindows(_AggregatingWindows):
 
     def on_event(self, item: Any, ctx: Any) -> None:
         ts, watermark = ctx.timestamp, ctx.current_watermark()
-        start, end, accs = ts, ts + self.gap, self.add(self.create(), item)
+        start, end, merged = ts, ts + self.gap, None
         kept = []
         for session in self.sessions.value() or []:
             if session[0] <= end and session[1] >= start:  # Flink's TimeWindow.intersects: touching merges
-                start, end, accs = min(start, session[0]), max(end, session[1]), self.merge(session[2], accs)
+                start, end = min(start, session[0]), max(end, session[1])
+                merged = session[2] if merged is None else self.merge(merged, session[2])
             else:
                 kept.append(session)
+        # The sessions merged in time order, then the new item: what adding each item in turn gives when
+        # they arrived in time order.
+        accs = self.add(self.create() if merged is None else self.merge(merged, self.create()), item)
         if end - 1 + self.lateness <= watermark:
             ctx.side(LATE, item)  # even merged, the session is past its allowed lateness
             return

@@ -38,6 +38,7 @@ from operators import (
     LastN,
     Max,
     Min,
+    SessionWindow,
     Sum,
     TimeWindow,
 )
@@ -95,6 +96,49 @@ def reference_time_windows(events: list[dict[str, Any]], size: int, slide: int, 
     for (k, s) in sorted(contents):
         if (k, s) not in fired:
             rows.append(row(k, s))
+    return rows, late
+
+
+def reference_session_windows(events: list[dict[str, Any]], gap: int, lateness: int, out_of_orderness: int
+                              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(rows, late events) of keyed session windows (Flink's withGap: each event opens ``[ts, ts + gap)``, windows
+    that overlap or touch merge, their events concatenated in time order of the sessions, the new event
+    last), by brute force."""
+    sessions: dict[str, list[tuple[int, int, list[dict[str, Any]]]]] = {}
+    fired: set[tuple[str, int, int]] = set()
+    watermark, top = -(2**63), -(2**63)
+    rows, late = [], []
+
+    def row(key: str, start: int, end: int, contents: list[dict[str, Any]]) -> dict[str, Any]:
+        fired.add((key, start, end))
+        return {"k": key, "window_start": start / 1000, "window_end": end / 1000, **fold(contents)}
+
+    for event in events:
+        ts, key = event["ms"], event["k"]
+        held = sessions.setdefault(key, [])
+        start, end = ts, ts + gap
+        touching = []
+        for session in sorted(held):  # by start; merging may widen the window and reach the next session
+            if session[0] <= end and session[1] >= start:
+                touching.append(session)
+                start, end = min(start, session[0]), max(end, session[1])
+        if end - 1 + lateness <= watermark:
+            late.append(event)
+        else:
+            contents = [e for session in touching for e in session[2]] + [event]
+            held[:] = [s for s in held if s not in touching] + [(start, end, contents)]
+            if end - 1 <= watermark:
+                rows.append(row(key, start, end, contents))
+        top = max(top, ts)
+        watermark = max(watermark, top - out_of_orderness - 1)
+        for k, held_k in sessions.items():
+            for start, end, contents in sorted(held_k):
+                if (k, start, end) not in fired and end - 1 <= watermark:
+                    rows.append(row(k, start, end, contents))
+            held_k[:] = [s for s in held_k if s[1] - 1 + lateness > watermark]
+    for k, held_k in sessions.items():
+        rows += [row(k, start, end, contents) for start, end, contents in sorted(held_k)
+                 if (k, start, end) not in fired]
     return rows, late
 
 
@@ -163,6 +207,20 @@ def test_time_windows_on_the_device_match_the_reference(steps, shape, lateness, 
     assert sorted(e["ms"] for e in late) == sorted(e["ms"] for e in expected_late)
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(_event, min_size=1, max_size=40), gap=st.sampled_from([1, 500, 2_000, 2_500, 7_000]),
+       lateness=st.sampled_from([0, 2_000, 5_000]), out_of_orderness=st.sampled_from([0, 1_000, 3_000]))
+def test_session_windows_on_the_device_match_the_reference(steps, gap, lateness, out_of_orderness):
+    events = stream(steps)
+    task = Task("s", None, [KeyBy("k"), SessionWindow(gap / 1000, allowed_lateness=lateness / 1000,
+                                                      out_of_orderness=out_of_orderness / 1000),
+                            Aggregate(**AGGREGATIONS)], input="stream")
+    expected_rows, expected_late = reference_session_windows(events, gap, lateness, out_of_orderness)
+    rows, late = device_rows(task, events)
+    assert _sorted(rows) == _sorted(expected_rows)
+    assert sorted(e["ms"] for e in late) == sorted(e["ms"] for e in expected_late)
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=st.lists(_event, min_size=1, max_size=40), size=st.integers(1, 4), slide=st.sampled_from([None, 1, 2]))
 def test_count_windows_on_the_device_match_the_reference(steps, size, slide):
@@ -213,7 +271,9 @@ def _stored(rows: list[dict[str, Any]]) -> list[str]:
 
 @flink
 @pytest.mark.parametrize("seed", [3, 4])
-def test_time_windows_on_flink_match_the_reference(seed):
+def test_windows_on_flink_match_the_reference(seed):
+    """One paced Flink job per seed with three stream tasks over the same events: sliding time windows,
+    session windows and sliding count windows."""
     pytest.importorskip("pyflink", reason="needs the flink extra", exc_type=ImportError)
     import cloudpickle
 
@@ -222,15 +282,23 @@ def test_time_windows_on_flink_match_the_reference(seed):
     gaps = [-6000, -3000, -500, 0, 400, 1500, 2500, 7000]
     steps = [(rng.choice("ab"), rng.choice(gaps), rng.choice([1, 2, 0.1, 3, 5]), rng.choice("xy")) for _ in range(45)]
     events = stream(steps)
-    size, slide, offset, lateness, ooo = 6_000, 2_000, 500, 2_000, 1_000
-    job = Job("w", [Task("w", None, [KeyBy("k"), TimeWindow(size / 1000, slide / 1000, offset=offset / 1000,
-                                                            allowed_lateness=lateness / 1000,
-                                                            out_of_orderness=ooo / 1000),
-                                     Aggregate(**AGGREGATIONS)], input="stream")])
-    expected_rows, expected_late = reference_time_windows(events, size, slide, offset, lateness, ooo)
-    assert expected_late and len(expected_rows) > len({(r["k"], r["window_start"]) for r in expected_rows})
+    size, slide, offset, lateness, ooo, gap = 6_000, 2_000, 500, 2_000, 1_000, 2_500
+    job = Job("w", [
+        Task("w", None, [KeyBy("k"), TimeWindow(size / 1000, slide / 1000, offset=offset / 1000,
+                                                allowed_lateness=lateness / 1000, out_of_orderness=ooo / 1000),
+                         Aggregate(**AGGREGATIONS)], input="stream"),
+        Task("s", None, [KeyBy("k"), SessionWindow(gap / 1000, allowed_lateness=lateness / 1000,
+                                                   out_of_orderness=ooo / 1000),
+                         Aggregate(**AGGREGATIONS)], input="stream"),
+        Task("c", None, [KeyBy("k"), CountWindow(3, 2), Aggregate(**AGGREGATIONS)], input="stream"),
+    ])
+    windows, windows_late = reference_time_windows(events, size, slide, offset, lateness, ooo)
+    sessions, sessions_late = reference_session_windows(events, gap, lateness, ooo)
+    assert windows_late and sessions_late and len(windows) > len({(r["k"], r["window_start"]) for r in windows})
     tables = run_job(job, _as_app_events(events), runner="flink", pace_ms=120)
-    assert set(tables) == {"w", "late_events"}, tables.get("task_errors")
-    assert _stored(tables["w"]) == _stored(expected_rows)
-    assert sorted(json.loads(r["item"])["contents"]["ms"] for r in tables["late_events"]) == sorted(
-        e["ms"] for e in expected_late)
+    assert set(tables) == {"w", "s", "c", "late_events"}, tables.get("task_errors")
+    assert _stored(tables["w"]) == _stored(windows)
+    assert _stored(tables["s"]) == _stored(sessions)
+    assert _stored(tables["c"]) == _stored(reference_count_windows(events, 3, 2))
+    late = Counter((row["task"], json.loads(row["item"])["contents"]["ms"]) for row in tables["late_events"])
+    assert late == Counter([("w", e["ms"]) for e in windows_late] + [("s", e["ms"]) for e in sessions_late])
