@@ -54,7 +54,7 @@ from operators.base import field_reader
 from operators.process import LATE, KeyedProcessFunction, ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from operators.window import to_millis, window_starts_ms
 from streamflow.events import Event
-from streamflow.keyed import KeyedRuntime
+from streamflow.keyed import END_OF_TIME, KeyedRuntime
 from streamflow.summary import TASK_ERRORS_TABLE
 
 log = logging.getLogger("streamflow.windowing")
@@ -155,7 +155,11 @@ class _AggregatingWindows(KeyedProcessFunction):
         return {name: agg.result(acc) for (name, agg), acc in zip(self.aggregations, accs, strict=True)}
 
     def row(self, key: Any, start_ms: int, end_ms: int, accs: list[Any]) -> dict[str, Any]:
-        return window_row(self.key_name, key, start_ms / 1000, end_ms / 1000, self.results(accs))
+        """``window_row`` of the window ``[start_ms, end_ms)``, built as one dict."""
+        row = {self.key_name: key, "window_start": start_ms / 1000, "window_end": end_ms / 1000}
+        for (name, agg), acc in zip(self.aggregations, accs, strict=True):
+            row[name] = agg.result(acc)
+        return row
 
 
 class EventTimeWindows(_AggregatingWindows):
@@ -217,7 +221,7 @@ class EventTimeWindows(_AggregatingWindows):
 
     def _add_to_slice(self, item: Any, ts: int, watermark: int, ctx: Any) -> list[list[Any]]:
         """Add ``item`` to its slice's latest run (a new run if the key's last event was in another slice);
-        a slice new to the key registers its windows' timers. The key's runs."""
+        a slice new to the key registers what its windows need (:meth:`_new_slice`). The key's runs."""
         runs = self.runs.value()
         pane_start = ts - (ts - self.offset) % self.pane
         if runs and runs[-1][0] == pane_start:
@@ -226,23 +230,44 @@ class EventTimeWindows(_AggregatingWindows):
             if runs is None:
                 runs = []
             if not any(run[0] == pane_start for run in runs):
-                size, lateness = self.size, self.lateness
-                for start in window_starts_ms(ts, size, self.slide, self.offset):
-                    last = start + size - 1
-                    if last + lateness > watermark:
-                        if last > watermark:
-                            ctx.register_event_time_timer(last)
-                        ctx.register_event_time_timer(last + lateness)
+                self._new_slice(runs, pane_start, watermark, ctx)
             runs.append([pane_start, self.add(self.create(), item)])
         self.runs.update(runs)
         return runs
 
+    def _new_slice(self, runs: list[list[Any]], pane_start: int, watermark: int, ctx: Any) -> None:
+        """Timers for a slice the key did not hold: the firing time of each of its windows still to fire,
+        except those a slice of the key before it registered already (a window holding this slice and ending no
+        later than the newest window of an earlier slice holds that slice too). Cleanup needs no timer of its
+        own while a firing is still to come: each firing drops the slices past their windows' lateness
+        (:meth:`on_timer`), and the key's last firing registers the one cleanup timer left."""
+        size, slide, offset, lateness = self.size, self.slide, self.offset, self.lateness
+        registered = -END_OF_TIME
+        if runs:
+            top = max(run[0] for run in runs)
+            if top < pane_start:
+                registered = top - (top - offset) % slide + size - 1
+        newest_last = pane_start - (pane_start - offset) % slide + size - 1
+        for start in window_starts_ms(pane_start, size, slide, offset):
+            last = start + size - 1
+            if last <= registered or last <= watermark:
+                break  # the older windows (ending earlier) are registered, or have fired, too
+            ctx.register_event_time_timer(last)
+        if newest_last <= watermark < newest_last + lateness:
+            ctx.register_event_time_timer(newest_last + lateness)  # every window of it fired: only cleanup is left
+
     def _window(self, runs: list[list[Any]], start: int) -> list[Any]:
         """The accumulators of window ``[start, start + size)``: its slices' runs merged in arrival order."""
-        end, merged = start + self.size, self.create()
-        for pane_start, accs in runs:
-            if start <= pane_start < end:
-                merged = self.merge(merged, accs)
+        end = start + self.size
+        return self._merged([accs for pane_start, accs in runs if start <= pane_start < end])
+
+    def _merged(self, held: list[list[Any]]) -> list[Any]:
+        """Runs' accumulators merged in order (a run alone is handed over as it is: ``results`` only reads it)."""
+        if len(held) == 1:
+            return held[0]
+        merged = self.merge(held[0], held[1])
+        for accs in held[2:]:
+            merged = self.merge(merged, accs)
         return merged
 
     def on_timer(self, time_ms: int, ctx: Any) -> None:
@@ -252,16 +277,30 @@ class EventTimeWindows(_AggregatingWindows):
         runs = self.runs.value()
         if not runs:
             return
-        size, slide, offset = self.size, self.slide, self.offset
+        size, slide, offset, lateness = self.size, self.slide, self.offset, self.lateness
         start = time_ms + 1 - size
-        if (start - offset) % slide == 0 and any(start <= run[0] < start + size for run in runs):
-            ctx.emit(self.row(ctx.key, start, start + size, self._window(runs, start)))
+        end = start + size if (start - offset) % slide == 0 else start  # [start, end): the window firing now
         # Every window starting at or before `done` is past its allowed lateness: the slices only they hold go.
-        done = time_ms + 1 - size - self.lateness
-        done -= (done - offset) % slide
-        kept = [run for run in runs if run[0] >= done + slide]
+        done = time_ms + 1 - size - lateness
+        keep_from = done - (done - offset) % slide + slide
+        held, kept, top = [], [], None
+        for run in runs:
+            pane_start = run[0]
+            if start <= pane_start < end:
+                held.append(run[1])
+            if pane_start >= keep_from:
+                kept.append(run)
+                if top is None or pane_start > top:
+                    top = pane_start
+        if held:
+            ctx.emit(self.row(ctx.key, start, end, self._merged(held)))
         if len(kept) != len(runs):
-            self.runs.update(kept)
+            self.runs.update(kept or None)
+        if top is not None and lateness:
+            newest_last = top - (top - offset) % slide + size - 1
+            if newest_last <= time_ms:  # no firing to come for this key: its cleanup needs a timer
+                ctx.register_event_time_timer(newest_last + lateness)
+
 
     def _add_to_each_window(self, item: Any, ctx: Any) -> None:
         ts, watermark, windows = ctx.timestamp, ctx.current_watermark(), self.windows
@@ -342,7 +381,7 @@ class SessionWindows(_AggregatingWindows):
                 ctx.emit(self.row(ctx.key, start, end, accs))
             if end - 1 + self.lateness > time_ms:
                 kept.append([start, end, accs])
-        self.sessions.update(kept)
+        self.sessions.update(kept or None)  # a key without sessions holds no state
 
 
 class CountWindows(_AggregatingWindows):

@@ -169,14 +169,21 @@ def stream(steps: list[tuple[str, int, Any, str]]) -> list[dict[str, Any]]:
     return events
 
 
-def device_rows(task: Task, events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
-    """The device's stream-task code over ``events``: (rows, late side output items)."""
+def device_rows(task: Task, events: list[dict[str, Any]], settled_ms: int | None = None
+                ) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The device's stream-task code over ``events``: (rows, late side output items). With ``settled_ms``, the
+    watermark first moves that far past the last event time, where every window is past its lateness: no
+    key may hold state any more (the cleanup timers reclaimed it)."""
     run = StreamTaskRun(task)
     rows, late = [], []
     for event in events:
         out, sides = run.process({**event, "ts": event["ms"] / 1000})
         rows += out
         late += [json.loads(row["item"]) for table, row in sides if table == "late_events"]
+    if settled_ms is not None:
+        out, sides = run._split(run.runtime.advance(max(e["ms"] for e in events) + settled_ms))
+        rows += out
+        assert run.runtime.keys_held == 0 and not sides
     out, sides = run.finish()
     return rows + out, late
 
@@ -202,7 +209,7 @@ def test_time_windows_on_the_device_match_the_reference(steps, shape, lateness, 
                                                    out_of_orderness=out_of_orderness / 1000),
                             Aggregate(**AGGREGATIONS)], input="stream")
     expected_rows, expected_late = reference_time_windows(events, size, slide, offset, lateness, out_of_orderness)
-    rows, late = device_rows(task, events)
+    rows, late = device_rows(task, events, settled_ms=size + lateness)
     assert _sorted(rows) == _sorted(expected_rows)
     assert sorted(e["ms"] for e in late) == sorted(e["ms"] for e in expected_late)
 
@@ -216,7 +223,7 @@ def test_session_windows_on_the_device_match_the_reference(steps, gap, lateness,
                                                       out_of_orderness=out_of_orderness / 1000),
                             Aggregate(**AGGREGATIONS)], input="stream")
     expected_rows, expected_late = reference_session_windows(events, gap, lateness, out_of_orderness)
-    rows, late = device_rows(task, events)
+    rows, late = device_rows(task, events, settled_ms=gap + lateness)
     assert _sorted(rows) == _sorted(expected_rows)
     assert sorted(e["ms"] for e in late) == sorted(e["ms"] for e in expected_late)
 

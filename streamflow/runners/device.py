@@ -141,6 +141,7 @@ class DeviceRunner:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size  # None: BLOCK_SIZE for a file source, 1 for a live iterable
         self._streams: dict[str, StreamTaskRun] = {}
+        self._held: dict[str, list[dict[str, Any]]] | None = None  # rows held for the block's end, by table
         self._shipped: set[str] = set()  # sink tables whose rows also go to the tunnel
         self.max_users = max_users
         self.state_ttl_s = state_ttl_s
@@ -178,7 +179,8 @@ class DeviceRunner:
 
         What is kept: every task not named keeps its state, and so do the users' sequences and trie
         positions (a new version of a trigger task goes on matching its condition where the old one
-        was, and its input includes events from before the swap). A replaced stream task's open
+        was, and its input includes events from before the swap; a runner that had no trigger task keeps no
+        sequences, so a trigger task added to it sees the events from the swap on). A replaced stream task's open
         windows fire as at the end of the input (their events are counted in the old version's rows);
         the new version starts with empty windows. A name replaced keeps its counters in the summary.
 
@@ -434,7 +436,7 @@ class DeviceRunner:
         """Store a rejected record in the dead-letter table and count it."""
         self.summary.rejected[record.reason.split(":", 1)[0]] += 1
         log.debug("rejected %s", record.describe())
-        self.storage.write(DEAD_LETTER_TABLE, [
+        self._write(DEAD_LETTER_TABLE, [
             {"source": record.source, "line": record.line, "reason": record.reason, "raw": record.raw}
         ])
 
@@ -452,11 +454,21 @@ class DeviceRunner:
         one happens, is inside it). A live stream whose events arrive one by one wants ``block_size=1``.
         """
         if self._streams or self._hooks or self._swaps:
-            for record in records:
-                if isinstance(record, Event):
-                    self.process(record)
-                else:
-                    self.reject(record)
+            # Rows are held and written once per table at the end of the block, unless something watches
+            # each event's effect (a hook, a swap on probation, latency recording).
+            hold = not (self._hooks or self._swaps or self.latencies_s is not None)
+            self._held = held = {} if hold else None
+            try:
+                for record in records:
+                    if isinstance(record, Event):
+                        self.process(record)
+                    else:
+                        self.reject(record)
+            finally:
+                self._held = None
+                if held:
+                    for table, rows in held.items():
+                        self._write(table, rows)
             return
         check = None if self._prechecked else self.guard.check
         events = [record for record in records if type(record) is Event] if check is None else None
@@ -504,6 +516,8 @@ class DeviceRunner:
                 self._write_stream(stream, *stream.process(event))
             except Exception as exc:  # a backstop: each step's failure is caught where it happens
                 self._stream_failed(stream, event, exc)
+        if not self.execution.tasks:
+            return  # a job of stream tasks only: no user sequences or trie state to keep
         outputs = self.triggers.process(event.user_id, event, round(event.ts * 1000))
         if not outputs:
             return
@@ -539,7 +553,7 @@ class DeviceRunner:
             if table == TASK_ERRORS_TABLE and row.get("task") == stream.name:  # as Flink's writer counts them
                 self.summary.task_stats[stream.name].errors += 1
                 failed = True
-            self.storage.write(table, [row])
+            self._write(table, [row])
         if failed:
             stats = self.summary.task_stats[stream.name]
             stats.consecutive_errors = stream.consecutive_errors
@@ -550,9 +564,16 @@ class DeviceRunner:
         log.warning("stream task %s failed%s: %s", stream.name,
                     "" if event is None else f" on {event.event_id} of user {event.user_id}", exc)
         row = task_error_row(stream.name, event, exc) if event is not None else stream_error_row(stream.name, exc)
-        self.storage.write(TASK_ERRORS_TABLE, [row])
+        self._write(TASK_ERRORS_TABLE, [row])
 
     def _write(self, table: str, rows: list[dict[str, Any]]) -> None:
+        held = self._held
+        if held is not None:
+            if table in held:
+                held[table] += rows
+            else:
+                held[table] = list(rows)
+            return
         self.storage.write(table, rows)
         if self.tunnel is not None and table in self._shipped:
             self.tunnel.write(table, rows)
