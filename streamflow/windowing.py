@@ -352,33 +352,41 @@ class SessionWindows(_AggregatingWindows):
     def on_event(self, item: Any, ctx: Any) -> None:
         ts, watermark = ctx.timestamp, ctx.current_watermark()
         start, end, merged = ts, ts + self.gap, None
-        kept = []
+        kept, touched = [], []
         for session in self.sessions.value() or []:
             if session[0] <= end and session[1] >= start:  # Flink's TimeWindow.intersects: touching merges
                 start, end = min(start, session[0]), max(end, session[1])
-                merged = session[2] if merged is None else self.merge(merged, session[2])
+                touched.append(session)
             else:
                 kept.append(session)
-        # The sessions merged in time order, then the new item: what adding each item in turn gives when
-        # they arrived in time order.
-        accs = self.add(self.create() if merged is None else self.merge(merged, self.create()), item)
         if end - 1 + self.lateness <= watermark:
             ctx.side(LATE, item)  # even merged, the session is past its allowed lateness
             return
+        # The sessions merged in time order, then the new item: what adding each item in turn gives when
+        # they arrived in time order.
+        for session in touched:
+            merged = session[2] if merged is None else self.merge(merged, session[2])
+        accs = self.add(self.create() if merged is None else self.merge(merged, self.create()), item)
         kept.append([start, end, accs])
         kept.sort(key=lambda session: session[0])
         self.sessions.update(kept)
         if end - 1 <= watermark:
             ctx.emit(self.row(ctx.key, start, end, accs))  # late firing
-        else:
+            ctx.register_event_time_timer(end - 1 + self.lateness)
+        elif not any(session[1] - 1 > watermark for session in touched):
+            # A session it grew that has not fired still has its timer: when that fires, it finds the session
+            # ended later and registers the new end (on_timer), so an item that only moves the end registers nothing.
             ctx.register_event_time_timer(end - 1)
-        ctx.register_event_time_timer(end - 1 + self.lateness)
 
     def on_timer(self, time_ms: int, ctx: Any) -> None:
         kept = []
         for start, end, accs in self.sessions.value() or []:
             if end - 1 == time_ms:
                 ctx.emit(self.row(ctx.key, start, end, accs))
+                if self.lateness:
+                    ctx.register_event_time_timer(end - 1 + self.lateness)
+            elif end - 1 > time_ms:
+                ctx.register_event_time_timer(end - 1)  # the session grew since this timer was registered
             if end - 1 + self.lateness > time_ms:
                 kept.append([start, end, accs])
         self.sessions.update(kept or None)  # a key without sessions holds no state
