@@ -43,6 +43,12 @@ class Aggregation:
     def result(self, acc: Any) -> Any:
         return acc
 
+    def check(self, item: Any) -> None:
+        """Raise what ``add`` raises for ``item`` whatever the accumulator holds (a missing field, a value of the
+        wrong kind): a stream task checks each event once, before any window takes it. By default ``add`` to a
+        new accumulator; the built-in aggregations only read (and check) the value."""
+        self.add(self.create(), item)
+
     def fold(self, items: list[Any]) -> Any:
         """The result over ``items`` (honouring ``where``): what ``create``/``add``/``result`` give."""
         if self.where is not None:
@@ -64,6 +70,16 @@ class Aggregation:
         return f"{type(self).__name__}({', '.join(parts)})"
 
 
+def _read_check(self: Aggregation, item: Any) -> None:
+    """``check`` of an aggregation whose ``add`` fails only where reading the value does."""
+    self._read(item)
+
+
+def _hash_check(self: Aggregation, item: Any) -> None:
+    """``check`` of an aggregation that keys a dict by the value: it must be hashable."""
+    hash(self._read(item))
+
+
 class Count(Aggregation):
     """Number of items. ``Count(where=lambda e: e.event_id == "buy")`` counts buys."""
 
@@ -77,6 +93,9 @@ class Count(Aggregation):
 
     def add(self, acc: int, item: Any) -> int:
         return acc + 1
+
+    def check(self, item: Any) -> None:
+        pass
 
     def merge(self, a: int, b: int) -> int:
         return a + b
@@ -118,6 +137,11 @@ class Sum(Aggregation):
     def result(self, acc: Any) -> Any:
         return acc.value() if type(acc) is FloatSum else acc
 
+    def check(self, item: Any) -> None:
+        value = self._read(item)
+        if type(value) is not int:
+            FloatSum.check(value)
+
     def _fold(self, items: list[Any]) -> Any:
         values = list(map(self._read, items))
         if all(type(value) is int for value in values):
@@ -154,9 +178,14 @@ class FloatSum:
             return copy
         return cls(acc)
 
-    def add(self, value: Any) -> FloatSum:
+    @staticmethod
+    def check(value: Any) -> None:
+        """Raise ``TypeError`` unless ``value`` is a real number."""
         if not isinstance(value, numbers.Real):
             raise TypeError(f"Sum adds numbers, got {value!r} ({type(value).__name__})")
+
+    def add(self, value: Any) -> FloatSum:
+        self.check(value)
         x = float(value)
         if not math.isfinite(x):
             self.special += x
@@ -195,6 +224,8 @@ class FloatSum:
 class Min(Aggregation):
     """Smallest value of a field (``None`` over no items)."""
 
+    check = _read_check
+
     def create(self) -> Any:
         return None
 
@@ -212,6 +243,8 @@ class Min(Aggregation):
 class Max(Aggregation):
     """Largest value of a field (``None`` over no items)."""
 
+    check = _read_check
+
     def create(self) -> Any:
         return None
 
@@ -228,6 +261,8 @@ class Max(Aggregation):
 
 class First(Aggregation):
     """Value of a field on the first item (``None`` over no items)."""
+
+    check = _read_check
 
     def create(self) -> tuple[bool, Any]:
         return (False, None)
@@ -248,6 +283,8 @@ class First(Aggregation):
 class Last(Aggregation):
     """Value of a field on the last item (``None`` over no items)."""
 
+    check = _read_check
+
     def create(self) -> tuple[bool, Any]:
         return (False, None)
 
@@ -266,6 +303,8 @@ class Last(Aggregation):
 
 class LastN(Aggregation):
     """The last ``n`` values of a field, oldest first."""
+
+    check = _read_check
 
     def __init__(self, field: FieldSpec, n: int, where: Callable[[Any], bool] | None = None):
         if n < 1:
@@ -295,6 +334,8 @@ class LastN(Aggregation):
 class Distinct(Aggregation):
     """The distinct values of a field, in first-seen order."""
 
+    check = _hash_check
+
     def create(self) -> dict[Any, None]:
         return {}
 
@@ -318,6 +359,8 @@ class CountBy(Aggregation):
     One pass instead of one ``Count(where=...)`` per value: ``CountBy("event_id")`` over a page
     visit gives ``{"page_enter": 1, "fav": 2, "page_exit": 1}``.
     """
+
+    check = _hash_check
 
     def create(self) -> dict[Any, int]:
         return {}

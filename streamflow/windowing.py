@@ -534,19 +534,19 @@ class Streak:
         self.failures, self.quarantined = state
 
 
-def _item_check(aggregation: Any) -> tuple[Any, Any, Any] | None:
-    """``(where, create, add)`` for what of ``aggregation`` may raise on an item: ``None`` for ``Count()``
-    (nothing), only ``where`` for ``Count(where=...)`` (its ``add`` is ``+ 1``)."""
+def _item_check(aggregation: Any) -> tuple[Any, Any] | None:
+    """``(where, check)`` for what of ``aggregation`` may raise on an item (see ``Aggregation.check``): ``None``
+    for ``Count()`` (nothing), only ``where`` for ``Count(where=...)`` (its ``add`` is ``+ 1``)."""
     if type(aggregation) is Count:
-        return None if aggregation.where is None else (aggregation.where, None, None)
-    return aggregation.where, aggregation.create, aggregation.add
+        return None if aggregation.where is None else (aggregation.where, None)
+    return aggregation.where, aggregation.check
 
 
 class StreamInput:
     """A stream task's steps before its keyed step, per event: Filter/Map, the key, Filter/Map, the event
-    time, and a check that the aggregation takes the item (its ``where`` and ``add``, once per event, on a
-    new accumulator: an event a window cannot take fails here once, on both runners, instead of in each of
-    its windows). ``step(item)`` is ``(key, item, ts_ms)`` for the keyed step, or ``None``; what failed is
+    time, and a check that the aggregation takes the item (its ``where`` and ``Aggregation.check``, once per
+    event: an event a window cannot take fails here once, on both runners, instead of in each of its
+    windows). ``step(item)`` is ``(key, item, ts_ms)`` for the keyed step, or ``None``; what failed is
     in :attr:`out` as ``(table, row)`` records (``task_errors`` rows, and :data:`QUARANTINED` once).
 
     Example:
@@ -589,9 +589,9 @@ class StreamInput:
                     return None
             if self.read_ts is not None:
                 ts_ms = to_millis(self.read_ts(item))
-            for where, create, add in self.checks:
-                if (where is None or where(item)) and add is not None:
-                    add(create(), item)
+            for where, check in self.checks:
+                if (where is None or where(item)) and check is not None:
+                    check(item)
         except Exception as exc:
             row = stream_error_row(self.task, exc, event, key)
             self.out.append((TASK_ERRORS_TABLE, row))

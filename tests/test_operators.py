@@ -456,3 +456,14 @@ def _outcome(fn, items):
 def test_the_generated_fold_gives_what_fold_gives(aggs, items):
     aggregate = Aggregate(**{f"c{i}": _AGGREGATIONS[kind](field) for i, (kind, field) in enumerate(aggs)})
     assert _outcome(aggregate.fold_one, items) == _outcome(lambda x: aggregate.fold(x, {}), items)
+
+
+@settings(max_examples=200, deadline=None)
+@given(kind=st.sampled_from(sorted(_AGGREGATIONS)), field=st.sampled_from(["a", "b"]),
+       item=st.dictionaries(st.sampled_from(["a", "b"]),
+                            st.one_of(st.integers(-5, 5), st.floats(allow_nan=False), st.just("x"), st.just([1]),
+                                      st.none())))
+def test_check_raises_what_adding_to_a_new_accumulator_raises(kind, field, item):
+    """A stream task checks each event with ``check`` before any window adds it (the cheap form of the add)."""
+    agg = _AGGREGATIONS[kind](field)
+    assert _outcome(lambda i: agg.check(i), item) == _outcome(lambda i: (agg.add(agg.create(), i), None)[1], item)
