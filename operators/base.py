@@ -112,7 +112,9 @@ def compile_pipeline(operators: Sequence[Operator]) -> Callable[[list[Any]], lis
     ops = list(operators)
     if ops and getattr(ops[0], "fold_one", None) is not None and all(
             getattr(op, "row_step", None) is not None for op in ops[1:]):
-        return _one_row(ops[0].fold_one, [op.row_step for op in ops[1:]])
+        steps = [op.row_step for op in ops[1:]]
+        fold_rows = getattr(ops[0], "fold_rows", None)  # the fold and the steps as one function (Aggregate)
+        return fold_rows(steps) if fold_rows is not None else _one_row(ops[0].fold_one, steps)
     steps = [op.apply_one for op in ops]
     if any(step is None for step in steps):
         return lambda items: run_pipeline(ops, items)

@@ -40,7 +40,7 @@ from streamflow.deploy.errors import BundleError
 from streamflow.deploy.release_commands import deploy_server, release_app
 from streamflow.flink.connector_jars import kafka_topic  # reads kafka://TOPIC without PyFlink
 from streamflow.job import Job, JobLoadError, Task, load_job
-from streamflow.progress import track
+from streamflow.progress import Track
 from streamflow.runners.device import DeviceRunner, RuntimeMode
 from streamflow.settings import SettingsError, env_name, settings
 from streamflow.sources import FORMATS, open_source
@@ -389,7 +389,7 @@ def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
                                   tunnel=tunnel, state_ttl_s=args.state_ttl, max_users=args.max_users,
                                   checkpoint_interval_s=args.checkpoint_interval, runtime_mode=args.mode)
             try:
-                summary = runner.run(source, progress=lambda records: track(records, desc=f"{job.name} on device"))
+                summary = runner.run(source, progress=Track(f"{job.name} on device"))
             finally:
                 runner.close()
                 if tunnel is not None:

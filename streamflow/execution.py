@@ -177,11 +177,13 @@ class TaskExecution:
 
 def _read_events_directly(pipeline: list[Operator]) -> None:
     """A leading Aggregate over events reads named fields with :func:`~streamflow.events.event_reader`
-    (the same values and errors as ``event[name]``, several times faster)."""
+    (the same values and errors as ``event[name]``, several times faster); ``_event_field`` tells its
+    generated fold (:func:`operators.aggregate._generated_fold`) that it may read them inline."""
     if pipeline and isinstance(pipeline[0], Aggregate):
         for aggregation in pipeline[0].aggregations.values():
             if isinstance(aggregation.field, str):
                 aggregation._read = event_reader(aggregation.field)
+                aggregation._event_field = aggregation.field
 
 
 def task_error_row(task: str, event: Event, error: Exception) -> dict[str, Any]:
@@ -266,7 +268,7 @@ class TriggerTasks(KeyedProcessFunction):
                 self.on_event(event, ctx)
             return
         open_pages = ctx.state_data("open_page")
-        fire, side = execution.fire, ctx.side
+        side, firing = ctx.side, execution._firing
         state = trie.initial_state()
         steps, exit_steps = state.steps, state.exit_steps
         for event in events:
@@ -279,27 +281,39 @@ class TriggerTasks(KeyedProcessFunction):
                 page = [*opened, event] if opened and opened[0].page_id == event.page_id else [event]
                 hit = exit_steps.get(event.page_id)
             else:
-                opened = open_pages.get(event.user_id)
-                if opened:
-                    opened.append(event)
-                    page = opened
+                page = open_pages.get(event.user_id)
+                if page:
+                    page.append(event)
                 else:
                     page = [event]
                 hit = steps.get(kind)
             if hit is None:
                 hit = trie.step(state, event)
             fired = hit[1]
-            if fired:
-                ctx.key = event.user_id
-                if len(fired) == 1:
-                    table, rows = fire(fired[0], event, page if kind == PAGE_EXIT else list(page))
+            if not fired:
+                continue
+            ctx.key = event.user_id
+            if len(fired) == 1:  # execution.fire, inline
+                name = fired[0]
+                run, stats, sink = firing[name]
+                try:
+                    rows = run(page if kind == PAGE_EXIT else list(page))
+                except Exception as exc:
+                    table, rows = execution.settle(name, event, exc)
                     for row in rows:
                         side(table, row)
                 else:
-                    self._run(event, fired, [list(page) for _ in fired], ctx)
-                if trie.initial_state() is not state:  # a task was quarantined: the trie changed
-                    state = trie.initial_state()
-                    steps, exit_steps = state.steps, state.exit_steps
+                    stats.fired += 1
+                    stats.consecutive_errors = 0
+                    stats.rows += len(rows)
+                    for row in rows:
+                        side(sink, {"user_id": event.user_id, "trigger_ts": event.ts, **row})
+                    continue
+            else:
+                self._run(event, fired, [list(page) for _ in fired], ctx)
+            if trie.initial_state() is not state:  # a task was quarantined: the trie changed
+                state = trie.initial_state()
+                steps, exit_steps = state.steps, state.exit_steps
 
     def _run(self, event: Event, fired: tuple[str, ...], inputs: list[list[Any]], ctx: Any) -> None:
         """Run the tasks ``fired`` by ``event`` over their ``inputs``; their rows (or errors) as side outputs."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -40,6 +40,9 @@ _CLEAN_LINE = re.compile(r"([^,\s]+),([^,\s]+),([^,\s]+),(pv|fav|cart|buy),(-?[0
 # The same, on a line as read: rstrip("\r\n") is the trailing [\r\n]* (the last field ends in a digit).
 _CLEAN_RAW_LINE = re.compile(r"([^,\s]+),([^,\s]+),([^,\s]+),(pv|fav|cart|buy),(-?[0-9]{1,15})[\r\n]*").fullmatch
 _IDENTITY_BYTES = 1 << 20
+#: A format's own read loop (:meth:`LineSource.fast_blocks`): ``(line number, line)`` pairs in, lists of records
+#: out, the last records (fewer than a block) returned.
+FastBlocks = Callable[[Iterator[tuple[int, str]]], Generator[list[Event | Rejected], None, list[Any]]]
 
 
 class LineSource:
@@ -91,10 +94,11 @@ class LineSource:
             with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
                 yield from f
 
-    def fast_records(self, reader: SourceReader, step: Callable[[int, str], list[Event | Rejected]]
-                     ) -> Callable[[Iterator[tuple[int, str]]], Iterator[Event | Rejected]] | None:
-        """A format's own loop over ``(line number, line)`` giving what ``step`` per line gives (and
-        moving ``reader`` the same way), or ``None`` (then ``step`` runs per line)."""
+    def fast_blocks(self, reader: SourceReader, step: Callable[[int, str], list[Event | Rejected]], size: int
+                    ) -> FastBlocks | None:
+        """A format's own loop over ``(line number, line)`` giving what ``step`` per line gives, in lists
+        as :meth:`SourceReader.blocks` hands them out (and moving ``reader`` the same way), returning the
+        last records (fewer than ``size``); or ``None`` (then ``step`` runs per line)."""
         return None
 
     def __iter__(self) -> Iterator[Event | Rejected]:
@@ -208,27 +212,48 @@ class SourceReader:
         return SourcePosition(self.line, self.states, self.guard.snapshot(), remaining, self.clock)
 
     def __iter__(self) -> Iterator[Event | Rejected]:
+        for records in self.blocks(1):  # one line's records at a time
+            self.pending = records
+            yield from records
+        self.pending = []
+
+    def blocks(self, size: int) -> Iterator[list[Event | Rejected]]:
+        """The records in lists of at least ``size`` (the last one may be shorter), each ending with the
+        last record of a line: a checkpoint taken after a list's last record (:meth:`position_after`)
+        resumes at the next line. The same records in the same order as iterating the reader; with
+        ``size`` 1, each list is one line's records.
+
+        Example:
+            >>> src = TaobaoBehaviorSource.from_lines(["1,10,7,pv,1511848894", "1,11,7,pv,1511848900"])
+            >>> [[e.event_id for e in block] for block in src.read().blocks(1)]
+            [['page_enter'], ['page_exit', 'page_enter'], ['page_exit']]
+        """
         source, states = self.source, self.states
-        yield from self.pending
+        if self.pending:  # a resumed read: the rest of the line a checkpoint fell in
+            records, self.pending = self.pending, []
+            yield records
         lines: Iterator[tuple[int, str]] = enumerate(source.raw_lines(), start=1)
         if self.line:
             lines = islice(lines, self.line, None)
         step = self._line_step()
-        fast = source.fast_records(self, step)
+        fast = source.fast_blocks(self, step, size)
         if fast is not None:
-            yield from fast(lines)
+            out = yield from fast(lines)
         else:
+            out = []
             for line_no, line in lines:
                 records = step(line_no, line)
                 if records:
-                    self.pending = records
-                    yield from records
+                    out += records
+                    if len(out) >= size:
+                        yield out
+                        out = []
         self.pending = [event for user, state in states.data.items() for event in source.end_events(user, state)]
         states.data.clear()
         if states.written is not None:
             states.written.clear()
-        yield from self.pending
-        self.pending = []
+        if out or self.pending:
+            yield out + self.pending  # the last lines' records and what the end of the input owes
 
     def _line_step(self) -> Callable[[int, str], list[Event | Rejected]]:
         """The records of one line (a blank line: none), with the reader's state moved past it."""
@@ -334,14 +359,14 @@ class TaobaoBehaviorSource(LineSource):
     def user_of(self, parsed: tuple[str, str, str, str, float]) -> str:
         return parsed[0]
 
-    def fast_records(self, reader: SourceReader, step: Callable[[int, str], list[Event | Rejected]]
-                     ) -> Callable[[Iterator[tuple[int, str]]], Iterator[Event | Rejected]] | None:
+    def fast_blocks(self, reader: SourceReader, step: Callable[[int, str], list[Event | Rejected]], size: int
+                    ) -> FastBlocks | None:
         """Clean lines (:data:`_CLEAN_RAW_LINE`, ASCII) in one loop that inlines the guard's check and
         :func:`item_page_events`; any other line through ``step``. Without a TTL and with the default guard."""
         guard = reader.guard
         if self.state_ttl_s is not None or type(guard) is not TimestampGuard or guard._last.written is not None:
             return None
-        return lambda lines: _taobao_records(self, reader, step, lines)
+        return lambda lines: _taobao_blocks(self, reader, step, lines, size)
 
     def ts_of(self, parsed: tuple[str, str, str, str, float]) -> float:
         return parsed[4]
@@ -422,63 +447,81 @@ class TaobaoBehaviorSource(LineSource):
         return user, item, category, behavior, ts
 
 
-def _taobao_records(source: TaobaoBehaviorSource, reader: SourceReader, step: Callable[[int, str], list[Any]],
-                    lines: Iterator[tuple[int, str]]) -> Iterator[Event | Rejected]:
-    """:meth:`TaobaoBehaviorSource.fast_records`: per clean line what ``step`` does (``TimestampGuard.check``
-    without a TTL, then ``item_page_events``), inlined."""
+def _taobao_blocks(source: TaobaoBehaviorSource, reader: SourceReader, step: Callable[[int, str], list[Any]],
+                   lines: Iterator[tuple[int, str]], size: int
+                   ) -> Generator[list[Event | Rejected], None, list[Event | Rejected]]:
+    """:meth:`TaobaoBehaviorSource.fast_blocks`: per clean line what ``step`` does (``TimestampGuard.check``
+    without a TTL, then ``item_page_events``), inlined; the records in lists as :meth:`SourceReader.blocks`
+    hands them out, and returns the last records (fewer than ``size``). A user's open page
+    (:class:`OpenPage`) is changed in place when they enter another item page (``item_page_events`` makes a
+    new one: the same values)."""
     name, gap, guard, pages = source.name, source.inactivity_gap_s, reader.guard, reader.states.data
-    last_ts, min_ts = guard._last.data, guard.min_ts
+    last_ts, min_ts, max_ts = guard._last.data, guard.min_ts, guard.max_ts
     top = guard._clock / 1000  # the largest accepted time (the guard keeps it in ms)
     clean = _CLEAN_RAW_LINE
+    out: list[Event | Rejected] = []
+    add = out.append
+    line_no = reader.line
     for line_no, line in lines:
         match = clean(line)
         if match is None or not line.isascii():
             records = step(line_no, line)
-            if records:
-                reader.pending = records
-                yield from records
-            top = guard._clock / 1000
-            continue
-        reader.line = line_no
-        user, item, category, behavior, ts_text = match.groups()
-        ts = float(ts_text)
-        previous = last_ts.get(user)
-        if ts > guard.max_ts or ts < min_ts or (previous is not None and ts < previous):
-            reason = guard.reason(user, ts, previous)
-            if reason is not None:
-                rejected = Rejected(name, line_no, reason, line.rstrip("\r\n"))
-                reader.pending = [rejected]
-                yield rejected
+            top, max_ts = guard._clock / 1000, guard.max_ts
+            if not records:
                 continue
-        if ts > top:
-            clock = round(ts * 1000)
-            if clock > guard._clock:
-                guard._clock = clock
-            top = ts
-        last_ts[user] = ts
-        contents = {"item_id": item, "category_id": category, BEHAVIOR: behavior}
-        page = pages.get(user)
-        if page is not None and ts - page.last_ts <= gap and page.item_id == item:
-            page.last_ts = ts
-            event = Event(user, behavior, ITEM_PAGE, ts, contents)
-            reader.pending = [event]
-            yield event
-            continue
-        if page is None:
-            events = []
+            out += records
         else:
-            exit_ts = page.last_ts if ts - page.last_ts > gap else ts
-            events = [Event(user, PAGE_EXIT, ITEM_PAGE, exit_ts, {"item_id": page.item_id,
-                                                                   "category_id": page.category_id})]
-        pages[user] = OpenPage(item, category, ts)
-        if behavior == "pv":
-            events.append(Event(user, PAGE_ENTER, ITEM_PAGE, ts, contents))
-        else:
-            events.append(Event(user, PAGE_ENTER, ITEM_PAGE, ts, {"item_id": item, "category_id": category,
-                                                                  "implicit": True}))
-            events.append(Event(user, behavior, ITEM_PAGE, ts, contents))
-        reader.pending = events
-        yield from events
+            user, item, category, behavior, ts_text = match.groups()
+            ts = float(ts_text)
+            previous = last_ts.get(user)
+            if ts > max_ts or ts < min_ts or (previous is not None and ts < previous):
+                reason = guard.reason(user, ts, previous)  # it may read the clock again: a new upper bound
+                max_ts = guard.max_ts
+                if reason is not None:
+                    add(Rejected(name, line_no, reason, line.rstrip("\r\n")))
+                    if len(out) >= size:
+                        reader.line, reader.pending = line_no, []
+                        yield out
+                        out = []
+                        add = out.append
+                    continue
+            if ts > top:
+                clock = round(ts * 1000)
+                if clock > guard._clock:
+                    guard._clock = clock
+                top = ts
+            last_ts[user] = ts
+            contents = {"item_id": item, "category_id": category, BEHAVIOR: behavior}
+            page = pages.get(user)
+            if page is None:
+                pages[user] = OpenPage(item, category, ts)
+            else:
+                last = page.last_ts
+                if ts - last <= gap and page.item_id == item:  # on the open page: a reload or a click
+                    page.last_ts = ts
+                    add(Event(user, behavior, ITEM_PAGE, ts, contents))
+                    if len(out) >= size:
+                        reader.line, reader.pending = line_no, []
+                        yield out
+                        out = []
+                        add = out.append
+                    continue
+                add(Event(user, PAGE_EXIT, ITEM_PAGE, last if ts - last > gap else ts,
+                          {"item_id": page.item_id, "category_id": page.category_id}))
+                page.item_id, page.category_id, page.last_ts = item, category, ts
+            if behavior == "pv":
+                add(Event(user, PAGE_ENTER, ITEM_PAGE, ts, contents))
+            else:
+                add(Event(user, PAGE_ENTER, ITEM_PAGE, ts, {"item_id": item, "category_id": category,
+                                                            "implicit": True}))
+                add(Event(user, behavior, ITEM_PAGE, ts, contents))
+        if len(out) >= size:
+            reader.line, reader.pending = line_no, []
+            yield out
+            out = []
+            add = out.append
+    reader.line, reader.pending = line_no, []
+    return out
 
 
 def item_page_events(page: OpenPage | None, user: str, item: str, category: str, behavior: str, ts: float,

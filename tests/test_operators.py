@@ -467,3 +467,30 @@ def test_check_raises_what_adding_to_a_new_accumulator_raises(kind, field, item)
     """A stream task checks each event with ``check`` before any window adds it (the cheap form of the add)."""
     agg = _AGGREGATIONS[kind](field)
     assert _outcome(lambda i: agg.check(i), item) == _outcome(lambda i: (agg.add(agg.create(), i), None)[1], item)
+
+
+# -- the generated fold reading event fields inline (a task over events: TaskExecution sets _event_field) ------
+_EVENT_AGGREGATIONS = {"first": First, "last": Last, "min": Min, "max": Max, "count_by": CountBy,
+                       "count": lambda f: Count()}
+_EVENTS = st.lists(st.builds(Event, st.sampled_from(["u", "v"]), st.sampled_from(["page_enter", "fav", "page_exit"]),
+                             st.just("item"), st.sampled_from([1.0, 2.0, 3.5]),
+                             st.dictionaries(st.sampled_from(["item_id", "n"]), st.sampled_from(["7", "8"]))),
+                   max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(aggs=st.lists(st.tuples(st.sampled_from(sorted(_EVENT_AGGREGATIONS)),
+                               st.sampled_from(["ts", "event_id", "user_id", "item_id", "n"])), min_size=1, max_size=5),
+       items=_EVENTS)
+def test_the_generated_fold_reading_events_inline_gives_what_fold_gives(aggs, items):
+    from streamflow.execution import _read_events_directly
+
+    def aggregate():
+        return Aggregate(**{f"c{i}": _EVENT_AGGREGATIONS[kind](field) for i, (kind, field) in enumerate(aggs)})
+
+    plain, inline = aggregate(), aggregate()
+    _read_events_directly([inline])
+    expected = _outcome(lambda x: plain.fold(x, {}), items)
+    assert _outcome(inline.fold_one, items) == expected
+    rows = _outcome(inline.fold_rows([(True, lambda r: {"n": len(r)}), (False, lambda r: r["n"] > 0)]), items)
+    assert rows == (expected if isinstance(expected, tuple) else [{"n": len(expected)}])

@@ -683,3 +683,50 @@ def test_taobao_parse_fast_path_gives_what_the_field_checks_give(raw):
 def test_taobao_parse_fast_path_keeps_the_clean_line_fields():
     assert TaobaoBehaviorSource.parse(f"1,10,7,cart,{T}") == ("1", "10", "7", "cart", float(T))
     assert TaobaoBehaviorSource.parse(f" 1,10,7,cart,{T}") == ("1", "10", "7", "cart", float(T))  # stripped
+
+
+# --------------------------------------------------------------------------------------------------
+# Blocks: what the device runner reads a file in
+
+
+_TAOBAO_LINES = st.lists(st.one_of(
+    st.builds(lambda user, item, behavior, step: f"{user},{item},7,{behavior},{T + step}",
+              st.sampled_from(["1", "2"]), st.sampled_from(["10", "11"]), st.sampled_from(["pv", "fav", "buy"]),
+              st.sampled_from([0, 5, 4000, -3])),
+    st.sampled_from(["", "1,10,7,nap,1511848894", " 2, 10 ,7,pv,1511848899", "garbage"])), max_size=25)
+
+
+def _describe(record):
+    return ("REJECTED", record.line, record.reason) if isinstance(record, Rejected) else record
+
+
+@settings(max_examples=150, deadline=None)
+@given(lines=_TAOBAO_LINES, size=st.sampled_from([1, 2, 3, 64]), own_guard=st.booleans(),
+       cut=st.integers(min_value=0, max_value=30))
+def test_blocks_hold_the_records_in_order_end_on_lines_and_resume_after_any_block(lines, size, own_guard, cut):
+    """``SourceReader.blocks(size)``, on the fast loop and on the per-line step: the records iterating gives,
+    in lists of at least ``size`` (but the last), each list ending a line; a reader resumed after any
+    list's last record gives the rest."""
+    def source():
+        return TaobaoBehaviorSource.from_lines(lines, guard=_OwnGuard() if own_guard else None)
+
+    expected = [_describe(r) for r in source()]
+    reader = source().read()
+    blocks = list(reader.blocks(size))
+    assert [_describe(r) for block in blocks for r in block] == expected
+    assert all(len(block) >= size for block in blocks[:-1])
+    if size == 1:  # one line's records each: a line number per list
+        lines_of = [{r.line for r in block if isinstance(r, Rejected)} for block in blocks]
+        assert all(len(numbers) <= 1 for numbers in lines_of)
+    if not blocks:
+        return
+    stop = cut % len(blocks)
+    reader = source().read()
+    taken = []
+    for block in reader.blocks(size):
+        taken += block
+        if len(taken) >= sum(len(b) for b in blocks[:stop + 1]):
+            position = reader.position_after(block[-1])
+            break
+    rest = list(source().read(position))
+    assert [_describe(r) for r in taken + rest] == expected

@@ -284,7 +284,9 @@ class DeviceRunner:
             progress: Callable[[Iterable[Any]], Iterator[Any]] | None = None) -> RunSummary:
         """Process every record (events and rejected records) and flush storage.
 
-        ``progress`` wraps the record iterator (e.g. :func:`streamflow.progress.track`). With
+        ``progress`` wraps the record iterator (e.g. :func:`streamflow.progress.track`); one with a
+        ``blocks`` method (:class:`streamflow.progress.Track`) wraps the iterator of blocks (lists of
+        records) instead, so that a file source can hand its records over a block at a time. With
         checkpoints, ``records`` must be a :class:`~streamflow.sources.LineSource` (a file, whose
         position is checkpointed): the run resumes from the job's checkpoint in the storage, if any.
         Without, a storage holding a checkpoint of the job is refused (a run would duplicate its rows).
@@ -309,8 +311,6 @@ class DeviceRunner:
                                       f"with checkpoints on (--checkpoint-interval), or start over with --replace")
         else:
             records = reader = self._resume(records)
-        if progress is not None:
-            records = progress(records)
         # With a TTL the two guards may forget a user at different times: both check then.
         self._prechecked = (self._own_guard and isinstance(source, LineSource) and source.events_checked
                             and source.guard is None and source.state_ttl_s is None and self.state_ttl_s is None)
@@ -318,7 +318,7 @@ class DeviceRunner:
             if self.runtime_mode != "streaming" and reader is None and self._run_batch(source):
                 return self.summary
             self.summary.runtime_mode = "streaming"
-            self._run_blocks(records, reader)
+            self._run_blocks(records, reader, progress)
             self.finish()
             if reader is not None:
                 self.checkpoint(reader.position_after(None), complete=True)
@@ -398,17 +398,30 @@ class DeviceRunner:
         self.storage.rows_written.clear()
         self.storage.rows_written.update(state["rows_written"])
 
-    def _run_blocks(self, records: Iterable[Event | Rejected], reader: SourceReader | None) -> None:
+    def _run_blocks(self, records: Iterable[Event | Rejected], reader: SourceReader | None,
+                    progress: Callable[[Iterable[Any]], Iterator[Any]] | None = None) -> None:
         """The record loop: records in blocks of ``block_size`` (see :meth:`process_block`); with a
-        ``reader``, checkpoints between blocks, and SIGTERM/SIGINT checkpoint, then stop."""
+        ``reader``, checkpoints between blocks, and SIGTERM/SIGINT checkpoint, then stop.
+
+        A file source hands its records over a block at a time (:meth:`SourceReader.blocks`: each block
+        ends with a line's last record) unless ``block_size`` is 1 or ``progress`` wraps the records one
+        by one (a progress with a ``blocks`` method wraps the blocks instead, see :meth:`run`)."""
         handlers = {}
         if reader is not None and threading.current_thread() is threading.main_thread():
             handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         size = self.block_size or (BLOCK_SIZE if isinstance(self._source, LineSource) else 1)
-        it = iter(records)
+        blocks: Iterable[list[Event | Rejected]]
+        if size > 1 and isinstance(records, (LineSource, SourceReader)) and (
+                progress is None or callable(getattr(progress, "blocks", None))):
+            blocks = (records if isinstance(records, SourceReader) else records.read()).blocks(size)
+            if progress is not None:
+                blocks = progress.blocks(blocks)  # type: ignore[attr-defined]
+        else:
+            it = iter(records if progress is None else progress(records))
+            blocks = iter(lambda: list(islice(it, size)), [])
         self._block_started = time.perf_counter()
         try:
-            while block := list(islice(it, size)):
+            for block in blocks:
                 self.process_block(block)
                 if reader is not None and time.monotonic() >= self._next_checkpoint:
                     self._checkpoint_between(reader, block[-1])
