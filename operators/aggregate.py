@@ -78,30 +78,30 @@ _EVENT_ATTRIBUTES = frozenset(("user_id", "event_id", "page_id", "ts", "contents
 
 
 def _fold_lines(aggregate: Aggregate, namespace: dict[str, Any]) -> list[str]:
-    """The statements (inside the generated function's ``try``, 8 spaces in) that fill ``row`` from ``items``,
-    each aggregation as its own ``_fold`` computes it; ``k`` names the aggregation being computed."""
+    """The statements (inside the generated function's ``try``, 8 spaces in) that compute each aggregation of
+    ``items`` into ``v0``, ``v1``, ... as its own ``_fold`` computes it; ``k`` names the one being computed."""
     lines: list[str] = []
-    for k, (name, agg) in enumerate(aggregate.aggregations.items()):
+    for k, agg in enumerate(aggregate.aggregations.values()):
         lines.append(f"        k = {k}")
         kind = type(agg) if agg.where is None else None
         event_field = getattr(agg, "_event_field", None)  # set where the items are known to be events
         if kind is not None and isinstance(event_field, str):
             if event_field in _EVENT_ATTRIBUTES:
                 if kind is CountBy:
-                    lines += ["        c = {}", "        for x in items:", f"            v = x.{event_field}",
-                              "            c[v] = c.get(v, 0) + 1", f"        row[{name!r}] = c"]
+                    lines += [f"        v{k} = c = {{}}", "        for x in items:", f"            v = x.{event_field}",
+                              "            c[v] = c.get(v, 0) + 1"]
                     continue
                 template = _INLINE_ATTRIBUTE.get(kind)
                 if template is not None:
-                    lines.append(f"        row[{name!r}] = {template.format(field=event_field)}")
+                    lines.append(f"        v{k} = {template.format(field=event_field)}")
                     continue
             elif kind is First or kind is Last:  # a contents key: what event_reader reads, inline
                 index = 0 if kind is First else -1
                 lines += ["        if items:", "            try:",
-                          f"                v = items[{index}].contents[{event_field!r}]",
+                          f"                v{k} = items[{index}].contents[{event_field!r}]",
                           "            except KeyError:",
-                          f"                v = items[{index}].field({event_field!r})",  # the KeyError naming the event
-                          "        else:", "            v = None", f"        row[{name!r}] = v"]
+                          f"                v{k} = items[{index}].field({event_field!r})",  # the KeyError naming it
+                          "        else:", f"            v{k} = None"]
                 continue
         template = _INLINE.get(kind) if kind is not None else None
         if template is not None and "{read}" in template and not callable(getattr(agg, "_read", None)):
@@ -112,7 +112,7 @@ def _fold_lines(aggregate: Aggregate, namespace: dict[str, Any]) -> list[str]:
         else:
             namespace[f"r{k}"] = getattr(agg, "_read", None)
             expression = template.format(read=f"r{k}")
-        lines.append(f"        row[{name!r}] = {expression}")
+        lines.append(f"        v{k} = {expression}")
     return lines
 
 
@@ -141,11 +141,12 @@ def _generated_fold(aggregate: Aggregate, steps: list[tuple[bool, Callable[[Any]
     lines = ["def fold(items):"]
     if steps is not None:
         lines.append("    items = items if type(items) is list else list(items)")
-    lines += ["    row = {}", "    k = 0", "    try:", *_fold_lines(aggregate, namespace),
+    lines += ["    k = 0", "    try:", *_fold_lines(aggregate, namespace),
               "    except Exception as exc:",
               "        name = names[k]",
               "        exc.add_note(f'in Aggregate({name}={aggregations[name]!r}) over {len(items)} items')",
-              "        raise"]
+              "        raise",
+              "    row = {" + ", ".join(f"{name!r}: v{k}" for k, name in enumerate(names)) + "}"]
     if steps is None:
         lines.append("    return row")
     else:

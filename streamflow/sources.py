@@ -458,7 +458,7 @@ def _taobao_blocks(source: TaobaoBehaviorSource, reader: SourceReader, step: Cal
     name, gap, guard, pages = source.name, source.inactivity_gap_s, reader.guard, reader.states.data
     last_ts, min_ts, max_ts = guard._last.data, guard.min_ts, guard.max_ts
     top = guard._clock / 1000  # the largest accepted time (the guard keeps it in ms)
-    clean = _CLEAN_RAW_LINE
+    clean, new = _CLEAN_RAW_LINE, object.__new__
     out: list[Event | Rejected] = []
     add = out.append
     line_no = reader.line
@@ -506,11 +506,19 @@ def _taobao_blocks(source: TaobaoBehaviorSource, reader: SourceReader, step: Cal
                         out = []
                         add = out.append
                     continue
-                add(Event(user, PAGE_EXIT, ITEM_PAGE, last if ts - last > gap else ts,
-                          {"item_id": page.item_id, "category_id": page.category_id}))
+                # Event(user, PAGE_EXIT, ITEM_PAGE, exit time, contents) with its five slots set here: CPython
+                # 3.11 does not specialize a call of a class, and its generated __init__ costs a frame.
+                event = new(Event)
+                event.user_id, event.event_id, event.page_id = user, PAGE_EXIT, ITEM_PAGE
+                event.ts, event.contents = last if ts - last > gap else ts, {"item_id": page.item_id,
+                                                                               "category_id": page.category_id}
+                add(event)
                 page.item_id, page.category_id, page.last_ts = item, category, ts
-            if behavior == "pv":
-                add(Event(user, PAGE_ENTER, ITEM_PAGE, ts, contents))
+            if behavior == "pv":  # Event(user, PAGE_ENTER, ITEM_PAGE, ts, contents), as above
+                event = new(Event)
+                event.user_id, event.event_id, event.page_id, event.ts, event.contents = \
+                    user, PAGE_ENTER, ITEM_PAGE, ts, contents
+                add(event)
             else:
                 add(Event(user, PAGE_ENTER, ITEM_PAGE, ts, {"item_id": item, "category_id": category,
                                                             "implicit": True}))
