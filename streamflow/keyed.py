@@ -37,6 +37,7 @@ import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from operator import itemgetter
 from typing import Any
 
 from operators.base import field_reader
@@ -46,6 +47,7 @@ from operators.window import to_millis
 END_OF_TIME = 2**63 - 1  # Long.MAX_VALUE, the final watermark
 START_OF_TIME = -END_OF_TIME
 Output = tuple[str, dict[str, Any]]  # ("emit", row) or (side output tag, row)
+_tag_of, _row_of = itemgetter(0), itemgetter(1)
 
 
 class KeyedStore:
@@ -270,6 +272,8 @@ def rows_by_output(outputs: Iterable[Output]) -> dict[str, list[dict[str, Any]]]
         >>> rows_by_output([("ipv", {"n": 1}), ("task_errors", {"e": "x"}), ("ipv", {"n": 2})])
         {'ipv': [{'n': 1}, {'n': 2}], 'task_errors': [{'e': 'x'}]}
     """
+    if type(outputs) is list and outputs and len(set(map(_tag_of, outputs))) == 1:  # one table (the usual block)
+        return {outputs[0][0]: list(map(_row_of, outputs))}
     grouped: dict[str, list[dict[str, Any]]] = {}
     for tag, row in outputs:
         rows = grouped.get(tag)
