@@ -102,12 +102,16 @@ class KeyedStore:
             key, at = next(iter(written.items()))
             if at >= limit:
                 break
-            del written[key]
-            value = self.data.pop(key)
+            value = self._drop(key)
             if on_expire is not None:
                 on_expire(key, value)
             n += 1
         return n
+
+    def _drop(self, key: Any) -> Any:
+        """Drop what ``written``'s entry ``key`` stands for; its value."""
+        del self.written[key]
+        return self.data.pop(key)
 
 
 class MapStore(KeyedStore):
@@ -154,21 +158,11 @@ class MapStore(KeyedStore):
                 self.written.pop((key, entry), None)
         return mapping is not None
 
-    def expire(self, clock: int, on_expire: Any = None) -> int:
-        written, n = self.written, 0
-        if written is None:
-            return 0
-        limit = clock - self.ttl
-        while written:
-            (key, entry), at = next(iter(written.items()))
-            if at >= limit:
-                break
-            value = self.data[key][entry]
-            self.delete_entry(key, entry)
-            if on_expire is not None:
-                on_expire((key, entry), value)
-            n += 1
-        return n
+    def _drop(self, slot: tuple[Any, Any]) -> Any:
+        key, entry = slot
+        value = self.data[key][entry]
+        self.delete_entry(key, entry)
+        return value
 
 
 class _Handle:
