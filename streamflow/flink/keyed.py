@@ -444,11 +444,11 @@ class _Map(_Handle):
             if entries is None:
                 entries = self.cache[key] = {map_key_from_text(k): v for k, v in self.state.items()}
             self._entries = entries
-        if self.ttl is not None and entries:
-            limit = self.owner.clock - self.ttl
-            for expired in [k for k, (_, at) in entries.items() if at < limit]:
-                del entries[expired]
-                self._changed.add(expired)
+            if self.ttl is not None and entries:  # once a call: the clock does not move within one
+                limit = self.owner.clock - self.ttl
+                for expired in [k for k, (_, at) in entries.items() if at < limit]:
+                    del entries[expired]
+                    self._changed.add(expired)
         return entries
 
     def get(self, key: Any, default: Any = None) -> Any:
