@@ -171,10 +171,11 @@ class EventTimeWindows(_AggregatingWindows):
     covers. A key's slices are kept as *runs* in arrival order (a new run starts when an event's slice
     differs from the previous event's), and merged in that order, so order-sensitive aggregations (``First``,
     ``Last``, ``LastN``, ``Distinct``) give what adding each event to each window in arrival order gives,
-    out-of-order events included; ``Sum`` is exact, so no rounding depends on the split. Timers are
-    registered when a key's slice is created (its windows' ends and cleanup times), not per event, and
-    a timer finds its window by arithmetic, not by a scan. Aggregations without ``merge`` keep one
-    accumulator per window (each event added to each of its windows).
+    out-of-order events included; ``Sum`` is exact, so no rounding depends on the split. Firing timers are
+    registered when a key's slice is created, not per event; a firing also drops the slices past their
+    windows' lateness (one cleanup timer per key, after its last firing); a timer finds its window by
+    arithmetic, not by a scan. Aggregations without ``merge`` keep one accumulator per window (each event
+    added to each of its windows).
 
     Example:
         >>> from operators import Count
@@ -300,7 +301,6 @@ class EventTimeWindows(_AggregatingWindows):
             newest_last = top - (top - offset) % slide + size - 1
             if newest_last <= time_ms:  # no firing to come for this key: its cleanup needs a timer
                 ctx.register_event_time_timer(newest_last + lateness)
-
 
     def _add_to_each_window(self, item: Any, ctx: Any) -> None:
         ts, watermark, windows = ctx.timestamp, ctx.current_watermark(), self.windows
