@@ -210,6 +210,9 @@ class EventTimeWindows(_AggregatingWindows):
         if oldest_last > watermark:  # none of ts's windows fired yet: nothing late, nothing to fire again
             self._add_to_slice(item, ts, watermark, ctx)
             return
+        if newest + size - 1 + self.lateness <= watermark:  # even its newest window is past its lateness
+            ctx.side(LATE, item)
+            return
         starts = [start for start in window_starts_ms(ts, size, slide, self.offset)
                   if start + size - 1 + self.lateness > watermark]  # its windows that are not late
         if not starts:
