@@ -94,12 +94,18 @@ def to_json(value: Any, sort_keys: bool = False) -> str:
         >>> print(to_json({"n": 2**70, "tags": {"a"}, "pair": {(1, 2): "x"}}))
         {"n": 1180591620717411303424, "tags": "{'a'}", "pair": {"(1, 2)": "x"}}
     """
+    encoder = _SORTED_JSON if sort_keys else _JSON
     for prepare in (_same, _string_keys):
         try:
-            return json.dumps(prepare(value), default=str, sort_keys=sort_keys)
+            return encoder.encode(prepare(value))
         except (TypeError, ValueError, RecursionError):
             pass
     return json.dumps(_SAFE_REPR.repr(value))
+
+
+# Built once: json.dumps with any option builds a new encoder at every call.
+_JSON = json.JSONEncoder(default=str)
+_SORTED_JSON = json.JSONEncoder(default=str, sort_keys=True)
 
 
 def _same(value: Any) -> Any:
