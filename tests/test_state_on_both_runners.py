@@ -27,6 +27,7 @@ from operators import (
 from streamflow.events import Event
 from streamflow.job import Job, Task
 from streamflow.testing import run_job
+from streamflow.windowing import StreamTaskRun
 
 TTL_S = 5
 STATES = {
@@ -143,11 +144,25 @@ def script_events(steps: list[tuple[str, int, list[list[Any]]]]) -> list[Event]:
 JOB = Job("state_script", [Task("state", None, [KeyBy("user_id"), Process(StateScript())], input="stream")])
 
 
+def device_rows(events: list[Event]) -> list[dict[str, Any]]:
+    """The device's stream-task code (no storage: many examples) over ``events``, rows in the model's order."""
+    run = StreamTaskRun(JOB.tasks[0])
+    rows = [row for event in events for row in run.process(event)[0]] + run.finish()[0]
+    return sorted(rows, key=lambda row: (row["user_id"], row["step"], row["i"]))
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_step, min_size=1, max_size=40))
 def test_every_state_kind_on_the_device_follows_the_model(steps):
     events = script_events(steps)
-    assert run_job(JOB, events).get("state", []) == model(events)
+    assert device_rows(events) == model(events)
+
+
+def test_the_device_runner_stores_what_the_model_says():
+    """The same, once, through the whole device runner and its storage."""
+    events = script_events([("a", 0, [["m", "put", 1, 2], ["m", "get", 1]]), ("b", 10, [["lt", "add", 3]]),
+                            ("a", 6000, [["mt", "put", "x", 1], ["m", "items"], ["lt", "get"]])])
+    assert run_job(JOB, events)["state"] == model(events)
 
 
 def test_a_map_entry_expires_on_its_own_not_with_the_whole_map():
