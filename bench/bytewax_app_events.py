@@ -22,7 +22,7 @@ order. A Bytewax keyed step hands each key's items on in order but groups a batc
 by user the order across users is gone; one key keeps it. (Bytewax's own ``EventClock`` keeps a watermark per
 key that also moves with the system clock, see :mod:`bench.bytewax_windows`.)
 
-- :class:`DuckDBSink`: rows (dicts) into one DuckDB table, inserted as Arrow batches.
+- :class:`DuckDBSink` (from :mod:`bench.bytewax_ipv`): rows (dicts) into one DuckDB table, inserted as Arrow batches.
 """
 
 from __future__ import annotations
@@ -30,12 +30,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import duckdb
 import pyarrow as pa
 from bytewax.operators import StatefulLogic
-from bytewax.outputs import DynamicSink, StatelessSinkPartition
 
-from bench.bytewax_ipv import GAP_S, Row, parse
+from bench.bytewax_ipv import GAP_S, DuckDBSink, Row, parse
 
 __all__ = ["AppEvents", "DuckDBSink", "LATE_SCHEMA", "late_row", "parse", "watermark"]
 
@@ -109,36 +107,3 @@ def watermark(out_of_orderness_s: float):
 def late_row(task: str, item: dict[str, Any]) -> dict[str, Any]:
     """The ``late_events`` row of an item no window would take: the task, its time, the item as JSON."""
     return {"task": task, "ts": item["ts"], "item": json.dumps(item, sort_keys=True)}
-
-
-class _DuckDBPartition(StatelessSinkPartition):
-    def __init__(self, path: str, table: str, schema: pa.Schema, batch_rows: int):
-        self.con = duckdb.connect(path)
-        self.table, self.schema, self.batch_rows = table, schema, batch_rows
-        self.pending: list[dict[str, Any]] = []
-        self.con.from_arrow(schema.empty_table()).create(table)
-
-    def write_batch(self, items: list[dict[str, Any]]) -> None:
-        self.pending.extend(items)
-        if len(self.pending) >= self.batch_rows:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self.pending:
-            self.con.from_arrow(pa.Table.from_pylist(self.pending, schema=self.schema)).insert_into(self.table)
-            self.pending = []
-
-    def close(self) -> None:
-        self._flush()
-        self.con.close()
-
-
-class DuckDBSink(DynamicSink):
-    """Rows (dicts) into DuckDB table ``table`` of file ``path`` (created with ``schema``), inserted as Arrow
-    batches of ``batch_rows``."""
-
-    def __init__(self, path: str, table: str, schema: pa.Schema, batch_rows: int = 4096):
-        self.path, self.table, self.schema, self.batch_rows = path, table, schema, batch_rows
-
-    def build(self, step_id: str, worker_index: int, worker_count: int) -> _DuckDBPartition:
-        return _DuckDBPartition(self.path, self.table, self.schema, self.batch_rows)

@@ -95,12 +95,11 @@ class ItemPage(StatefulLogic):
 
 
 class _DuckDBPartition(StatelessSinkPartition):
-    def __init__(self, path: str, table: str, batch_rows: int):
+    def __init__(self, path: str, table: str, schema: pa.Schema, batch_rows: int):
         self.con = duckdb.connect(path)
-        self.table = table
-        self.batch_rows = batch_rows
+        self.table, self.schema, self.batch_rows = table, schema, batch_rows
         self.pending: list[dict[str, Any]] = []
-        self.con.from_arrow(SCHEMA.empty_table()).create(table)
+        self.con.from_arrow(schema.empty_table()).create(table)
 
     def write_batch(self, items: list[dict[str, Any]]) -> None:
         self.pending.extend(items)
@@ -109,7 +108,7 @@ class _DuckDBPartition(StatelessSinkPartition):
 
     def _flush(self) -> None:
         if self.pending:
-            self.con.from_arrow(pa.Table.from_pylist(self.pending, schema=SCHEMA)).insert_into(self.table)
+            self.con.from_arrow(pa.Table.from_pylist(self.pending, schema=self.schema)).insert_into(self.table)
             self.pending = []
 
     def close(self) -> None:
@@ -118,13 +117,14 @@ class _DuckDBPartition(StatelessSinkPartition):
 
 
 class DuckDBSink(DynamicSink):
-    """Rows (dicts) into one DuckDB table, inserted as Arrow batches of ``batch_rows``."""
+    """Rows (dicts) into DuckDB table ``table`` of file ``path`` (created with ``schema``), inserted as Arrow
+    batches of ``batch_rows``."""
 
-    def __init__(self, path: str, table: str = TABLE, batch_rows: int = 4096):
-        self.path, self.table, self.batch_rows = path, table, batch_rows
+    def __init__(self, path: str, table: str = TABLE, schema: pa.Schema = SCHEMA, batch_rows: int = 4096):
+        self.path, self.table, self.schema, self.batch_rows = path, table, schema, batch_rows
 
     def build(self, step_id: str, worker_index: int, worker_count: int) -> _DuckDBPartition:
-        return _DuckDBPartition(self.path, self.table, self.batch_rows)
+        return _DuckDBPartition(self.path, self.table, self.schema, self.batch_rows)
 
 
 def build_flow(events: str, db: str) -> Dataflow:
