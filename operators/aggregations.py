@@ -127,7 +127,7 @@ class Sum(Aggregation):
         value = self._read(item)
         if type(acc) is int and type(value) is int:
             return acc + value
-        return FloatSum.of(acc).add(value)
+        return (acc if type(acc) is FloatSum else FloatSum(acc)).add(value)  # an accumulator may change in place
 
     def merge(self, a: Any, b: Any) -> Any:
         if type(a) is int and type(b) is int:

@@ -635,7 +635,7 @@ class GuardedFunction(KeyedProcessFunction):
         self.function.open(ctx)
 
     def on_event(self, event: Any, ctx: Any) -> None:
-        if self.events.quarantined or self.timers.quarantined:
+        if self.quarantined:
             return
         try:
             self.function.on_event(event, ctx)
@@ -646,7 +646,7 @@ class GuardedFunction(KeyedProcessFunction):
             self.events.failures = 0
 
     def on_timer(self, time_ms: int, ctx: Any) -> None:
-        if self.events.quarantined or self.timers.quarantined:
+        if self.quarantined:
             return
         try:
             self.function.on_timer(time_ms, ctx)
