@@ -268,7 +268,7 @@ class TriggerTasks(KeyedProcessFunction):
                 self.on_event(event, ctx)
             return
         open_pages = ctx.state_data("open_page")
-        side, firing = ctx.side, execution._firing
+        fire, side = execution.fire, ctx.side
         state = trie.initial_state()
         steps, exit_steps = state.steps, state.exit_steps
         for event in events:
@@ -293,22 +293,10 @@ class TriggerTasks(KeyedProcessFunction):
             if not fired:
                 continue
             ctx.key = event.user_id
-            if len(fired) == 1:  # execution.fire, inline
-                name = fired[0]
-                run, stats, sink = firing[name]
-                try:
-                    rows = run(page if kind == PAGE_EXIT else list(page))
-                except Exception as exc:
-                    table, rows = execution.settle(name, event, exc)
-                    for row in rows:
-                        side(table, row)
-                else:
-                    stats.fired += 1
-                    stats.consecutive_errors = 0
-                    stats.rows += len(rows)
-                    for row in rows:
-                        side(sink, {"user_id": event.user_id, "trigger_ts": event.ts, **row})
-                    continue
+            if len(fired) == 1:
+                table, rows = fire(fired[0], event, page if kind == PAGE_EXIT else list(page))
+                for row in rows:
+                    side(table, row)
             else:
                 self._run(event, fired, [list(page) for _ in fired], ctx)
             if trie.initial_state() is not state:  # a task was quarantined: the trie changed
