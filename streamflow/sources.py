@@ -474,55 +474,46 @@ def _taobao_blocks(source: TaobaoBehaviorSource, reader: SourceReader, step: Cal
             user, item, category, behavior, ts_text = match.groups()
             ts = float(ts_text)
             previous = last_ts.get(user)
+            reason = None
             if ts > max_ts or ts < min_ts or (previous is not None and ts < previous):
                 reason = guard.reason(user, ts, previous)  # it may read the clock again: a new upper bound
                 max_ts = guard.max_ts
-                if reason is not None:
-                    add(Rejected(name, line_no, reason, line.rstrip("\r\n")))
-                    if len(out) >= size:
-                        reader.line, reader.pending = line_no, []
-                        yield out
-                        out = []
-                        add = out.append
-                    continue
-            if ts > top:
-                clock = round(ts * 1000)
-                if clock > guard._clock:
-                    guard._clock = clock
-                top = ts
-            last_ts[user] = ts
-            contents = {"item_id": item, "category_id": category, BEHAVIOR: behavior}
-            page = pages.get(user)
-            if page is None:
-                pages[user] = OpenPage(item, category, ts)
+            if reason is not None:
+                add(Rejected(name, line_no, reason, line.rstrip("\r\n")))
             else:
-                last = page.last_ts
-                if ts - last <= gap and page.item_id == item:  # on the open page: a reload or a click
-                    page.last_ts = ts
+                if ts > top:
+                    clock = round(ts * 1000)
+                    if clock > guard._clock:
+                        guard._clock = clock
+                    top = ts
+                last_ts[user] = ts
+                contents = {"item_id": item, "category_id": category, BEHAVIOR: behavior}
+                page = pages.get(user)
+                if page is not None and ts - page.last_ts <= gap and page.item_id == item:
+                    page.last_ts = ts  # on the open page: a reload or a click
                     add(Event(user, behavior, ITEM_PAGE, ts, contents))
-                    if len(out) >= size:
-                        reader.line, reader.pending = line_no, []
-                        yield out
-                        out = []
-                        add = out.append
-                    continue
-                # Event(user, PAGE_EXIT, ITEM_PAGE, exit time, contents) with its five slots set here: CPython
-                # 3.11 does not specialize a call of a class, and its generated __init__ costs a frame.
-                event = new(Event)
-                event.user_id, event.event_id, event.page_id = user, PAGE_EXIT, ITEM_PAGE
-                event.ts, event.contents = last if ts - last > gap else ts, {"item_id": page.item_id,
-                                                                               "category_id": page.category_id}
-                add(event)
-                page.item_id, page.category_id, page.last_ts = item, category, ts
-            if behavior == "pv":  # Event(user, PAGE_ENTER, ITEM_PAGE, ts, contents), as above
-                event = new(Event)
-                event.user_id, event.event_id, event.page_id, event.ts, event.contents = \
-                    user, PAGE_ENTER, ITEM_PAGE, ts, contents
-                add(event)
-            else:
-                add(Event(user, PAGE_ENTER, ITEM_PAGE, ts, {"item_id": item, "category_id": category,
-                                                            "implicit": True}))
-                add(Event(user, behavior, ITEM_PAGE, ts, contents))
+                else:
+                    if page is None:
+                        pages[user] = OpenPage(item, category, ts)
+                    else:
+                        # Event(user, PAGE_EXIT, ITEM_PAGE, exit time, contents) with its five slots set here:
+                        # CPython 3.11 does not specialize a call of a class, and its generated __init__ costs a frame.
+                        last = page.last_ts
+                        event = new(Event)
+                        event.user_id, event.event_id, event.page_id = user, PAGE_EXIT, ITEM_PAGE
+                        event.ts, event.contents = last if ts - last > gap else ts, {"item_id": page.item_id,
+                                                                                       "category_id": page.category_id}
+                        add(event)
+                        page.item_id, page.category_id, page.last_ts = item, category, ts
+                    if behavior == "pv":  # Event(user, PAGE_ENTER, ITEM_PAGE, ts, contents), as above
+                        event = new(Event)
+                        event.user_id, event.event_id, event.page_id, event.ts, event.contents = \
+                            user, PAGE_ENTER, ITEM_PAGE, ts, contents
+                        add(event)
+                    else:
+                        add(Event(user, PAGE_ENTER, ITEM_PAGE, ts, {"item_id": item, "category_id": category,
+                                                                    "implicit": True}))
+                        add(Event(user, behavior, ITEM_PAGE, ts, contents))
         if len(out) >= size:
             reader.line, reader.pending = line_no, []
             yield out
