@@ -155,11 +155,7 @@ class _AggregatingWindows(KeyedProcessFunction):
         return {name: agg.result(acc) for (name, agg), acc in zip(self.aggregations, accs, strict=True)}
 
     def row(self, key: Any, start_ms: int, end_ms: int, accs: list[Any]) -> dict[str, Any]:
-        """``window_row`` of the window ``[start_ms, end_ms)``, built as one dict."""
-        row = {self.key_name: key, "window_start": start_ms / 1000, "window_end": end_ms / 1000}
-        for (name, agg), acc in zip(self.aggregations, accs, strict=True):
-            row[name] = agg.result(acc)
-        return row
+        return window_row(self.key_name, key, start_ms / 1000, end_ms / 1000, self.results(accs))
 
 
 class EventTimeWindows(_AggregatingWindows):
