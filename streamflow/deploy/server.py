@@ -59,6 +59,7 @@ from streamflow.deploy.policy import (
     check_version,
     parse_pairs,
 )
+from streamflow.deploy.private import create_private, private_dir, read_private, tighten
 from streamflow.deploy.release import PublishedBundle, ReleaseError, ReleaseManager, ReleasePlan, Simulator
 from streamflow.deploy.state import ReleaseStore
 
@@ -400,14 +401,12 @@ def plan_from_json(data: Mapping[str, Any]) -> ReleasePlan:
 
 
 def load_admin_token(directory: Path) -> str:
-    """The admin token in ``<directory>/admin.token``, created (mode 0600) if missing."""
-    path = Path(directory) / "admin.token"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(32))
-    return path.read_text().strip()
+    """The admin token in ``<directory>/admin.token``, created (mode 0600, never through a symlink) if missing."""
+    path = private_dir(directory) / "admin.token"
+    with contextlib.suppress(FileExistsError):
+        create_private(path, secrets.token_urlsafe(32).encode())
+    tighten(path, 0o600)
+    return read_private(path, 4096).decode().strip()
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:

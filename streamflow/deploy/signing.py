@@ -26,6 +26,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from streamflow.deploy.private import create_private
+
 try:
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives import serialization
@@ -64,9 +66,7 @@ def generate_key(path: str | os.PathLike[str]) -> str:
     pub_path = public_key_path(path)
     if pub_path.exists():
         raise FileExistsError(f"{pub_path} exists; not overwriting a key")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(pem)
+    create_private(path, pem)
     pub_path.write_bytes(public)
     return key_id(private.public_key())
 

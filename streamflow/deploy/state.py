@@ -5,7 +5,8 @@ stable version), ``releases`` (plan, stage, gray fraction, outcome, simulation r
 ``release_events`` (every transition, why), ``reports`` (device success/failure reports), ``blocked``
 (digests that may never be released again), ``coverage`` (samples over time, for the status page) and
 ``devices`` (the last versions each device reported). File contents live in ``files/<sha256>``, written
-once, atomically (temporary name, then rename).
+once, atomically (a fresh temporary name, then rename). The directory, ``files/`` and the database are
+this user's only (0700, 0600: :mod:`streamflow.deploy.private`): exclusive files are served per device.
 
 SQLite rather than DuckDB: the writes are many small ones (a report, a transition), which is what
 SQLite is for; the status page's few aggregates are cheap on either.
@@ -22,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -31,6 +33,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from streamflow.deploy.private import create_private, private_dir, tighten, write_private
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS bundles (task TEXT, version TEXT, digest TEXT UNIQUE, key_id TEXT, previous TEXT,
@@ -82,10 +86,14 @@ class ReleaseStore:
     """The SQLite file ``<dir>/release.sqlite`` and the file store ``<dir>/files/`` (see the module docstring)."""
 
     def __init__(self, directory: str | os.PathLike[str]):
-        self.dir = Path(directory)
-        self.files_dir = self.dir / "files"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
-        self._con = sqlite3.connect(self.dir / "release.sqlite", check_same_thread=False, isolation_level=None)
+        self.dir = private_dir(directory)
+        self.files_dir = private_dir(self.dir / "files")
+        database = self.dir / "release.sqlite"
+        with contextlib.suppress(FileExistsError):
+            create_private(database, b"")  # SQLite gives its -wal and -shm files the database's mode
+        for path in (database, database.with_name("release.sqlite-wal"), database.with_name("release.sqlite-shm")):
+            tighten(path, 0o600)  # an older server's 0644 files
+        self._con = sqlite3.connect(database, check_same_thread=False, isolation_level=None)
         self._con.execute("PRAGMA journal_mode=WAL")
         self._con.execute("PRAGMA synchronous=NORMAL")
         self._con.executescript(_SCHEMA)
@@ -97,9 +105,7 @@ class ReleaseStore:
         digest = hashlib.sha256(data).hexdigest()
         path = self.files_dir / digest
         if not path.exists():
-            tmp = path.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            write_private(path, data)
         return digest
 
     def file_path(self, sha256: str) -> Path | None:

@@ -26,9 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,22 +35,16 @@ from streamflow.deploy.bundle import install_bundle, load_installed
 from streamflow.deploy.errors import DigestMismatch
 from streamflow.deploy.layout import MANIFEST
 from streamflow.deploy.manifest import FileEntry, Limits, Manifest, check_task_name, version_key
+from streamflow.deploy.private import private_dir, write_private
 from streamflow.deploy.signing import TrustedKeys
 
 log = logging.getLogger("streamflow.deploy")
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` in one rename (a crash leaves the old file or the new one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Replace ``path`` with ``data`` in one rename (mode 0600; a crash leaves the old file or the new one)."""
+    private_dir(path.parent)
+    write_private(path, data)
 
 
 class ContentCache:
@@ -115,7 +107,7 @@ class BundleStore:
     """Installed bundles of a device, verified with ``trusted`` whenever they are read back."""
 
     def __init__(self, root: Path, trusted: TrustedKeys, limits: Limits | None = None):
-        self.root = Path(root)
+        self.root = private_dir(root)
         self.trusted = trusted
         self.limits = limits or Limits()
         self.cache = ContentCache(self.root / "cache")
