@@ -54,6 +54,7 @@ from streamflow.deploy.errors import (
     BundleTooLarge,
     DigestMismatch,
     Downgrade,
+    KeyOutOfScope,
     LoadFailed,
     ManifestInvalid,
     SignatureInvalid,
@@ -88,7 +89,8 @@ def verify_manifest(manifest: bytes, signature: bytes, trusted: TrustedKeys) -> 
     """The manifest, once its signature verifies with a trusted key and every field checks out.
 
     Refuses with :class:`ManifestInvalid` (not JSON, not canonical, a bad field), :class:`UnknownKey`,
-    :class:`SignatureInvalid` or :class:`UnsafePath` (a file name that could leave the bundle).
+    :class:`SignatureInvalid`, :class:`KeyOutOfScope` (a trusted key limited to other tasks) or
+    :class:`UnsafePath` (a file name that could leave the bundle).
     """
     if not isinstance(manifest, (bytes, bytearray)) or len(manifest) > MAX_MANIFEST_BYTES:
         raise ManifestInvalid(f"a manifest is at most {MAX_MANIFEST_BYTES} bytes")
@@ -104,7 +106,11 @@ def verify_manifest(manifest: bytes, signature: bytes, trusted: TrustedKeys) -> 
         raise SignatureInvalid(f"signature must be {SIGNATURE_BYTES} raw bytes", bundle=label)
     if not trusted.verify(kid, manifest, bytes(signature)):
         raise SignatureInvalid(f"signature does not verify with key {kid}", bundle=label)
-    return Manifest.from_bytes(manifest)
+    parsed = Manifest.from_bytes(manifest)
+    if not trusted.allows(kid, parsed.task):
+        raise KeyOutOfScope(f"key {kid} may sign only {', '.join(trusted.scope(kid) or ())}, not task "
+                            f"{parsed.task}", bundle=label)
+    return parsed
 
 
 def check_version(new: Manifest, current: Manifest | None, *, rollback: bool = False,

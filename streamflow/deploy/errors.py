@@ -41,6 +41,12 @@ class UnknownKey(BundleError):
     reason = "unknown_key"
 
 
+class KeyOutOfScope(BundleError):
+    """The manifest is signed by a trusted key that is not trusted for this task (a publisher's scope)."""
+
+    reason = "key_scope"
+
+
 class SignatureInvalid(BundleError):
     """The signature does not verify over the manifest's bytes with the named key."""
 

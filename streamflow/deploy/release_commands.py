@@ -1,6 +1,6 @@
 """``streamflow deploy-server`` and ``streamflow release publish|pin|start|status|advance|rollback``.
 
-    streamflow deploy-server --trusted-key KEY.pub [--dir DIR] [--host 127.0.0.1] [--port 8470]
+    streamflow deploy-server --trusted-key KEY.pub[=TASK,...] [--dir DIR] [--host 127.0.0.1] [--port 8470]
                              [--replay-events FILE] [--tunnel-reports [--key-registry F] [--topic T]]
     streamflow release publish BUNDLE_DIR
     streamflow release pin TASK VERSION
@@ -60,8 +60,9 @@ def _run(call: Any) -> int:
 
 
 def deploy_server(
-    trusted_key: Annotated[list[Path], typer.Option(help="public key (KEY.pub) whose signatures the server accepts "
-                                                         "on publish (repeatable)")],
+    trusted_key: Annotated[list[str], typer.Option(help="public key (KEY.pub) whose signatures the server accepts "
+                                                        "on publish (repeatable); KEY.pub=TASK,TASK accepts it "
+                                                        "only for those tasks")],
     directory: Annotated[Path | None, typer.Option("--dir", help="state directory (default: $STREAMFLOW_DEPLOY_DIR"
                                                                  " or .streamflow/deploy)")] = None,
     host: Annotated[str, typer.Option(help="address to bind (127.0.0.1: this machine only)")] = "127.0.0.1",

@@ -101,34 +101,55 @@ def sign(private_key: Ed25519PrivateKey, data: bytes) -> bytes:
 
 
 class TrustedKeys:
-    """The public keys a device accepts manifests from, by key id.
+    """The public keys a device (or the release server) accepts manifests from, by key id, each optionally limited
+    to some task names (a publisher's scope: a key for team B's tasks cannot sign team A's).
 
     Example:
         >>> TrustedKeys().get("0123456789abcdef") is None
         True
+        >>> import tempfile, pathlib
+        >>> key = pathlib.Path(tempfile.mkdtemp()) / "team-b.key"
+        >>> kid = generate_key(key)
+        >>> trusted = TrustedKeys.from_files([f"{public_key_path(key)}=sessions,windows"])
+        >>> trusted.allows(kid, "sessions"), trusted.allows(kid, "ipv"), trusted.scope(kid)
+        (True, False, ('sessions', 'windows'))
     """
 
     def __init__(self, keys: Iterable[Ed25519PublicKey] = ()):
         self._keys: dict[str, Ed25519PublicKey] = {}
+        self._scopes: dict[str, frozenset[str]] = {}
         for key in keys:
             self.add(key)
 
     @classmethod
     def from_files(cls, paths: Iterable[str | os.PathLike[str]]) -> TrustedKeys:
-        """Trust the public keys in these PEM files."""
-        return cls(load_public_key(path) for path in paths)
+        """Trust the public keys in these PEM files; ``KEY.pub=task,task`` limits a key to those tasks."""
+        trusted = cls()
+        for spec in paths:
+            path, tasks = parse_key_spec(spec)
+            trusted.add(load_public_key(path), tasks)
+        return trusted
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike[str]) -> TrustedKeys:
-        """Trust every ``*.pub`` file in ``directory``."""
+        """Trust every ``*.pub`` file in ``directory`` (for any task)."""
         return cls.from_files(sorted(Path(directory).glob("*.pub")))
 
-    def add(self, key: Ed25519PublicKey) -> str:
-        """Trust ``key``; returns its id."""
+    def add(self, key: Ed25519PublicKey, tasks: Iterable[str] | None = None) -> str:
+        """Trust ``key`` (for ``tasks`` only, if given); returns its id."""
         if not isinstance(key, Ed25519PublicKey):
             raise TypeError(f"a trusted key is an Ed25519PublicKey, not {type(key).__name__}")
         kid = key_id(key)
         self._keys[kid] = key
+        if tasks is None:
+            self._scopes.pop(kid, None)
+        else:
+            from streamflow.deploy.manifest import check_task_name
+
+            scope = frozenset(check_task_name(t) for t in tasks)
+            if not scope:
+                raise ValueError(f"key {kid}: an empty task scope would trust it for nothing")
+            self._scopes[kid] = scope
         return kid
 
     def get(self, kid: str) -> Ed25519PublicKey | None:
@@ -136,6 +157,18 @@ class TrustedKeys:
 
     def ids(self) -> list[str]:
         return sorted(self._keys)
+
+    def scope(self, kid: str) -> tuple[str, ...] | None:
+        """The task names key ``kid`` may sign, sorted; None: any task."""
+        scope = self._scopes.get(kid)
+        return tuple(sorted(scope)) if scope is not None else None
+
+    def allows(self, kid: str, task: str) -> bool:
+        """True if key ``kid`` is trusted to sign ``task``."""
+        if kid not in self._keys:
+            return False
+        scope = self._scopes.get(kid)
+        return scope is None or task in scope
 
     def __contains__(self, kid: object) -> bool:
         return kid in self._keys
@@ -150,3 +183,17 @@ class TrustedKeys:
         except InvalidSignature:
             return False
         return True
+
+
+def parse_key_spec(spec: str | os.PathLike[str]) -> tuple[Path, list[str] | None]:
+    """``KEY.pub`` → (path, None); ``KEY.pub=ipv,sessions`` → (path, ["ipv", "sessions"]).
+
+    Example:
+        >>> parse_key_spec("keys/team-b.pub=sessions, windows")
+        (PosixPath('keys/team-b.pub'), ['sessions', 'windows'])
+    """
+    text = os.fspath(spec)
+    path, sep, tasks = text.rpartition("=") if "=" in text else (text, "", "")
+    if not sep:
+        return Path(text), None
+    return Path(path), [t.strip() for t in tasks.split(",") if t.strip()]

@@ -83,3 +83,32 @@ def test_device_store_state_is_this_users_only(tmp_path, built, trusted):
     assert _mode(root / "tasks" / "counter" / "state.json") == 0o600
     assert _mode(root / "blocked.json") == 0o600
     assert {_mode(p) for p in (root / "cache").glob("??/*")} == {0o600}
+
+
+# -- per-task publisher scope ---------------------------------------------------------------------------------
+def test_a_publisher_key_signs_only_its_own_tasks(tmp_path, built, signing_key):
+    from streamflow.deploy.admin import AdminError
+    from streamflow.deploy.signing import TrustedKeys, public_key_path
+
+    scoped = TrustedKeys.from_files([f"{public_key_path(signing_key)}=sessions,windows"])
+    server = DeployServer(tmp_path / "server", scoped, tick_s=3600)
+    refused = "key_scope: counter@1: key [0-9a-f]{16} may sign only sessions, windows, not task counter"
+    with serve_in_thread(server) as base_url, pytest.raises(AdminError, match=refused):
+        AdminClient(base_url, server.admin_token).publish(built["v1"])
+    assert server.store.bundles() == []
+    server.store.close()
+    # a device holding the same scope refuses the bundle too, whoever serves it
+    from connectors.storage import CollectiveStorage
+    from streamflow.job import Job
+    from streamflow.runners.device import DeviceRunner
+
+    storage = CollectiveStorage(tmp_path / "device.duckdb")
+    runner = DeviceRunner(Job("device"), storage)
+    client = DirectoryClient(tmp_path / "bundles")
+    updater = Updater(runner, client, scoped, tmp_path / "store")
+    [outcome] = updater.apply([{"task": "counter", "version": "1", "action": "update", "manifest": "",
+                                "signature": ""}])
+    assert outcome.status == "refused" and outcome.reason.startswith("key_scope: counter@1"), outcome
+    assert updater.versions() == {} and not client.fetched
+    runner.close()
+    storage.close()
