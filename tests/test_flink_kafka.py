@@ -144,9 +144,9 @@ def test_flink_features_job_stores_each_row_once_and_dead_letters_bad_messages(k
     with duckdb.connect(str(db), read_only=True) as con:
         offline = con.execute("SELECT device_id, seq, user_id, dwell_s FROM ipv ORDER BY rowid").fetchall()
         online = con.execute("SELECT device_id, user_id, seq, dwell_s FROM ipv_online ORDER BY ALL").fetchall()
-        dead = con.execute("SELECT reason, kafka_partition, kafka_offset, device_id, raw FROM tunnel_dead_letter "
+        dead = con.execute("SELECT reason, kafka_partition, kafka_offset, device_id, raw FROM tunnel.dead_letter "
                        "ORDER BY reason").fetchall()
-        offsets = dict(con.execute("SELECT kafka_partition, max(next_offset) FROM tunnel_offsets WHERE topic = ? "
+        offsets = dict(con.execute("SELECT kafka_partition, max(next_offset) FROM tunnel.offsets WHERE topic = ? "
                                    "GROUP BY ALL", [topic]).fetchall())
     # every row exactly once, each device's rows stored in the order the device numbered them
     assert sorted(offline) == sorted([
@@ -175,7 +175,7 @@ def test_flink_features_job_stores_each_row_once_and_dead_letters_bad_messages(k
     assert (again.messages, again.stored, again.duplicates, again.dead) == (1, 1, 0, 0)
     with duckdb.connect(str(db), read_only=True) as con:
         assert con.execute("SELECT count(*) FROM ipv").fetchone() == (10,)
-        assert con.execute("SELECT count(*) FROM tunnel_dead_letter").fetchone() == (4,)
+        assert con.execute("SELECT count(*) FROM tunnel.dead_letter").fetchone() == (4,)
         assert con.execute("SELECT seq, dwell_s FROM ipv_online WHERE device_id = 'phone-2' AND user_id = 'u4'"
                        ).fetchall() == [(4, 14.0)]
 
@@ -195,7 +195,7 @@ def test_flink_features_job_stores_each_row_once_and_dead_letters_bad_messages(k
     with duckdb.connect(str(db), read_only=True) as con:
         assert con.execute("SELECT seq, n_cart FROM ipv WHERE device_id = 'phone-2' AND seq >= 5 ORDER BY seq"
                            ).fetchall() == [(5, 1), (6, 1)]
-        assert con.execute("SELECT count(*) FROM tunnel_dead_letter WHERE reason = 'unknown_schema' AND "
+        assert con.execute("SELECT count(*) FROM tunnel.dead_letter WHERE reason = 'unknown_schema' AND "
                            "resolved_at IS NOT NULL").fetchone() == (1,)
 
 

@@ -148,7 +148,7 @@ def test_store_drops_exact_repeats_and_dead_letters_other_rows_under_stored_numb
         assert store.query("SELECT device_id, seq, item_id FROM ipv ORDER BY device_id, seq") == [
             ("phone-1", 0, 7), ("phone-1", 1, 8), ("phone-1", 2, 9), ("phone-1", 3, 9), ("phone-1", 4, 10),
             ("phone-1", 5, 11), ("phone-2", 0, 7), ("phone-2", 1, 8), ("phone-2", 2, 9)]
-        assert store.query("SELECT count(*) FROM tunnel_dead_letter WHERE reason = 'seq_reused'") == [(2,)]
+        assert store.query("SELECT count(*) FROM tunnel.dead_letter WHERE reason = 'seq_reused'") == [(2,)]
 
 
 def test_a_batch_the_tables_refuse_becomes_a_dead_letter_and_the_others_are_stored(tmp_path):
@@ -272,7 +272,7 @@ def test_dead_letters_and_offsets_are_stored_with_the_rows(tmp_path):
         spoofed = open_message("t", 1, 0, encode("phone-1", "ipv", 0, ROWS, KEY), KEYS, message_key=b"phone-2")
         assert all(isinstance(d, DeadLetter) for d in (dead, reserved, spoofed))
         assert store.apply([], [dead, reserved, spoofed], {("t", 0): 7, ("t", 1): 1}).dead == 3
-        assert store.query("SELECT kafka_offset, reason FROM tunnel_dead_letter ORDER BY kafka_partition, 1") == [
+        assert store.query("SELECT kafka_offset, reason FROM tunnel.dead_letter ORDER BY kafka_partition, 1") == [
             (5, "garbage"), (6, "bad_schema"), (0, "bad_key")]
         assert store.offsets("t") == {0: 7, 1: 1}
 
@@ -419,14 +419,14 @@ def test_a_column_name_with_sql_in_it_is_dead_lettered_and_the_good_rows_after_i
         result = store.apply([evil_batch, open_message("t", 0, 2, encode("phone-1", "ipv", 2, good(2, 3), KEY), KEYS)],
                              [], {("t", 0): 3})
         tables = {name for (name,) in store.query("SELECT table_name FROM information_schema.tables")}
-        assert {"tunnel_dead_letter", "ipv", "ipv_online"} <= tables, "the column name ran as SQL"
+        assert {"dead_letter", "ipv", "ipv_online"} <= tables, "the column name ran as SQL"
         assert (result.stored, result.duplicates) == (3, 0)
         assert [(d.reason, d.device) for d in result.dead_letters] == [("bad_schema", "phone-1")]
         assert "not a plain identifier" in result.dead_letters[0].detail
         assert store.query("SELECT seq, n FROM ipv ORDER BY seq") == [(0, 0), (2, 2), (3, 3), (4, 4)]
-        assert store.query("SELECT reason FROM tunnel_dead_letter") == [("bad_schema",)]
+        assert store.query("SELECT reason FROM tunnel.dead_letter") == [("bad_schema",)]
         # the refused batch is not recorded: a fixed resend under its numbers is stored, not called a repeat
-        assert store.query("SELECT first_seq FROM tunnel_batches ORDER BY 1") == [(0,), (2,)]
+        assert store.query("SELECT first_seq FROM tunnel.batches ORDER BY 1") == [(0,), (2,)]
         assert store.offsets("t") == {0: 3}
         # open_message refuses it before the store, with the same reason
         opened = open_message("t", 0, 1, evil, KEYS)
@@ -457,7 +457,7 @@ def test_a_batch_is_recorded_only_in_the_transaction_that_stores_its_rows(tmp_pa
         store.apply([Batch("phone-1", "t", 0, pa.table({"user_id": ["u"], "n": [1]}))])
         clash = Batch("phone-1", "t", 1, pa.table({"user_id": ["u"], "n": ["not a number"]}))
         assert [d.reason for d in store.apply([clash]).dead_letters] == ["unstorable"]
-        assert store.query("SELECT first_seq FROM tunnel_batches") == [(0,)]
+        assert store.query("SELECT first_seq FROM tunnel.batches") == [(0,)]
         fixed = store.apply([Batch("phone-1", "t", 1, pa.table({"user_id": ["u"], "n": [2]}))])
         assert (fixed.stored, fixed.duplicates) == (1, 0)
 

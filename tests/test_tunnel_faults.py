@@ -335,9 +335,9 @@ def test_garbage_old_versions_forgeries_and_strangers_are_dead_lettered_and_cons
     _assert_exactly_once_in_order(offline, {"phone-1": 9})
     assert [i for _, _, i in offline] == list(range(9))  # the forgery's rows (i >= 100) did not get in
     with duckdb.connect(str(tmp_path / "cloud.duckdb"), read_only=True) as con:
-        stored_dead = con.execute("SELECT kafka_offset, reason, device_id FROM tunnel_dead_letter "
+        stored_dead = con.execute("SELECT kafka_offset, reason, device_id FROM tunnel.dead_letter "
                                   "ORDER BY kafka_offset").fetchall()
-        assert con.execute("SELECT kafka_partition, max(next_offset) FROM tunnel_offsets WHERE topic = ? "
+        assert con.execute("SELECT kafka_partition, max(next_offset) FROM tunnel.offsets WHERE topic = ? "
                            "GROUP BY ALL", [topic]).fetchall() == [(0, 9)]
     # an unknown device is named by its 4-byte tag only (in the detail), so its device_id stays NULL
     assert stored_dead == [(1, "garbage", None), (2, "garbage", None), (3, "bad_version", None),

@@ -108,7 +108,7 @@ def test_the_schema_travels_with_the_first_envelope_only_and_the_cloud_keeps_it(
     consumer = _consume(tmp_path / "cloud.duckdb", registry, topic, kafka_bootstrap, until=lambda s: s.stored >= 6)
     assert (consumer.stats.stored, consumer.stats.dead_total, consumer.stats.registered) == (6, 0, 1)
     with duckdb.connect(str(tmp_path / "cloud.duckdb"), read_only=True) as con:
-        assert con.execute("SELECT device_id, kind FROM tunnel_registry").fetchall() == [("phone-1", SCHEMA)]
+        assert con.execute("SELECT device_id, kind FROM tunnel.registry").fetchall() == [("phone-1", SCHEMA)]
         assert con.execute("SELECT seq, item_id, dwell_s FROM ipv ORDER BY seq").fetchall() == [
             (i, str(2200475 + 13 * i), float(i)) for i in range(6)]
 
@@ -160,7 +160,7 @@ def test_envelopes_of_an_unknown_schema_are_parked_counted_and_stored_once_the_s
     assert (second.stats.stored, second.stats.resolved, second.stats.dead_total) == (11, 9, 0)
     with duckdb.connect(str(db), read_only=True) as con:
         assert con.execute("SELECT seq FROM ipv ORDER BY seq").fetchall() == [(s,) for s in range(1, 12)]
-        assert con.execute("SELECT count(*), count(resolved_at) FROM tunnel_dead_letter").fetchone() == (9, 9)
+        assert con.execute("SELECT count(*), count(resolved_at) FROM tunnel.dead_letter").fetchone() == (9, 9)
         assert con.execute("SELECT user_id, seq FROM ipv_online ORDER BY user_id").fetchall() == [
             (str(100000 + u), max(s for s in range(1, 12) if s % 7 == u)) for u in range(7)]
     # nothing is parked any more: a third consumer stores nothing twice
@@ -192,7 +192,7 @@ def test_a_dictionary_trained_on_a_tasks_rows_is_registered_used_and_decoded(tmp
     consumer = _consume(tmp_path / "cloud.duckdb", registry, topic, kafka_bootstrap, until=lambda s: s.stored >= 320)
     assert (consumer.stats.stored, consumer.stats.dead_total) == (320, 0)
     with duckdb.connect(str(tmp_path / "cloud.duckdb"), read_only=True) as con:
-        assert con.execute("SELECT kind FROM tunnel_registry ORDER BY kind").fetchall() == [(SCHEMA,), (DICTIONARY,)]
+        assert con.execute("SELECT kind FROM tunnel.registry ORDER BY kind").fetchall() == [(SCHEMA,), (DICTIONARY,)]
         stored = con.execute("SELECT user_id, page, url, agent, i FROM events ORDER BY seq").fetchall()
     assert stored == [tuple(row.values()) for row in _events(0, 320)]
 
@@ -256,7 +256,7 @@ def test_tampered_compact_envelopes_are_dead_lettered_and_the_genuine_ones_store
     assert (consumer.stats.stored, consumer.stats.duplicates) == (4, 1)  # the last one is a resend
     with duckdb.connect(str(tmp_path / "cloud.duckdb"), read_only=True) as con:
         assert con.execute("SELECT seq, dwell_s FROM ipv ORDER BY seq").fetchall() == [(i, float(i)) for i in range(4)]
-        dead = con.execute("SELECT raw FROM tunnel_dead_letter ORDER BY kafka_offset").fetchall()
+        dead = con.execute("SELECT raw FROM tunnel.dead_letter ORDER BY kafka_offset").fetchall()
     assert [raw for (raw,) in dead] == tampered
 
 

@@ -8,10 +8,13 @@
 - upserts them into the online table ``<table>_online``: the newest row (highest seq) per
   (device_id, *online_key), the serving view (in the same transaction, or with ``online_lag_s`` in a
   later one; see :class:`CloudStore`);
-- stores refused messages in ``tunnel_dead_letter`` with the reason;
-- stores the schemas and zstd dictionaries envelopes carried in ``tunnel_registry`` (the cloud's
+- stores refused messages in ``tunnel.dead_letter`` with the reason;
+- stores the schemas and zstd dictionaries envelopes carried in ``tunnel.registry`` (the cloud's
   registry: the envelopes after them name them by id);
-- records, per topic partition, the offset to consume next (``tunnel_offsets``).
+- records, per topic partition, the offset to consume next (``tunnel.offsets``).
+
+The store's own tables live in the DuckDB schema ``tunnel`` (:mod:`.cloud_tables`), the devices' in ``main``:
+no table name a device can send reaches them.
 
 An envelope naming a schema or dictionary the registry does not have (its registration lost with a
 wiped registry or a truncated topic) is a dead letter ``unknown_schema``, counted, and parked: once
@@ -76,6 +79,7 @@ from connectors.storage import (
     quoted_list,
     registered,
 )
+from connectors.tunnel.cloud_tables import Tables
 from connectors.tunnel.envelope import Batch, EnvelopeError, Keys, Origin, decode
 from connectors.tunnel.kafka import (
     CLIENT_TIMEOUTS,
@@ -90,7 +94,7 @@ from connectors.tunnel.registry import Registration, RegistrationError, Registry
 
 log = logging.getLogger("streamflow.cloud")
 
-DEAD_LETTER_TABLE = "tunnel_dead_letter"
+DEAD_LETTER_TABLE = "tunnel.dead_letter"
 _META_COLUMNS = ("device_id", "seq", "ingested_at")
 #: A consumer that got no record for this long polls without blocking (see CloudConsumer._poll).
 IDLE_AFTER_S = 0.5
@@ -102,21 +106,6 @@ KAFKA_COMMIT_INTERVAL_S = 1.0
 DEFAULT_ONLINE_LAG_S = 0.1
 #: What the tables can refuse a batch with (e.g. a value whose type clashes with its column's).
 _STORE_ERRORS = (duckdb.Error, pa.ArrowException, ValueError, TypeError)
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS tunnel_batches (device_id VARCHAR, first_seq BIGINT, n_rows BIGINT, mac BLOB,
-                                           table_name VARCHAR, ingested_at TIMESTAMP);
--- append-only: one row per partition per transaction (cheaper than an upsert); the next offset is the max
-CREATE TABLE IF NOT EXISTS tunnel_offsets (topic VARCHAR, kafka_partition INTEGER, next_offset BIGINT);
-CREATE TABLE IF NOT EXISTS tunnel_dead_letter (topic VARCHAR, kafka_partition INTEGER, kafka_offset BIGINT,
-                                               device_id VARCHAR, reason VARCHAR, detail VARCHAR, raw BLOB,
-                                               refused_at TIMESTAMP);
--- a parked (unknown_schema) dead letter opened again once its registration arrived
-ALTER TABLE tunnel_dead_letter ADD COLUMN IF NOT EXISTS resolved_at TIMESTAMP;
-CREATE TABLE IF NOT EXISTS tunnel_registry (device_id VARCHAR, kind TINYINT, id BLOB, body BLOB,
-                                            registered_at TIMESTAMP);
--- append-only: with a deferred online upsert, the newest ingested_at of the rows each upsert applied
-CREATE TABLE IF NOT EXISTS tunnel_online_marks (table_name VARCHAR, applied_through TIMESTAMP);
-"""
 #: a restart re-applies the rows stored this long before the last mark too (a clock stepped back); the
 #: upsert is idempotent (the highest seq wins), so applying a row twice changes nothing
 _CATCH_UP_SLACK = timedelta(minutes=1)
@@ -190,7 +179,7 @@ class CloudStore:
     :meth:`apply` of a 3 KB row, same machine and load: 10.6 ms with the upsert, 3.3 deferred), and it need
     not hold the rows' arrival. The online table then lags the offline one by about ``online_lag_s``;
     :meth:`query` and :meth:`close` flush first. Each deferred upsert records the newest ``ingested_at`` it
-    applied (``tunnel_online_marks``); a store opened after a crash upserts the rows stored since (less
+    applied (``tunnel.online_marks``); a store opened after a crash upserts the rows stored since (less
     :data:`_CATCH_UP_SLACK`) before anything else.
     """
 
@@ -208,11 +197,12 @@ class CloudStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.online_key = tuple(online_key)
         self._con = duckdb.connect(str(self.path))
-        self._con.execute(_SCHEMA)
+        self._tables = Tables(self._con)
+        self._tables.create()
         #: every device's schemas and dictionaries, as stored; decoding with it learns what envelopes carry
         self.registry = Registry()
         self._saved: set[tuple[str, int, bytes]] = set()
-        for device, kind, id_, body in self._con.execute("SELECT device_id, kind, id, body FROM tunnel_registry "
+        for device, kind, id_, body in self._con.execute(f"SELECT device_id, kind, id, body FROM {self._t('registry')} "
                                                          "ORDER BY registered_at").fetchall():
             self._remember(device, Registration(kind, id_, body))
         self._columns: dict[str, KnownColumns] = {}
@@ -262,9 +252,9 @@ class CloudStore:
         ``keys``: the device keys (each envelope is verified again). Cheap when nothing is parked.
         """
         with self._lock:
-            parked = self._con.execute("SELECT topic, kafka_partition, kafka_offset, raw FROM tunnel_dead_letter "
-                                       "WHERE reason = ? AND resolved_at IS NULL ORDER BY kafka_partition, "
-                                       "kafka_offset", [PARKED]).fetchall()
+            parked = self._con.execute(f"SELECT topic, kafka_partition, kafka_offset, raw FROM "
+                                       f"{self._t('dead_letter')} WHERE reason = ? AND resolved_at IS NULL "
+                                       "ORDER BY kafka_partition, kafka_offset", [PARKED]).fetchall()
         batches: list[Batch] = []
         dead: list[DeadLetter] = []
         resolved = []
@@ -280,6 +270,10 @@ class CloudStore:
         log.info("cloud: %d parked envelopes resolved now that their schemas are registered: %d rows stored, "
                  "%d dead letters", len(resolved), result.stored, len(dead))
         return result
+
+    def _t(self, table: str) -> str:
+        """The full name of the store's own table ``table`` (see :mod:`.cloud_tables`)."""
+        return self._tables.name(table)
 
     def _new_registrations(self, opened: Sequence[Batch | DeadLetter]) -> list[tuple[str, Registration]]:
         """The registrations ``opened`` carried that are not stored yet (each once)."""
@@ -304,7 +298,7 @@ class CloudStore:
         for batch in batches:
             problem = schema_problem(batch.table, batch.rows.column_names, self.schemas)
             if problem is None:
-                fit.append(batch)
+                fit.append(_folded(batch))
             else:
                 refused.append(_dead_letter(batch, "bad_schema", problem))
         return fit, refused
@@ -328,20 +322,20 @@ class CloudStore:
                 result.stored += stored[-1][1].num_rows
             self._record(fresh, now)  # after the rows: a batch is recorded only together with its rows
             if result.dead_letters:
-                con.executemany("INSERT INTO tunnel_dead_letter VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL)", [
-                    [d.topic, d.partition, d.offset, d.device, d.reason, d.detail[:2000], d.raw, now]
+                con.executemany(self._tables.insert("dead_letter"), [
+                    [d.topic, d.partition, d.offset, d.device, d.reason, d.detail[:2000], d.raw, now, None]
                     for d in result.dead_letters])
             if registrations:
-                con.executemany("INSERT INTO tunnel_registry VALUES (?, ?, ?, ?, ?)",
+                con.executemany(self._tables.insert("registry"),
                                 [[d, r.kind, r.id, r.body, now] for d, r in registrations])
                 result.registered = len(registrations)
             if resolved:
-                con.executemany("UPDATE tunnel_dead_letter SET resolved_at = ? WHERE topic = ? AND kafka_partition = ?"
-                                " AND kafka_offset = ? AND reason = ? AND resolved_at IS NULL",
+                con.executemany(f"UPDATE {self._t('dead_letter')} SET resolved_at = ? WHERE topic = ? AND "
+                                "kafka_partition = ? AND kafka_offset = ? AND reason = ? AND resolved_at IS NULL",
                                 [[now, t, p, o, PARKED] for t, p, o in resolved])
                 result.resolved = len(resolved)
             if offsets:
-                con.execute("INSERT INTO tunnel_offsets VALUES " + ", ".join(["(?, ?, ?)"] * len(offsets)),
+                con.execute(self._tables.insert("offsets", len(offsets)),
                             [v for (t, p), o in offsets.items() for v in (t, p, o)])
             con.execute("COMMIT")
         except BaseException:
@@ -364,7 +358,7 @@ class CloudStore:
         dropped. Any other overlap with stored numbers means the device numbered different rows the
         same (its spool was wiped, say): those rows are dead-lettered as ``seq_reused``, never dropped
         as if they were repeats. A batch numbered past everything stored for its device (the usual
-        case) is new without a look at ``tunnel_batches``: the store keeps each device's next free
+        case) is new without a look at ``tunnel.batches``: the store keeps each device's next free
         number in memory (it is the file's only writer: DuckDB lets one process write a file).
         """
         if not batches:
@@ -372,8 +366,9 @@ class CloudStore:
         con = self._con
         unknown = sorted({b.device for b in batches} - self._seq_end.keys())
         if unknown:
-            found = dict(con.execute("SELECT device_id, max(first_seq + n_rows) FROM tunnel_batches WHERE device_id "
-                                     f"IN ({', '.join('?' * len(unknown))}) GROUP BY ALL", unknown).fetchall())
+            found = dict(con.execute(f"SELECT device_id, max(first_seq + n_rows) FROM {self._t('batches')} WHERE "
+                                     f"device_id IN ({', '.join('?' * len(unknown))}) GROUP BY ALL",
+                                     unknown).fetchall())
             self._seq_end.update({d: found.get(d, 0) for d in unknown})
         fresh, repeats, reused = [], [], []
         for batch in batches:
@@ -382,8 +377,8 @@ class CloudStore:
                 fresh.append(batch)
                 self._seq_end[batch.device] = batch.last_seq + 1
                 continue
-            stored = con.execute("SELECT first_seq = ? AND n_rows = ? AND mac = ? FROM tunnel_batches WHERE device_id"
-                                 " = ? AND first_seq < ? AND first_seq + n_rows > ?",
+            stored = con.execute(f"SELECT first_seq = ? AND n_rows = ? AND mac = ? FROM {self._t('batches')} WHERE "
+                                 "device_id = ? AND first_seq < ? AND first_seq + n_rows > ?",
                                  [batch.first_seq, batch.rows.num_rows, batch.mac, batch.device,
                                   batch.first_seq + batch.rows.num_rows, batch.first_seq]).fetchall()
             earlier = [(b.first_seq, b.rows.num_rows, b.mac) == (batch.first_seq, batch.rows.num_rows, batch.mac)
@@ -400,10 +395,10 @@ class CloudStore:
         return fresh, repeats, reused
 
     def _record(self, fresh: Sequence[Batch], now: datetime) -> None:
-        """Note ``fresh`` batches in ``tunnel_batches`` (in the transaction that stored their rows)."""
+        """Note ``fresh`` batches in ``tunnel.batches`` (in the transaction that stored their rows)."""
         if fresh:
-            self._con.execute("INSERT INTO tunnel_batches VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?)"] * len(fresh)),
-                              [v for b in fresh for v in (b.device, b.first_seq, b.rows.num_rows, b.mac, b.table, now)])
+            self._con.execute(self._tables.insert("batches", len(fresh)), [
+                v for b in fresh for v in (b.device, b.first_seq, b.rows.num_rows, b.mac, b.table, now, "stored")])
 
     def _store(self, table: str, batches: list[Batch], now: datetime) -> pa.Table:
         """Append ``batches`` of one table to ``table`` and upsert them into ``<table>_online`` (unless that is
@@ -421,7 +416,7 @@ class CloudStore:
         if self.online_lag_s > 0 and known and known.issuperset(full.column_names) and full.schema in known.shapes:
             # the usual case, in one statement: DuckDB reads the local Arrow table by its name (a replacement
             # scan; registering and unregistering a view cost ~0.6 ms of CPU a transaction more). No stored
-            # table can take the name: "tunnel_" names are the store's own and refused to devices.
+            # table can take the name: "tunnel_" names are refused to devices.
             tunnel_rows_to_store = full  # noqa: F841 - read by name in the statement below
             names = quoted_list(full.column_names)
             con.execute(f"INSERT INTO {quote_identifier(table)} ({names}) SELECT {names} FROM tunnel_rows_to_store")
@@ -472,7 +467,7 @@ class CloudStore:
         try:
             with registered(con, "_sf_rows", full):
                 self._upsert_online(f"{table}_online", full)
-            con.execute("INSERT INTO tunnel_online_marks VALUES (?, ?)",
+            con.execute(self._tables.insert("online_marks"),
                         [table, pc.max(full.column("ingested_at")).as_py()])
             con.execute("COMMIT")
         except BaseException:
@@ -493,10 +488,10 @@ class CloudStore:
             "SELECT table_name FROM information_schema.columns WHERE table_catalog = current_database() AND "
             "table_schema = 'main' AND column_name IN ('device_id', 'seq', 'ingested_at') GROUP BY ALL "
             "HAVING count(*) = 3").fetchall()}
-        marks = dict(con.execute("SELECT table_name, max(applied_through) FROM tunnel_online_marks "
+        marks = dict(con.execute(f"SELECT table_name, max(applied_through) FROM {self._t('online_marks')} "
                                  "GROUP BY ALL").fetchall())
         for table in sorted(tables):
-            if table.startswith("tunnel_") or table.endswith("_online"):
+            if _reserved(table):
                 continue
             if table in marks:
                 rows = con.sql(f"SELECT * FROM {quote_identifier(table)} WHERE ingested_at >= $since",
@@ -518,7 +513,8 @@ class CloudStore:
         con = self._con
         key = self._online_keys.get(online)
         if key is None:
-            exists = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?",
+            exists = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_catalog = "
+                                 "current_database() AND table_schema = 'main' AND lower(table_name) = ?",
                                  [online]).fetchone()[0]
             if not exists:
                 key = ["device_id"] + [k for k in self.online_key if k in full.column_names]
@@ -528,8 +524,9 @@ class CloudStore:
                 con.execute(f"CREATE TABLE {quote_identifier(online)} ({columns}, PRIMARY KEY ({quoted_list(key)}))")
             else:
                 key = [row[0] for row in con.execute(
-                    "SELECT unnest(constraint_column_names) FROM duckdb_constraints() "
-                    "WHERE table_name = ? AND constraint_type = 'PRIMARY KEY'", [online]).fetchall()]
+                    "SELECT unnest(constraint_column_names) FROM duckdb_constraints() WHERE database_name = "
+                    "current_database() AND schema_name = 'main' AND lower(table_name) = ? AND constraint_type = "
+                    "'PRIMARY KEY'", [online]).fetchall()]
             self._online_keys[online] = key
         known = self._columns.setdefault(online, KnownColumns())
         ensure_columns(con, online, "_sf_rows", full.column_names, known, batch_shape(full))
@@ -548,8 +545,9 @@ class CloudStore:
     def offsets(self, topic: str) -> dict[int, int]:
         """Partition → next offset to consume, as stored with the rows."""
         with self._lock:
-            return dict(self._con.execute("SELECT kafka_partition, max(next_offset) FROM tunnel_offsets "
-                                          "WHERE topic = ? GROUP BY ALL", [topic]).fetchall())
+            # the newest row, not the highest offset: a topic deleted and made again starts at 0
+            return dict(self._con.execute(f"SELECT kafka_partition, arg_max(next_offset, rowid) FROM "
+                                          f"{self._t('offsets')} WHERE topic = ? GROUP BY ALL", [topic]).fetchall())
 
     def query(self, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
         """Run ``sql`` on the store (deferred online upserts first: reads see every stored row)."""
@@ -576,7 +574,8 @@ def schema_problem(table: str, columns: Sequence[str],
     Table and column names must be plain identifiers (letters, digits, underscores), the table no
     ``tunnel_`` or ``_online`` name, the columns unique and none of the store's own (``device_id``,
     ``seq``, ``ingested_at``); with ``schemas`` (table → its declared columns), the table must be
-    declared and every column among its declared ones.
+    declared and every column among its declared ones. Names are compared as DuckDB compares them,
+    ignoring case.
 
     Example:
         >>> schema_problem("ipv", ["user_id", "dwell_s"]) is None
@@ -588,25 +587,45 @@ def schema_problem(table: str, columns: Sequence[str],
     """
     if not is_identifier(table):
         return f"table name {table!r} is not a plain identifier (letters, digits, underscores)"
-    if table.startswith("tunnel_") or table.endswith("_online"):
+    if _reserved(table):
         return f"reserved table name {table!r}"
     declared = None
     if schemas is not None:
-        if table not in schemas:
+        tables = {t.lower(): t for t in schemas}
+        if table.lower() not in tables:
             return f"table {table!r} is not declared (declared: {', '.join(sorted(schemas)) or 'none'})"
-        declared = set(schemas[table])
+        declared = {c.lower() for c in schemas[tables[table.lower()]]}
     seen: set[str] = set()
     for name in columns:
         if not is_identifier(name):
             return f"column name {name!r} of table {table} is not a plain identifier (letters, digits, underscores)"
-        if name in _META_COLUMNS:
+        folded = name.lower()  # DuckDB's names are case-insensitive: "SEQ" is the column seq
+        if folded in _META_COLUMNS:
             return f"column {name!r} of table {table} is the store's own"
-        if name in seen:
+        if folded in seen:
             return f"column {name!r} of table {table} appears twice"
-        if declared is not None and name not in declared:
+        if declared is not None and folded not in declared:
             return f"column {name!r} is not in table {table}'s declared schema ({', '.join(sorted(declared))})"
-        seen.add(name)
+        seen.add(folded)
     return None
+
+
+def _reserved(table: str) -> bool:
+    """A table name devices may not use, compared as DuckDB compares names (case-insensitively): the online
+    tables' ``_online`` and the ``tunnel_`` prefix (the store's own names before they moved to the schema
+    ``tunnel``, and its replacement scans)."""
+    folded = table.lower()
+    return folded.startswith("tunnel_") or folded.endswith("_online")
+
+
+def _folded(batch: Batch) -> Batch:
+    """``batch`` with its table and column names in lower case: DuckDB's names ignore case, so ``IPV`` is the
+    table ``ipv``, and the store keys what it knows of a table by one spelling."""
+    names = batch.rows.column_names
+    folded = [n.lower() for n in names]
+    if batch.table.islower() and folded == names:
+        return batch
+    return replace(batch, table=batch.table.lower(), rows=batch.rows.rename_columns(folded))
 
 
 def _dead_letter(batch: Batch, reason: str, detail: str) -> DeadLetter:

@@ -1,0 +1,119 @@
+"""The cloud side of the tunnel attacked by a device with a valid key (issue 26: items 1, 2, 9; issue 25: values
+stored as sent), against the real cloud store (DuckDB) and, where the consumer is the target, the real broker."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import duckdb
+import pyarrow as pa
+import pytest
+
+pytest.importorskip("kafka")
+
+from kafka import KafkaProducer  # noqa: E402
+
+from connectors.tunnel.cloud import CloudConsumer, CloudStore, open_message  # noqa: E402
+from connectors.tunnel.envelope import Batch, encode  # noqa: E402
+from connectors.tunnel.kafka import CLIENT_TIMEOUTS, ensure_topic  # noqa: E402
+from connectors.tunnel.keys import KeyRegistry  # noqa: E402
+
+KEY = bytes(range(32))
+KEYS = {"phone-1": KEY, "phone-2": bytes(reversed(range(32)))}
+
+
+def _topic() -> str:
+    return f"sec.{uuid.uuid4().hex[:12]}"
+
+
+def _rows(first: int, n: int, **extra) -> pa.Table:
+    return pa.table({"user_id": [f"u{i % 3}" for i in range(first, first + n)], "n": list(range(first, first + n)),
+                     **{k: [v] * n for k, v in extra.items()}})
+
+
+def _produce(bootstrap: str, topic: str, values: list[bytes]) -> None:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, **CLIENT_TIMEOUTS)
+    try:
+        for value in values:
+            producer.send(topic, value=value, partition=0)
+        producer.flush(timeout=10)
+    finally:
+        producer.close()
+
+
+def _consume(db, keys: KeyRegistry, topic: str, bootstrap: str, *, until, max_s: float = 20.0, **options):
+    consumer = CloudConsumer(db, keys, topic=topic, bootstrap=bootstrap, group_id=f"g-{uuid.uuid4().hex}",
+                             partitions=1, **options)
+    try:
+        deadline = time.monotonic() + max_s
+        while not until(consumer.stats) and time.monotonic() < deadline:
+            consumer.poll_once(0.2)
+    finally:
+        consumer.close()
+    return consumer
+
+
+# -- item 1: the store's own tables are out of the devices' namespace -----------------------------------
+@pytest.mark.parametrize("table", ["TUNNEL_OFFSETS", "Tunnel_Online_Marks", "tunnel_batches", "IPV_ONLINE", "offsets"])
+def test_a_device_naming_the_stores_tables_in_any_case_cannot_stop_ingestion(tmp_path, kafka_bootstrap, table):
+    """A signed batch for ``TUNNEL_OFFSETS`` with one more column used to add that column to ``tunnel_offsets``,
+    after which every offset insert failed and the consumer gave up, for good (issue 26, item 1)."""
+    registry, topic = KeyRegistry(tmp_path / "keys.json"), _topic()
+    key = registry.add("phone-1")
+    ensure_topic(kafka_bootstrap, topic, partitions=1)
+    attack = pa.table({"topic": ["x"], "kafka_partition": [0], "next_offset": [0], "table_name": ["x"],
+                       "applied_through": [0], "evil": [1]})
+    _produce(kafka_bootstrap, topic, [encode("phone-1", "ipv", 0, _rows(0, 2), key),
+                                      encode("phone-1", table, 2, attack, key),
+                                      encode("phone-1", "ipv", 3, _rows(3, 2), key)])
+    db = tmp_path / "cloud.duckdb"
+    first = _consume(db, registry, topic, kafka_bootstrap, until=lambda s: s.messages >= 3)
+    plain = table == "offsets"  # not reserved: a table of the device's own, beside tunnel.offsets
+    assert (first.stats.stored, dict(first.stats.dead)) == ((5, {}) if plain else (4, {"bad_schema": 1}))
+    _produce(kafka_bootstrap, topic, [encode("phone-1", "ipv", 5, _rows(5, 1), key)])
+    second = _consume(db, registry, topic, kafka_bootstrap, until=lambda s: s.stored >= 1)  # resumes, stores on
+    assert (second.stats.messages, second.stats.stored) == (1, 1)
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("SELECT seq FROM ipv ORDER BY seq").fetchall() == [(0,), (1,), (3,), (4,), (5,)]
+        assert con.execute("SELECT arg_max(next_offset, rowid) FROM tunnel.offsets").fetchone() == (4,)
+        assert [c for (c,) in con.execute("SELECT column_name FROM (DESCRIBE tunnel.offsets)").fetchall()] == [
+            "topic", "kafka_partition", "next_offset"]
+
+
+def test_a_column_added_to_an_internal_table_changes_no_insert(tmp_path):
+    """Every internal INSERT names its columns, so a table with one more column still takes them."""
+    with CloudStore(tmp_path / "c.duckdb") as store:
+        for table in ("batches", "offsets", "dead_letter", "registry"):
+            store.query(f"ALTER TABLE tunnel.{table} ADD COLUMN evil INTEGER")
+        dead = open_message("t", 0, 1, b"garbage", KEYS)
+        result = store.apply([Batch("phone-1", "ipv", 0, _rows(0, 2))], [dead], {("t", 0): 2})
+        assert (result.stored, result.dead) == (2, 1)
+        assert store.offsets("t") == {0: 2}
+
+
+def test_a_store_written_with_the_old_table_names_is_moved_into_the_tunnel_schema(tmp_path):
+    """A cloud DuckDB from before the move (``main.tunnel_*``, one of them with a column a device added) opens:
+    its batches, offsets, dead letters and registry are in ``tunnel.*``, the old tables gone, and a resend of a
+    stored batch is still a repeat."""
+    db = tmp_path / "c.duckdb"
+    with duckdb.connect(str(db)) as con:
+        con.execute("CREATE TABLE tunnel_batches (device_id VARCHAR, first_seq BIGINT, n_rows BIGINT, mac BLOB, "
+                    "table_name VARCHAR, ingested_at TIMESTAMP)")
+        con.execute("INSERT INTO tunnel_batches VALUES ('phone-1', 0, 2, NULL, 'ipv', now())")
+        con.execute("CREATE TABLE tunnel_offsets (topic VARCHAR, kafka_partition INTEGER, next_offset BIGINT, "
+                    "evil INTEGER)")
+        con.execute("INSERT INTO tunnel_offsets VALUES ('t', 0, 7, 1)")
+        con.execute("CREATE TABLE tunnel_dead_letter (topic VARCHAR, kafka_partition INTEGER, kafka_offset BIGINT, "
+                    "device_id VARCHAR, reason VARCHAR, detail VARCHAR, raw BLOB, refused_at TIMESTAMP)")
+        con.execute("INSERT INTO tunnel_dead_letter VALUES ('t', 0, 3, NULL, 'garbage', 'x', 'y', now())")
+        con.execute("CREATE TABLE ipv (device_id VARCHAR, seq BIGINT, ingested_at TIMESTAMP, user_id VARCHAR, "
+                    "n BIGINT)")
+        con.execute("INSERT INTO ipv VALUES ('phone-1', 0, now(), 'u0', 0), ('phone-1', 1, now(), 'u1', 1)")
+    with CloudStore(db) as store:
+        assert store.offsets("t") == {0: 7}
+        assert store.query("SELECT reason, resolved_at FROM tunnel.dead_letter") == [("garbage", None)]
+        assert store.query("SELECT device_id, first_seq, outcome FROM tunnel.batches") == [("phone-1", 0, "stored")]
+        assert store.query("SELECT count(*) FROM information_schema.tables WHERE table_name LIKE 'tunnel_%'") == [(0,)]
+        assert store.apply([Batch("phone-1", "ipv", 0, _rows(0, 2))]).stored == 0  # numbers taken: not stored again
+        assert store.apply([Batch("phone-1", "ipv", 2, _rows(2, 1))]).stored == 1
