@@ -17,7 +17,8 @@ import importlib.util
 import re
 import sys
 import traceback
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -152,24 +153,37 @@ class JobLoadError(Exception):
     """A job file that cannot be loaded; the message says which file and why."""
 
 
-def load_job(path: str | Path, module_name: str | None = None) -> Job:
+def load_job(path: str | Path, module_name: str | None = None, source: bytes | None = None,
+             namespace: Mapping[str, object] | None = None) -> Job:
     """Execute a job file and return the :class:`Job` it defines (as ``job``, or its only Job).
 
     A job file is the user's own code, run as any Python script they run is. It is imported as
     ``module_name`` (default: ``streamflow_job_<file stem>``; a deployed bundle gives each version
     a name of its own, so two versions of a job live side by side).
+
+    With ``source``, those bytes are compiled and run as the module (``__file__`` is ``path``, which
+    is not read): what a deployed bundle verified is exactly what runs, and no bytecode is written.
+    ``namespace``: names set in the module before it runs (a bundle's verified files, ``__bundle__``).
     """
     path = Path(path)
-    if not path.is_file():
+    if source is None and not path.is_file():
         raise JobLoadError(f"job file not found: {path}")
     module_name = module_name or f"streamflow_job_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise JobLoadError(f"cannot load {path}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
+    if source is None:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None:
+            raise JobLoadError(f"cannot load {path}: not a Python file")
+        module = importlib.util.module_from_spec(spec)
+    else:
+        module = types.ModuleType(module_name)
+        module.__file__ = str(path)
+    vars(module).update(namespace or {})
     sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
+        if source is None:
+            spec.loader.exec_module(module)
+        else:
+            exec(compile(source, str(path), "exec", dont_inherit=True), module.__dict__)
     except SyntaxError as exc:
         raise JobLoadError(f"cannot load job file {path}: syntax error at line {exc.lineno}: {exc.msg}") from exc
     except (Exception, SystemExit) as exc:  # a job file calling sys.exit() is a load error too

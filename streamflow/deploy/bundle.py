@@ -9,8 +9,10 @@ A bundle on disk (what ``streamflow bundle build`` writes, what a device install
 The order of trust: :func:`verify_manifest` checks the signature with a trusted key before the
 manifest's contents are believed; :func:`install_bundle` checks every file's size and sha256 before
 anything is written where the device will look; :func:`load_installed` checks all of that again on
-disk, and only then :func:`load_bundle_job` imports the job module. Nothing is ever unpickled. Each
-refusal is a :class:`~streamflow.deploy.errors.BundleError` with a reason code.
+disk, and only then :func:`load_bundle_job` runs the job module: the bytes it checked, compiled, never
+imported from the disk again; the job's other files, read through ``__bundle__``, are checked at every
+read. Nothing is ever unpickled. Each refusal is a :class:`~streamflow.deploy.errors.BundleError` with
+a reason code.
 
 Example (a bundle built from a git repository, then installed elsewhere and loaded):
 
@@ -215,18 +217,29 @@ def load_installed(bundle_dir: Path, trusted: TrustedKeys, *, limits: Limits | N
 
 
 def load_bundle_job(bundle_dir: Path, manifest: Manifest) -> Job:
-    """Import the job module of a verified, installed bundle under a module name of its own.
+    """Run the job module of a verified, installed bundle under a module name of its own.
 
-    Call it only with the manifest :func:`load_installed` returned for ``bundle_dir``. The module
-    is not put on ``sys.path``: it reads its other files relative to its ``__file__``. Two versions
-    of a task live side by side as two modules. :class:`LoadFailed` for an import error, a job file
-    defining no Job, or a job without tasks.
+    Call it only with the manifest :func:`load_installed` returned for ``bundle_dir``. The job file is
+    read once, checked against the manifest's size and sha256, and those very bytes are compiled and
+    run (never imported from the disk again: no window between the check and the import, and no
+    ``__pycache__`` written into the bundle, which would make it fail its next check). The module is
+    not put on ``sys.path``; its other files are at ``__bundle__.read(name)`` (:class:`BundleFiles`:
+    checked against the manifest at every read). Two versions of a task live side by side as two
+    modules. :class:`LoadFailed` for an import error, a job file defining no Job, or a job without tasks.
     """
-    path = Path(bundle_dir) / FILES / manifest.job
+    bundle_dir = Path(bundle_dir)
+    root = bundle_dir / FILES
+    entry = manifest.entry(manifest.job)
+    try:
+        source = read_regular(root / entry.name, entry.size + 1, root)
+    except FileNotFoundError:
+        raise DigestMismatch(f"file {entry.name!r} is missing", bundle=manifest.label) from None
+    _check_bytes(entry, source, manifest.label)
     safe_version = re.sub(r"[^0-9]", "_", manifest.version)
     module_name = f"streamflow_bundle_{manifest.task}_{safe_version}_{next(_module_ids)}"
     try:
-        job = load_job(path, module_name=module_name)
+        job = load_job(root / entry.name, module_name=module_name, source=source,
+                       namespace={"__bundle__": BundleFiles(bundle_dir, manifest)})
     except JobLoadError as exc:
         sys.modules.pop(module_name, None)
         raise LoadFailed(str(exc), bundle=manifest.label) from None
@@ -234,6 +247,36 @@ def load_bundle_job(bundle_dir: Path, manifest: Manifest) -> Job:
         sys.modules.pop(module_name, None)
         raise LoadFailed(f"job {job.name!r} in {manifest.job} has no tasks", bundle=manifest.label)
     return job
+
+
+class BundleFiles:
+    """The files of a loaded bundle as its job reads them: ``__bundle__.read("config/device.json")``.
+
+    Each read is checked against the signed manifest's size and sha256 (:class:`DigestMismatch` if the
+    file changed on disk since it was installed; a symlink is refused), so a job reading its data
+    through this gets the bytes that were verified, never a file swapped in later.
+    """
+
+    def __init__(self, bundle_dir: Path, manifest: Manifest):
+        self._root = Path(bundle_dir) / FILES
+        self._manifest = manifest
+
+    def names(self) -> list[str]:
+        """The bundle's file names, as the manifest lists them."""
+        return [entry.name for entry in self._manifest.files]
+
+    def read(self, name: str) -> bytes:
+        """The verified bytes of file ``name`` (``KeyError`` if the manifest lists no such file)."""
+        try:
+            entry = self._manifest.entry(name)
+        except KeyError:
+            raise KeyError(f"{self._manifest.label} has no file {name!r}") from None
+        try:
+            data = read_regular(self._root / entry.name, entry.size + 1, self._root)
+        except FileNotFoundError:
+            raise DigestMismatch(f"file {entry.name!r} is missing", bundle=self._manifest.label) from None
+        _check_bytes(entry, data, self._manifest.label)
+        return data
 
 
 def unload_bundle_job(job: Job) -> None:

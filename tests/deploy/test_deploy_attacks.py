@@ -4,19 +4,38 @@ process on the same host would: each test drives the real component (a server on
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import stat
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 from deploy_helpers import counter_job
 
-from streamflow.deploy.admin import AdminClient
+from connectors.storage import CollectiveStorage
+from streamflow.deploy.admin import AdminClient, AdminError
 from streamflow.deploy.build import build_bundle
+from streamflow.deploy.bundle import (
+    directory_fetcher,
+    install_bundle,
+    load_bundle_job,
+    load_installed,
+    read_signed,
+    verify_manifest,
+)
 from streamflow.deploy.directory import DirectoryClient
+from streamflow.deploy.errors import DigestMismatch
+from streamflow.deploy.layout import FILES
 from streamflow.deploy.server import DeployServer, serve_in_thread
+from streamflow.deploy.signing import TrustedKeys, public_key_path
 from streamflow.deploy.state import ReleaseStore
 from streamflow.deploy.updater import Updater
+from streamflow.events import Event
+from streamflow.job import Job
+from streamflow.runners.device import DeviceRunner
 
 
 def _mode(path) -> int:
@@ -65,9 +84,6 @@ def test_a_planted_temporary_file_cannot_redirect_a_stored_file(tmp_path):
 
 
 def test_device_store_state_is_this_users_only(tmp_path, built, trusted):
-    from connectors.storage import CollectiveStorage
-    from streamflow.job import Job
-    from streamflow.runners.device import DeviceRunner
 
     storage = CollectiveStorage(tmp_path / "device.duckdb")
     runner = DeviceRunner(Job("device"), storage)
@@ -87,8 +103,6 @@ def test_device_store_state_is_this_users_only(tmp_path, built, trusted):
 
 # -- per-task publisher scope ---------------------------------------------------------------------------------
 def test_a_publisher_key_signs_only_its_own_tasks(tmp_path, built, signing_key):
-    from streamflow.deploy.admin import AdminError
-    from streamflow.deploy.signing import TrustedKeys, public_key_path
 
     scoped = TrustedKeys.from_files([f"{public_key_path(signing_key)}=sessions,windows"])
     server = DeployServer(tmp_path / "server", scoped, tick_s=3600)
@@ -98,9 +112,6 @@ def test_a_publisher_key_signs_only_its_own_tasks(tmp_path, built, signing_key):
     assert server.store.bundles() == []
     server.store.close()
     # a device holding the same scope refuses the bundle too, whoever serves it
-    from connectors.storage import CollectiveStorage
-    from streamflow.job import Job
-    from streamflow.runners.device import DeviceRunner
 
     storage = CollectiveStorage(tmp_path / "device.duckdb")
     runner = DeviceRunner(Job("device"), storage)
@@ -111,4 +122,98 @@ def test_a_publisher_key_signs_only_its_own_tasks(tmp_path, built, signing_key):
     assert outcome.status == "refused" and outcome.reason.startswith("key_scope: counter@1"), outcome
     assert updater.versions() == {} and not client.fetched
     runner.close()
+    storage.close()
+
+
+# -- items 7 and 8: verified bytes run, never the disk again ----------------------------------------------------
+_DEVICE_SCRIPT = '''
+import json, sys
+from pathlib import Path
+from connectors.storage import CollectiveStorage
+from streamflow.deploy.directory import DirectoryClient
+from streamflow.deploy.signing import TrustedKeys
+from streamflow.deploy.updater import Updater
+from streamflow.job import Job
+from streamflow.runners.device import DeviceRunner
+
+tmp, phase = Path(sys.argv[1]), sys.argv[2]
+assert not sys.dont_write_bytecode  # as a user's Python has it
+storage = CollectiveStorage(tmp / f"device-{phase}.duckdb")
+runner = DeviceRunner(Job("device"), storage)
+updater = Updater(runner, DirectoryClient(tmp / "bundles"), TrustedKeys.from_files([sys.argv[3]]), tmp / "store",
+                  swap_timeout_s=10.0)
+def directive(version, action="update"):
+    return {"task": "counter", "version": version, "action": action, "manifest": "", "signature": ""}
+if phase == "install":
+    outcomes = updater.apply([directive("1")]) + updater.apply([directive("2")])
+else:
+    outcomes = updater.resume() + updater.apply([directive("1", "rollback")])
+print(json.dumps([[o.version, o.status, o.reason] for o in outcomes]))
+runner.close()
+storage.close()
+'''
+
+
+def test_a_restart_resumes_the_installed_version_with_bytecode_writing_on(tmp_path, built, signing_key):
+
+
+    script = tmp_path / "device.py"
+    script.write_text(_DEVICE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+
+    def device(phase: str) -> list[list]:
+        done = subprocess.run([sys.executable, str(script), str(tmp_path), phase, str(public_key_path(signing_key))],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert device("install") == [["1", "installed", None], ["2", "installed", None]]
+    # after a restart: v2 resumes, and the server's rollback to the kept N-1 loads from disk
+    assert device("restart") == [["2", "resumed", None], ["1", "rolled_back", None]]
+    assert not list((tmp_path / "store").rglob("__pycache__"))  # nothing was written into a verified bundle
+
+
+def test_a_job_file_swapped_after_its_check_never_runs(tmp_path, built, trusted):
+
+    manifest_bytes, signature = read_signed(built["v1"])
+    manifest = verify_manifest(manifest_bytes, signature, trusted)
+    installed = install_bundle(manifest, directory_fetcher(built["v1"]), tmp_path / "device" / "counter" / "1",
+                               signature=signature)
+    checked = load_installed(installed, trusted)
+    # another process wins the window between the check and the import
+    marker = tmp_path / "ran"
+    job = installed / FILES / "job.py"
+    job.chmod(0o600)
+    job.write_text(f"open({str(marker)!r}, 'w').write('unverified code ran')\n" + job.read_text())
+    with pytest.raises(DigestMismatch, match="job.py"):
+        load_bundle_job(installed, checked)
+    assert not marker.exists()
+
+
+def test_a_data_file_changed_on_disk_is_refused_at_run_time(tmp_path, counter_repo, signing_key, trusted):
+
+    reads_config = counter_job("5").replace(
+        'Map(lambda r: {{**r, "v": VERSION}})'.replace("{{", "{").replace("}}", "}"),
+        'Map(lambda r: {**r, "v": __import__("json").loads(__bundle__.read("config/device.json"))["threshold"]})')
+    assert "__bundle__" in reads_config
+    counter_repo.commit({"job.py": reads_config}, tag="v5")
+    build_bundle(counter_repo.path, "v5", signing_key=signing_key, out=tmp_path / "bundles")
+    storage = CollectiveStorage(tmp_path / "device.duckdb")
+    runner = DeviceRunner(Job("device"), storage)
+    updater = Updater(runner, DirectoryClient(tmp_path / "bundles"), trusted, tmp_path / "store",
+                      swap_timeout_s=10.0)
+    [outcome] = updater.apply([{"task": "counter", "version": "5", "action": "update", "manifest": "",
+                                "signature": ""}])
+    assert outcome.status == "installed", outcome
+    fav = [Event("u0", "fav", "item", 1_600_000_000.0 + i, {"item_id": f"i{i}"}) for i in range(6)]
+    runner.run(fav[:3])
+    config = updater.store.bundle_dir("counter", "5") / FILES / "config" / "device.json"
+    config.chmod(0o600)
+    config.write_text('{"threshold": 9}')  # another process changes the data the job reads
+    runner.run(fav[3:])
+    runner.close()
+    assert [v for (v,) in storage.query("SELECT v FROM counter ORDER BY trigger_ts")] == [1, 1, 1]
+    errors = storage.query("SELECT error FROM task_errors")
+    assert len(errors) == 3 and all("tampered" in str(e) or "sha256" in str(e) for (e,) in errors), errors
     storage.close()
