@@ -116,34 +116,45 @@ def verify_manifest(manifest: bytes, signature: bytes, trusted: TrustedKeys) -> 
 
 
 def check_version(new: Manifest, current: Manifest | None, *, rollback: bool = False,
-                  kept: Iterable[str] = ()) -> None:
-    """Refuse a downgrade that is not a rollback (:class:`Downgrade`).
+                  kept: Iterable[str | None] = (), highest: str | None = None) -> None:
+    """Refuse a downgrade that is not the one allowed rollback (:class:`Downgrade`).
 
-    A newer version is always accepted. An older one only when the server marks it a rollback
-    *and* it is the version the running one was built on (its signed ``previous``) or a version
-    this device ran before and kept (``kept``, its N-1): an old signed bundle replayed with a
-    "rollback" label cannot take a device further back than one step.
+    A newer version is accepted unless it is older than ``highest``, the highest version this device
+    ever accepted for the task (a device that lost its running version is not provisioned with an old
+    one). An older one only when the server marks it a rollback *and* it is the version this device
+    ran before and kept (``kept``: its N-1, which the caller forgets once it is rolled back to): however
+    many "rollback" directives come, a device goes back one step, once — never along the chain of
+    signed ``previous`` versions to a bundle it never ran.
 
     Example:
         >>> m = lambda v, prev=None: Manifest("t", v, "job.py", (FileEntry("job.py", "0" * 64, 1),), "0" * 16, prev)
         >>> check_version(m("3", "2"), m("2"))
+        >>> check_version(m("2"), m("3", "2"), rollback=True, kept=["2"])
         >>> check_version(m("2"), m("3", "2"), rollback=True)
-        >>> check_version(m("1"), m("3", "2"), rollback=True)
         Traceback (most recent call last):
         ...
-        streamflow.deploy.errors.Downgrade: t@1: version 1 is older than the running 3 and not its rollback target (2)
+        streamflow.deploy.errors.Downgrade: t@2: version 2 is older than the running 3 and not its kept N-1 (none)
+        >>> check_version(m("1"), None, highest="3")
+        Traceback (most recent call last):
+        ...
+        streamflow.deploy.errors.Downgrade: t@1: version 1 is older than 3, the highest this device has accepted
     """
+    kept = {v for v in kept if v is not None}
     if current is None or version_key(new.version) > version_key(current.version):
+        if highest is not None and version_key(new.version) < version_key(highest) and not (
+                rollback and new.version in kept):
+            raise Downgrade(f"version {new.version} is older than {highest}, the highest this device has accepted",
+                            bundle=new.label)
         return
     if new.version == current.version:
         raise Downgrade(f"version {new.version} is already running", bundle=new.label)
     if not rollback:
         raise Downgrade(f"version {new.version} is older than the running {current.version} and the server did "
                         f"not mark it a rollback", bundle=new.label)
-    allowed = {current.previous, *kept} - {None}
-    if new.version not in allowed:
-        raise Downgrade(f"version {new.version} is older than the running {current.version} and not its rollback "
-                        f"target ({', '.join(sorted(allowed, key=version_key)) or 'none'})", bundle=new.label)
+    if new.version not in kept:
+        raise Downgrade(f"version {new.version} is older than the running {current.version} and not its kept "
+                        f"N-1 ({', '.join(sorted(kept, key=version_key)) or 'none'})",
+                        bundle=new.label)
 
 
 def install_bundle(manifest: Manifest, fetch: Callable[[FileEntry], bytes], dest: Path, *,

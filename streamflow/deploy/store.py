@@ -5,7 +5,7 @@ Layout under the store's root::
     cache/<sha256[:2]>/<sha256>           every file fetched, by content (a file shared by two versions,
                                           or by two tasks, is fetched once)
     tasks/<task>/<version>/               an installed bundle (manifest.json, manifest.sig, files/...)
-    tasks/<task>/state.json               {"current": "3", "previous": "2"}
+    tasks/<task>/state.json               {"current": "3", "previous": "2", "highest": "3"}
     blocked.json                          manifest digests that failed on this device, with the reason
 
 Everything read back is verified again (:func:`~streamflow.deploy.bundle.load_installed`, and the
@@ -97,10 +97,12 @@ class ContentCache:
 
 @dataclass(frozen=True)
 class TaskState:
-    """Which installed version of a task runs, and the one before it (kept for a local rollback)."""
+    """Which installed version of a task runs, the one before it (kept for one rollback), and the highest version
+    ever accepted (never older than that again, but for that one rollback)."""
 
     current: str | None = None
     previous: str | None = None
+    highest: str | None = None
 
 
 class BundleStore:
@@ -125,8 +127,8 @@ class BundleStore:
         path = self.root / "tasks" / check_task_name(task) / "state.json"
         try:
             value = json.loads(path.read_text())
-            state = TaskState(value.get("current"), value.get("previous"))
-            for version in (state.current, state.previous):
+            state = TaskState(value.get("current"), value.get("previous"), value.get("highest"))
+            for version in (state.current, state.previous, state.highest):
                 if version is not None:
                     version_key(version)
             return state
@@ -137,8 +139,11 @@ class BundleStore:
             return TaskState()
 
     def set_state(self, task: str, current: str | None, previous: str | None) -> None:
+        """Record the running version and the kept N-1 (None: no rollback left); the highest only ever rises."""
         path = self.root / "tasks" / check_task_name(task) / "state.json"
-        write_atomically(path, json.dumps({"current": current, "previous": previous}).encode())
+        highest = max((v for v in (self.state(task).highest, current, previous) if v is not None),
+                      key=version_key, default=None)
+        write_atomically(path, json.dumps({"current": current, "previous": previous, "highest": highest}).encode())
 
     def installed(self, task: str) -> list[str]:
         """Versions of ``task`` on disk (complete installs only)."""

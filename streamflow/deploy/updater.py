@@ -6,9 +6,10 @@ On every app request the device tells the release server which task versions it 
 :meth:`Updater.apply`:
 
 1. fetches the manifest and its signature and verifies them with the trusted keys; checks that it is
-   the task and version the directive names, that it is not a downgrade other than an allowed
-   rollback (:func:`~streamflow.deploy.bundle.check_version`) and not a manifest that already failed
-   on this device;
+   the task and version the directive names, that it is not a downgrade other than the one allowed
+   rollback — to the kept N-1, once; never below the highest version accepted otherwise
+   (:func:`~streamflow.deploy.bundle.check_version`) — and not a manifest that already failed on this
+   device;
 2. installs its files into the store (shared files come from the cache when another version or task
    already brought them), each checked against its size and sha256;
 3. verifies the installed bundle again from disk, imports its job module under a module name of
@@ -359,7 +360,8 @@ class Updater:
                 raise DirectiveInvalid(f"the directive names {task}@{version} but its manifest is {manifest.label}",
                                        bundle=manifest.label)
         self._refuse_blocked(manifest)
-        check_version(manifest, running.manifest if running else None, rollback=action == "rollback", kept=kept)
+        check_version(manifest, running.manifest if running else None, rollback=action == "rollback", kept=kept,
+                      highest=state.highest)
         if not local:
             self.store.install(manifest, signature, source.fetch_file)
             manifest = self.store.load(task, version)  # what runs is what is on disk, verified there

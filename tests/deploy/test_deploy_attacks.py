@@ -217,3 +217,50 @@ def test_a_data_file_changed_on_disk_is_refused_at_run_time(tmp_path, counter_re
     errors = storage.query("SELECT error FROM task_errors")
     assert len(errors) == 3 and all("tampered" in str(e) or "sha256" in str(e) for (e,) in errors), errors
     storage.close()
+
+
+# -- item 6: rollback only to the kept N-1, once -------------------------------------------------------------
+def _directive(version: str, action: str = "update") -> dict:
+    return {"task": "counter", "version": version, "action": action, "manifest": "", "signature": ""}
+
+
+def test_repeated_rollback_directives_take_a_device_back_one_step_only(tmp_path, built, trusted):
+    storage = CollectiveStorage(tmp_path / "device.duckdb")
+    runner = DeviceRunner(Job("device"), storage)
+    client = DirectoryClient(tmp_path / "bundles")  # every old signed bundle is there to be replayed
+    updater = Updater(runner, client, trusted, tmp_path / "store", swap_timeout_s=10.0)
+    for version in ("3", "4"):
+        assert updater.apply([_directive(version)])[0].status == "installed"
+    assert updater.apply([_directive("3", "rollback")])[0].status == "rolled_back"  # the kept N-1
+    for version in ("2", "1"):  # each one step along the signed `previous` chain
+        [outcome] = updater.apply([_directive(version, "rollback")])
+        assert outcome.status == "refused" and outcome.reason.startswith("downgrade:"), outcome
+    assert updater.versions() == {"counter": "3"}
+    # after a restart too: no rollback left, and never below the highest version accepted but for that one step
+    runner.close()
+    again = Updater(DeviceRunner(Job("device"), storage), client, trusted, tmp_path / "store", swap_timeout_s=10.0)
+    assert [(o.version, o.status) for o in again.resume()] == [("3", "resumed")]
+    assert again.store.state("counter").highest == "4"
+    [outcome] = again.apply([_directive("2", "rollback")])
+    assert outcome.status == "refused" and "not its kept N-1 (none)" in outcome.reason
+    assert again.versions() == {"counter": "3"}
+    storage.close()
+
+
+def test_a_device_that_lost_its_version_is_not_provisioned_below_its_highest(tmp_path, built, trusted):
+    storage = CollectiveStorage(tmp_path / "device.duckdb")
+    runner = DeviceRunner(Job("device"), storage)
+    client = DirectoryClient(tmp_path / "bundles")
+    updater = Updater(runner, client, trusted, tmp_path / "store", swap_timeout_s=10.0)
+    assert updater.apply([_directive("3")])[0].status == "installed"
+    runner.close()
+    # both installed versions damaged on disk while the device was off: it restarts with the task gone
+    job = updater.store.bundle_dir("counter", "3") / FILES / "job.py"
+    job.chmod(0o600)
+    job.write_text("# damaged\n")
+    again = Updater(DeviceRunner(Job("device"), storage), client, trusted, tmp_path / "store", swap_timeout_s=10.0)
+    assert [o.status for o in again.resume()] == ["refused"]
+    [outcome] = again.apply([_directive("1")])  # an old signed bundle offered as a fresh install
+    assert outcome.status == "refused" and "older than 3, the highest this device has accepted" in outcome.reason
+    assert again.versions() == {}
+    storage.close()

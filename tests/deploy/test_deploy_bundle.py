@@ -289,21 +289,24 @@ def test_a_fetch_returning_more_than_declared_is_refused(built, trusted, tmp_pat
         install_bundle(manifest, lambda e: b"x" * (e.size + 10), tmp_path / "d")
 
 
-def test_downgrades_only_as_rollbacks_to_the_previous_version(built, trusted):
+def test_downgrades_only_as_rollbacks_to_the_kept_version(built, trusted):
     v1 = verify_manifest(*read_signed(built["v1"]), trusted)
     v2 = verify_manifest(*read_signed(built["v2"]), trusted)
     check_version(v2, v1)
     check_version(v2, None)
     with pytest.raises(Downgrade, match="counter@1: version 1 is older than the running 2 and the server did not"):
         check_version(v1, v2)
-    check_version(v1, v2, rollback=True)  # v2's signed `previous` is 1
+    with pytest.raises(Downgrade, match="not its kept N-1 \\(none\\)") as refused:
+        check_version(v1, v2, rollback=True)  # v2's signed `previous` is 1, but this device never ran it
+    assert refused.value.reason == "downgrade"
+    check_version(v1, v2, rollback=True, kept=["1"])  # the device ran 1 before 2: its N-1
     with pytest.raises(Downgrade, match="already running"):
         check_version(v2, v2)
     v3 = Manifest("counter", "3", "job.py", v2.files, v2.key_id, previous="2")
-    with pytest.raises(Downgrade, match="not its rollback target \\(2\\)") as refused:
-        check_version(v1, v3, rollback=True)
-    assert refused.value.reason == "downgrade"
-    check_version(v1, v3, rollback=True, kept=["1"])  # the device ran 1 before 3: its N-1
+    with pytest.raises(Downgrade, match="not its kept N-1 \\(2\\)"):
+        check_version(v1, v3, rollback=True, kept=["2"])
+    with pytest.raises(Downgrade, match="older than 3, the highest this device has accepted"):
+        check_version(v2, None, highest="3")
 
 
 def test_a_job_that_does_not_load_is_a_load_failure(make_repo, signing_key, trusted, tmp_path):

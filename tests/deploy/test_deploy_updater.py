@@ -247,8 +247,9 @@ def test_a_downgrade_that_is_not_a_rollback_is_refused(device):
     assert outcome.reason == ("downgrade: counter@1: version 1 is older than the running 2 and the server did not "
                               "mark it a rollback")
     assert updater.versions() == {"counter": "2"}
-    [rolled] = updater.apply([directive("1", "rollback")])  # 1 is v2's signed `previous`
-    assert rolled.status == "rolled_back"
+    [rolled] = updater.apply([directive("1", "rollback")])  # 1 is v2's signed `previous`, but never ran here
+    assert rolled.status == "refused" and "not its kept N-1 (none)" in rolled.reason
+    assert updater.versions() == {"counter": "2"}
 
 
 def test_a_limit_below_the_bundle_refuses_it(tmp_path, trusted, bundles):
