@@ -117,3 +117,73 @@ def test_a_store_written_with_the_old_table_names_is_moved_into_the_tunnel_schem
         assert store.query("SELECT count(*) FROM information_schema.tables WHERE table_name LIKE 'tunnel_%'") == [(0,)]
         assert store.apply([Batch("phone-1", "ipv", 0, _rows(0, 2))]).stored == 0  # numbers taken: not stored again
         assert store.apply([Batch("phone-1", "ipv", 2, _rows(2, 1))]).stored == 1
+
+
+# -- item 2: budgets at the door ----------------------------------------------------------------------------
+def _bomb(first_seq: int = 0, rows: int = 1 << 22, key: bytes = KEY) -> bytes:
+    """A signed envelope of a few hundred bytes whose rows (all null: a bitmap of zeros) decode to ``rows`` rows."""
+    return encode("phone-1", "ipv", first_seq, pa.table({"user_id": pa.nulls(rows, pa.string()),
+                                                         "n": pa.nulls(rows, pa.int64())}), key)
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_a_zstd_bomb_is_refused_over_budget_before_it_is_decoded(tmp_path):
+    """A 300-byte envelope claiming 4 M rows is refused from its header; one claiming 20,000 rows of 3,000 int
+    columns (240 MB decoded) from its schema; one whose zstd frame inflates past the bytes its rows may take
+    (a 60 MB frame in a 4 KB envelope) while it is being decompressed. The default budgets."""
+    wide = pa.table({f"c{i}": pa.nulls(20_000, pa.int64()) for i in range(3_000)})
+    padded = pa.table({"user_id": ["x" * (60 << 20)], "n": [1]})  # one row of 60 MB: zstd makes it ~2 KB
+    bombs = [_bomb(), encode("phone-1", "wide", 0, wide, KEY), encode("phone-1", "padded", 0, padded, KEY)]
+    assert len(bombs[0]) < 1_000 and len(bombs[2]) < 8_000  # (the wide one carries its 3,000-column schema)
+    before, started = _peak_rss_mb(), time.monotonic()
+    opened = [open_message("t", 0, i, bomb, KEYS) for i, bomb in enumerate(bombs)]
+    assert [getattr(o, "reason", None) for o in opened] == ["over_budget"] * 3
+    assert "4194304 rows claimed" in opened[0].detail
+    assert "would take at least" in opened[1].detail
+    assert "inflating past" in opened[2].detail or "claiming" in opened[2].detail
+    assert time.monotonic() - started < 2.0
+    assert _peak_rss_mb() - before < 100, "opening the bombs took memory"
+    assert opened[0].seqs == (0, 1 << 22)  # verified: the device and its numbers are known
+
+
+def test_a_consumer_polled_bombs_dead_letters_them_and_stores_the_rows_beside_them(tmp_path, kafka_bootstrap):
+    registry, topic = KeyRegistry(tmp_path / "keys.json"), _topic()
+    key = registry.add("phone-1")
+    ensure_topic(kafka_bootstrap, topic, partitions=1)
+    values = []
+    for i in range(4):
+        values += [encode("phone-1", "ipv", 10 * i, _rows(10 * i, 2), key), _bomb(10 * i + 2, key=key)]
+    _produce(kafka_bootstrap, topic, values)
+    before, started = _peak_rss_mb(), time.monotonic()
+    consumer = _consume(tmp_path / "cloud.duckdb", registry, topic, kafka_bootstrap, until=lambda s: s.messages >= 8)
+    assert (consumer.stats.stored, dict(consumer.stats.dead)) == (8, {"over_budget": 4})
+    assert time.monotonic() - started < 10
+    assert _peak_rss_mb() - before < 150
+
+
+def test_a_poll_stops_opening_messages_at_its_budget_and_the_next_poll_goes_on(tmp_path, kafka_bootstrap):
+    from connectors.tunnel.budget import Budget
+
+    registry, topic = KeyRegistry(tmp_path / "keys.json"), _topic()
+    key = registry.add("phone-1")
+    ensure_topic(kafka_bootstrap, topic, partitions=1)
+    _produce(kafka_bootstrap, topic, [encode("phone-1", "ipv", 3 * i, _rows(3 * i, 3), key) for i in range(10)])
+    consumer = CloudConsumer(tmp_path / "cloud.duckdb", registry, topic=topic, bootstrap=kafka_bootstrap,
+                             group_id=f"g-{uuid.uuid4().hex}", partitions=1, budget=Budget(max_rows_per_poll=5))
+    per_poll = []
+    try:
+        deadline = time.monotonic() + 20
+        while consumer.stats.stored < 30 and time.monotonic() < deadline:
+            stored = consumer.poll_once(0.2).stored
+            if stored:
+                per_poll.append(stored)
+    finally:
+        consumer.close()
+    assert sum(per_poll) == 30 and max(per_poll) <= 6  # the batch that passed the budget, then the poll stops
+    with duckdb.connect(str(tmp_path / "cloud.duckdb"), read_only=True) as con:
+        assert con.execute("SELECT count(DISTINCT seq) FROM ipv").fetchone() == (30,)

@@ -79,6 +79,8 @@ from connectors.storage import (
     quoted_list,
     registered,
 )
+from connectors.tunnel.budget import DEFAULT as DEFAULT_BUDGET
+from connectors.tunnel.budget import Budget
 from connectors.tunnel.cloud_tables import Tables
 from connectors.tunnel.envelope import Batch, EnvelopeError, Keys, Origin, decode
 from connectors.tunnel.kafka import (
@@ -124,6 +126,7 @@ class DeadLetter:
     device: str | None
     raw: bytes
     registrations: tuple[Registration, ...] = ()  # those a verified envelope carried
+    seqs: tuple[int, int] | None = None  # (first_seq, n_rows) of a verified envelope refused for what it holds
 
 
 @dataclass
@@ -631,21 +634,23 @@ def _folded(batch: Batch) -> Batch:
 def _dead_letter(batch: Batch, reason: str, detail: str) -> DeadLetter:
     origin = batch.origin or Origin("", -1, -1, b"")
     return DeadLetter(origin.topic, origin.partition, origin.offset, reason, detail, batch.device, origin.raw,
-                      batch.registrations)
+                      batch.registrations, (batch.first_seq, batch.rows.num_rows))
 
 
 def open_message(topic: str, partition: int, offset: int, value: bytes | None, keys: Keys,
-                 message_key: bytes | None = None, registry: Registry | None = None) -> Batch | DeadLetter:
+                 message_key: bytes | None = None, registry: Registry | None = None,
+                 budget: Budget = DEFAULT_BUDGET) -> Batch | DeadLetter:
     """A Kafka message as a verified :class:`Batch` (with its origin), or as a :class:`DeadLetter` saying why not.
 
     ``keys``: the device keys; ``registry``: the schemas and dictionaries known (it learns those the message
-    carries). A message key, if any (format-1 envelopes were keyed by device), must be the signed device.
+    carries); ``budget``: what opening it may cost (:mod:`.budget`). A message key, if any (format-1 envelopes
+    were keyed by device), must be the signed device.
     """
     try:
-        batch = replace(decode(value, keys, registry), origin=Origin(topic, partition, offset, bytes(value)))
+        batch = replace(decode(value, keys, registry, budget), origin=Origin(topic, partition, offset, bytes(value)))
     except EnvelopeError as exc:
         return DeadLetter(topic, partition, offset, exc.reason, str(exc), exc.device, bytes(value or b""),
-                          exc.registrations)
+                          exc.registrations, exc.seqs)
     if message_key is not None and message_key != batch.device.encode():
         return _dead_letter(batch, "bad_key", f"message key {message_key!r} is not the signed device {batch.device!r}")
     problem = schema_problem(batch.table, batch.rows.column_names)
@@ -672,8 +677,9 @@ class CloudConsumer:
                  bootstrap: str | None = None, group_id: str = "streamflow-cloud",
                  online_key: Sequence[str] = ("user_id",), max_records: int = 500, partitions: int = 4,
                  schemas: Mapping[str, Collection[str]] | None = None, idle_poll_s: float | None = 0.005,
-                 freeze_gc: bool = True, online_lag_s: float = DEFAULT_ONLINE_LAG_S):
+                 freeze_gc: bool = True, online_lag_s: float = DEFAULT_ONLINE_LAG_S, budget: Budget = DEFAULT_BUDGET):
         self.topic = topic
+        self.budget = budget
         self.freeze_gc = freeze_gc
         self._frozen = False
         self.idle_poll_s = idle_poll_s
@@ -757,21 +763,40 @@ class CloudConsumer:
         if not records:
             self.store.flush_online(due_only=True)
             return ApplyResult()
-        batches: list[Batch] = []
-        dead: list[DeadLetter] = []
-        offsets: dict[tuple[str, int], int] = {}
-        for tp, messages in records.items():
-            for m in messages:
-                opened = open_message(tp.topic, tp.partition, m.offset, m.value, self.registry, m.key,
-                                      self.store.registry)
-                (batches if isinstance(opened, Batch) else dead).append(opened)
-            offsets[(tp.topic, tp.partition)] = messages[-1].offset + 1
+        batches, dead, offsets, read = self._open(records)
         result = self.store.apply(batches, dead, offsets)
-        self._after_store(sum(len(m) for m in records.values()), offsets, result)
+        self._after_store(read, offsets, result)
         self.store.flush_online(due_only=True)
         if result.registered:
             self._recover()
         return result
+
+    def _open(self, records: dict[Any, list[Any]]) -> tuple[list[Batch], list[DeadLetter], dict[tuple[str, int], int],
+                                                            int]:
+        """Open the polled ``records`` until their rows or decoded bytes pass the poll's budget; the consumer is
+        moved back to the first message not opened of each partition (the next poll reads it). Returns the
+        batches, the dead letters, the next offset per partition and the number of messages opened."""
+        batches: list[Batch] = []
+        dead: list[DeadLetter] = []
+        offsets: dict[tuple[str, int], int] = {}
+        rows = size = read = 0
+        for tp, messages in records.items():
+            for m in messages:
+                if rows >= self.budget.max_rows_per_poll or size >= self.budget.max_bytes_per_poll:
+                    self._consumer.seek(tp, m.offset)  # the rest of this partition waits for the next poll
+                    log.debug("cloud: poll budget spent; %s resumes at %d", tp, m.offset)
+                    break
+                opened = open_message(tp.topic, tp.partition, m.offset, m.value, self.registry, m.key,
+                                      self.store.registry, self.budget)
+                if isinstance(opened, Batch):
+                    batches.append(opened)
+                    rows += opened.rows.num_rows
+                    size += opened.rows.nbytes
+                else:
+                    dead.append(opened)
+                offsets[(tp.topic, tp.partition)] = m.offset + 1
+                read += 1
+        return batches, dead, offsets, read
 
     def _poll(self, timeout_s: float) -> dict[Any, list[Any]]:
         """What the broker has, waiting up to ``timeout_s``.

@@ -27,10 +27,13 @@ Format 1, read (envelopes spooled by an older device) and written by :func:`enco
 
 Decoding checks, in this order, and raises :class:`EnvelopeError` with one of the :data:`REASONS`: size and
 magic (``garbage``), version (``bad_version``), header (``garbage``), device known to the key registry
-(``unknown_device``), signature (``bad_signature``), registrations (``bad_registration``: an id that does not
+(``unknown_device``), signature (``bad_signature``), the rows it claims within the cloud's budget
+(``over_budget``, :mod:`.budget`), registrations (``bad_registration``: an id that does not
 match its body, or a known id with another body), schema and dictionary known (``unknown_schema``: the
-cloud parks such an envelope and stores it once the registration arrives), payload (``bad_payload``).
-Nothing beyond the header is parsed before the signature checks out.
+cloud parks such an envelope and stores it once the registration arrives), the payload's decompressed and
+decoded size within the budget (``over_budget``), payload (``bad_payload``).
+Nothing beyond the header is parsed before the signature checks out, and nothing is decompressed or decoded
+beyond the budget.
 
 Example:
     >>> import pyarrow as pa
@@ -61,12 +64,14 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from connectors.tunnel import columns
+from connectors.tunnel.budget import DEFAULT, Budget
 from connectors.tunnel.keys import MAC_BYTES, KeyRegistry, device_tag, key_candidates, sign, verify
 from connectors.tunnel.registry import (
     DICTIONARY,
     ID_BYTES,
     KINDS,
     SCHEMA,
+    PayloadTooLarge,
     Registration,
     RegistrationError,
     Registry,
@@ -87,8 +92,8 @@ MAX_ROWS = 1 << 24
 _LEGACY_HEAD = struct.Struct(">3sB")
 _LEGACY_TAIL = struct.Struct(">QI")
 #: Why an envelope can be refused (the prefix of :class:`EnvelopeError`'s message).
-REASONS = ("garbage", "bad_version", "unknown_device", "bad_signature", "bad_registration", "unknown_schema",
-           "bad_payload")
+REASONS = ("garbage", "bad_version", "unknown_device", "bad_signature", "over_budget", "bad_registration",
+           "unknown_schema", "bad_payload")
 
 Keys = KeyRegistry | Mapping[str, bytes]
 
@@ -100,11 +105,13 @@ class EnvelopeError(ValueError):
     """
 
     def __init__(self, reason: str, detail: str, device: str | None = None,
-                 registrations: tuple[Registration, ...] = ()):
+                 registrations: tuple[Registration, ...] = (), seqs: tuple[int, int] | None = None):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.device = device
         self.registrations = registrations
+        #: (first_seq, n_rows) of a verified envelope refused for what it holds, else None
+        self.seqs = seqs
 
 
 @dataclass(frozen=True)
@@ -204,18 +211,18 @@ class _Header:
     registrations_at: int  # where the registrations (or the payload) start
 
 
-def decode(value: bytes | None, keys: Keys, registry: Registry | None = None) -> Batch:
+def decode(value: bytes | None, keys: Keys, registry: Registry | None = None, budget: Budget = DEFAULT) -> Batch:
     """Verify and open an envelope (either format).
 
     ``keys``: the device keys (a :class:`~connectors.tunnel.keys.KeyRegistry` or a device → key mapping);
     ``registry``: the schemas and dictionaries known so far, which learns those the envelope carries
-    (default: an empty one, so only a self-contained envelope opens).
+    (default: an empty one, so only a self-contained envelope opens); ``budget``: what opening it may cost.
     """
     if not isinstance(value, bytes | bytearray | memoryview):
         raise EnvelopeError("garbage", "no bytes (a null message)")
     value = bytes(value)
     if value[:3] == LEGACY_MAGIC:
-        return _decode_v1(value, keys)
+        return _decode_v1(value, keys, budget)
     head = _header(value)
     candidates = key_candidates(keys, head.tag)
     if not candidates:
@@ -226,23 +233,36 @@ def decode(value: bytes | None, keys: Keys, registry: Registry | None = None) ->
         claimed = candidates[0][0] if len(candidates) == 1 else None
         raise EnvelopeError("bad_signature", "HMAC does not match device " + (
             repr(claimed) if claimed else f"any of {sorted(d for d, _ in candidates)}"), claimed)
+    seqs = (head.first_seq, head.n_rows)
+    problem = budget.envelope_problem(head.n_rows)
+    if problem is not None:
+        raise EnvelopeError("over_budget", problem, device, seqs=seqs)
     registry = registry if registry is not None else Registry()
     inline, payload_at = _registrations(value, head, device)
     for registration in inline:
         try:
             registry.learn(device, registration)
         except RegistrationError as exc:
-            raise EnvelopeError("bad_registration", str(exc), device, inline) from exc
+            raise EnvelopeError("bad_registration", str(exc), device, inline, seqs) from exc
     schema = _known(registry, device, SCHEMA, head.schema_id, inline)
     dictionary = None if head.dictionary_id is None else _known(registry, device, DICTIONARY, head.dictionary_id,
                                                                  inline)
     body = signed[payload_at:]
     try:
-        payload = body if head.flags >> 6 == _NONE else decompress(body, dictionary)
+        payload = body if head.flags >> 6 == _NONE else decompress(body, dictionary, budget.payload_limit(head.n_rows))
+    except PayloadTooLarge as exc:
+        raise EnvelopeError("over_budget", f"payload of {head.n_rows} rows: {exc}", device, inline, seqs) from exc
+    except ValueError as exc:
+        raise EnvelopeError("bad_payload", f"signed payload of {schema.name} of table {schema.table}: {exc}", device,
+                            inline, seqs) from exc
+    problem = budget.decoded_problem(schema.schema, head.n_rows, len(payload))
+    if problem is not None:
+        raise EnvelopeError("over_budget", problem, device, inline, seqs)
+    try:
         rows = columns.decode(payload, schema.schema, head.n_rows, bool(head.flags & _N))
     except ValueError as exc:
         raise EnvelopeError("bad_payload", f"signed payload does not fit {schema.name} of table "
-                                           f"{schema.table}: {exc}", device, inline) from exc
+                                           f"{schema.table}: {exc}", device, inline, seqs) from exc
     return Batch(device, schema.table, head.first_seq, rows, mac, registrations=inline)
 
 
@@ -300,7 +320,9 @@ def _registrations(value: bytes, head: _Header, device: str) -> tuple[tuple[Regi
     return tuple(out), at
 
 
-def _decode_v1(value: bytes, keys: Keys) -> Batch:
+def _decode_v1(value: bytes, keys: Keys, budget: Budget) -> Batch:
+    # Format 1 is read for spools written before format 2; its Arrow IPC body is bounded by the message size
+    # and its row count by the budget (IPC buffer compression, which no device of ours wrote, is not bounded)
     if len(value) < _LEGACY_HEAD.size + 4 + _LEGACY_TAIL.size + MAC_BYTES:
         raise EnvelopeError("garbage", f"{len(value)} bytes is too short for an envelope")
     _, version = _LEGACY_HEAD.unpack_from(value)
@@ -327,6 +349,9 @@ def _decode_v1(value: bytes, keys: Keys) -> Batch:
     body, mac = value[:-MAC_BYTES], value[-MAC_BYTES:]
     if not verify(key, body, mac):
         raise EnvelopeError("bad_signature", f"HMAC does not match device {device!r}", device)
+    problem = budget.envelope_problem(n_rows)
+    if problem is not None:
+        raise EnvelopeError("over_budget", problem, device, seqs=(first_seq, n_rows))
     try:
         rows = pa.ipc.open_stream(body[at:]).read_all()
     except (pa.ArrowException, ValueError, OSError) as exc:

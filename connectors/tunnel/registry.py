@@ -50,6 +50,10 @@ MAX_PAYLOAD_BYTES = 64 << 20
 ZSTD_LEVEL = 3
 
 
+class PayloadTooLarge(ValueError):
+    """A zstd frame that claims, or inflates to, more bytes than it may."""
+
+
 class RegistrationError(ValueError):
     """A registration whose id does not match its body, whose body is unreadable, or that reuses a known id."""
 
@@ -185,15 +189,26 @@ def compress(payload: bytes, dictionary: Registration | None) -> bytes:
     return _codec_for(dictionary)[0].compress(payload)
 
 
-def decompress(frame: bytes, dictionary: Registration | None) -> bytes:
-    """The payload of a frame made by :func:`compress`; ``ValueError`` if it is not one or claims too much."""
+def decompress(frame: bytes, dictionary: Registration | None, limit: int = MAX_PAYLOAD_BYTES) -> bytes:
+    """The payload of a frame made by :func:`compress`; ``ValueError`` if it is not one, :class:`PayloadTooLarge`
+    if it claims or inflates to more than ``limit`` bytes (decompressed as a stream, never past ``limit`` + 1)."""
     import zstandard
 
+    limit = min(limit, MAX_PAYLOAD_BYTES)
     try:
         size = zstandard.get_frame_parameters(frame, format=zstandard.FORMAT_ZSTD1_MAGICLESS).content_size
-        if size > MAX_PAYLOAD_BYTES:  # also the "unknown" marker, 2**64 - 1: every frame states its size
-            raise ValueError(f"a zstd frame claiming {size} bytes (at most {MAX_PAYLOAD_BYTES})")
-        return _codec_for(dictionary)[1].decompress(frame)
+        if size > limit:  # also the "unknown" marker, 2**64 - 1: every frame states its size
+            raise PayloadTooLarge(f"a zstd frame claiming {size} bytes (at most {limit})")
+        out = bytearray()
+        with _codec_for(dictionary)[1].stream_reader(frame) as reader:
+            while len(out) <= limit:
+                chunk = reader.read(min(1 << 20, limit + 1 - len(out)))
+                if not chunk:
+                    break
+                out += chunk
+        if len(out) > limit:  # a frame whose content outgrows the size it states
+            raise PayloadTooLarge(f"a zstd frame inflating past {limit} bytes")
+        return bytes(out)
     except zstandard.ZstdError as exc:
         raise ValueError(f"not a zstd frame of this dictionary: {exc}") from exc
 

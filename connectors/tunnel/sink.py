@@ -52,6 +52,7 @@ from typing import Any
 import pyarrow as pa
 
 from connectors.storage import ROW_ENCODING_ERRORS, RowBuffer, check_table_name, to_json
+from connectors.tunnel.budget import MAX_ROWS_PER_ENVELOPE
 from connectors.tunnel.codebook import Codebook
 from connectors.tunnel.kafka import (
     CLIENT_TIMEOUTS,
@@ -105,8 +106,8 @@ class TunnelSink:
                  dictionary_rows: int = 1000, announce_every_s: float = 600.0):
         if compression not in COMPRESSION:
             raise ValueError(f"compression must be one of {', '.join(COMPRESSION)}, got {compression!r}")
-        if batch_rows < 1 or linger_s < 0:
-            raise ValueError("batch_rows must be >= 1 and linger_s >= 0")
+        if not 1 <= batch_rows <= MAX_ROWS_PER_ENVELOPE or linger_s < 0:
+            raise ValueError(f"batch_rows must be 1..{MAX_ROWS_PER_ENVELOPE} (the cloud's budget) and linger_s >= 0")
         self.device = check_device_id(device)
         self.topic = topic
         self.bootstrap = bootstrap_servers(bootstrap)
