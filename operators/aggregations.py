@@ -80,6 +80,21 @@ def _hash_check(self: Aggregation, item: Any) -> None:
     hash(self._read(item))
 
 
+def checked_field(check: Callable[[Any], None]) -> tuple[str, bool] | None:
+    """``(field name, hashed)`` when ``check`` (an aggregation's bound ``check``) only reads a named field,
+    and hashes it when ``hashed``: a runner may read it inline. ``None`` for any other check.
+
+    Example:
+        >>> checked_field(Max("ts").check), checked_field(Distinct("item_id").check), checked_field(Count().check)
+        (('ts', False), ('item_id', True), None)
+    """
+    function, owner = getattr(check, "__func__", None), getattr(check, "__self__", None)
+    field = getattr(owner, "field", None)
+    if function in (_read_check, _hash_check) and isinstance(field, str) and field:
+        return field, function is _hash_check
+    return None
+
+
 class Count(Aggregation):
     """Number of items. ``Count(where=lambda e: e.event_id == "buy")`` counts buys."""
 

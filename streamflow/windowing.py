@@ -43,13 +43,13 @@ import logging
 import math
 import os
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from connectors.storage import check_table_name, to_json
 from operators import Aggregate, Count, CountWindow, Filter, KeyBy, Map, Operator, Process, SessionWindow, TimeWindow
-from operators.aggregations import Aggregation
+from operators.aggregations import Aggregation, checked_field
 from operators.base import field_reader
 from operators.process import LATE, KeyedProcessFunction, ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from operators.window import to_millis, window_starts_ms
@@ -121,15 +121,57 @@ class StreamPlan:
         return CountWindows(window, self.aggregate, key_name)
 
 
-def apply_elementwise(ops: Sequence[Filter | Map], item: Any) -> Any | None:
-    """``item`` through Filter/Map operators, or ``None`` if a Filter drops it."""
-    for op in ops:
-        if isinstance(op, Filter):
-            if not op.predicate(item):
-                return None
+def elementwise(ops: Sequence[Filter | Map]) -> Callable[[Any], Any]:
+    """Filter/Map operators as one function: ``item`` through them, or ``None`` if a Filter drops it.
+
+    Generated once per chain (each step a direct call, no loop over operators and no type test per item);
+    its frames count as the runner's, so a failure's traceback starts in the user's function.
+
+    Example:
+        >>> steps = elementwise([Filter(lambda x: x > 0), Map(lambda x: x * 10)])
+        >>> steps(2), steps(-1)
+        (20, None)
+    """
+    namespace: dict[str, Any] = {}
+    lines = ["def steps(item):", *_step_lines(ops, "s", namespace, "    ", ["return None"]), "    return item"]
+    return _generated("steps", lines, namespace)
+
+
+def _step_lines(ops: Sequence[Filter | Map], prefix: str, namespace: dict[str, Any], indent: str,
+                dropped: list[str]) -> list[str]:
+    """Source lines taking ``item`` through ``ops`` (their functions go into ``namespace`` as ``prefix{i}``);
+    a Filter that drops it runs the ``dropped`` lines."""
+    lines = []
+    for i, op in enumerate(ops):
+        maps, fn = op.row_step
+        namespace[f"{prefix}{i}"] = fn
+        if maps:
+            lines.append(f"{indent}item = {prefix}{i}(item)")
         else:
-            item = op.fn(item)
-    return item
+            lines += [f"{indent}if not {prefix}{i}(item):", *(f"{indent}    {line}" for line in dropped)]
+    return lines
+
+
+def _generated(name: str, lines: list[str], namespace: dict[str, Any]) -> Callable[..., Any]:
+    """The function ``name`` defined by ``lines`` (whose source holds only indices and ``repr``'d names), run
+    with ``namespace`` as its globals; its frames count as the runner's (see :meth:`Failure.of`)."""
+    exec(compile("\n".join(lines), _GENERATED, "exec"), namespace)
+    return namespace[name]
+
+
+_EVENT_ATTRIBUTES = frozenset(("user_id", "event_id", "page_id", "ts", "contents"))
+
+
+def _read_expression(spec: Any, name: str, namespace: dict[str, Any]) -> str:
+    """An expression reading field ``spec`` of ``item``, what ``field_reader(spec)(item)`` gives: an
+    :class:`Event`'s own attribute is read as one (``event[name]`` is a method call), anything else with
+    ``item[name]``; a function ``spec`` goes into ``namespace`` as ``name`` and is called."""
+    if isinstance(spec, str) and spec in _EVENT_ATTRIBUTES:
+        return f"(item.{spec} if type(item) is Event else item[{spec!r}])"
+    if isinstance(spec, str) and spec:
+        return f"item[{spec!r}]"
+    namespace[name] = field_reader(spec)
+    return f"{name}(item)"
 
 
 class _AggregatingWindows(KeyedProcessFunction):
@@ -445,6 +487,7 @@ def late_row(task: str, ts: float, item: Any) -> dict[str, Any]:
 #: step (operator instance) says so itself, and the writer marks the task quarantined in the summary.
 QUARANTINED = "__quarantined__"
 _RUNNER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_GENERATED = _RUNNER_DIR + "<generated steps>"  # a frame of the runner's (see Failure.of)
 _NO_KEY = object()
 
 
@@ -560,45 +603,63 @@ class StreamInput:
 
     def __init__(self, task: str, plan: StreamPlan, quarantine_after: int = 5):
         self.task = task
-        self.before_key, self.before_window = plan.before_key, plan.before_window
-        self.read_key = field_reader(plan.key_by.key)
-        self.read_ts = field_reader(plan.ts) if plan.ts is not None else None
-        aggregations = plan.aggregate.aggregations.values() if plan.aggregate is not None else ()
-        self.checks = [check for agg in aggregations if (check := _item_check(agg)) is not None]
         self.streak = Streak(quarantine_after)
         self.out: list[tuple[str, dict[str, Any]]] = []
+        self.plan = plan
+        self.step = self._generate(plan)
 
-    def step(self, event: Any) -> tuple[Any, Any, int | None] | None:
-        streak = self.streak
-        if streak.quarantined:
-            return None
-        key, ts_ms, item = _NO_KEY, None, event
-        try:
-            if self.before_key:
-                item = apply_elementwise(self.before_key, item)
-                if item is None:
-                    streak.failures = 0
-                    return None
-            key = self.read_key(item)
-            hash(key)  # a key must be hashable: keyed state is held by key
-            if self.before_window:
-                item = apply_elementwise(self.before_window, item)
-                if item is None:
-                    streak.failures = 0
-                    return None
-            if self.read_ts is not None:
-                ts_ms = to_millis(self.read_ts(item))
-            for where, check in self.checks:
-                if (where is None or where(item)) and check is not None:
-                    check(item)
-        except Exception as exc:
-            row = stream_error_row(self.task, exc, event, key)
-            self.out.append((TASK_ERRORS_TABLE, row))
-            if streak.failed(self.task, row):
-                self.out.append((QUARANTINED, {"task": self.task}))
-            return None
-        streak.failures = 0
-        return key, item, ts_ms
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: value for name, value in self.__dict__.items() if name != "step"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Generated again where it runs (a Flink worker): its globals refer to this object and module.
+        self.__dict__.update(state)
+        self.step = self._generate(self.plan)
+
+    def _generate(self, plan: StreamPlan) -> Callable[[Any], tuple[Any, Any, int | None] | None]:
+        """``step``: the steps as one generated function (a step per line, fields read inline)."""
+        namespace: dict[str, Any] = {"streak": self.streak, "failed": self._failed, "Event": Event,
+                                     "NO_KEY": _NO_KEY}
+        skip = ["streak.failures = 0", "return None"]
+        lines = ["def step(event):", "    if streak.quarantined:", "        return None",
+                 "    key, ts_ms, item = NO_KEY, None, event", "    try:"]
+        if plan.before_key:
+            lines += [*_step_lines(plan.before_key, "b", namespace, "        ", skip),
+                      "        if item is None:", *(f"            {line}" for line in skip)]
+        lines += [f"        key = {_read_expression(plan.key_by.key, 'read_key', namespace)}",
+                  "        hash(key)"]  # a key must be hashable: keyed state is held by key
+        if plan.before_window:
+            lines += [*_step_lines(plan.before_window, "w", namespace, "        ", skip),
+                      "        if item is None:", *(f"            {line}" for line in skip)]
+        if plan.ts is not None:
+            read_ts = _read_expression(plan.ts, "read_ts", namespace)
+            lines.append(f"        ts_ms = round({read_ts} * 1000)")  # to_millis, inline
+        aggregations = plan.aggregate.aggregations.values() if plan.aggregate is not None else ()
+        for i, (where, check) in enumerate(filter(None, map(_item_check, aggregations))):
+            indent = "        "
+            if where is not None:
+                namespace[f"where{i}"] = where
+                lines.append(f"        if where{i}(item):")
+                indent += "    "
+            if check is None:
+                lines.append(f"{indent}pass")
+                continue
+            reads = checked_field(check)
+            if reads is not None:  # the check reads a named field (and hashes it): inline
+                read = _read_expression(reads[0], f"read{i}", namespace)
+                lines.append(f"{indent}{'hash(' + read + ')' if reads[1] else read}")
+            else:
+                namespace[f"check{i}"] = check
+                lines.append(f"{indent}check{i}(item)")
+        lines += ["    except Exception as exc:", "        failed(exc, event, key)", "        return None",
+                  "    streak.failures = 0", "    return key, item, ts_ms"]
+        return _generated("step", lines, namespace)
+
+    def _failed(self, exc: Exception, event: Any, key: Any) -> None:
+        row = stream_error_row(self.task, exc, event, key)
+        self.out.append((TASK_ERRORS_TABLE, row))
+        if self.streak.failed(self.task, row):
+            self.out.append((QUARANTINED, {"task": self.task}))
 
 
 class GuardedFunction(KeyedProcessFunction):
@@ -685,7 +746,7 @@ class StreamOutput:
     def __init__(self, task: str, sink: str, plan: StreamPlan, quarantine_after: int = 5):
         self.task = task
         self.sink = sink
-        self.after = plan.after_window
+        self.after = elementwise(plan.after_window) if plan.after_window else None
         self.key_name = plan.key_by.name
         self.read_ts = field_reader(plan.ts) if plan.ts is not None else None
         self.streak = Streak(quarantine_after)
@@ -697,7 +758,7 @@ class StreamOutput:
             if streak.quarantined:
                 return
             try:
-                row = apply_elementwise(self.after, value) if self.after else value
+                row = self.after(value) if self.after is not None else value
             except Exception as exc:
                 self._failed(exc, value, sides)
                 return
@@ -776,6 +837,38 @@ class StreamTaskRun:
             return [], self._failures(self.input.out) if self.input.out else []
         return self._split(self.runtime.process(*entry))
 
+    def process_block(self, items: list[Any]) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]],
+                                                         list[tuple[Any, Exception]]]:
+        """:meth:`process` for each item in order, the rows and side rows of all of them in their order, and
+        ``(item, exception)`` for an item whose processing raised past its steps' own handling (a backstop:
+        the runner reports it; the items after it go on).
+
+        Example:
+            >>> from operators import Count
+            >>> from streamflow.job import Task
+            >>> run = StreamTaskRun(Task("n", None, [KeyBy("user"), TimeWindow(10), Aggregate(n=Count())],
+            ...                          input="stream"))
+            >>> run.process_block([{"user": "u", "ts": 1.0}, {"user": "u", "ts": 12.0}, {"user": "u", "ts": 2.0}])
+            ([{'user': 'u', 'window_start': 0.0, 'window_end': 10.0, 'n': 1}], [('late_events', {'task': 'n', \
+'ts': 2.0, 'item': '{"ts": 2.0, "user": "u"}'})], [])
+        """
+        rows: list[dict[str, Any]] = []
+        sides: list[tuple[str, Any]] = []
+        failed: list[tuple[Any, Exception]] = []
+        step, process, route, out = self.input.step, self.runtime.process, self.output.route, self.input.out
+        for item in items:
+            try:
+                entry = step(item)
+                if entry is None:
+                    if out:
+                        sides += self._failures(out)
+                    continue
+                for tag, value in process(*entry):
+                    route(tag, value, rows, sides)
+            except Exception as exc:
+                failed.append((item, exc))
+        return rows, self._quarantines(sides), failed
+
     def finish(self) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
         """End of input: the rows of every window still open (the final watermark's timers)."""
         rows, sides = self._split(self.runtime.finish())
@@ -810,7 +903,11 @@ class StreamTaskRun:
         route = self.output.route
         for tag, value in outputs:
             route(tag, value, rows, sides)
+        return rows, self._quarantines(sides)
+
+    def _quarantines(self, sides: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """``sides`` without the :data:`QUARANTINED` records, which mark the task quarantined."""
         if sides and any(table == QUARANTINED for table, _ in sides):
             self.quarantined = True
-            sides = [record for record in sides if record[0] != QUARANTINED]
-        return rows, sides
+            return [record for record in sides if record[0] != QUARANTINED]
+        return sides

@@ -466,6 +466,10 @@ class DeviceRunner:
         block's first record was asked for) to the block's rows handed to storage (a buffer flush, when
         one happens, is inside it). A live stream whose events arrive one by one wants ``block_size=1``.
         """
+        if len(self._streams) == 1 and not (self.execution.tasks or self._hooks or self._swaps
+                                            or self.latencies_s is not None):
+            self._stream_block(records)  # a job of one stream task: its tables are its own
+            return
         if self._streams or self._hooks or self._swaps:
             # Rows are held and written once per table at the end of the block, unless something watches
             # each event's effect (a hook, a swap on probation, latency recording).
@@ -496,6 +500,20 @@ class DeviceRunner:
                 self.latencies_s.extend([time.perf_counter() - self._block_started] * len(outputs))
         if self.latencies_s is not None:
             self._block_started = time.perf_counter()
+
+    def _stream_block(self, records: list[Event | Rejected]) -> None:
+        """The block through the job's one stream task in one call; its rows and side rows are written once
+        per table, in their order (:meth:`process` for each event writes the same rows)."""
+        check = None if self._prechecked else self.guard.check
+        events = [record for record in records if type(record) is Event] if check is None else None
+        if events is None or len(events) != len(records):
+            events = self._accept(records, check)
+        self.summary.events_in += len(events)
+        (stream,) = self._streams.values()
+        rows, sides, failed = stream.process_block(events)
+        self._write_stream(stream, rows, sides)
+        for event, exc in failed:
+            self._stream_failed(stream, event, exc)
 
     def _accept(self, records: list[Event | Rejected], check: Callable[[str, float], str | None] | None
                 ) -> list[Event]:
@@ -561,14 +579,15 @@ class DeviceRunner:
             stats.fired += len(rows)
             stats.rows += len(rows)
             self._write(stream.sink, rows)
-        failed = False
-        for table, row in sides:
-            if table == TASK_ERRORS_TABLE and row.get("task") == stream.name:  # as Flink's writer counts them
-                self.summary.task_stats[stream.name].errors += 1
-                failed = True
-            self._write(table, [row])
-        if failed:
+        if not sides:
+            return
+        by_table = rows_by_output(sides)
+        for table, table_rows in by_table.items():
+            self._write(table, table_rows)
+        errors = sum(1 for row in by_table.get(TASK_ERRORS_TABLE, ()) if row.get("task") == stream.name)
+        if errors:  # as Flink's writer counts them
             stats = self.summary.task_stats[stream.name]
+            stats.errors += errors
             stats.consecutive_errors = stream.consecutive_errors
             stats.quarantined = stats.quarantined or stream.quarantined
 
