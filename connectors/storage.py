@@ -98,9 +98,23 @@ def to_json(value: Any, sort_keys: bool = False) -> str:
     for prepare in (_same, _string_keys):
         try:
             return encode(prepare(value))
-        except (TypeError, ValueError, RecursionError):
+        except JSON_ERRORS:
             pass
     return json.dumps(_SAFE_REPR.repr(value))
+
+
+def encode_json(value: Any, sort_keys: bool = False) -> str:
+    """``json.dumps(value, default=str, sort_keys=sort_keys)``, or one of :data:`JSON_ERRORS` (where
+    :func:`to_json` tries further); the encoder is built once.
+
+    Example:
+        >>> encode_json({"b": 1, "a": {2}}, sort_keys=True)
+        '{"a": "{2}", "b": 1}'
+    """
+    return (_SORTED_JSON if sort_keys else _JSON)(value)
+
+
+JSON_ERRORS = (TypeError, ValueError, RecursionError)
 
 
 def _encoder(sort_keys: bool) -> Callable[[Any], str]:
@@ -353,7 +367,7 @@ _NUMERIC = {"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "
             "UHUGEINT", "FLOAT", "DOUBLE"}
 
 
-def _numbers(column_type: str) -> str | None:
+def number_shape(column_type: str) -> str | None:
     """The shape of a number, or of a list or array of numbers (``""`` for ``BIGINT`` or ``DECIMAL(9,2)``,
     ``"[]"`` for ``DOUBLE[]``, ``"[768]"`` for ``FLOAT[768]``); ``None`` for any other type."""
     shape = re.search(r"(\[\d*\])*$", column_type).group()
@@ -402,12 +416,13 @@ def ensure_columns(con: duckdb.DuckDBPyConnection, table: str, relation: str, co
             con.execute(f"ALTER TABLE {quoted_table} ADD COLUMN {quote_identifier(name)} {new}")
             known.add(name)
             known.types[name] = new
-        elif new != old and _numbers(new) is not None and _numbers(new) == _numbers(old):
+        elif new != old and number_shape(new) is not None and number_shape(new) == number_shape(old):
             wider = con.execute(f"SELECT typeof(x) FROM (SELECT NULL::{old} AS x UNION ALL SELECT NULL::{new})"
                                 ).fetchone()[0]
             if wider != old:
                 con.execute(f"ALTER TABLE {quoted_table} ALTER COLUMN {quote_identifier(name)} SET DATA TYPE {wider}")
                 known.types[name] = wider
+                known.shapes.clear()  # a batch shaped as before now needs the cast it did not need then
     if shape is not None:
         known.shapes.add(shape)
 

@@ -22,9 +22,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _json_text
 from operator import attrgetter
 from typing import Any
 
+from connectors.storage import JSON_ERRORS, encode_json, to_json
 from operators.process import ValueStateDescriptor
 from streamflow.keyed import KeyedStore
 
@@ -91,6 +93,25 @@ class Event:
         # A plain constructor call pickles several times faster than the slots dataclass default,
         # and runners that keep sequences in keyed state (Flink) pickle them on every event.
         return Event, (self.user_id, self.event_id, self.page_id, self.ts, self.contents)
+
+    def to_sorted_json(self) -> str:
+        """``to_json(self.to_dict(), sort_keys=True)`` (a late event's ``item``), the same text built from the
+        fields: only ``contents`` goes through the JSON encoder (a late event costs ~2 us less).
+
+        Example:
+            >>> Event("u1", "fav", "item", 1.5, {"item_id": "7", "a": [1]}).to_sorted_json()
+            '{"contents": {"a": [1], "item_id": "7"}, "event_id": "fav", "page_id": "item", "ts": 1.5, "user_id": "u1"}'
+        """
+        user, kind, page, ts = self.user_id, self.event_id, self.page_id, self.ts
+        if type(user) is str and type(kind) is str and type(page) is str and type(ts) is float and ts - ts == 0:
+            try:
+                contents = encode_json(self.contents, sort_keys=True)
+            except JSON_ERRORS:
+                pass
+            else:  # json writes a finite float as its repr, a str as encode_basestring_ascii does
+                return (f'{{"contents": {contents}, "event_id": {_json_text(kind)}, "page_id": {_json_text(page)}, '
+                        f'"ts": {ts!r}, "user_id": {_json_text(user)}}}')
+        return to_json(self.to_dict(), sort_keys=True)
 
     def to_dict(self) -> dict[str, Any]:
         """The event as a plain dict (for JSON lines and dead-letter records)."""

@@ -479,6 +479,8 @@ def window_row(key_name: str, key: Any, start: float, end: float, results: dict[
 
 def late_row(task: str, ts: float, item: Any) -> dict[str, Any]:
     """The late side output's row for an item no window would take."""
+    if type(item) is Event:
+        return {"task": task, "ts": ts, "item": item.to_sorted_json()}
     body = item.to_dict() if hasattr(item, "to_dict") else item
     return {"task": task, "ts": ts, "item": to_json(body, sort_keys=True)}
 
