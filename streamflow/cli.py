@@ -200,7 +200,7 @@ def tunnel_keys(action: Literal["add", "list", "remove"], device: Annotated[str 
 
 @tunnel_app.command("consume", help="store the features topic in a cloud DuckDB (consumer group)")
 def tunnel_consume(
-    db: Annotated[str, typer.Option(help="cloud DuckDB file (offline tables, <table>_online, tunnel_dead_letter)")],
+    db: Annotated[str, typer.Option(help="cloud DuckDB file (offline tables, <table>_online, tunnel.dead_letter)")],
     topic: str = tunnel_commands.DEFAULT_TOPIC,
     group: Annotated[str, typer.Option(help="consumer group id")] = "streamflow-cloud",
     online_key: Annotated[str, typer.Option(help="comma-separated columns keying the online tables")] = "user_id",
@@ -215,9 +215,12 @@ def tunnel_consume(
     key_registry: KeyRegistryOption = None,
     online_lag_ms: Annotated[float, typer.Option(min=0, help="python: the online tables follow the offline ones "
                              "within about this; 0 upserts them in the transaction that stores the rows")] = 100.0,
+    schema: Annotated[str | None, typer.Option(metavar="FILE.json", help="declared tables, columns and types: "
+                      '{"ipv": {"user_id": "VARCHAR", "dwell_s": "DOUBLE"}}; other tables and columns are refused, '
+                      "and a value its declared type would change is refused by row")] = None,
 ) -> int:
     return tunnel_commands.consume(db, topic, group, online_key, idle_timeout, runner, cluster, parallelism,
-                                   key_registry, online_lag_ms / 1000)
+                                   key_registry, online_lag_ms / 1000, schema)
 
 
 @app.command("serve", help="the serving worker (faust-streaming): answer serve.requests with a zoo model chosen "

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import socket
@@ -110,11 +111,13 @@ def keys(action: str, device: str | None, key_registry: str | None) -> int:
 
 
 def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: float | None, runner: str,
-            cluster: str | None, parallelism: int, key_registry: str | None, online_lag_s: float = 0.1) -> int:
+            cluster: str | None, parallelism: int, key_registry: str | None, online_lag_s: float = 0.1,
+            schema: str | None = None) -> int:
     """``streamflow tunnel consume``: the features topic into a cloud DuckDB."""
     columns = [c for c in online_key.split(",") if c]
+    schemas = read_schemas(schema) if schema else None
     if runner == "flink":
-        return _consume_on_flink(db, topic, group, columns, cluster, parallelism, key_registry)
+        return _consume_on_flink(db, topic, group, columns, cluster, parallelism, key_registry, schemas)
     from connectors.tunnel.cloud import CloudConsumer
 
     registry = KeyRegistry(key_registry)
@@ -122,7 +125,7 @@ def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: floa
         print(f"streamflow: warning: the key registry {registry.path} is empty; every batch will be dead-lettered",
               file=sys.stderr)
     consumer = CloudConsumer(Path(db), registry, topic=topic, group_id=group, online_key=columns,
-                             online_lag_s=online_lag_s)
+                             online_lag_s=online_lag_s, schemas=schemas)
     print(f"consuming {topic} from {bootstrap_servers()} into {db} (group {group})", file=sys.stderr)
     try:
         stats = consumer.run(idle_timeout_s=idle_timeout, retry_for_s=settings().consumer_retry_s)
@@ -136,14 +139,27 @@ def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: floa
     return 0
 
 
+def read_schemas(path: str) -> dict[str, dict[str, str]]:
+    """The declared tables of ``tunnel consume --schema FILE``: ``{table: {column: DuckDB type}}``."""
+    try:
+        schemas = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--schema {path}: {exc}") from exc
+    if not isinstance(schemas, dict) or not all(
+            isinstance(columns, dict) and all(isinstance(t, str) for t in columns.values())
+            for columns in schemas.values()):
+        raise ValueError(f'--schema {path}: expected {{"table": {{"column": "TYPE", ...}}, ...}}')
+    return schemas
+
+
 def _consume_on_flink(db: str, topic: str, group: str, online_key: list[str], cluster: str | None,
-                      parallelism: int, key_registry: str | None) -> int:
+                      parallelism: int, key_registry: str | None, schemas: dict[str, dict[str, str]] | None) -> int:
     try:
         from streamflow.flink.tunnel import run_flink_features
     except ImportError as exc:
         raise ValueError(str(exc)) from exc
     summary = run_flink_features(topic, db, key_registry, group_id=group, cluster=cluster,
-                                 parallelism=parallelism, online_key=online_key)
+                                 parallelism=parallelism, online_key=online_key, schemas=schemas)
     print(f"cloud (flink): {summary.messages} messages, {summary.stored} rows stored, {summary.duplicates} "
           f"duplicates dropped, {summary.dead} dead letters {dict(summary.dead_reasons)}")
     return 0

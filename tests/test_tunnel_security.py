@@ -187,3 +187,79 @@ def test_a_poll_stops_opening_messages_at_its_budget_and_the_next_poll_goes_on(t
     assert sum(per_poll) == 30 and max(per_poll) <= 6  # the batch that passed the budget, then the poll stops
     with duckdb.connect(str(tmp_path / "cloud.duckdb"), read_only=True) as con:
         assert con.execute("SELECT count(DISTINCT seq) FROM ipv").fetchone() == (30,)
+
+
+# -- strict types: values stored as sent (issue 25 item 2, issue 26 item 9) ---------------------------------
+def _opened(first_seq: int, rows: pa.Table, table: str = "t", offset: int = 0):
+    return open_message("topic", 0, offset, encode("phone-1", table, first_seq, rows, KEY), KEYS)
+
+
+def test_a_value_its_column_would_change_sends_its_row_to_the_dead_letter_and_the_rows_beside_it_are_stored(tmp_path):
+    """``rid`` is BIGINT (the first batch's integers): the string '-31' was stored as -31 (issue 25); now its row
+    is a ``bad_value`` dead letter with the reason, and the NULL beside it is stored. Floats widen the column to
+    DOUBLE (nothing lost, as the device's own storage does), after which an integer past 2**53 is refused."""
+    with CloudStore(tmp_path / "c.duckdb") as store:
+        assert store.apply([_opened(0, pa.table({"user_id": ["a"], "rid": [5]}))]).stored == 1
+        strings = store.apply([_opened(1, pa.table({"user_id": ["b", "c"], "rid": ["-31", None]}), offset=1)])
+        assert strings.stored == 1 and [d.reason for d in strings.dead_letters] == ["bad_value"]
+        assert strings.dead_letters[0].detail == "seq 1, column rid: '-31' (VARCHAR) is not a BIGINT"
+        assert b'"rid":"-31"' in strings.dead_letters[0].raw.replace(b" ", b"")
+        floats = store.apply([_opened(3, pa.table({"user_id": ["d"], "rid": [-32.7]}))])
+        assert floats.stored == 1 and not floats.dead_letters
+        huge = store.apply([_opened(4, pa.table({"user_id": ["e", "f"], "rid": [2**53 + 1, 7]}))])
+        assert huge.stored == 1
+        assert "9007199254740993 (BIGINT) is not a DOUBLE without loss" in huge.dead_letters[0].detail
+        assert store.query("SELECT seq, rid, typeof(rid) FROM t ORDER BY seq") == [
+            (0, 5.0, "DOUBLE"), (2, None, "DOUBLE"), (3, -32.7, "DOUBLE"), (5, 7.0, "DOUBLE")]
+        assert store.query("SELECT reason, device_id FROM tunnel.dead_letter") == [("bad_value", "phone-1")] * 2
+
+
+def test_declared_column_types_are_enforced_whoever_writes_first(tmp_path):
+    """A device creating ``dwell_s`` as BOOLEAN typed it for everyone, and a good device's 3.5 was stored as True
+    (issue 26, item 9). With declared types the column is DOUBLE from the start; a lossy value (a float into
+    BIGINT, 300 into TINYINT, a string into a number, a boolean into DOUBLE) is refused row by row."""
+    schemas = {"t": {"user_id": "VARCHAR", "rid": "BIGINT", "dwell_s": "double", "small": "TINYINT"}}
+    with CloudStore(tmp_path / "c.duckdb", schemas=schemas) as store:
+        evil = store.apply([_opened(0, pa.table({"user_id": ["x"], "dwell_s": [True]}))])
+        assert evil.stored == 0 and "True (BOOLEAN) is not a DOUBLE" in evil.dead_letters[0].detail
+        good = store.apply([_opened(1, pa.table({"user_id": ["a", "b", "c", "d"], "dwell_s": [3.5, 1.0, 2.0, 4.0],
+                                                 "rid": [4.0, -32.7, 8.0, 9.0], "small": [7, 7, 300, 7]}))])
+        assert good.stored == 2
+        assert sorted(d.detail for d in good.dead_letters) == [
+            "seq 2, column rid: -32.7 (DOUBLE) is not a BIGINT without loss",
+            "seq 3, column small: 300 (BIGINT) is not a TINYINT without loss"]
+        assert store.query("SELECT seq, dwell_s, rid, small FROM t ORDER BY seq") == [(1, 3.5, 4, 7), (4, 4.0, 9, 7)]
+        assert store.query("SELECT column_name, column_type FROM (DESCRIBE t) WHERE column_name IN "
+                           "('dwell_s', 'rid', 'small') ORDER BY 1") == [
+            ("dwell_s", "DOUBLE"), ("rid", "BIGINT"), ("small", "TINYINT")]
+        store.flush_online()
+        assert store.query("SELECT typeof(rid) FROM t_online LIMIT 1") == [("BIGINT",)]
+
+
+def test_a_declared_type_is_given_to_a_column_a_first_writer_typed_before(tmp_path):
+    db = tmp_path / "c.duckdb"
+    with CloudStore(db) as store:
+        store.apply([_opened(0, pa.table({"user_id": ["x"], "dwell_s": [True]}))])
+    with CloudStore(db, schemas={"t": {"user_id": "VARCHAR", "dwell_s": "DOUBLE"}}) as store:
+        result = store.apply([_opened(1, pa.table({"user_id": ["a"], "dwell_s": [3.5]}))])
+        assert (result.stored, result.dead) == (1, 0)
+        assert store.query("SELECT seq, dwell_s FROM t ORDER BY seq") == [(0, 1.0), (1, 3.5)]
+
+
+def test_a_declared_type_that_is_no_type_is_refused_at_start(tmp_path):
+    with pytest.raises(ValueError, match="not a"):
+        CloudStore(tmp_path / "c.duckdb", schemas={"t": {"n": "BIGINT); DROP TABLE t; --"}})
+
+
+def test_the_consumer_refuses_by_row_what_a_device_sent_in_the_wrong_type(tmp_path, kafka_bootstrap):
+    """The issue-25 case through the broker: a signed batch with the string '-31' in an integer column."""
+    registry, topic = KeyRegistry(tmp_path / "keys.json"), _topic()
+    key = registry.add("phone-1")
+    ensure_topic(kafka_bootstrap, topic, partitions=1)
+    _produce(kafka_bootstrap, topic, [encode("phone-1", "ipv", 0, pa.table({"user_id": ["a"], "rid": [1]}), key),
+                                      encode("phone-1", "ipv", 1, pa.table({"user_id": ["b", "c"],
+                                                                            "rid": ["-31", "2"]}), key)])
+    consumer = _consume(tmp_path / "cloud.duckdb", registry, topic, kafka_bootstrap, until=lambda s: s.messages >= 2)
+    assert (consumer.stats.stored, dict(consumer.stats.dead)) == (1, {"bad_value": 2})
+    with duckdb.connect(str(tmp_path / "cloud.duckdb"), read_only=True) as con:
+        assert con.execute("SELECT seq, rid FROM ipv").fetchall() == [(0, 1)]

@@ -35,6 +35,10 @@ What may reach SQL: every name built into a statement is quoted (:func:`connecto
 and a batch whose table or column names are not plain identifiers, or fall outside the declared
 ``schemas``, is dead-lettered as ``bad_schema`` before any SQL (:func:`schema_problem`).
 
+Values are stored as sent (:mod:`.strict`): a value its column's type would change (declared in ``schemas``
+as ``{table: {column: type}}``, else the type the column already has) sends its row to the dead letter
+``bad_value`` with the reason; the rows beside it are stored.
+
 Example (no broker needed for the store):
     >>> import os, tempfile, pyarrow as pa
     >>> from connectors.tunnel.envelope import Batch
@@ -75,10 +79,13 @@ from connectors.storage import (
     batch_shape,
     ensure_columns,
     is_identifier,
+    number_shape,
     quote_identifier,
     quoted_list,
     registered,
+    to_json,
 )
+from connectors.tunnel import strict
 from connectors.tunnel.budget import DEFAULT as DEFAULT_BUDGET
 from connectors.tunnel.budget import Budget
 from connectors.tunnel.cloud_tables import Tables
@@ -195,7 +202,10 @@ class CloudStore:
         self._pending_since: float | None = None
         self.online_errors = 0  # deferred upserts the online table refused (logged; the offline rows stand)
         self.path = Path(path)
-        self.schemas = schemas  # table → declared columns; None: any table and columns with plain names
+        #: table → declared columns (names, or a mapping column → DuckDB type); None: any table and columns with
+        #: plain names
+        self.schemas = schemas
+        self._declared = self._declared_types(schemas or {})  # table → column → DuckDB type, where declared
         if self.path.parent != Path(""):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.online_key = tuple(online_key)
@@ -274,6 +284,17 @@ class CloudStore:
                  "%d dead letters", len(resolved), result.stored, len(dead))
         return result
 
+    @staticmethod
+    def _declared_types(schemas: Mapping[str, Collection[str]]) -> dict[str, dict[str, str]]:
+        """The column types ``schemas`` declares (a table's columns as a mapping column → type), as DuckDB names
+        them; ``ValueError`` for a type DuckDB does not know."""
+        con = duckdb.connect()
+        try:
+            return {table.lower(): {c.lower(): strict.normalize(con, t) for c, t in columns.items()}
+                    for table, columns in schemas.items() if isinstance(columns, Mapping)}
+        finally:
+            con.close()
+
     def _t(self, table: str) -> str:
         """The full name of the store's own table ``table`` (see :mod:`.cloud_tables`)."""
         return self._tables.name(table)
@@ -321,8 +342,10 @@ class CloudStore:
                 by_table.setdefault(batch.table, []).append(batch)
             stored: list[tuple[str, pa.Table]] = []
             for table, group in by_table.items():
-                stored.append((table, self._store(table, group, now)))
-                result.stored += stored[-1][1].num_rows
+                rows, refused = self._store(table, group, now)
+                stored.append((table, rows))
+                result.stored += rows.num_rows
+                result.dead_letters += refused
             self._record(fresh, now)  # after the rows: a batch is recorded only together with its rows
             if result.dead_letters:
                 con.executemany(self._tables.insert("dead_letter"), [
@@ -403,19 +426,23 @@ class CloudStore:
             self._con.execute(self._tables.insert("batches", len(fresh)), [
                 v for b in fresh for v in (b.device, b.first_seq, b.rows.num_rows, b.mac, b.table, now, "stored")])
 
-    def _store(self, table: str, batches: list[Batch], now: datetime) -> pa.Table:
+    def _store(self, table: str, batches: list[Batch], now: datetime) -> tuple[pa.Table, list[DeadLetter]]:
         """Append ``batches`` of one table to ``table`` and upsert them into ``<table>_online`` (unless that is
-        deferred); the rows stored, as stored."""
-        parts = []
+        deferred); the rows stored, as stored, and a ``bad_value`` dead letter for each row refused because its
+        column's type would change a value (:mod:`.strict`)."""
+        known = self._known(table)
+        parts, refused = [], []
         for batch in batches:
             rows = batch.rows
             n = rows.num_rows
             meta = [pa.array([batch.device] * n, pa.string()), pa.array(batch.seqs, pa.int64()),
                     pa.array([now] * n, pa.timestamp("us"))]
-            parts.append(pa.Table.from_arrays(meta + rows.columns, names=[*_META_COLUMNS, *rows.column_names]))
+            part = pa.Table.from_arrays(meta + rows.columns, names=[*_META_COLUMNS, *rows.column_names])
+            if not (known.issuperset(part.column_names) and part.schema in known.shapes):
+                part = self._typed(table, batch, part, known, refused)
+            parts.append(part)
         full = parts[0] if len(parts) == 1 else pa.concat_tables(parts, promote_options="default")
         con = self._con
-        known = self._columns.get(table)
         if self.online_lag_s > 0 and known and known.issuperset(full.column_names) and full.schema in known.shapes:
             # the usual case, in one statement: DuckDB reads the local Arrow table by its name (a replacement
             # scan; registering and unregistering a view cost ~0.6 ms of CPU a transaction more). No stored
@@ -423,15 +450,90 @@ class CloudStore:
             tunnel_rows_to_store = full  # noqa: F841 - read by name in the statement below
             names = quoted_list(full.column_names)
             con.execute(f"INSERT INTO {quote_identifier(table)} ({names}) SELECT {names} FROM tunnel_rows_to_store")
-            return full
+            return full, refused
         with registered(con, "_sf_rows", full):
             names = quoted_list(full.column_names)
-            ensure_columns(con, table, "_sf_rows", full.column_names, self._columns.setdefault(table, KnownColumns()),
-                           batch_shape(full))
+            ensure_columns(con, table, "_sf_rows", full.column_names, known, batch_shape(full))
             con.execute(f"INSERT INTO {quote_identifier(table)} ({names}) SELECT {names} FROM _sf_rows")
             if self.online_lag_s == 0:
                 self._upsert_online(f"{table}_online", full)
-        return full
+        return full, refused
+
+    def _known(self, table: str) -> KnownColumns:
+        """What the store knows of ``table``'s columns (read from the table the first time, if it exists); a
+        declared type the table's column does not have yet is given to it (a column an earlier first writer typed)."""
+        known = self._columns.get(table)
+        if known is not None:
+            return known
+        known = self._columns[table] = KnownColumns()
+        con = self._con
+        if not con.execute("SELECT count(*) FROM information_schema.tables WHERE table_catalog = current_database() "
+                           "AND table_schema = 'main' AND lower(table_name) = ?", [table]).fetchall()[0][0]:
+            return known
+        known.types = {c.lower(): t for c, t in con.execute(
+            f"SELECT column_name, column_type FROM (DESCRIBE {quote_identifier(table)})").fetchall()}
+        known.update(known.types)
+        for column, declared in self._declared.get(table, {}).items():
+            have = known.types.get(column)
+            if have is None or have == declared:
+                continue
+            try:
+                con.execute(f"ALTER TABLE {quote_identifier(table)} ALTER COLUMN {quote_identifier(column)} "
+                            f"SET DATA TYPE {declared}")
+                known.types[column] = declared
+                log.warning("cloud: %s.%s was %s, declared %s: changed", table, column, have, declared)
+            except duckdb.Error as exc:
+                log.error("cloud: %s.%s is %s, declared %s, and cannot be changed (%s): values are checked against "
+                          "%s", table, column, have, declared, exc, have)
+        return known
+
+    def _typed(self, table: str, batch: Batch, part: pa.Table, known: KnownColumns,
+               refused: list[DeadLetter]) -> pa.Table:
+        """``part`` (a batch's rows with the store's columns) without the rows whose values its table's column
+        types would change, each added to ``refused``, the others cast to those types (:mod:`.strict`)."""
+        con = self._con
+        with registered(con, "_sf_check", part):
+            types = dict(con.execute("SELECT column_name, column_type FROM (DESCRIBE SELECT * FROM _sf_check)")
+                         .fetchall())
+            checks = strict.plan(types, self._targets(table, known, types))
+            if not checks:
+                return part
+            bad = strict.refused(con, "_sf_check", checks)
+            if bad:
+                keep = [True] * part.num_rows
+                for index, column, why in bad:
+                    if keep[index]:
+                        row = {k: v for k, v in part.slice(index, 1).to_pylist()[0].items() if k != "ingested_at"}
+                        refused.append(replace(_dead_letter(batch, "bad_value", f"seq {batch.first_seq + index}, "
+                                                            f"column {column}: {why}"),
+                                               raw=to_json(row).encode(), seqs=None))
+                    keep[index] = False
+                part = part.filter(pa.array(keep))
+            casts = {c.column: c.target for c in checks}
+            with registered(con, "_sf_kept", part):
+                columns = ", ".join(f"CAST({quote_identifier(c)} AS {casts[c]}) AS {quote_identifier(c)}" if c in casts
+                                    else quote_identifier(c) for c in part.column_names)
+                return con.sql(f"SELECT {columns} FROM _sf_kept").to_arrow_table()
+
+    def _targets(self, table: str, known: KnownColumns, batch_types: Mapping[str, str]) -> dict[str, str]:
+        """Column → the type its values must fit: declared, else the table's (widened first when the batch brings
+        wider numbers and the column is not declared, as :func:`~connectors.storage.ensure_columns` will)."""
+        declared = self._declared.get(table, {})
+        targets = {}
+        for column, source in batch_types.items():
+            if column in declared:
+                targets[column] = declared[column]
+                continue
+            have = known.types.get(column)
+            if have is None:
+                continue
+            wider = strict.common(have, source)
+            numbers = number_shape(source)
+            if wider not in (None, have) and numbers is not None and numbers == number_shape(have):
+                targets[column] = wider
+            else:
+                targets[column] = have
+        return targets
 
     def online_due_in(self) -> float:
         """Seconds until the deferred online upsert is due (infinity when nothing waits for it)."""

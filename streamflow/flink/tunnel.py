@@ -99,15 +99,16 @@ class TunnelWriter(ProcessFunction):
     offset of every partition they came from; writes the run's counts to ``report_path`` when the input ends."""
 
     def __init__(self, db_path: str, report_path: str, online_key: Sequence[str], group_size: int,
-                 registry_path: str):
+                 registry_path: str, schemas: dict[str, dict[str, str]] | None = None):
         self.registry_path = registry_path
+        self.schemas = schemas
         self.db_path = db_path
         self.report_path = report_path
         self.online_key = tuple(online_key)
         self.group_size = group_size
 
     def open(self, runtime_context: RuntimeContext) -> None:
-        self.store = CloudStore(self.db_path, online_key=self.online_key)
+        self.store = CloudStore(self.db_path, online_key=self.online_key, schemas=self.schemas)
         self.keys = KeyRegistry(self.registry_path)
         self.batches: list[Batch] = []
         self.dead: list[DeadLetter] = []
@@ -153,7 +154,8 @@ def run_flink_features(topic: str, db_path: str | os.PathLike[str],
                        registry_path: str | os.PathLike[str] | None = None, bootstrap: str | None = None,
                        group_id: str = "streamflow-flink-features", *, cluster: str | None = None,
                        parallelism: int = 1, online_key: Sequence[str] = ("user_id",),
-                       group_size: int = DEFAULT_GROUP_SIZE) -> FeaturesSummary:
+                       group_size: int = DEFAULT_GROUP_SIZE,
+                       schemas: dict[str, dict[str, str]] | None = None) -> FeaturesSummary:
     """Consume ``topic`` on Flink into the DuckDB ``db_path``: from where the rows stored there end (else the
     earliest offset) to the latest offsets at job start. The tunnel's topic is
     ``connectors.tunnel.kafka.DEFAULT_TOPIC``.
@@ -162,7 +164,8 @@ def run_flink_features(topic: str, db_path: str | os.PathLike[str],
     ``.streamflow/keys.json``); ``bootstrap``: default ``$STREAMFLOW_KAFKA_BOOTSTRAP`` or
     ``127.0.0.1:9092``; ``cluster``: ``HOST:PORT`` of a JobManager (default: a local MiniCluster);
     ``parallelism``: readers and decoders (the writer is always one). Rows go to ``<table>`` and
-    ``<table>_online`` (keyed by device and ``online_key``), refused messages to ``tunnel_dead_letter``.
+    ``<table>_online`` (keyed by device and ``online_key``), refused messages to ``tunnel.dead_letter``;
+    ``schemas``: declared tables, columns and types (see :class:`~connectors.tunnel.cloud.CloudStore`).
     """
     started = time.perf_counter()
     db = Path(db_path).resolve()
@@ -173,13 +176,15 @@ def run_flink_features(topic: str, db_path: str | os.PathLike[str],
         raise ValueError(f"group_size must be at least 1, got {group_size}")
     report = db.with_name(db.name + ".flink-tunnel.json")
     report.unlink(missing_ok=True)
-    with CloudStore(db, online_key=online_key) as store:  # also creates the tables before the job starts
+    # also creates the tables before the job starts
+    with CloudStore(db, online_key=online_key, schemas=schemas) as store:
         start_offsets = store.offsets(topic)
-        schemas = [(d, r.kind, r.id, r.body) for d, r in store.registry.entries()]
+        known = [(d, r.kind, r.id, r.body) for d, r in store.registry.entries()]
     env = flink_environment(cluster, parallelism)
     (kafka_records(env, topic, bootstrap_servers(bootstrap), group_id, start_offsets)
-     .flat_map(OpenEnvelopes(str(registry), schemas), output_type=_PICKLED)
-     .process(TunnelWriter(str(db), str(report), online_key, group_size, str(registry)), output_type=_PICKLED)
+     .flat_map(OpenEnvelopes(str(registry), known), output_type=_PICKLED)
+     .process(TunnelWriter(str(db), str(report), online_key, group_size, str(registry), schemas),
+              output_type=_PICKLED)
      .set_parallelism(1)
      .sink_to(Sink(get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink())))
     env.execute(f"streamflow tunnel {topic}")
