@@ -31,25 +31,30 @@ its kept N−1 (0.5 s). The plan is the default one with a beta: an allow-list o
 **Over loopback HTTP**: the real server (:class:`DeployServer`, aiohttp) in a process of its own with a
 release in progress; 200 concurrent device clients (asyncio, one kept-alive connection each, a
 minimal HTTP/1.1 client so that the client side costs little of the 2 cores) send app requests with
-the piggyback headers (random devices of the fleet, each request a decision) for a few seconds;
+the piggyback headers, signed with each device's key (random devices of the fleet, each request an
+authentication and a decision) for a few seconds;
 ``http_requests_per_s`` (median of rounds), ``http_p50_ms`` / ``http_p99_ms`` per request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import heapq
+import json
 import multiprocessing
 import random
 import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.common import finish, log, median, parse_args, percentile
+from streamflow.deploy.device_auth import AUTH_HEADER, sign_request
 from streamflow.deploy.release import PublishedBundle, ReleaseManager, ReleasePlan
 from streamflow.deploy.state import ReleaseStore
 
@@ -82,8 +87,7 @@ def simulate(args: Any, n: int, fail_at_load: float, seed: int, horizon_s: float
     rand = random.Random(seed)
     now = [0.0]
     tmp = tempfile.mkdtemp(prefix="bench-deploy-")
-    manager = ReleaseManager(ReleaseStore(tmp), clock=lambda: now[0], coverage_every_s=10.0, flush_every_s=1.0,
-                             track_exposure=True)
+    manager = ReleaseManager(ReleaseStore(tmp), clock=lambda: now[0], coverage_every_s=10.0, flush_every_s=1.0)
     for version, previous in (("1", None), ("2", "1")):
         manager.add_bundle(PublishedBundle(TASK, version, f"{seed:04d}digest{version}".ljust(64, "0"), "key",
                                            previous), b"{}", b"sig", [])
@@ -193,10 +197,18 @@ def _complete(manager: ReleaseManager, fleet: Fleet, names: list[str], d: int, w
 
 
 # -- HTTP ---------------------------------------------------------------------------------------------
+def _device_key(d: int) -> bytes:
+    """Device ``d``'s key (the server's registry and the clients derive the same one)."""
+    return hashlib.sha256(f"bench-device-{d}".encode()).digest()
+
+
 def _serve(directory: str, port: int, n: int, ready: Any) -> None:
+    from connectors.tunnel.keys import KeyRegistry
     from streamflow.deploy.server import DeployServer, run
 
-    server = DeployServer(directory, None, tick_s=0.5)
+    keys = Path(directory) / "keys.json"  # the fleet's keys: every request is signed and checked, as in production
+    keys.write_text(json.dumps({"devices": {f"d{d:06d}": _device_key(d).hex() for d in range(n)}}))
+    server = DeployServer(directory, None, devices=KeyRegistry(keys), tick_s=0.5)
     manager = server.manager
     for version, previous in (("1", None), ("2", "1")):
         manager.add_bundle(PublishedBundle(TASK, version, f"httpdigest{version}".ljust(64, "0"), "key", previous),
@@ -214,17 +226,20 @@ async def _client(port: int, n: int, stop_at: float, latencies: list[float], see
     try:
         while time.perf_counter() < stop_at:
             d = rand.randrange(n)
-            request = (f"GET /app/feed HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Streamflow-Device: d{d:06d}\r\n"
-                       f"X-Streamflow-Tasks: {TASK}=1\r\nX-Streamflow-Attrs: os=android,app_version=7.3\r\n\r\n")
+            headers = {"X-Streamflow-Device": f"d{d:06d}", "X-Streamflow-Tasks": f"{TASK}=1",
+                       "X-Streamflow-Attrs": "os=android,app_version=7.3"}
             begin = time.perf_counter()
+            headers[AUTH_HEADER] = sign_request(_device_key(d), "GET", "/app/feed", headers, b"", time.time())
+            request = "GET /app/feed HTTP/1.1\r\nHost: 127.0.0.1\r\n" + "".join(
+                f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
             writer.write(request.encode())
             head = await reader.readuntil(b"\r\n\r\n")
             length = 0
             for line in head.split(b"\r\n"):
                 if line[:15].lower() == b"content-length:":
                     length = int(line[15:])
-            if not head.startswith(b"HTTP/1.1 200"):
-                raise RuntimeError(f"server answered {head[:40]!r}")
+            if not head.startswith(b"HTTP/1.1 200") or b"x-streamflow-deploy-error" in head.lower():
+                raise RuntimeError(f"server answered {head[:300]!r}")
             await reader.readexactly(length)
             latencies.append(time.perf_counter() - begin)
             done += 1

@@ -4,11 +4,14 @@ Standard library only (``http.client``, one kept-alive connection, thread-safe),
 stays light. Every :meth:`DeployClient.request` sends the device's task versions
 (``X-Streamflow-Tasks``), id, attributes and user, and returns the response with the directives the
 server piggybacked on it (``X-Streamflow-Deploy``). The directives are requests, not trust: the
-updater verifies whatever it downloads (:mod:`streamflow.deploy.updater`).
+updater verifies whatever it downloads (:mod:`streamflow.deploy.updater`). Every request in the
+device's name (app requests, exclusive files, reports) is signed with the device's key
+(:mod:`streamflow.deploy.device_auth`); the server refuses those that are not.
 
 Example (needs a release server)::
 
-    client = DeployClient("http://127.0.0.1:8470", "phone-7", attrs={"os": "android"})
+    key = KeyRegistry(".streamflow/keys.json").key_for("phone-7")   # streamflow tunnel keys add phone-7
+    client = DeployClient("http://127.0.0.1:8470", "phone-7", key, attrs={"os": "android"})
     client.tasks = {"ipv": "2"}
     response, directives = client.request("/app/feed")
     for d in directives:                       # {"task", "version", "manifest", "signature", "action"}
@@ -20,11 +23,13 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from streamflow.deploy.device_auth import AUTH_HEADER, sign_request
 from streamflow.deploy.manifest import MAX_MANIFEST_BYTES, check_task_name
 from streamflow.deploy.policy import (
     ATTRS_HEADER,
@@ -106,11 +111,15 @@ def parse_directives(value: str | None) -> list[dict[str, str]]:
 class DeployClient:
     """A device's HTTP client for the release server (see the module docstring).
 
-    ``tasks`` (task → version) is what the device runs now; the updater keeps it current.
+    ``key`` is the device's own key (its entry in the tunnel's key registry); ``tasks`` (task → version)
+    is what the device runs now; the updater keeps it current.
     """
 
-    def __init__(self, base_url: str, device_id: str, attrs: Mapping[str, str] | None = None, *,
+    def __init__(self, base_url: str, device_id: str, key: bytes, attrs: Mapping[str, str] | None = None, *,
                  user: str | None = None, timeout_s: float = 10.0, tunnel: TunnelSink | None = None):
+        if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
+            raise ValueError(f"device {device_id!r}: its key must be at least 16 bytes (the tunnel's key registry "
+                             "holds one per device: streamflow tunnel keys add DEVICE)")
         url = urllib.parse.urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"release server URL {base_url!r} must be http(s)://HOST[:PORT]")
@@ -118,6 +127,7 @@ class DeployClient:
         self._scheme, self._host, self._port = url.scheme, url.hostname, url.port
         self._prefix = url.path.rstrip("/")
         self.device_id = device_id
+        self.key = bytes(key)
         self.attrs = dict(attrs or {})
         self.user = user
         self.tasks: dict[str, str] = {}
@@ -190,6 +200,8 @@ class DeployClient:
               max_bytes: int | None = None) -> Response:
         if not path.startswith("/"):
             raise ValueError(f"request path {path!r} must start with '/'")
+        if DEVICE_HEADER in headers:  # in the device's name: signed with its key
+            headers[AUTH_HEADER] = sign_request(self.key, method, self._prefix + path, headers, body, time.time())
         with self._lock:
             for attempt in (1, 2):  # a kept-alive connection the server closed: reconnect once
                 conn = self._connection()

@@ -15,15 +15,18 @@ A stage advances by command (:meth:`ReleaseManager.advance`) or on the plan's sc
 has ``min_samples`` reporting devices within the guardrail (fewer when the cohort cannot hold that many:
 all of a smaller beta; half the devices a gray band should hold, by the devices seen running the task).
 
-**Samples and the guardrail.** A device counts as a success of a release once it reports success or is
-seen running the version (its ``X-Streamflow-Tasks``), as a failure once it reports a failure (at load
-or at run time, over HTTP or over the tunnel); failure wins. Each device belongs to one cohort: ``beta``
-or the gray band its cohort point fell in (``0-1%``, ``1-5%``, ...). When a cohort — or the release as
-a whole — has at least ``min_samples`` devices and its failure rate is above ``max_failure_rate`` (or, for
-the beta cohort, whose size is known, once its failed devices alone make more than that rate), the
-release is rolled back at once: its layer is dropped from the policy, so every device on it is told
-``rollback`` to the stable version (its N−1), and the bundle's digest is blocked (never released again).
-A device whose failure was reported is not offered the release again.
+**Samples and the guardrail.** Only a device the release was offered to (told to update to it; the
+offers are stored) is a sample: it counts as a success once it reports success or is seen running the
+version (its ``X-Streamflow-Tasks``), as a failure once it reports a failure (at load or at run time,
+over HTTP or over the tunnel); failure wins. Reports and observations come from authenticated devices
+only (the server checks each request's signature, the tunnel each batch's), so a process without a
+device's key cannot add a sample, and one device is one sample however often it reports. Each device
+belongs to one cohort: ``beta`` or the gray band its cohort point fell in (``0-1%``, ``1-5%``, ...).
+When a cohort — or the release as a whole — has at least ``min_samples`` devices and its failure rate
+is above ``max_failure_rate`` (or, for the beta cohort, whose size is known, once its failed devices
+alone make more than that rate), the release is rolled back at once: its layer is dropped from the
+policy, so every device on it is told ``rollback`` to the stable version (its N−1), and the bundle's
+digest is blocked (never released again). A device whose failure was reported is not offered the release again.
 
 Example (virtual clock; ``bundle`` is the manifest as :func:`publish` would have verified it):
     >>> import tempfile
@@ -35,10 +38,12 @@ Example (virtual clock; ``bundle`` is the manifest as :func:`publish` would have
     >>> release = manager.start("ipv", "2", ReleasePlan(steps=(0.5, 1.0), min_samples=2, max_failure_rate=0.2))
     >>> release.stage, release.fraction, manager.policy.tasks["ipv"].stable
     ('gray', 0.5, '1')
-    >>> for device in ("a", "b", "c"):
+    >>> [d for d in "abcdef" if manager.decide_header(d, "ipv=1")]  # offered the release (cohort point < 0.5)
+    ['a', 'b', 'c']
+    >>> for device in ("d", "e", "a", "b"):  # d and e were never offered it: not counted
     ...     manager.report(device, "ipv", "2", ok=False, reason="ImportError: no module x")
-    >>> release.status, release.reason
-    ('rolled_back', 'guardrail: cohort 0-50% failure rate 100.0% (2 of 2 devices) above 20.0%')
+    >>> release.status, release.reason, sorted(release.failed)
+    ('rolled_back', 'guardrail: cohort 0-50% failure rate 100.0% (2 of 2 devices) above 20.0%', ['a', 'b'])
     >>> manager.decide_header("a", "ipv=2")
     '[{"action":"rollback","manifest":"/deploy/bundles/ipv/1/manifest.json","signature":"/deploy/bundles/ipv/1/manifest.sig","task":"ipv","version":"1"}]'
     >>> "digest2" in manager.blocked
@@ -183,7 +188,7 @@ class Release:
     failed: set[str] = field(default_factory=set)
     ok: set[str] = field(default_factory=set)  # every cohort's successes (never a failed device)
     cohorts: dict[str, CohortStats] = field(default_factory=dict)
-    exposed: set[str] = field(default_factory=set)
+    exposed: set[str] = field(default_factory=set)  # the devices offered it (told to update to it): the only samples
 
     @property
     def beta(self) -> frozenset[str]:
@@ -244,20 +249,19 @@ def _cohort_order(name: str) -> float:
 class ReleaseManager:
     """The release state machine over a :class:`ReleaseStore`, and the policy snapshot it keeps current.
 
-    ``clock`` gives the time (seconds; a virtual clock in the benchmark). Reports and device
+    ``clock`` gives the time (seconds; a virtual clock in the benchmark). Reports, offers and device
     observations are buffered and written by :meth:`flush` (called by :meth:`tick` every
-    ``flush_every_s``); transitions are written at once.
+    ``flush_every_s``); transitions are written at once. Only tasks that have a policy (a stable
+    version or a release) are noted for a device, so made-up task names store nothing.
     """
 
     def __init__(self, store: ReleaseStore, *, clock: Callable[[], float] = time.time,
-                 simulator: Simulator | None = None, coverage_every_s: float = 5.0, flush_every_s: float = 1.0,
-                 track_exposure: bool = False):
+                 simulator: Simulator | None = None, coverage_every_s: float = 5.0, flush_every_s: float = 1.0):
         self.store = store
         self.clock = clock
         self.simulator = simulator
         self.coverage_every_s = coverage_every_s
         self.flush_every_s = flush_every_s
-        self.track_exposure = track_exposure  # note every device told to update (the benchmark's exposure count)
         self._lock = threading.RLock()
         self.releases: dict[str, Release] = {}
         self.active: dict[str, Release] = {}  # task → its release in progress
@@ -267,6 +271,8 @@ class ReleaseManager:
         self.seen: dict[str, dict[str, str]] = {}  # task → device → version it last reported
         self.counts: dict[str, Counter[str]] = {}  # task → version → devices
         self._reports: list[tuple[Any, ...]] = []
+        self._reported: set[tuple[str, str, str, bool]] = set()  # reports of no release, each stored once
+        self._offers: list[tuple[str, str]] = []
         self._dirty_devices: dict[tuple[str, str], tuple[str, float]] = {}
         self._last_flush = self._last_coverage = float("-inf")
         self.policy = Policy({})
@@ -285,6 +291,7 @@ class ReleaseManager:
             if release.status == "active":
                 self.active[release.task] = release
             if release.status in ("active", "complete"):
+                release.exposed.update(store.offers(release.release_id))
                 for device, cohort, ok in store.reports(release.release_id):
                     self._count(release, device, cohort, bool(ok))
         for device, task, version in store.devices():
@@ -512,20 +519,27 @@ class ReleaseManager:
         self.observe(device, running)
         policy = self.policy
         out = policy.decide(device, running, parse_pairs(attrs_header) if attrs_header else None, user)
-        if self.track_exposure and out:
-            self._note_exposure(device, running, out)
+        if out:
+            self._note_offers(device, running, out)
         return "[" + ",".join(out) + "]" if out else None
 
-    def _note_exposure(self, device: str, running: Mapping[str, str], out: Sequence[str]) -> None:
+    def _note_offers(self, device: str, running: Mapping[str, str], out: Sequence[str]) -> None:
+        """Remember the devices told to update to a release in progress: its only samples."""
         for task in running:
             release = self.active.get(task)
-            if release is not None and self.policy.tasks[task].fragment(release.version, "update") in out:
+            if release is not None and device not in release.exposed and \
+                    self.policy.tasks[task].fragment(release.version, "update") in out:
                 release.exposed.add(device)
+                self._offers.append((release.release_id, device))
 
     def observe(self, device: str, running: Mapping[str, str]) -> None:
-        """Note the versions a device runs: coverage, and a success sample for a release it runs."""
+        """Note the versions a device runs (of tasks with a policy): coverage, and a success sample for a release
+        it runs and was offered."""
         now = None
+        tasks = self.policy.tasks
         for task, version in running.items():
+            if task not in tasks:
+                continue
             seen = self.seen.get(task)
             if seen is None or seen.get(device) != version:
                 if now is None:
@@ -533,11 +547,12 @@ class ReleaseManager:
                 self._see(device, task, version)
                 self._dirty_devices[(device, task)] = (version, now)
                 release = self.active.get(task)
-                if release is not None and release.version == version and device not in release.failed:
+                if release is not None and release.version == version and device in release.exposed and \
+                        device not in release.failed:
                     cohort = release.cohort_of(device)
                     with self._lock:
-                        self._count(release, device, cohort, True)
-                        self._guard(release, cohort)
+                        if self._count(release, device, cohort, True):
+                            self._guard(release, cohort)
 
     def _see(self, device: str, task: str, version: str) -> None:
         seen = self.seen.setdefault(task, {})
@@ -549,35 +564,53 @@ class ReleaseManager:
         counts[version] += 1
 
     def report(self, device: str, task: str, version: str, *, ok: bool, reason: str = "", via: str = "http") -> None:
-        """A device's report of ``task@version``: loaded and running (``ok``), or failed and why."""
+        """A device's report of ``task@version``: loaded and running (``ok``), or failed and why.
+
+        ``device`` is authenticated by the caller. A report on a release counts only if the release was
+        offered to the device, and is stored when it changes the device's standing (one device, one
+        sample); a report on a version no release is about is stored once; one of a version that was
+        never published is not stored.
+        """
         with self._lock:
+            if (task, version) not in self.bundles:
+                return
             now = self.clock()
             release = self.active.get(task)
             if release is None or release.version != version:
                 release = next((r for r in reversed(self.releases.values())
                                 if r.task == task and r.version == version), None)
-            cohort = release.cohort_of(device) if release is not None else None
-            self._reports.append((now, device, task, version, release.release_id if release else None, cohort,
-                                  int(ok), reason[:2000], via))
             if release is None:
+                if (device, task, version, ok) not in self._reported:
+                    self._reported.add((device, task, version, ok))
+                    self._reports.append((now, device, task, version, None, None, int(ok), reason[:2000], via))
                 return
-            self._count(release, device, cohort, ok)
+            if device not in release.exposed:
+                log.info("device %s reports on %s@%s, which it was not offered: not counted", device, task, version)
+                return
+            cohort = release.cohort_of(device)
+            if not self._count(release, device, cohort, ok):
+                return
+            self._reports.append((now, device, task, version, release.release_id, cohort, int(ok), reason[:2000],
+                                  via))
             if not ok:
                 log.info("device %s reports %s@%s failed: %s", device, task, version, reason)
             if release.status == "active":  # a success may complete the samples a failure rate needs
                 self._guard(release, cohort)
 
-    def _count(self, release: Release, device: str, cohort: str, ok: bool) -> None:
+    def _count(self, release: Release, device: str, cohort: str, ok: bool) -> bool:
+        """Count a device's outcome on a release; False if it changes nothing (already counted so, or failed)."""
         stats = release.stats(cohort)
+        if device in release.failed or (ok and device in stats.ok):
+            return False
         if ok:
-            if device not in release.failed:
-                stats.ok.add(device)
-                release.ok.add(device)
+            stats.ok.add(device)
+            release.ok.add(device)
         else:
             release.failed.add(device)
             release.ok.discard(device)
             stats.ok.discard(device)
             stats.failed.add(device)
+        return True
 
     def _guard(self, release: Release, cohort: str) -> None:
         """Roll ``release`` back if ``cohort`` or the whole release is over the guardrail (O(1))."""
@@ -637,8 +670,10 @@ class ReleaseManager:
         """Write buffered reports and device versions."""
         with self._lock:
             reports, self._reports = self._reports, []
+            offers, self._offers = self._offers, []
             devices, self._dirty_devices = self._dirty_devices, {}
             self._last_flush = self.clock()
+        self.store.add_offers(offers)
         self.store.add_reports(reports)
         self.store.save_devices([(d, t, v, at) for (d, t), (v, at) in devices.items()])
 

@@ -1,7 +1,7 @@
 """``streamflow deploy-server`` and ``streamflow release publish|pin|start|status|advance|rollback``.
 
     streamflow deploy-server --trusted-key KEY.pub[=TASK,...] [--dir DIR] [--host 127.0.0.1] [--port 8470]
-                             [--replay-events FILE] [--tunnel-reports [--key-registry F] [--topic T]]
+                             [--key-registry F] [--replay-events FILE] [--tunnel-reports [--topic T]]
     streamflow release publish BUNDLE_DIR
     streamflow release pin TASK VERSION
     streamflow release start TASK VERSION [--steps 1,5,20,50,100] [--beta DEV,...] [--rule os=android ...]
@@ -71,8 +71,10 @@ def deploy_server(
                                                             "replays through the stable and the new version")] = None,
     tunnel_reports: Annotated[bool, typer.Option("--tunnel-reports", help="also read device reports (table "
                               "deploy_reports) off the Kafka tunnel ($STREAMFLOW_KAFKA_BOOTSTRAP)")] = False,
-    key_registry: Annotated[str | None, typer.Option(help="the tunnel's device key registry (default: "
-                                                          "$STREAMFLOW_KEY_REGISTRY)")] = None,
+    key_registry: Annotated[str | None, typer.Option(help="the devices' keys, which their requests and reports "
+                                                          "are signed with: the tunnel's key registry (default: "
+                                                          "$STREAMFLOW_KEY_REGISTRY or .streamflow/keys.json)")]
+    = None,
     topic: Annotated[str | None, typer.Option(help="the tunnel's topic (default: its features topic)")] = None,
 ) -> int:
     """Serve release directives, bundles and the status page (``/deploy/status``) until interrupted."""
@@ -87,13 +89,15 @@ def deploy_server(
         if not replay_events.is_file():
             raise FileNotFoundError(f"--replay-events {replay_events}: no such file")
         simulator = ReplaySimulator(replay_events, config.deploy_dir / "simulation", trusted)
-    server = DeployServer(config.deploy_dir, trusted, simulator=simulator)
-    if tunnel_reports:
-        from connectors.tunnel.keys import KeyRegistry
+    from connectors.tunnel.keys import KeyRegistry
 
-        server.read_tunnel_reports(KeyRegistry(settings(key_registry=key_registry).key_registry), topic=topic)
+    devices = KeyRegistry(settings(key_registry=key_registry).key_registry)
+    server = DeployServer(config.deploy_dir, trusted, devices=devices, simulator=simulator)
+    if tunnel_reports:
+        server.read_tunnel_reports(topic=topic)
     print(f"release server on http://{host}:{port} (status page /deploy/status), state in {config.deploy_dir}, "
-          f"admin token in {config.deploy_dir / 'admin.token'}", flush=True)
+          f"admin token in {config.deploy_dir / 'admin.token'}, device keys in {devices.path} "
+          f"({len(devices.devices())} devices)", flush=True)
     run(server, host, port)
     return 0
 

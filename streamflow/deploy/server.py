@@ -1,27 +1,35 @@
 """The release server: an aiohttp app on 127.0.0.1 that answers the app's requests with deploy directives.
 
-Protocol (push-then-pull, piggybacked on the app's own requests):
+Protocol (push-then-pull, piggybacked on the app's own requests). Every request in a device's name is
+signed with that device's key (``X-Streamflow-Auth``, :mod:`streamflow.deploy.device_auth`; the keys are
+the tunnel's key registry, ``devices``):
 
 - any request carrying ``X-Streamflow-Tasks: ipv=2,sessions=1`` and ``X-Streamflow-Device: <id>`` (optional
   ``X-Streamflow-Attrs: k=v,...``, ``X-Streamflow-User``) gets, in the same response, ``X-Streamflow-Deploy:
   [<directive>, ...]`` when the device should change something (:mod:`streamflow.deploy.policy`); a
-  malformed device header gets ``X-Streamflow-Deploy-Error: <reason>`` instead and the request is
-  served as usual. ``GET /app/...`` stands for the app's own API here.
+  malformed device header or a request not signed by that device gets ``X-Streamflow-Deploy-Error:
+  <reason>`` instead (nothing of it is noted) and the request is served as usual. ``GET /app/...``
+  stands for the app's own API here.
 - ``GET /deploy/bundles/<task>/<version>/manifest.json`` and ``.../manifest.sig``: the signed manifest.
 - ``GET /deploy/static/<sha256>``: a shared file, cacheable forever (a CDN may sit in front).
-- ``GET /deploy/api/files/<sha256>`` with the piggyback headers: any file, exclusive ones included, not cached,
-  only to a device that runs or is to run (by the policy) a version listing it.
-- ``POST /deploy/api/report`` ``{"device", "task", "version", "ok", "reason"}``: a device's success or failure;
-  devices with a tunnel report over Kafka instead (:meth:`DeployServer.read_tunnel_reports`).
+- ``GET /deploy/api/files/<sha256>``, signed: any file, exclusive ones included, not cached, only to a
+  device the policy has on a version listing it.
+- ``POST /deploy/api/report`` ``{"device", "task", "version", "ok", "reason"}``, signed by that device: its
+  success or failure (counted only if the device was offered the release); devices with a tunnel report
+  over Kafka instead (:meth:`DeployServer.read_tunnel_reports`).
 - ``GET /deploy/status``: the read-only HTML status page; ``GET /deploy/api/status``: the same as JSON.
 - Admin (``Authorization: Bearer <token>``, the token in ``<dir>/admin.token``, mode 0600):
   ``POST /deploy/api/bundles`` (publish: manifest, signature and files, base64 in JSON; the signature
   and every file's digest and size are verified before anything is stored), ``POST /deploy/api/releases``
   (start), ``POST /deploy/api/tasks/<task>/advance|rollback|pin``.
 
+Bodies are limited per route: :data:`DEVICE_BODY_BYTES` everywhere, the bundle size only for a publish
+whose admin token was checked first.
+
 Example (a real server on a free port, in a thread)::
 
-    server = DeployServer(".streamflow/deploy", trusted=TrustedKeys.from_files(["release.key.pub"]))
+    server = DeployServer(".streamflow/deploy", trusted=TrustedKeys.from_files(["release.key.pub"]),
+                          devices=KeyRegistry(".streamflow/keys.json"))
     with serve_in_thread(server) as base_url:
         ...
 """
@@ -48,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from streamflow.deploy.device_auth import WINDOW_S, verify_request
 from streamflow.deploy.manifest import check_task_name
 from streamflow.deploy.policy import (
     ATTRS_HEADER,
@@ -74,6 +83,8 @@ DEFAULT_PORT = 8470
 DEPLOY_ERROR_HEADER = "X-Streamflow-Deploy-Error"
 IMMUTABLE = "public, max-age=31536000, immutable"
 MAX_BUNDLE_BYTES = 256 << 20
+#: The largest body a request may have but an admin's publish (a report is a few hundred bytes).
+DEVICE_BODY_BYTES = 64 << 10
 _DEVICE = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -89,10 +100,12 @@ class DeployServer:
     """The release manager behind an aiohttp application (see the module docstring)."""
 
     def __init__(self, directory: str | os.PathLike[str], trusted: TrustedKeys | None = None, *,
-                 admin_token: str | None = None, clock: Callable[[], float] = time.time,
-                 simulator: Simulator | None = None, max_bundle_bytes: int = MAX_BUNDLE_BYTES,
-                 tick_s: float = 0.5):
+                 devices: KeyRegistry | None = None, admin_token: str | None = None,
+                 clock: Callable[[], float] = time.time, simulator: Simulator | None = None,
+                 max_bundle_bytes: int = MAX_BUNDLE_BYTES, tick_s: float = 0.5, auth_window_s: float = WINDOW_S):
         self.dir = Path(directory)
+        self.devices = devices  # the devices' keys; None: no device is known, every device request is refused
+        self.auth_window_s = auth_window_s
         self.store = ReleaseStore(self.dir)
         self.manager = ReleaseManager(self.store, clock=clock, simulator=simulator)
         self.trusted = trusted
@@ -103,11 +116,15 @@ class DeployServer:
         self.tunnel_reader: TunnelReportReader | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def read_tunnel_reports(self, registry: KeyRegistry, *, bootstrap: str | None = None,
+    def read_tunnel_reports(self, registry: KeyRegistry | None = None, *, bootstrap: str | None = None,
                             topic: str | None = None) -> None:
-        """Also take device reports off the Kafka tunnel (:mod:`streamflow.deploy.tunnel_reports`) while serving."""
+        """Also take device reports off the Kafka tunnel (:mod:`streamflow.deploy.tunnel_reports`) while serving
+        (verified with ``registry``, default the server's ``devices``)."""
         from streamflow.deploy.tunnel_reports import TunnelReportReader
 
+        registry = registry or self.devices
+        if registry is None:
+            raise ValueError("tunnel reports are verified with the devices' keys: give the server a key registry")
         options = {"topic": topic} if topic else {}
         self.tunnel_reader = TunnelReportReader(self.report_threadsafe, registry, bootstrap=bootstrap, **options)
 
@@ -120,7 +137,7 @@ class DeployServer:
 
     # -- the application ---------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._piggyback], client_max_size=self.max_bundle_bytes * 2)
+        app = web.Application(middlewares=[self._piggyback], client_max_size=DEVICE_BODY_BYTES)
         r = app.router
         r.add_route("*", "/app/{tail:.*}", self._app_api)
         r.add_get("/deploy/bundles/{task}/{version}/manifest.json", self._manifest)
@@ -161,25 +178,51 @@ class DeployServer:
     @web.middleware
     async def _piggyback(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
         self.stats["requests"] += 1
+        tasks = request.headers.get(TASKS_HEADER)
+        device: str | None = None
+        refused: str | None = None
+        if tasks is not None:
+            try:
+                device = await self._device(request)
+            except web.HTTPUnauthorized as exc:
+                refused = exc.text
         try:
             response = await handler(request)
         except web.HTTPException as exc:
-            self._decide(request, exc)
+            if tasks is not None:
+                self._decide(request, exc, tasks, device, refused)
             raise
-        self._decide(request, response)
+        if tasks is not None:
+            self._decide(request, response, tasks, device, refused)
         return response
 
-    def _decide(self, request: web.Request, response: web.StreamResponse) -> None:
+    async def _device(self, request: web.Request) -> str:
+        """The device that signed this request (:mod:`streamflow.deploy.device_auth`); ``HTTPUnauthorized`` saying
+        why not. The body is read (at most the route's limit) to check its digest."""
+        known = request.get("device")
+        if known is not None:
+            return known
         headers = request.headers
-        tasks = headers.get(TASKS_HEADER)
-        if tasks is None:
-            return
-        device = headers.get(DEVICE_HEADER)
-        if device is None or not _DEVICE.match(device):
+        try:
+            device = check_device(headers.get(DEVICE_HEADER))
+            key = self.devices.key_for(device) if self.devices is not None else None
+            if key is None:
+                raise ValueError(f"device {device!r} is not registered (streamflow tunnel keys add DEVICE)")
+            body = await request.read() if request.body_exists else b""
+            verify_request(key, request.method, request.raw_path, headers, body, time.time(), self.auth_window_s)
+        except ValueError as exc:
+            self.stats["unauthenticated"] += 1
+            raise web.HTTPUnauthorized(text=f"device authentication failed: {exc}") from None
+        request["device"] = device
+        return device
+
+    def _decide(self, request: web.Request, response: web.StreamResponse, tasks: str, device: str | None,
+                refused: str | None) -> None:
+        if device is None:
             self.stats["bad_device_header"] += 1
-            response.headers[DEPLOY_ERROR_HEADER] = f"{DEVICE_HEADER} {device!r} must be 1 to 128 letters, digits " \
-                                                    "or _.:@-"
+            response.headers[DEPLOY_ERROR_HEADER] = (refused or "unauthenticated")[:300]
             return
+        headers = request.headers
         value = self.manager.decide_header(device, tasks, headers.get(ATTRS_HEADER), headers.get(USER_HEADER))
         if value is not None:
             self.stats["directives"] += 1
@@ -223,37 +266,31 @@ class DeployServer:
                                                "Content-Type": "application/octet-stream"})
 
     async def _exclusive(self, request: web.Request) -> web.FileResponse:
+        device = await self._device(request)
         headers = request.headers
-        try:
-            device = check_device(headers.get(DEVICE_HEADER))
-        except ValueError as exc:
-            raise web.HTTPForbidden(text=str(exc)) from exc
         sha256 = request.match_info["sha256"]
         path = self._file(sha256, shared_only=False)
-        # per device: only to a device that runs, or is to run, a version listing the file
-        running = parse_pairs(headers.get(TASKS_HEADER, ""))
+        # per device: only to a device the policy has on a version listing the file (its signed attributes)
         attrs = parse_pairs(headers.get(ATTRS_HEADER, ""))
         policy = self.manager.policy
         for task, version in self.store.versions_with_file(sha256):
             task_policy = policy.tasks.get(task)
-            if running.get(task) == version or (
-                    task_policy is not None and task_policy.want(device, attrs, headers.get(USER_HEADER)) == version):
+            if task_policy is not None and task_policy.want(device, attrs, headers.get(USER_HEADER)) == version:
                 break
         else:
             self.stats["exclusive_refused"] += 1
-            raise web.HTTPForbidden(text=f"device {device!r} neither runs nor is to run a version with file {sha256}")
+            raise web.HTTPForbidden(text=f"device {device!r} is not to run a version with file {sha256}")
         self.stats["exclusive_files"] += 1
         log.debug("exclusive file %s to device %s", sha256[:12], device)
         return web.FileResponse(path, headers={"Cache-Control": "private, no-store",
                                                "Content-Type": "application/octet-stream"})
 
     async def _report(self, request: web.Request) -> web.Response:
+        device = await self._device(request)
         body = await _json_body(request)
         try:
-            device = check_device(body.get("device"))
-            header = request.headers.get(DEVICE_HEADER)
-            if header is not None and header != device:
-                raise ValueError(f"report for device {device!r} sent with {DEVICE_HEADER} {header!r}")
+            if body.get("device") != device:
+                raise ValueError(f"report for device {body.get('device')!r} signed by device {device!r}")
             task = check_task_name(body.get("task"))
             version = check_version(body.get("version"))
             ok = body.get("ok")
@@ -296,8 +333,8 @@ class DeployServer:
                                             "admin.token)")
 
     async def _publish(self, request: web.Request) -> web.Response:
-        self._admin(request)
-        body = await _json_body(request)
+        self._admin(request)  # before a byte of the body is read: only an admin may send a large one
+        body = await _json_body(request.clone(client_max_size=self.max_bundle_bytes * 2))
         try:
             manifest = _b64(body, "manifest")
             signature = _b64(body, "signature")

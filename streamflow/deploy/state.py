@@ -4,7 +4,8 @@ Tables: ``bundles`` (published manifests and signatures) with ``bundle_files``, 
 stable version), ``releases`` (plan, stage, gray fraction, outcome, simulation report) with
 ``release_events`` (every transition, why), ``reports`` (device success/failure reports), ``blocked``
 (digests that may never be released again), ``coverage`` (samples over time, for the status page) and
-``devices`` (the last versions each device reported). File contents live in ``files/<sha256>``, written
+``devices`` (the last versions each device reported), ``offers`` (the devices each release was offered to,
+its only samples). File contents live in ``files/<sha256>``, written
 once, atomically (a fresh temporary name, then rename). The directory, ``files/`` and the database are
 this user's only (0700, 0600: :mod:`streamflow.deploy.private`): exclusive files are served per device.
 
@@ -53,6 +54,7 @@ CREATE TABLE IF NOT EXISTS blocked (digest TEXT PRIMARY KEY, task TEXT, version 
 CREATE TABLE IF NOT EXISTS coverage (release_id TEXT, at REAL, fraction REAL, devices INTEGER, on_version INTEGER,
                                      samples INTEGER, failed INTEGER);
 CREATE TABLE IF NOT EXISTS devices (device TEXT, task TEXT, version TEXT, seen_at REAL, PRIMARY KEY (device, task));
+CREATE TABLE IF NOT EXISTS offers (release_id TEXT, device TEXT, PRIMARY KEY (release_id, device));
 """
 
 _RELEASE_COLUMNS = ("release_id", "seq", "task", "version", "digest", "plan", "status", "stage", "step", "fraction",
@@ -191,6 +193,16 @@ class ReleaseStore:
         """``(device, cohort, ok)`` of every report on a release, oldest first."""
         return self._query("SELECT device, cohort, ok FROM reports WHERE release_id = ? ORDER BY at, rowid",
                            [release_id])
+
+    def add_offers(self, rows: Sequence[tuple[str, str]]) -> None:
+        """``(release_id, device)`` rows: a release was offered to a device."""
+        if rows:
+            with self._transaction() as con:
+                con.executemany("INSERT OR IGNORE INTO offers VALUES (?, ?)", rows)
+
+    def offers(self, release_id: str) -> list[str]:
+        """The devices a release was offered to."""
+        return [device for (device,) in self._query("SELECT device FROM offers WHERE release_id = ?", [release_id])]
 
     def add_coverage(self, rows: Sequence[tuple[Any, ...]]) -> None:
         if rows:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from deploy_helpers import Repo, counter_job
 
+from connectors.tunnel.keys import KeyRegistry
 from streamflow.deploy.signing import TrustedKeys, generate_key, public_key_path
 
 
@@ -21,6 +22,12 @@ def signing_key(tmp_path) -> Path:
 @pytest.fixture
 def trusted(signing_key) -> TrustedKeys:
     return TrustedKeys.from_files([public_key_path(signing_key)])
+
+
+@pytest.fixture
+def device_keys(tmp_path) -> KeyRegistry:
+    """The devices' keys (the tunnel's key registry) the release server authenticates them with."""
+    return KeyRegistry(tmp_path / "keys.json")
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
+from connectors.tunnel.keys import KeyRegistry
+from streamflow.deploy.client import DeployClient
 from streamflow.deploy.manifest import canonical_json
 from streamflow.deploy.signing import load_signing_key, sign
 
@@ -55,3 +57,9 @@ def resign(value: dict, key_path: Path) -> tuple[bytes, bytes]:
     """A manifest (as a dict) in canonical bytes, signed with the key at ``key_path``."""
     data = canonical_json(value)
     return data, sign(load_signing_key(key_path), data)
+
+
+def device_client(base_url: str, registry: KeyRegistry, name: str, **options) -> DeployClient:
+    """A device's client, signing with its key in ``registry`` (the tunnel's key registry; added if missing)."""
+    key = registry.key_for(name) or registry.add(name)
+    return DeployClient(base_url, name, key, **options)

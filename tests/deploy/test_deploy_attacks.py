@@ -4,16 +4,19 @@ process on the same host would: each test drives the real component (a server on
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
-from deploy_helpers import counter_job
+from deploy_helpers import counter_job, device_client
 
 from connectors.storage import CollectiveStorage
 from streamflow.deploy.admin import AdminClient, AdminError
@@ -26,9 +29,11 @@ from streamflow.deploy.bundle import (
     read_signed,
     verify_manifest,
 )
+from streamflow.deploy.device_auth import AUTH_HEADER, sign_request
 from streamflow.deploy.directory import DirectoryClient
 from streamflow.deploy.errors import DigestMismatch
 from streamflow.deploy.layout import FILES
+from streamflow.deploy.policy import cohort_point
 from streamflow.deploy.server import DeployServer, serve_in_thread
 from streamflow.deploy.signing import TrustedKeys, public_key_path
 from streamflow.deploy.state import ReleaseStore
@@ -130,6 +135,7 @@ _DEVICE_SCRIPT = '''
 import json, sys
 from pathlib import Path
 from connectors.storage import CollectiveStorage
+from streamflow.deploy.device_auth import AUTH_HEADER, sign_request
 from streamflow.deploy.directory import DirectoryClient
 from streamflow.deploy.signing import TrustedKeys
 from streamflow.deploy.updater import Updater
@@ -264,3 +270,159 @@ def test_a_device_that_lost_its_version_is_not_provisioned_below_its_highest(tmp
     assert outcome.status == "refused" and "older than 3, the highest this device has accepted" in outcome.reason
     assert again.versions() == {}
     storage.close()
+
+
+# -- items 3 and 4: device identity on every device-facing request; limits at the door ---------------------------
+class _Server:
+    """A real release server on 127.0.0.1 with counter v1 stable and a release of v3 in progress."""
+
+    def __init__(self, tmp_path, trusted, device_keys, built, plan: dict):
+        self.server = DeployServer(tmp_path / "server", trusted, devices=device_keys, tick_s=3600)
+        self.keys = device_keys
+        self._serving = serve_in_thread(self.server)
+        self.base_url = self._serving.__enter__()
+        self.admin = AdminClient(self.base_url, self.server.admin_token)
+        for tag in ("v1", "v3"):
+            self.admin.publish(built[tag])
+        self.admin.pin("counter", "1")
+        self.release_id = self.admin.start("counter", "3", {"simulate": False, "step_interval_s": None, **plan})[
+            "release_id"]
+
+    @property
+    def release(self):
+        return self.server.manager.releases[self.release_id]
+
+    def raw(self, method: str, path: str, headers: dict | None = None, body: bytes = b"") -> tuple[int, dict, bytes]:
+        """A request as any local process can send it: no key."""
+        conn = http.client.HTTPConnection(self.base_url.split("//")[1], timeout=30)
+        try:
+            conn.request(method, path, body=body or None, headers=headers or {})
+            response = conn.getresponse()
+            return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self._serving.__exit__(None, None, None)
+        self.server.store.close()
+
+
+@pytest.fixture
+def release_server(tmp_path, trusted, device_keys, built):
+    servers = []
+
+    def start(**plan):
+        servers.append(_Server(tmp_path, trusted, device_keys, built, plan))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def _report(device: str, ok: bool) -> bytes:
+    return json.dumps({"device": device, "task": "counter", "version": "3", "ok": ok,
+                       "reason": "" if ok else "load_failed: counter@3: boom"}).encode()
+
+
+def test_reports_from_made_up_devices_neither_roll_back_nor_block(release_server, built):
+    s = release_server(steps=[1.0], min_samples=5, max_failure_rate=0.1)
+    for i in range(25):
+        status, _, body = s.raw("POST", "/deploy/api/report", {"X-Streamflow-Device": f"fake-{i}",
+                                                               "Content-Type": "application/json"},
+                                _report(f"fake-{i}", False))
+        assert status == 401 and b"device authentication failed" in body, (status, body)
+    assert s.release.status == "active" and not s.release.failed
+    assert s.server.store.blocked() == {}
+    assert s.server.store.reports(s.release_id) == []
+
+
+def test_only_devices_offered_the_release_are_counted(release_server, device_keys):
+    s = release_server(steps=[0.5, 1.0], min_samples=10, max_failure_rate=0.3)
+    release = s.release
+    # 400 processes claim to run v3 or report success without a key: no sample
+    for i in range(400):
+        path, headers = ("/app/feed", {"X-Streamflow-Device": f"fake-{i}", "X-Streamflow-Tasks": "counter=3"})
+        status, got, _ = s.raw("GET", path, headers)
+        assert status == 200 and "x-streamflow-deploy-error" in got
+        assert s.raw("POST", "/deploy/api/report", {**headers, "Content-Type": "application/json"},
+                     _report(f"fake-{i}", True))[0] == 401
+    # registered devices outside the 50 % cohort were never offered v3: their reports do not count either
+    names = [f"phone-{i}" for i in range(80)]
+    inside = [n for n in names if cohort_point(s.release_id, n) < 0.5][:20]
+    outside = [n for n in names if cohort_point(s.release_id, n) >= 0.5][:10]
+    for name in outside:
+        client = device_client(s.base_url, device_keys, name)
+        client.tasks = {"counter": "1"}
+        assert client.request("/app/feed")[1] == []
+        client.report("counter", "3", ok=True)
+        client.tasks = {"counter": "3"}
+        client.request("/app/feed")  # claims to run it
+    assert release.total().samples == 0 and release.status == "active"
+    # the devices offered it: 14 run it, 6 fail; 6 of 20 (30 %) is within the guardrail, a 7th failure is not
+    offered = []
+    for name in inside:
+        client = device_client(s.base_url, device_keys, name)
+        client.tasks = {"counter": "1"}
+        assert client.request("/app/feed")[1][0]["version"] == "3"
+        offered.append(client)
+    for client in offered[:14]:
+        client.tasks = {"counter": "3"}
+        client.request("/app/feed")
+    for client in offered[14:]:
+        client.report("counter", "3", ok=False, reason="load_failed: counter@3: boom")
+        client.report("counter", "3", ok=False, reason="again")  # one device, one sample
+    assert (release.total().samples, len(release.failed), release.status) == (20, 6, "active")
+    offered[0].report("counter", "3", ok=False, reason="TypeError at run time")
+    assert release.status == "rolled_back" and release.failed == {c.device_id for c in offered[14:]} | {
+        offered[0].device_id}
+    assert len(s.server.store.reports(s.release_id)) == 7
+
+
+def test_exclusive_files_need_the_devices_signature(release_server, built, device_keys):
+    s = release_server(steps=[1.0])
+    manifest = verify_manifest(*read_signed(built["v3"]), s.server.trusted)
+    exclusive = manifest.entry("config/device.json")
+    assert exclusive.scope == "exclusive"
+    phone = device_client(s.base_url, device_keys, "phone-1")  # registered: the server holds its key
+    headers = {"X-Streamflow-Device": "phone-1", "X-Streamflow-Tasks": "counter=3"}
+    status, _, body = s.raw("GET", f"/deploy/api/files/{exclusive.sha256}", headers)
+    assert status == 401 and b"carries no X-Streamflow-Auth" in body
+    assert phone.fetch_file(exclusive) == (built["v3"] / FILES / exclusive.name).read_bytes()
+    # a signature of another request does not carry over (path, headers and body are signed)
+    signed = phone.headers()
+    signed[AUTH_HEADER] = sign_request(phone.key, "GET", "/app/feed", signed, b"", time.time())
+    assert s.raw("GET", f"/deploy/api/files/{exclusive.sha256}", signed)[0] == 401
+
+
+def test_a_large_body_is_refused_at_the_door_but_an_admins_publish(release_server, counter_repo, signing_key,
+                                                                   tmp_path, device_keys):
+    s = release_server(steps=[1.0])
+    device_keys.add("phone-1")  # a device the server knows: it has to read the body to check its signature
+    host, port = s.base_url.split("//")[1].split(":")
+    for path in ("/deploy/api/report", "/app/upload"):  # a report; an app request with the piggyback headers
+        with socket.create_connection((host, int(port)), timeout=15) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {400 << 20}\r\nX-Streamflow-Device: phone-1\r\n"
+                         f"X-Streamflow-Tasks: counter=1\r\n\r\n".encode())
+            try:
+                for _ in range(16):  # 1 MiB of the 400 MiB announced; the server answers without waiting for the rest
+                    sock.sendall(b" " * (64 << 10))
+            except OSError:
+                pass  # the server closed the connection after answering: the answer is there to read
+            answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 413"), (path, answer[:200])
+    # an admin publishes a bundle far larger than the device routes' limit
+    counter_repo.commit({"models/big.bin": os.urandom(600 << 10), "job.py": counter_job("5")}, tag="v5")
+    big = build_bundle(counter_repo.path, "v5", signing_key=signing_key, out=tmp_path / "big")
+    assert s.admin.publish(big)["version"] == "5"
+
+
+def test_made_up_task_names_do_not_grow_the_devices_table(release_server, device_keys):
+    s = release_server(steps=[1.0])
+    phone = device_client(s.base_url, device_keys, "phone-1")
+    for i in range(500):
+        phone.request("/app/feed", tasks={f"made-up-{i}-{j}": "1" for j in range(4)} | {"counter": "1"})
+        s.raw("GET", "/app/feed", {"X-Streamflow-Device": f"fake-{i}", "X-Streamflow-Tasks": f"other-{i}=1"})
+    s.server.manager.flush()
+    assert s.server.store.devices() == [("phone-1", "counter", "1")]

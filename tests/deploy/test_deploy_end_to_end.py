@@ -12,13 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from deploy_helpers import counter_job
+from deploy_helpers import counter_job, device_client
 
 from connectors.storage import CollectiveStorage
 from operators import Aggregate, Count, KeyBy, TimeWindow
 from streamflow.deploy.admin import AdminClient
 from streamflow.deploy.build import build_bundle
-from streamflow.deploy.client import DeployClient
 from streamflow.deploy.policy import directive
 from streamflow.deploy.server import DeployServer, serve_in_thread
 from streamflow.deploy.simulation import ReplaySimulator
@@ -46,11 +45,11 @@ def app_job() -> Job:
 class Device:
     """A device runtime: a DeviceRunner over a live event stream (its own thread), an Updater, an HTTP client."""
 
-    def __init__(self, name: str, base_url: str, trusted, tmp_path: Path):
+    def __init__(self, name: str, base_url: str, trusted, tmp_path: Path, keys):
         self.name = name
         self.storage = CollectiveStorage(tmp_path / f"{name}.duckdb", flush_rows=100)
         self.runner = DeviceRunner(app_job(), self.storage)
-        self.client = DeployClient(base_url, name, attrs={"os": "android"})
+        self.client = device_client(base_url, keys, name, attrs={"os": "android"})
         self.updater = Updater(self.runner, self.client, trusted, tmp_path / f"{name}-store", swap_timeout_s=10.0)
         self.sent = 0
         self._stop = threading.Event()
@@ -89,14 +88,15 @@ def _until(condition, devices, timeout_s: float = 90.0, what: str = "") -> None:
         time.sleep(0.05)
 
 
-def test_release_v2_through_the_stages_then_a_bad_v3_is_rolled_back(tmp_path, counter_repo, signing_key, trusted):
+def test_release_v2_through_the_stages_then_a_bad_v3_is_rolled_back(tmp_path, counter_repo, signing_key, trusted,
+                                                                    device_keys):
     counter_repo.commit({"job.py": V3}, tag="v3")
     bundles = {tag: build_bundle(counter_repo.path, tag, signing_key=signing_key, out=tmp_path / "bundles")
                for tag in ("v1", "v2", "v3")}
     recorded = tmp_path / "recorded.jsonl"  # the cloud's recorded events, for the simulation stage
     recorded.write_text("".join(json.dumps({"user_id": f"cloud/u{i % 4}", "event_id": "fav", "page_id": "item",
                                             "ts": T0 + i}) + "\n" for i in range(40)))
-    server = DeployServer(tmp_path / "server", trusted, tick_s=0.1,
+    server = DeployServer(tmp_path / "server", trusted, devices=device_keys, tick_s=0.1,
                           simulator=ReplaySimulator(recorded, tmp_path / "simulation", trusted))
     server.manager.coverage_every_s = 0.5
     devices: list[Device] = []
@@ -106,7 +106,7 @@ def test_release_v2_through_the_stages_then_a_bad_v3_is_rolled_back(tmp_path, co
             admin.publish(bundles[tag])
         admin.pin("counter", "1")
         for i in range(DEVICES):
-            device = Device(f"dev-{i}", base_url, trusted, tmp_path)
+            device = Device(f"dev-{i}", base_url, trusted, tmp_path, device_keys)
             # provisioning: the app ships knowing v1; it is fetched from the server and verified like any update
             [outcome] = device.updater.apply([directive("counter", "1", "update")])
             assert outcome.status == "installed", outcome

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from connectors.tunnel.keys import KeyRegistry
 from streamflow.cli import main
 from streamflow.deploy.build import build_bundle
 from streamflow.deploy.client import DeployClient
@@ -42,8 +43,12 @@ def deploy_server(tmp_path, signing_key):
     port = _free_port()
     directory = tmp_path / "server"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    keys = KeyRegistry(tmp_path / "keys.json")
+    for i in range(40):  # the fleet's devices, registered before the server starts (streamflow tunnel keys add)
+        keys.add(f"phone-{i}")
     process = subprocess.Popen([sys.executable, "-m", "streamflow.cli", "deploy-server", "--trusted-key",
-                                str(public_key_path(signing_key)), "--dir", str(directory), "--port", str(port)],
+                                str(public_key_path(signing_key)), "--dir", str(directory), "--port", str(port),
+                                "--key-registry", str(keys.path)],
                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     while True:
@@ -55,7 +60,7 @@ def deploy_server(tmp_path, signing_key):
                 process.kill()
                 pytest.fail(f"deploy-server did not start: {process.communicate()[0]}")
             time.sleep(0.2)
-    yield f"http://127.0.0.1:{port}", directory
+    yield f"http://127.0.0.1:{port}", directory, keys
     process.terminate()
     process.wait(20)
 
@@ -66,7 +71,7 @@ def _rgb(hex_colour: str) -> tuple[int, int, int]:
 
 def test_release_commands_drive_the_server_and_the_page_shows_it_in_chromium(deploy_server, counter_repo,
                                                                              signing_key, tmp_path, capsys):
-    base_url, directory = deploy_server
+    base_url, directory, keys = deploy_server
     out = tmp_path / "bundles"
     bundles = {tag: build_bundle(counter_repo.path, tag, signing_key=signing_key, out=out) for tag in ("v1", "v2")}
     common = ["--server", base_url, "--token-file", str(directory / "admin.token")]
@@ -80,7 +85,8 @@ def test_release_commands_drive_the_server_and_the_page_shows_it_in_chromium(dep
     assert main(["release", "start", "counter", "2", *common]) == 2
     assert "already has a release in progress" in capsys.readouterr().err
     assert main(["release", "advance", "nosuchtask", *common]) == 2
-    devices = [DeployClient(base_url, f"phone-{i}", attrs={"os": "android" if i % 4 else "ios"}) for i in range(40)]
+    devices = [DeployClient(base_url, f"phone-{i}", keys.key_for(f"phone-{i}"),
+                            attrs={"os": "android" if i % 4 else "ios"}) for i in range(40)]
     for device in devices:
         device.tasks = {"counter": "1"}
     failing = None

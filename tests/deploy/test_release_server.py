@@ -10,12 +10,12 @@ import urllib.error
 import urllib.request
 
 import pytest
-from deploy_helpers import counter_job
+from deploy_helpers import counter_job, device_client
 
 from streamflow.deploy.admin import AdminClient, AdminError
 from streamflow.deploy.build import build_bundle
 from streamflow.deploy.bundle import read_signed, verify_manifest
-from streamflow.deploy.client import DeployClient, DeployClientError
+from streamflow.deploy.client import DeployClientError
 from streamflow.deploy.layout import FILES, MANIFEST
 from streamflow.deploy.policy import cohort_point
 from streamflow.deploy.server import DeployServer, serve_in_thread
@@ -43,8 +43,8 @@ def clock():
 
 
 @pytest.fixture
-def server(tmp_path, trusted, clock):
-    server = DeployServer(tmp_path / "server", trusted, clock=clock, tick_s=3600)
+def server(tmp_path, trusted, clock, device_keys):
+    server = DeployServer(tmp_path / "server", trusted, devices=device_keys, clock=clock, tick_s=3600)
     yield server
     server.store.close()
 
@@ -64,13 +64,13 @@ def _get(url, headers=None):
         return exc.code, dict(exc.headers), exc.read()
 
 
-def test_publish_then_devices_get_directives_manifests_and_files(running, built, server, trusted):
+def test_publish_then_devices_get_directives_manifests_and_files(running, built, server, trusted, device_keys):
     base_url, admin = running
     for tag in ("v1", "v2"):
         assert admin.publish(built[tag])["version"] == tag[1:]
     assert admin.publish(built["v2"])["version"] == "2"  # the same bundle again: accepted once, no change
     admin.start("counter", "2", {"steps": [1.0], "simulate": False, "step_interval_s": None})
-    client = DeployClient(base_url, "phone-1")
+    client = device_client(base_url, device_keys, "phone-1")
     client.tasks = {"counter": "1"}
     response, directives = client.request("/app/feed")
     assert response.status == 200 and response.json() == {"ok": True, "path": "feed"}
@@ -92,13 +92,14 @@ def test_publish_then_devices_get_directives_manifests_and_files(running, built,
     assert exclusive.scope == "exclusive"
     assert _get(f"{base_url}/deploy/static/{exclusive.sha256}")[0] == 404
     status, _, body = _get(f"{base_url}/deploy/api/files/{exclusive.sha256}")
-    assert status == 403 and b"device id" in body
+    assert status == 401 and b"device id" in body
+    status, _, body = _get(f"{base_url}/deploy/api/files/{exclusive.sha256}", {"X-Streamflow-Device": "phone-1"})
+    assert status == 401 and b"carries no X-Streamflow-Auth" in body  # the header alone proves nothing
     admin.rollback("counter", "done here")  # v2 withdrawn: every device is to run v1, which lists the same file
-    status, _, body = _get(f"{base_url}/deploy/api/files/{exclusive.sha256}", {"X-Streamflow-Device": "other",
-                                                                                "X-Streamflow-Tasks": "ipv=3"})
-    assert status == 200
-    status, headers, _ = _get(f"{base_url}/deploy/api/files/{exclusive.sha256}", {"X-Streamflow-Device": "phone-1"})
-    assert status == 200 and headers["Cache-Control"] == "private, no-store"
+    other = device_client(base_url, device_keys, "other")
+    assert other.fetch_file(exclusive) == (built["v1"] / FILES / exclusive.name).read_bytes()
+    response = client._send("GET", f"/deploy/api/files/{exclusive.sha256}", None, client.headers())
+    assert response.status == 200 and response.headers["cache-control"] == "private, no-store"
     assert _get(f"{base_url}/deploy/static/{'0' * 64}")[0] == 404
     assert _get(f"{base_url}/deploy/static/..%2F..%2Frelease.sqlite")[0] == 404
     assert _get(f"{base_url}/deploy/bundles/counter/9/manifest.json")[0] == 404
@@ -152,7 +153,8 @@ def test_staged_release_advances_on_schedule_and_cohorts_are_sticky(running, bui
     assert (release["stage"], release["fraction"]) == ("beta", 0.0)
     with pytest.raises(AdminError, match="already has a release in progress"):
         admin.start("counter", "2", plan)
-    clients = {name: DeployClient(base_url, name) for name in ["beta-1"] + [f"phone-{i}" for i in range(60)]}
+    clients = {name: device_client(base_url, server.devices, name)
+               for name in ["beta-1"] + [f"phone-{i}" for i in range(60)]}
 
     def round_trip() -> set[str]:
         told = set()
@@ -203,7 +205,7 @@ def test_failures_over_the_guardrail_roll_back_and_block_the_digest(running, bui
         admin.publish(built[tag])
     admin.pin("counter", "2")
     admin.start("counter", "3", {"steps": [1.0], "min_samples": 3, "max_failure_rate": 0.4, "simulate": False})
-    devices = [DeployClient(base_url, f"phone-{i}") for i in range(6)]
+    devices = [device_client(base_url, server.devices, f"phone-{i}") for i in range(6)]
     for device in devices:
         device.tasks = {"counter": "2"}
         assert device.request("/app/x")[1][0]["version"] == "3"
@@ -240,10 +242,10 @@ def test_bad_protocol_input_is_refused_with_a_reason(running, built, server):
                                                     "X-Streamflow-Device": bad_device})
     assert status == 200 and "X-Streamflow-Deploy" not in headers
     assert "must be 1 to 128" in headers["X-Streamflow-Deploy-Error"]
-    status, headers, _ = _get(f"{base_url}/app/x", {"X-Streamflow-Tasks": "counter=0,,junk,=1",
+    client = device_client(base_url, server.devices, "ok-1")
+    response = client._send("GET", "/app/x", None, {"X-Streamflow-Tasks": "counter=0,,junk,=1",
                                                     "X-Streamflow-Device": "ok-1"})
-    assert json.loads(headers["X-Streamflow-Deploy"])[0]["version"] == "1"  # malformed pairs skipped
-    client = DeployClient(base_url, "ok-1")
+    assert json.loads(response.headers["x-streamflow-deploy"])[0]["version"] == "1"  # malformed pairs skipped
     for body, reason in [(b"not json", "not JSON"), (b"[1]", "JSON object"),
                          (json.dumps({"device": "ok-1", "task": "x;drop", "version": "1", "ok": False}).encode(),
                           "task name 'x;drop' must be letters"),
@@ -252,7 +254,7 @@ def test_bad_protocol_input_is_refused_with_a_reason(running, built, server):
                          (json.dumps({"device": "ok-1", "task": "counter", "version": "1", "ok": "no"}).encode(),
                           "'ok' must be true or false"),
                          (json.dumps({"device": "other", "task": "counter", "version": "1", "ok": True}).encode(),
-                          "sent with X-Streamflow-Device")]:
+                          "signed by device 'ok-1'")]:
         response = client._send("POST", "/deploy/api/report", body, {"X-Streamflow-Device": "ok-1"})
         assert response.status == 400 and reason in response.body.decode(), (body, response.body)
     assert server.stats["refused_reports"] == 4  # the two non-objects fail before the report checks
@@ -263,12 +265,14 @@ def test_bad_protocol_input_is_refused_with_a_reason(running, built, server):
 
 def test_state_survives_a_restart(tmp_path, built, trusted, clock):
     server = DeployServer(tmp_path / "server", trusted, clock=clock)
+    d1 = next(d for d in (f"d{i}" for i in range(100)) if cohort_point("counter-2-1", d) < 0.5)
     for tag in ("v1", "v2"):
         server.publish(*read_signed(built[tag]), {p.relative_to(built[tag] / FILES).as_posix(): p.read_bytes()
                                                   for p in (built[tag] / FILES).rglob("*") if p.is_file()})
     from streamflow.deploy.release import ReleasePlan
     server.manager.start("counter", "2", ReleasePlan(steps=(0.5, 1.0), simulate=False, min_samples=5))
-    server.manager.report("d1", "counter", "2", ok=False, reason="boom")
+    assert server.manager.decide_header(d1, "counter=1") is not None  # offered the release
+    server.manager.report(d1, "counter", "2", ok=False, reason="boom")
     server.manager.decide_header("d2", "counter=2")
     server.manager.flush()
     token = server.admin_token
@@ -276,13 +280,14 @@ def test_state_survives_a_restart(tmp_path, built, trusted, clock):
     again = DeployServer(tmp_path / "server", trusted, clock=clock)
     assert again.admin_token == token
     release = again.manager.active["counter"]
-    assert (release.version, release.fraction, release.failed) == ("2", 0.5, {"d1"})
-    assert again.manager.seen["counter"] == {"d2": "2"}
-    assert again.manager.decide_header("d1", "counter=2") is not None  # d1 failed: held back on v1
+    assert (release.version, release.fraction, release.failed, release.exposed) == ("2", 0.5, {d1}, {d1})
+    assert again.manager.seen["counter"] == {d1: "1", "d2": "2"}
+    assert again.manager.decide_header(d1, "counter=2") is not None  # d1 failed: held back on v1
     again.store.close()
 
 
-def test_exclusive_files_go_only_to_devices_that_are_to_run_them(running, counter_repo, signing_key, tmp_path):
+def test_exclusive_files_go_only_to_devices_that_are_to_run_them(running, counter_repo, signing_key, tmp_path,
+                                                                 server):
     base_url, admin = running
     counter_repo.commit({"config/device.json": '{"threshold": 3}', "job.py": counter_job("3")}, tag="v3")
     out = tmp_path / "out"
@@ -293,16 +298,19 @@ def test_exclusive_files_go_only_to_devices_that_are_to_run_them(running, counte
     manifest = read_signed(out / "counter" / "3")[0]
     config = json.loads(manifest)["files"]
     [entry] = [f for f in config if f["name"] == "config/device.json"]
-    phone = DeployClient(base_url, "phone-1", attrs={"os": "android"})
+    phone = device_client(base_url, server.devices, "phone-1", attrs={"os": "android"})
     phone.tasks = {"counter": "2"}
-    tablet = DeployClient(base_url, "tablet-1", attrs={"os": "ios"})
+    tablet = device_client(base_url, server.devices, "tablet-1", attrs={"os": "ios"})
     tablet.tasks = {"counter": "2"}
 
     class Entry:
         sha256, size, scope = entry["sha256"], entry["size"], entry["scope"]
 
     assert phone.fetch_file(Entry) == b'{"threshold": 3}'
-    with pytest.raises(DeployClientError, match="403 .*neither runs nor is to run a version with file"):
+    with pytest.raises(DeployClientError, match="403 .*is not to run a version with file"):
+        tablet.fetch_file(Entry)
+    tablet.tasks = {"counter": "3"}  # claiming to run it is not enough
+    with pytest.raises(DeployClientError, match="403 .*is not to run a version with file"):
         tablet.fetch_file(Entry)
 
 

@@ -26,20 +26,21 @@ def _wait(condition, timeout_s=60.0):
 def test_reports_over_the_tunnel_roll_a_bad_release_back(tmp_path, kafka_bootstrap):
     topic = f"deploy-reports-{os.getpid()}-{time.monotonic_ns()}"
     registry = KeyRegistry(tmp_path / "keys.json")
-    server = DeployServer(tmp_path / "server", None, tick_s=0.2)
+    server = DeployServer(tmp_path / "server", None, devices=registry, tick_s=0.2)
     manager = server.manager
     for version, previous in (("1", None), ("2", "1")):
         manager.add_bundle(PublishedBundle("counter", version, f"digest{version}".ljust(64, "0"), "key", previous),
                            b"{}", b"sig", [])
     manager.start("counter", "2", ReleasePlan(steps=(1.0,), min_samples=3, max_failure_rate=0.5, simulate=False))
-    server.read_tunnel_reports(registry, bootstrap=kafka_bootstrap, topic=topic)
+    server.read_tunnel_reports(bootstrap=kafka_bootstrap, topic=topic)
     sinks = []
     with serve_in_thread(server) as base_url:
         for i in range(4):
             sink = TunnelSink(f"phone-{i}", registry.add(f"phone-{i}"), tmp_path / f"spool-{i}", topic=topic,
                               bootstrap=kafka_bootstrap, linger_s=0.0)
             sinks.append(sink)
-            client = DeployClient(base_url, f"phone-{i}", tunnel=sink)
+            client = DeployClient(base_url, f"phone-{i}", registry.key_for(f"phone-{i}"), tunnel=sink)
+            assert manager.decide_header(f"phone-{i}", "counter=1") is not None  # offered the release
             client.report("counter", "2", ok=i == 0, reason=None if i == 0 else "load_failed: counter@2: boom")
         # a device whose key the registry does not hold (a forger), and a malformed row of a known device
         forger = TunnelSink("phone-0", b"k" * 32, tmp_path / "spool-forged", topic=topic, bootstrap=kafka_bootstrap,
