@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamflow.serve.messages import (
+    MAX_DETAIL,
+    MAX_TEXT_FIELD,
     REPLY_PARTITIONS,
     REPLY_TOPIC,
     REQUEST_TOPIC,
@@ -52,6 +54,7 @@ from streamflow.serve.messages import (
     decode_request,
     encode_reply,
     reply_partition,
+    short,
 )
 from streamflow.serve.policy import POLICIES, Choice, MDInference, Profile
 
@@ -224,8 +227,13 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
         count(f"dead_letter.{exc.reason}")
         log.warning("request at %s[%d]@%d dead-lettered: %s", event.message.topic, event.message.partition,
                     event.message.offset, exc)
-        await dead_letters.send(key=event.key, value=event.value,
-                                headers={"reason": exc.reason.encode(), "detail": str(exc).encode()})
+        headers = {"reason": exc.reason.encode()[:MAX_TEXT_FIELD], "detail": str(exc).encode()[:MAX_DETAIL]}
+        try:
+            await dead_letters.send(key=event.key, value=event.value, headers=headers)
+        except Exception as failed:  # noqa: BLE001 - a dead letter lost is counted; the agent must go on serving
+            count("dead_letter.send_failed")
+            log.error("request at %s[%d]@%d: its dead letter could not be sent: %s", event.message.topic,
+                      event.message.partition, event.message.offset, short(failed))
 
     async def reply(request: Request, answer: Reply) -> None:
         key = server.registry.key_for(request.device)

@@ -54,6 +54,11 @@ REPLY_PARTITIONS = 4
 MAX_IMAGE_SIDE = 4096
 IMAGE_FORMATS = ("jpeg", "raw")
 REPLY_STATUSES = ("ok", "expired", "error")
+#: A request's short text fields (``format``, ``policy``) are at most this long.
+MAX_TEXT_FIELD = 64
+#: A message error's detail (logged, and a dead letter's header) is cut to this many characters.
+MAX_DETAIL = 1000
+_REPR_CHARS = 80
 
 
 
@@ -61,6 +66,8 @@ class MessageError(ValueError):
     """A message that must not be used: ``reason`` says why, ``device`` who it claims to be from."""
 
     def __init__(self, reason: str, detail: str, device: str | None = None):
+        if len(detail) > MAX_DETAIL:
+            detail = detail[:MAX_DETAIL] + f"... ({len(detail)} characters)"
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.device = device
@@ -151,6 +158,10 @@ def decode_request(value: bytes | None, keys: Keys) -> Request:
     optional = {name: batch.rows.column(name)[0].as_py() for name in ("upload_std_ms", "local_accuracy")
                 if name in batch.rows.column_names}
     try:
+        for name in ("format", "policy"):
+            if not isinstance(fields[name], str) or len(fields[name]) > MAX_TEXT_FIELD:
+                raise ValueError(f"{name} must be a string of at most {MAX_TEXT_FIELD} characters, got "
+                                 f"{short(fields[name])}")
         height, width, data = int(fields["height"]), int(fields["width"]), fields["image"]
         sla, upload, window = float(fields["sla_ms"]), fields["upload_ms"], fields["window_ms"]
         if not (0 < height <= MAX_IMAGE_SIDE and 0 < width <= MAX_IMAGE_SIDE):
@@ -183,7 +194,7 @@ def _image(image_format: str, data: bytes, height: int, width: int) -> np.ndarra
             raise ValueError(f"image has {len(data)} bytes, {height}×{width}×3 needs {height * width * 3}")
         return np.frombuffer(data, np.uint8).reshape(height, width, 3)
     if image_format != "jpeg":
-        raise ValueError(f"image format {image_format!r} is not one of {IMAGE_FORMATS}")
+        raise ValueError(f"image format {short(image_format)} is not one of {IMAGE_FORMATS}")
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -215,7 +226,7 @@ def decode_reply(value: bytes | None, keys: Keys) -> Reply:
     fields = _one_row(batch.rows, where, {"status", "model", "label", "budget_ms", "network_ms", "inference_ms",
                                           "candidates", "detail"})
     if fields["status"] not in REPLY_STATUSES:
-        raise MessageError("bad_fields", f"{where}: status {fields['status']!r} not one of {REPLY_STATUSES}",
+        raise MessageError("bad_fields", f"{where}: status {short(fields['status'])} not one of {REPLY_STATUSES}",
                            batch.device)
     try:
         return Reply(batch.device, batch.first_seq, fields["status"], str(fields["model"]), int(fields["label"]),
@@ -223,6 +234,15 @@ def decode_reply(value: bytes | None, keys: Keys) -> Reply:
                      tuple(fields["candidates"] or ()), str(fields["detail"] or ""))
     except (TypeError, ValueError) as exc:
         raise MessageError("bad_fields", f"{where}: {exc}", batch.device) from exc
+
+
+def short(value: Any) -> str:
+    """``repr(value)`` cut to a few dozen characters (a field may be megabytes), saying how long it was."""
+    text = repr(value[:_REPR_CHARS + 1] if isinstance(value, str | bytes) else value)
+    if len(text) <= _REPR_CHARS:
+        return text
+    size = f" ({len(value)} long)" if isinstance(value, str | bytes) else ""
+    return text[:_REPR_CHARS] + "..." + size
 
 
 def _open(value: bytes | None, keys: Keys, kind: str):

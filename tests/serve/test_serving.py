@@ -190,3 +190,35 @@ def test_the_serve_operator_adds_the_answer_to_each_row(client, pages):
     assert all(r["answered_by"] == "cloud" and r["met_sla"] and r["label"] in range(4) for r in out)
     local = run_pipeline([Serve(client, image="page", sla_ms=GENEROUS_SLA_MS, policy="local")], rows[:1])
     assert local[0]["answered_by"] == "device" and np.isnan(local[0]["budget_ms"])
+
+
+def test_a_request_with_an_oversized_field_is_dead_lettered_with_a_short_reason_and_serving_goes_on(
+        serve_worker, serve_zoo, serve_keys, pages):
+    """A 2 KB request whose ``format`` inflates to 1 MB made the dead letter's header (its repr) pass the
+    producer's limit and crashed the agent (issue 26, item 5). Now the field is capped, the reason cut short, and
+    the next request is answered by the cloud."""
+    key = serve_keys.key_for("phone-2")
+    marker = f"big-{uuid.uuid4().hex[:8]}".encode()
+    row = pa.table({"sla_ms": [100.0], "window_ms": [80.0], "upload_ms": [1.0], "sent_ms": [1], "policy": ["static"],
+                    "height": pa.array([4], pa.int32()), "width": pa.array([4], pa.int32()),
+                    "format": ["x" * 1_000_000], "image": pa.array([b"\0" * 48], pa.binary())})
+    values = [encode("phone-2", "serve.request", i, row, key) for i in range(3)]
+    assert max(len(v) for v in values) < 4_000
+    producer = KafkaProducer(bootstrap_servers=serve_worker.bootstrap)
+    for value in values:
+        producer.send(REQUEST_TOPIC, key=marker, value=value)
+    producer.flush()
+    producer.close()
+    deadline = time.monotonic() + 30
+    dead = []
+    while len(dead) < len(values) and time.monotonic() < deadline:
+        dead = [r for r in read_topic(serve_worker.bootstrap, DEAD_LETTER_TOPIC) if r.key == marker]
+        time.sleep(0.3)
+    assert len(dead) == len(values)
+    for record in dead:
+        headers = dict(record.headers)
+        assert headers["reason"] == b"bad_fields" and len(headers["detail"]) <= 1000
+        assert b"format must be a string of at most 64 characters" in headers["detail"]
+    with ServeClient("phone-2", key, bootstrap=serve_worker.bootstrap, zoo=serve_zoo) as device:
+        answer = device.submit(pages[0][0], sla_ms=5000, policy="largest").result(timeout=30)
+    assert answer.answered_by == "cloud" and serve_worker.alive()
