@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from operators.aggregations import Aggregation, Count, CountBy, First, Last, Max, Min
-from operators.base import Group, Operator, _not_a_row
+from operators.aggregations import Aggregation, Count, CountBy, First, Last, Max, Min, Sum
+from operators.base import Group, Operator, _not_a_row, generated
 
 
 class Aggregate(Operator):
@@ -73,7 +73,7 @@ _INLINE_ATTRIBUTE = {
     Min: "min([x.{field} for x in items], default=None)",
     Max: "max([x.{field} for x in items], default=None)",
 }
-# Event attributes (streamflow.events._EVENT_ATTRS; operators does not import streamflow).
+# Event attributes (streamflow.events.EVENT_ATTRIBUTES; operators does not import streamflow).
 _EVENT_ATTRIBUTES = frozenset(("user_id", "event_id", "page_id", "ts", "contents"))
 
 
@@ -155,5 +155,54 @@ def _generated_fold(aggregate: Aggregate, steps: list[tuple[bool, Callable[[Any]
             lines += [f"    row = s{i}(row)"] if maps else [f"    if not s{i}(row):", "        return []"]
         lines += ["    if type(row) is not dict and not isinstance(row, Mapping):", "        not_a_row(row)",
                   "    return [row]"]
-    exec("\n".join(lines), namespace)  # the source holds only repr()'d names and indices
-    return namespace["fold"]
+    return generated("fold", lines, namespace)
+
+
+class Accumulators:
+    """The accumulators of named aggregations kept as one list (a window's, on every runner): ``create()``,
+    ``add(accs, item)`` (in place; returns ``accs``), ``merge(a, b)`` (a new list) and ``results(accs)`` (the
+    row's columns), each one generated function with every aggregation's step in turn: what calling each
+    aggregation's own method gives (``where`` first for ``add``), with a ``Count``'s and the constant
+    ``create`` values inline. Pickles as its aggregations (the functions are generated again).
+
+    Example:
+        >>> from operators import CountDistinct
+        >>> accumulators = Accumulators({"n": Count(), "top": Max("v"), "kinds": CountDistinct("k")})
+        >>> a = accumulators.add(accumulators.add(accumulators.create(), {"v": 3, "k": "x"}), {"v": 5, "k": "x"})
+        >>> b = accumulators.add(accumulators.create(), {"v": 4, "k": "y"})
+        >>> accumulators.results(a), accumulators.results(accumulators.merge(a, b))
+        ({'n': 2, 'top': 5, 'kinds': 1}, {'n': 3, 'top': 5, 'kinds': 2})
+    """
+
+    def __init__(self, aggregations: Mapping[str, Aggregation]):
+        self.aggregations = dict(aggregations)
+        namespace: dict[str, Any] = {}
+        create, add, merge, results = [], ["def add(accs, item):"], [], []
+        for i, (name, agg) in enumerate(self.aggregations.items()):
+            kind = type(agg)
+            namespace.update({f"c{i}": agg.create, f"a{i}": agg.add, f"m{i}": agg.merge, f"r{i}": agg.result,
+                              f"w{i}": agg.where})
+            create.append(_CREATED.get(kind, f"c{i}()"))
+            indent = "    "
+            if agg.where is not None:
+                add.append(f"    if w{i}(item):")
+                indent += "    "
+            add.append(f"{indent}accs[{i}] += 1" if kind is Count else f"{indent}accs[{i}] = a{i}(accs[{i}], item)")
+            merge.append(f"a[{i}] + b[{i}]" if kind is Count else f"m{i}(a[{i}], b[{i}])")
+            identity = kind.result is Aggregation.result
+            results.append(f"{name!r}: {f'accs[{i}]' if identity else f'r{i}(accs[{i}])'}")
+        lines = ["def create():", f"    return [{', '.join(create)}]", *add, "    return accs",
+                 "def merge(a, b):", f"    return [{', '.join(merge)}]",
+                 "def results(accs):", f"    return {{{', '.join(results)}}}"]
+        generated("create", lines, namespace)
+        self.create: Callable[[], list[Any]] = namespace["create"]
+        self.add: Callable[[list[Any], Any], list[Any]] = namespace["add"]
+        self.merge: Callable[[list[Any], list[Any]], list[Any]] = namespace["merge"]
+        self.results: Callable[[list[Any]], dict[str, Any]] = namespace["results"]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Accumulators, (self.aggregations,)
+
+
+#: ``create()`` of the aggregations whose new accumulator is an immutable constant, as source.
+_CREATED = {Count: "0", Sum: "0", Min: "None", Max: "None", First: "(False, None)", Last: "(False, None)"}

@@ -63,7 +63,7 @@ class Event:
         A missing name raises ``KeyError`` naming the event, so a pipeline error says what was
         missing and where.
         """
-        if name in _EVENT_ATTRS:
+        if name in EVENT_ATTRIBUTES:
             return getattr(self, name)
         try:
             return self.contents[name]
@@ -119,7 +119,7 @@ class Event:
                 "ts": self.ts, "contents": dict(self.contents)}
 
 
-_EVENT_ATTRS = frozenset(("user_id", "event_id", "page_id", "ts", "contents"))
+EVENT_ATTRIBUTES = frozenset(("user_id", "event_id", "page_id", "ts", "contents"))
 
 
 def event_reader(name: str) -> Callable[[Event], Any]:
@@ -131,7 +131,7 @@ def event_reader(name: str) -> Callable[[Event], Any]:
         >>> event_reader("ts")(event), event_reader("item_id")(event)
         (1.0, '7')
     """
-    if name in _EVENT_ATTRS:
+    if name in EVENT_ATTRIBUTES:
         return attrgetter(name)
 
     def read(event: Event) -> Any:

@@ -49,11 +49,12 @@ from typing import Any
 
 from connectors.storage import check_table_name, to_json
 from operators import Aggregate, Count, CountWindow, Filter, KeyBy, Map, Operator, Process, SessionWindow, TimeWindow
+from operators.aggregate import Accumulators
 from operators.aggregations import Aggregation, checked_field
-from operators.base import field_reader
+from operators.base import GENERATED_CODE, field_reader, generated
 from operators.process import LATE, KeyedProcessFunction, ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from operators.window import to_millis, window_starts_ms
-from streamflow.events import Event
+from streamflow.events import EVENT_ATTRIBUTES, Event
 from streamflow.keyed import END_OF_TIME, KeyedRuntime
 from streamflow.summary import TASK_ERRORS_TABLE
 
@@ -134,7 +135,7 @@ def elementwise(ops: Sequence[Filter | Map]) -> Callable[[Any], Any]:
     """
     namespace: dict[str, Any] = {}
     lines = ["def steps(item):", *_step_lines(ops, "s", namespace, "    ", ["return None"]), "    return item"]
-    return _generated("steps", lines, namespace)
+    return generated("steps", lines, namespace)
 
 
 def _step_lines(ops: Sequence[Filter | Map], prefix: str, namespace: dict[str, Any], indent: str,
@@ -152,21 +153,11 @@ def _step_lines(ops: Sequence[Filter | Map], prefix: str, namespace: dict[str, A
     return lines
 
 
-def _generated(name: str, lines: list[str], namespace: dict[str, Any]) -> Callable[..., Any]:
-    """The function ``name`` defined by ``lines`` (whose source holds only indices and ``repr``'d names), run
-    with ``namespace`` as its globals; its frames count as the runner's (see :meth:`Failure.of`)."""
-    exec(compile("\n".join(lines), _GENERATED, "exec"), namespace)
-    return namespace[name]
-
-
-_EVENT_ATTRIBUTES = frozenset(("user_id", "event_id", "page_id", "ts", "contents"))
-
-
 def _read_expression(spec: Any, name: str, namespace: dict[str, Any]) -> str:
     """An expression reading field ``spec`` of ``item``, what ``field_reader(spec)(item)`` gives: an
     :class:`Event`'s own attribute is read as one (``event[name]`` is a method call), anything else with
     ``item[name]``; a function ``spec`` goes into ``namespace`` as ``name`` and is called."""
-    if isinstance(spec, str) and spec in _EVENT_ATTRIBUTES:
+    if isinstance(spec, str) and spec in EVENT_ATTRIBUTES:
         return f"(item.{spec} if type(item) is Event else item[{spec!r}])"
     if isinstance(spec, str) and spec:
         return f"item[{spec!r}]"
@@ -180,21 +171,21 @@ class _AggregatingWindows(KeyedProcessFunction):
     def __init__(self, aggregate: Aggregate, key_name: str):
         self.aggregations = list(aggregate.aggregations.items())
         self.key_name = key_name
+        self._generate()
 
-    def create(self) -> list[Any]:
-        return [agg.create() for _, agg in self.aggregations]
+    def _generate(self) -> None:
+        """``create()``, ``add(accs, item)``, ``merge(a, b)``, ``results(accs)``: see :class:`Accumulators`."""
+        accumulators = Accumulators(dict(self.aggregations))
+        self.create, self.add = accumulators.create, accumulators.add
+        self.merge, self.results = accumulators.merge, accumulators.results
 
-    def add(self, accs: list[Any], item: Any) -> list[Any]:
-        for i, (_, agg) in enumerate(self.aggregations):
-            if agg.where is None or agg.where(item):
-                accs[i] = agg.add(accs[i], item)
-        return accs
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: value for name, value in self.__dict__.items()
+                if name not in ("create", "add", "merge", "results")}
 
-    def merge(self, a: list[Any], b: list[Any]) -> list[Any]:
-        return [agg.merge(x, y) for (_, agg), x, y in zip(self.aggregations, a, b, strict=True)]
-
-    def results(self, accs: list[Any]) -> dict[str, Any]:
-        return {name: agg.result(acc) for (name, agg), acc in zip(self.aggregations, accs, strict=True)}
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._generate()  # again where it runs (a Flink worker)
 
     def row(self, key: Any, start_ms: int, end_ms: int, accs: list[Any]) -> dict[str, Any]:
         return window_row(self.key_name, key, start_ms / 1000, end_ms / 1000, self.results(accs))
@@ -489,7 +480,6 @@ def late_row(task: str, ts: float, item: Any) -> dict[str, Any]:
 #: step (operator instance) says so itself, and the writer marks the task quarantined in the summary.
 QUARANTINED = "__quarantined__"
 _RUNNER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_GENERATED = _RUNNER_DIR + "<generated steps>"  # a frame of the runner's (see Failure.of)
 _NO_KEY = object()
 
 
@@ -497,8 +487,9 @@ _NO_KEY = object()
 class Failure:
     """What a step of a stream task raised, as text (picklable: on Flink it may wait in a window's accumulator).
 
-    The traceback starts at the first frame outside the runner (``streamflow/``): the user's code and the
-    operators it called, the same frames on every runner.
+    The traceback starts at the first frame outside the runner (``streamflow/``) and its generated code
+    (:data:`~operators.base.GENERATED_CODE`): the user's code and the operators it called, the same frames
+    on every runner.
     """
 
     error: str
@@ -507,7 +498,9 @@ class Failure:
     @classmethod
     def of(cls, exc: BaseException) -> Failure:
         tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename.startswith(_RUNNER_DIR):
+        while tb is not None and tb.tb_next is not None and (
+                tb.tb_frame.f_code.co_filename.startswith(_RUNNER_DIR)
+                or tb.tb_frame.f_code.co_filename == GENERATED_CODE):
             tb = tb.tb_next
         return cls(f"{type(exc).__name__}: {exc}", "".join(traceback.format_exception(type(exc), exc, tb)))
 
@@ -655,7 +648,7 @@ class StreamInput:
                 lines.append(f"{indent}check{i}(item)")
         lines += ["    except Exception as exc:", "        failed(exc, event, key)", "        return None",
                   "    streak.failures = 0", "    return key, item, ts_ms"]
-        return _generated("step", lines, namespace)
+        return generated("step", lines, namespace)
 
     def _failed(self, exc: Exception, event: Any, key: Any) -> None:
         row = stream_error_row(self.task, exc, event, key)
