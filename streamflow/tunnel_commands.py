@@ -135,7 +135,9 @@ def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: floa
         consumer.close()
     print(f"cloud: {stats.messages} messages, {stats.stored} rows stored, {stats.duplicates} duplicates dropped, "
           f"{stats.dead_total} dead letters {dict(stats.dead)}"
-          + (f", {stats.resolved} parked envelopes resolved" if stats.resolved else ""))
+          + (f", {stats.resolved} parked envelopes resolved" if stats.resolved else "")
+          + (f"; sequence gaps {dict(stats.gaps)}, {stats.rows_lost} numbers LOST (see tunnel.gaps)" if stats.gaps
+             else ""))
     return 0
 
 

@@ -99,6 +99,7 @@ from connectors.tunnel.kafka import (
     ensure_topic,
 )
 from connectors.tunnel.keys import KeyRegistry
+from connectors.tunnel.ledger import Gap, Ledger
 from connectors.tunnel.registry import Registration, RegistrationError, Registry
 
 log = logging.getLogger("streamflow.cloud")
@@ -111,6 +112,8 @@ IDLE_AFTER_S = 0.5
 _ASSIGNMENT_CHECK_S = 10.0
 #: How often a consumer commits its offsets to Kafka (for lag monitoring only; Kafka's own auto-commit: 5 s).
 KAFKA_COMMIT_INTERVAL_S = 1.0
+#: how long the cloud waits for a device's missing sequence numbers before it reports them lost
+DEFAULT_GAP_WAIT_S = 30.0
 #: the consumer's online tables follow its offline ones within about this (see CloudStore's online_lag_s)
 DEFAULT_ONLINE_LAG_S = 0.1
 #: What the tables can refuse a batch with (e.g. a value whose type clashes with its column's).
@@ -146,6 +149,7 @@ class ApplyResult:
     dead_letters: list[DeadLetter] = field(default_factory=list)
     registered: int = 0
     resolved: int = 0
+    gaps: list[Gap] = field(default_factory=list)  # gaps noticed, filled or given up (lost) meanwhile
 
     @property
     def dead(self) -> int:
@@ -162,6 +166,8 @@ class CloudStats:
     dead: Counter = field(default_factory=Counter)
     registered: int = 0
     resolved: int = 0  # parked envelopes opened again once their registration arrived
+    gaps: Counter = field(default_factory=Counter)  # per-device sequence gaps: noticed, filled, lost
+    rows_lost: int = 0  # the numbers of the lost gaps
 
     @property
     def dead_total(self) -> int:
@@ -177,6 +183,19 @@ class CloudStats:
         for d in result.dead_letters:
             self.dead[d.reason] += 1
             log.warning("dead letter %s[%d]@%d from %s: %s", d.topic, d.partition, d.offset, d.device or "?", d.detail)
+        for gap in result.gaps:
+            self.gaps[gap.outcome or "noticed"] += 1
+            if gap.outcome == "lost":
+                self.rows_lost += gap.missing_rows
+                log.error("GAP LOST: device %s's seqs %d..%d never arrived (%d numbers missing after %.0f s); "
+                          "reported in tunnel.gaps", gap.device, gap.start, gap.end - 1, gap.missing_rows,
+                          time.monotonic() - gap.noticed)
+            elif gap.outcome == "filled":
+                log.info("gap filled: device %s's seqs %d..%d arrived after %.1f s", gap.device, gap.start,
+                         gap.end - 1, time.monotonic() - gap.noticed)
+            else:
+                log.warning("gap: device %s's seqs %d..%d are missing (a batch after them arrived); waiting for them",
+                            gap.device, gap.start, gap.end - 1)
 
 
 class CloudStore:
@@ -194,7 +213,8 @@ class CloudStore:
     """
 
     def __init__(self, path: str | os.PathLike[str], online_key: Sequence[str] = ("user_id",),
-                 schemas: Mapping[str, Collection[str]] | None = None, online_lag_s: float = 0.0):
+                 schemas: Mapping[str, Collection[str]] | None = None, online_lag_s: float = 0.0,
+                 gap_wait_s: float = DEFAULT_GAP_WAIT_S):
         if online_lag_s < 0:
             raise ValueError(f"online_lag_s must be >= 0, got {online_lag_s}")
         self.online_lag_s = online_lag_s
@@ -221,6 +241,8 @@ class CloudStore:
         self._columns: dict[str, KnownColumns] = {}
         self._online_keys: dict[str, list[str]] = {}
         self._seq_end: dict[str, int] = {}  # device → one past its highest stored seq
+        #: per device, the numbers accounted for and the gaps between them (see :mod:`.ledger`)
+        self.ledger = Ledger(gap_wait_s)
         self._lock = threading.Lock()
         self._catch_up_online()
 
@@ -251,8 +273,10 @@ class CloudStore:
                     result.stored += one.stored
                     result.duplicates += one.duplicates
                     result.dead_letters += one.dead_letters
+                    result.gaps += one.gaps
                 rest = self._transaction((), [*dead, *refused], offsets, registrations, resolved)
                 result.dead_letters += rest.dead_letters
+                result.gaps += rest.gaps
                 result.registered, result.resolved = rest.registered, rest.resolved
             for device, registration in registrations:
                 self._remember(device, registration)
@@ -347,6 +371,8 @@ class CloudStore:
                 result.stored += rows.num_rows
                 result.dead_letters += refused
             self._record(fresh, now)  # after the rows: a batch is recorded only together with its rows
+            refused = self._refused_spans(result.dead_letters)
+            self._record_refused(refused, now)
             if result.dead_letters:
                 con.executemany(self._tables.insert("dead_letter"), [
                     [d.topic, d.partition, d.offset, d.device, d.reason, d.detail[:2000], d.raw, now, None]
@@ -370,6 +396,7 @@ class CloudStore:
             self._online_keys.clear()
             self._seq_end.clear()
             raise
+        result.gaps = self._account([(b.device, b.first_seq, b.last_seq + 1) for b in fresh] + refused, now)
         if self.online_lag_s > 0:
             for table, rows in stored:  # only rows whose transaction committed
                 self._pending_online.setdefault(table, []).append(rows)
@@ -404,7 +431,7 @@ class CloudStore:
                 self._seq_end[batch.device] = batch.last_seq + 1
                 continue
             stored = con.execute(f"SELECT first_seq = ? AND n_rows = ? AND mac = ? FROM {self._t('batches')} WHERE "
-                                 "device_id = ? AND first_seq < ? AND first_seq + n_rows > ?",
+                                 "outcome = 'stored' AND device_id = ? AND first_seq < ? AND first_seq + n_rows > ?",
                                  [batch.first_seq, batch.rows.num_rows, batch.mac, batch.device,
                                   batch.first_seq + batch.rows.num_rows, batch.first_seq]).fetchall()
             earlier = [(b.first_seq, b.rows.num_rows, b.mac) == (batch.first_seq, batch.rows.num_rows, batch.mac)
@@ -419,6 +446,63 @@ class CloudStore:
             else:  # below the device's highest number but in a gap: new
                 fresh.append(batch)
         return fresh, repeats, reused
+
+    @staticmethod
+    def _refused_spans(dead: Sequence[DeadLetter]) -> list[tuple[str, int, int]]:
+        """(device, first, end) of the verified batches ``dead`` refuses whole: accounted for, as stored ones are
+        (a parked one is not: it may still be stored; a ``seq_reused`` one overlaps numbers already accounted)."""
+        return [(d.device, d.seqs[0], d.seqs[0] + d.seqs[1]) for d in dead if d.seqs is not None and d.device
+                and d.seqs[1] > 0 and d.reason not in (PARKED, "seq_reused")]
+
+    def _record_refused(self, spans: Sequence[tuple[str, int, int]], now: datetime) -> None:
+        if spans:
+            self._con.executemany(self._tables.insert("batches"), [
+                [device, first, end - first, None, None, now, "dead"] for device, first, end in spans])
+
+    def _account(self, spans: Sequence[tuple[str, int, int]], now: datetime) -> list[Gap]:
+        """Tell the ledger what a committed transaction accounted for; note the gaps it noticed or closed."""
+        if not spans:
+            return []
+        clock = time.monotonic()
+        noticed: list[Gap] = []
+        for device in {d for d, _, _ in spans}:
+            if not self.ledger.knows(device):
+                noticed += self._load_ledger(device, clock)
+        for device, first, end in spans:
+            noticed += self.ledger.account(device, first, end, clock)
+        return self._note_gaps(noticed, self.ledger.closed(), now)
+
+    def _load_ledger(self, device: str, clock: float) -> list[Gap]:
+        """Start the ledger of ``device`` from what the store accounted for (its batches and lost gaps); holes
+        without an open ``tunnel.gaps`` row are noticed now (the wait restarts with the store)."""
+        spans = self._con.execute(f"SELECT first_seq, first_seq + n_rows FROM {self._t('batches')} WHERE device_id = ? "
+                                  f"UNION ALL SELECT from_seq, to_seq FROM {self._t('gaps')} WHERE device_id = ? AND "
+                                  "outcome = 'lost'", [device, device]).fetchall()
+        holes = self.ledger.load(device, spans, clock)
+        known = {s for (s,) in self._con.execute(f"SELECT from_seq FROM {self._t('gaps')} WHERE device_id = ? AND "
+                                                 "closed_at IS NULL", [device]).fetchall()}
+        return [g for g in holes if g.start not in known]
+
+    def _note_gaps(self, noticed: list[Gap], closed: list[Gap], now: datetime) -> list[Gap]:
+        """Write gaps noticed and closed to ``tunnel.gaps`` (reporting: outside the rows' transaction)."""
+        if noticed:
+            self._con.executemany(self._tables.insert("gaps"), [
+                [g.device, g.start, g.end, now, None, None, None] for g in noticed])
+        for gap in closed:
+            self._con.execute(f"UPDATE {self._t('gaps')} SET closed_at = ?, outcome = ?, missing_rows = ? WHERE "
+                              "device_id = ? AND from_seq = ? AND closed_at IS NULL",
+                              [now, gap.outcome, gap.missing_rows, gap.device, gap.start])
+        return [*noticed, *closed]
+
+    def expire_gaps(self) -> ApplyResult:
+        """Give up the gaps that waited ``gap_wait_s``: reported lost (``tunnel.gaps``), the mark moves past them."""
+        with self._lock:
+            lost = self.ledger.expire(time.monotonic())
+            if not lost:
+                return ApplyResult()
+            self.ledger.closed()
+            now = datetime.now(UTC).replace(tzinfo=None)
+            return ApplyResult(gaps=self._note_gaps([], lost, now))
 
     def _record(self, fresh: Sequence[Batch], now: datetime) -> None:
         """Note ``fresh`` batches in ``tunnel.batches`` (in the transaction that stored their rows)."""
@@ -779,7 +863,8 @@ class CloudConsumer:
                  bootstrap: str | None = None, group_id: str = "streamflow-cloud",
                  online_key: Sequence[str] = ("user_id",), max_records: int = 500, partitions: int = 4,
                  schemas: Mapping[str, Collection[str]] | None = None, idle_poll_s: float | None = 0.005,
-                 freeze_gc: bool = True, online_lag_s: float = DEFAULT_ONLINE_LAG_S, budget: Budget = DEFAULT_BUDGET):
+                 freeze_gc: bool = True, online_lag_s: float = DEFAULT_ONLINE_LAG_S, budget: Budget = DEFAULT_BUDGET,
+                 gap_wait_s: float = DEFAULT_GAP_WAIT_S):
         self.topic = topic
         self.budget = budget
         self.freeze_gc = freeze_gc
@@ -789,7 +874,8 @@ class CloudConsumer:
         self.bootstrap = bootstrap_servers(bootstrap)
         self.group_id = group_id
         self.registry = registry
-        self.store = CloudStore(db, online_key=online_key, schemas=schemas, online_lag_s=online_lag_s)
+        self.store = CloudStore(db, online_key=online_key, schemas=schemas, online_lag_s=online_lag_s,
+                                gap_wait_s=gap_wait_s)
         self.stats = CloudStats()
         self.max_records = max_records
         self.partitions = partitions
@@ -861,6 +947,9 @@ class CloudConsumer:
             self._assign(self._consumer)  # partitions added to the topic since
         if not self._recovered_once:  # envelopes parked by an earlier run whose registration arrived meanwhile
             self._recover()
+        expired = self.store.expire_gaps()
+        if expired.gaps:
+            self.stats.count(0, expired)
         records = self._poll(min(timeout_s, self.store.online_due_in()))  # an idle wait keeps the lag too
         if not records:
             self.store.flush_online(due_only=True)
