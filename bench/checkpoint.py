@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         "rows_equal": rows_equal, "rounds": args.rounds, "events_per_run": replays * EVENTS_PER_SAMPLE,
         "cpu_count": cpu_count(),
     }
-    finish("checkpoint", metrics)
+    finish("checkpoint", metrics, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                           for n in names])
     results["loadavg_1m_end"] = os.getloadavg()[0]
     results = {k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()}
-    finish("cold", results)
+    finish("cold", results, quick=args.quick)
     return results
 
 

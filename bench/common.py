@@ -3,7 +3,8 @@
 Conventions (see ARCHITECTURE.md): ``python -m bench.NAME`` runs the full measurement, ``--quick``
 finishes within a minute; the machine is shared and noisy, so every figure is the median of a few
 rounds measured side by side in the same run; the last line printed is one JSON object of named
-metrics, also written to ``bench/results/NAME.json``. Timings are reported, never asserted.
+metrics, also written to ``bench/results/NAME.json`` (``--quick``: ``bench/results/quick/NAME.json``, not
+tracked, so a quick run never overwrites a full run's committed figures). Timings are reported, never asserted.
 """
 
 from __future__ import annotations
@@ -86,12 +87,18 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def finish(name: str, metrics: dict[str, Any]) -> None:
-    """Write ``bench/results/NAME.json`` and print the metrics as the last line of stdout."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def results_path(name: str, quick: bool) -> Path:
+    """Where a run's metrics go: ``bench/results/NAME.json``, a ``--quick`` run's under ``quick/`` (git-ignored)."""
+    return (RESULTS / "quick" if quick else RESULTS) / f"{name}.json"
+
+
+def finish(name: str, metrics: dict[str, Any], *, quick: bool) -> None:
+    """Write the metrics to :func:`results_path` and print them as the last line of stdout."""
+    path = results_path(name, quick)
+    path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(metrics, sort_keys=False)
-    (RESULTS / f"{name}.json").write_text(line + "\n", encoding="utf-8")
-    log(f"results written to {RESULTS / f'{name}.json'}")
+    path.write_text(line + "\n", encoding="utf-8")
+    log(f"results written to {path}")
     print(line, flush=True)
 
 

@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
         **http,
         "quick": args.quick,
     }
-    finish("deploy", metrics)
+    finish("deploy", metrics, quick=args.quick)
 
 
 if __name__ == "__main__":

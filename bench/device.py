@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         "cpu_count": cpu_count(),
         "quick": quick,
     }
-    finish("device", metrics)
+    finish("device", metrics, quick=args.quick)
 
 
 if __name__ == "__main__":

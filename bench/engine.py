@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["loops"] = "aot" if getattr(accel.loaded(), "__name__", "") == aot.MODULE else "numba-jit"
     results["loadavg_1m_end"] = os.getloadavg()[0]
     results = {k: round(v, 4) if isinstance(v, float) and "err" not in k else v for k, v in results.items()}
-    finish("engine", results)
+    finish("engine", results, quick=args.quick)
     return results
 
 

@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         "runs_per_median": runs, "cores": os.cpu_count(), "load_average": [round(v, 2) for v in os.getloadavg()],
         "quick": args.quick, "models": results,
     }
-    finish("flexnn", metrics)
+    finish("flexnn", metrics, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
         "cpu_count": cpu_count(),
         "quick": quick,
     }
-    finish("flink", metrics)
+    finish("flink", metrics, quick=args.quick)
 
 
 def _timed(fn: Any) -> tuple[float, Any]:

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         "cpu_count": cpu_count(),
         "quick": quick,
     }
-    finish("flink_profile", metrics)
+    finish("flink_profile", metrics, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"budget change {t1 - t0:.1f} s, gradient checks {time.perf_counter() - t1:.1f} s", flush=True)
     results["wall_s"] = time.perf_counter() - started
     results = {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in results.items()}
-    finish("melon", results)
+    finish("melon", results, quick=args.quick)
     return results
 
 

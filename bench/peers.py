@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
         "cpu_count": cpu_count(),
         "quick": args.quick,
     }
-    finish("peers", metrics)
+    finish("peers", metrics, quick=args.quick)
 
 
 if __name__ == "__main__":

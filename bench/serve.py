@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
             worker.wait()
         broker.down()
         shutil.rmtree(tmp, ignore_errors=True)
-    finish("serve", metrics)
+    finish("serve", metrics, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"batch {batch}: ours {results[f'ours_peak_mb_b{batch}']:.0f} MB, "
                   f"torch {results[f'torch_peak_mb_b{batch}']:.0f} MB", flush=True)
     results = {k: round(v, 3) if isinstance(v, float) else v for k, v in results.items()}
-    finish("train", results)
+    finish("train", results, quick=args.quick)
     return results
 
 

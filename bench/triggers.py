@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         "cpu_count": cpu_count(),
         "quick": quick,
     }
-    finish("triggers", metrics)
+    finish("triggers", metrics, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -701,7 +701,7 @@ def main(argv: list[str] | None = None) -> None:
         "cpu_count": cpu_count(),
         "quick": quick,
     })
-    finish("tunnel", metrics)
+    finish("tunnel", metrics, quick=args.quick)
 
 
 if __name__ == "__main__":
