@@ -1070,6 +1070,8 @@ class CloudConsumer:
             messages = self.stats.messages
             try:
                 self.poll_once()
+            except ImportError:  # kafka-python not installed: no retry brings it (issue 31)
+                raise
             except Exception as exc:  # noqa: BLE001 - broker gone: say so, back off, reconnect
                 self._reset()
                 delay = retry.failed(exc)  # raises TunnelUnavailable past the budget
