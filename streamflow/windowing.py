@@ -262,7 +262,10 @@ class EventTimeWindows(_AggregatingWindows):
         else:
             if runs is None:
                 runs = []
-            if not any(run[0] == pane_start for run in runs):
+            for run in runs:
+                if run[0] == pane_start:
+                    break
+            else:
                 self._new_slice(runs, pane_start, watermark, ctx)
             runs.append([pane_start, self.add(self.create(), item)])
         self.runs.update(runs)
@@ -277,7 +280,7 @@ class EventTimeWindows(_AggregatingWindows):
         size, slide, offset, lateness = self.size, self.slide, self.offset, self.lateness
         registered = -END_OF_TIME
         if runs:
-            top = max(run[0] for run in runs)
+            top = max([run[0] for run in runs])
             if top < pane_start:
                 registered = top - (top - offset) % slide + size - 1
         newest_last = pane_start - (pane_start - offset) % slide + size - 1
@@ -687,7 +690,7 @@ class GuardedFunction(KeyedProcessFunction):
         self.function.open(ctx)
 
     def on_event(self, event: Any, ctx: Any) -> None:
-        if self.quarantined:
+        if self.events.quarantined or self.timers.quarantined:
             return
         try:
             self.function.on_event(event, ctx)
@@ -698,7 +701,7 @@ class GuardedFunction(KeyedProcessFunction):
             self.events.failures = 0
 
     def on_timer(self, time_ms: int, ctx: Any) -> None:
-        if self.quarantined:
+        if self.events.quarantined or self.timers.quarantined:
             return
         try:
             self.function.on_timer(time_ms, ctx)
