@@ -20,7 +20,7 @@ Measured side by side in one run:
   cloud's DuckDB ``COMMIT`` returned for the transaction holding the row, minus ``produced_at``. The
   consumer process wraps its :meth:`CloudStore.apply` to record ``time.time()`` right after each
   commit (nothing else is added to its loop); at the end the i-th commit is paired with the i-th
-  distinct ``ingested_at`` of ``tunnel_batches`` (each transaction stamps its own) and rows are
+  distinct ``ingested_at`` of ``tunnel.batches`` (each transaction stamps its own) and rows are
   matched through their stored ``ingested_at``. So the figure includes: the sink's linger (the open
   batch is sealed once its oldest row is ``linger_s`` old, by the sealer thread), sealing (the compact
   envelope, zstd, HMAC, the spool's SQLite insert with ``synchronous=FULL``, i.e. an fsync), the
@@ -177,9 +177,9 @@ def _tunnel_cloud(db: str, registry: str, bootstrap: str, topic: str, group: str
             if active.wait(0.2):
                 consumer.poll_once()
         stats = consumer.stats
-        # Every transaction with batches writes tunnel_batches rows stamped with its own ingested_at, and
+        # Every transaction with batches writes tunnel.batches rows stamped with its own ingested_at, and
         # transactions run one after the other: the i-th distinct ingested_at is the i-th commit.
-        ingested = [row[0] for row in store.query("SELECT DISTINCT ingested_at FROM tunnel_batches ORDER BY 1")]
+        ingested = [row[0] for row in store.query("SELECT DISTINCT ingested_at FROM tunnel.batches ORDER BY 1")]
     finally:
         consumer.close()
     if len(ingested) != len(committed_at):

@@ -457,7 +457,7 @@ def test_undeclared_reserved_or_odd_columns_send_the_batch_to_the_dead_letter(tm
 
 
 def test_a_batch_is_recorded_only_in_the_transaction_that_stores_its_rows(tmp_path):
-    """A batch the tables refuse leaves no trace in tunnel_batches, so its numbers stay free."""
+    """A batch the tables refuse is recorded as dead, not stored, so its numbers stay free."""
     with CloudStore(tmp_path / "c.duckdb") as store:
         store.apply([Batch("phone-1", "t", 0, pa.table({"user_id": ["u"], "n": [1]}))])
         clash = Batch("phone-1", "t", 1, pa.table({"user_id": ["u"], "m": DUPLICATE_KEYS}))

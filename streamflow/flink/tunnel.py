@@ -17,7 +17,7 @@ sent them; an envelope whose schema no decoder knew is parked by the writer and 
 (``CloudStore.recover``), as the Kafka consumer does.
 
 The job reads up to the offsets that are the latest when it starts, then ends. It starts where the rows
-stored in ``db_path`` end (``tunnel_offsets``, written in the same transaction as the rows, as the Kafka
+stored in ``db_path`` end (``tunnel.offsets``, written in the same transaction as the rows, as the Kafka
 consumer does), or at the earliest offset: running it again reads only what arrived since, and a batch a
 device sent twice is stored once (de-duplication by (device, seq) covers what offsets cannot).
 
