@@ -12,7 +12,8 @@
 
 One command line (Typer), every default from :mod:`streamflow.settings` (explicit option first,
 ``STREAMFLOW_*`` second, built-in default last). :func:`main` returns the exit code: 0 done, 1 the
-broker or the spool is unavailable or a cluster failed, 2 bad input (job file, events file, options).
+broker or the spool is unavailable or a cluster failed, 2 bad input (job file, events file, options) or a
+missing prerequisite (an extra, a JVM, a Flink cluster that does not answer: :mod:`streamflow.prerequisites`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from streamflow.deploy.errors import BundleError
 from streamflow.deploy.release_commands import deploy_server, release_app
 from streamflow.flink.connector_jars import kafka_topic  # reads kafka://TOPIC without PyFlink
 from streamflow.job import Job, JobLoadError, Task, load_job
+from streamflow.prerequisites import MissingPrerequisite, require_extra, require_flink, require_java
 from streamflow.progress import Track
 from streamflow.runners.device import DeviceRunner, RuntimeMode
 from streamflow.settings import SettingsError, env_name, settings
@@ -92,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     try:
         code = app(args=list(sys.argv[1:] if argv is None else argv), prog_name="streamflow", standalone_mode=False)
-    except (JobLoadError, FileNotFoundError, FileExistsError, ValueError, BundleError) as exc:
+    except (JobLoadError, FileNotFoundError, FileExistsError, ValueError, BundleError, MissingPrerequisite) as exc:
         return _error(_message(exc), 2)
     except (SpoolLocked, TunnelUnavailable) as exc:  # the spool is another process's, the broker stayed away
         return _error(str(exc), 1)
@@ -246,6 +248,7 @@ def serve_command(
     loglevel: Annotated[Literal["debug", "info", "warning", "error"], typer.Option()] = "warning",
 ) -> int:
     """``streamflow serve``: see :mod:`streamflow.serve.app`. A model missing from the zoo is exit code 2."""
+    require_extra("serve", what="streamflow serve")
     from streamflow.serve.app import ServeConfig, run_worker, served_models
     from streamflow.serve.zoo import ZooError
 
@@ -280,6 +283,9 @@ def flink_cluster_command(
     """``streamflow flink-cluster start|stop|status``: see :mod:`streamflow.flink.cluster`."""
     from streamflow.flink import cluster as flink_cluster
 
+    if action == "start":
+        require_extra("flink", what="flink-cluster start")
+        require_java("flink-cluster start")
     try:
         if action == "start":
             overview = flink_cluster.start(port=port or flink_cluster.DEFAULT_PORT, directory=directory)
@@ -377,6 +383,9 @@ def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
         raise ValueError(f"{args.events}: the device runner reads files; events from Kafka need --runner flink")
     # a missing file fails before any JVM
     source = None if from_kafka else open_source(args.events, args.fmt, state_ttl_s=args.state_ttl)
+    tunnel_commands.check_tunnel(tunnel_options, args.runner)
+    if args.runner == "flink":
+        require_flink("--runner flink", args.cluster)
     flush_on_signals()
     tunnel_line = ""
     with CollectiveStorage(args.db, background=True) as storage:  # COMMITs overlap the run

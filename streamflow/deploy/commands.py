@@ -12,6 +12,8 @@ from typing import Annotated
 
 import typer
 
+from streamflow.prerequisites import require_extra
+
 bundle_app = typer.Typer(help="signed task bundles: signing keys, build a bundle from a git tag",
                          no_args_is_help=True)
 
@@ -20,6 +22,7 @@ DEFAULT_KEY = Path(".streamflow") / "bundle-signing.key"
 
 @bundle_app.command("keygen", help="make an Ed25519 signing key (KEY, mode 0600) and its public key (KEY.pub)")
 def keygen(out: Annotated[Path, typer.Option(help="where to write the private key")] = DEFAULT_KEY) -> int:
+    require_extra("deploy", what="bundle keygen")
     from streamflow.deploy.signing import generate_key, public_key_path
 
     kid = generate_key(out)
@@ -42,6 +45,7 @@ def build(
     exclusive: Annotated[list[str] | None, typer.Option(help="pattern of files fetched per device through the "
                          "API (repeatable; wins over --shared)")] = None,
 ) -> int:
+    require_extra("deploy", what="bundle build")
     from streamflow.deploy.build import build_bundle
     from streamflow.deploy.bundle import read_signed
     from streamflow.deploy.manifest import Manifest

@@ -25,6 +25,7 @@ from typing import Annotated, Any
 
 import typer
 
+from streamflow.prerequisites import require_extra
 from streamflow.settings import settings
 
 release_app = typer.Typer(help="staged releases of task bundles on the release server", no_args_is_help=True)
@@ -36,6 +37,7 @@ TokenOption = Annotated[Path | None, typer.Option(help="the server's admin token
 
 
 def _admin(server: str | None, token_file: Path | None) -> Any:
+    require_extra("deploy", what="streamflow release")  # admin requests are signed
     from streamflow.deploy.admin import AdminClient
 
     config = settings(deploy_server=server)
@@ -78,6 +80,7 @@ def deploy_server(
     topic: Annotated[str | None, typer.Option(help="the tunnel's topic (default: its features topic)")] = None,
 ) -> int:
     """Serve release directives, bundles and the status page (``/deploy/status``) until interrupted."""
+    require_extra("deploy-server", what="streamflow deploy-server")
     from streamflow.deploy.server import DeployServer, run
     from streamflow.deploy.signing import TrustedKeys
     from streamflow.deploy.simulation import ReplaySimulator

