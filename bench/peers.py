@@ -29,6 +29,9 @@ Inputs: the shared Taobao sample (10k lines, ``ipv`` only; not in ``--quick``) a
 (the largest user id + 1) and every timestamp by ``r`` times (the sample's time span + an hour), written to a
 temp dir. The sample is grouped by user (each user's lines in time order), so for the window jobs the
 stream's watermark runs ahead of most users' events: most of them are late events (rows of ``late_events``).
+A live stream arrives in time order, where nearly every event lands in open windows and each fires: the window
+jobs also run over the large input sorted by timestamp (stable; lines without one at the end), keys
+``J_time_ordered_*`` (``J`` in ``windows|sessions``; the same comparison, its own rows compared).
 
 Keys, per job ``J`` in ``ipv|windows|sessions`` (large input): ``J_streaming_speedup_vs_bytewax`` (Bytewax's
 median wall time over ours with ``--mode streaming``; ``J_streaming_speedup_vs_bytewax_cpu`` the same in CPU
@@ -122,6 +125,21 @@ def shifted_copies(lines: list[str], copies: int, path: Path) -> int:
                     out.write(f"{user},{f[1]},{f[2]},{f[3]},{ts}\n")
                 written += 1
     return written
+
+
+def time_ordered(source: Path, path: Path) -> None:
+    """``source``'s lines sorted by their timestamp field (stable: a user's lines of one second keep their order),
+    lines without an integer timestamp last, written to ``path``."""
+    lines = source.read_text(encoding="utf-8").splitlines()
+
+    def stamp(line: str) -> tuple[int, int]:
+        fields = line.split(",")
+        try:
+            return (0, int(fields[4])) if len(fields) == 5 else (1, 0)
+        except ValueError:
+            return (1, 0)
+
+    path.write_text("\n".join(sorted(lines, key=stamp)) + "\n", encoding="utf-8")
 
 
 # -- one whole process --------------------------------------------------------------------------------
@@ -352,6 +370,10 @@ def main(argv: list[str] | None = None) -> None:
         small = None if args.quick else compare(TAOBAO_SAMPLE, len(lines), pairs, tmp, "10k")
         big = compare(large, large_lines, pairs, tmp, "large")
         windowed = {job.name: compare_windows(job, large, large_lines, pairs, tmp) for job in WINDOW_JOBS}
+        in_time = tmp / "large_time_ordered.csv"
+        time_ordered(large, in_time)
+        log("the window jobs over the same lines in time order")
+        time_windowed = {job.name: compare_windows(job, in_time, large_lines, pairs, tmp) for job in WINDOW_JOBS}
         bare_s = bare_loop_seconds(large)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -398,6 +420,8 @@ def main(argv: list[str] | None = None) -> None:
         # per job, ours with --mode streaming (the ipv job's ipv_* keys too: its streaming process)
         **job_metrics("ipv", big),
         **{key: value for name, result in windowed.items() for key, value in job_metrics(name, result).items()},
+        **{key: value for name, result in time_windowed.items()
+           for key, value in job_metrics(f"{name}_time_ordered", result).items()},
         "pairs": pairs,
         "cpu_count": cpu_count(),
         "quick": args.quick,
