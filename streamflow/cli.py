@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -29,13 +30,13 @@ from typing import Annotated, Literal
 
 import typer
 
-from connectors.storage import CollectiveStorage, flush_on_signals
+from connectors.storage import CollectiveStorage, flush_on_signals, quote_identifier
 from connectors.tunnel.kafka import TunnelUnavailable
 from connectors.tunnel.spool import SpoolLocked
 from operators import CountWindow, Process
 from operators.process import LATE, _FunctionProcess
 from streamflow import tunnel_commands
-from streamflow.checkpoint import discard_checkpoint
+from streamflow.checkpoint import discard_checkpoint, has_checkpoint
 from streamflow.deploy.commands import bundle_app
 from streamflow.deploy.errors import BundleError
 from streamflow.deploy.release_commands import deploy_server, release_app
@@ -392,6 +393,8 @@ def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
         if args.replace:
             storage.drop([task.sink for task in job.tasks] + list(SYSTEM_TABLES))
             discard_checkpoint(storage, job.name)
+        elif not has_checkpoint(storage, job.name):  # a resumed run continues its rows; anything else adds to them
+            _note_earlier_rows(storage, job)
         if args.runner == "flink":
             storage.close()  # the Flink job's writer opens the file itself
             summary = _run_on_flink(job, args, storage.path)
@@ -419,9 +422,27 @@ def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
                 print("  " + ", ".join(f"{k}={_show(v)}" for k, v in row.items()))
     if job.tasks:
         sql = f"SELECT * FROM {job.tasks[0].sink} LIMIT 10"
-        print(f"\nquery them: python -c \"import duckdb; print(duckdb.connect('{summary.db_path}', "
+        print(f"\nquery them: {_python()} -c \"import duckdb; print(duckdb.connect('{summary.db_path}', "
               f"read_only=True).sql('{sql}'))\"")
     return 0
+
+
+def _note_earlier_rows(storage: CollectiveStorage, job: Job) -> None:
+    """Say so when the job's tables already hold rows: a second run without --replace adds to them."""
+    present = set(storage.tables())
+    held = {sink: storage.query(f"SELECT count(*) FROM {quote_identifier(sink)}")[0][0]
+            for sink in dict.fromkeys(task.sink for task in job.tasks) if sink in present}
+    held = {sink: n for sink, n in held.items() if n}
+    if held:
+        tables = ", ".join(f"{sink} {n:,} rows" for sink, n in held.items())
+        print(f"streamflow: note: {storage.path} already holds rows of job {job.name} ({tables}); this run adds to "
+              "them (--replace starts over)", file=sys.stderr)
+
+
+def _python() -> str:
+    """The interpreter running streamflow (it has duckdb), relative to the working directory when inside it."""
+    relative = os.path.relpath(sys.executable)
+    return relative if not relative.startswith("..") else sys.executable
 
 
 def _show(value: object) -> str:

@@ -61,8 +61,11 @@ class RunSummary:
             state = "  QUARANTINED" if stats.quarantined else ""
             lines.append(f"  task {name:<18} fired {stats.fired:>7,}  rows {stats.rows:>7,}  "
                          f"errors {stats.errors:,}{state}")
-        if self.runtime_mode == "batch":
-            lines.append("runtime mode     batch  (the bounded input column by column)")
+        lines.append("runtime mode     batch  (the bounded input column by column)" if self.runtime_mode == "batch"
+                     else "runtime mode     streaming  (event by event)")
+        late = self.rows_written.get(LATE_EVENTS_TABLE, 0)
+        if late:
+            lines.append(f"late events      {late:,}  (too late for every window: in table {LATE_EVENTS_TABLE})")
         if self.evicted_users:
             lines.append(f"evicted users    {self.evicted_users:,}  (state dropped: over the cap on users in memory)")
         lines.append(f"rejected records {self.rejected_total:,}" +
