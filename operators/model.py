@@ -45,6 +45,8 @@ class MemoryBudget:
     Example:
         >>> budget = MemoryBudget("8MB"); budget.set("4MB"); budget.bytes
         4194304
+        >>> import pickle; pickle.loads(pickle.dumps(budget)).bytes  # a job shipped to Flink is pickled
+        4194304
     """
 
     def __init__(self, nbytes: int | str) -> None:
@@ -63,6 +65,13 @@ class MemoryBudget:
     @property
     def bytes(self) -> int:
         return self._bytes
+
+    def __getstate__(self) -> dict[str, int]:  # the lock stays behind: a job shipped to Flink is pickled
+        return {"bytes": self._bytes}
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        self._lock = threading.Lock()
+        self._bytes = state["bytes"]
 
     def __deepcopy__(self, memo: dict) -> MemoryBudget:
         return self
