@@ -45,6 +45,7 @@ import os
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from connectors.storage import check_table_name, to_json
@@ -388,9 +389,12 @@ class SessionWindows(_AggregatingWindows):
         ts, watermark = ctx.timestamp, ctx.current_watermark()
         start, end, merged = ts, ts + self.gap, None
         kept, touched = [], []
-        for session in self.sessions.value() or []:
+        for session in self.sessions.value() or ():
             if session[0] <= end and session[1] >= start:  # Flink's TimeWindow.intersects: touching merges
-                start, end = min(start, session[0]), max(end, session[1])
+                if session[0] < start:
+                    start = session[0]
+                if session[1] > end:
+                    end = session[1]
                 touched.append(session)
             else:
                 kept.append(session)
@@ -402,8 +406,11 @@ class SessionWindows(_AggregatingWindows):
         for session in touched:
             merged = session[2] if merged is None else self.merge(merged, session[2])
         accs = self.add(self.create() if merged is None else self.merge(merged, self.create()), item)
-        kept.append([start, end, accs])
-        kept.sort(key=lambda session: session[0])
+        if kept and kept[-1][0] > start:  # kept is by start, and no kept session starts where this one does
+            kept.append([start, end, accs])
+            kept.sort(key=_START)
+        else:
+            kept.append([start, end, accs])
         self.sessions.update(kept)
         if end - 1 <= watermark:
             ctx.emit(self.row(ctx.key, start, end, accs))  # late firing
@@ -425,6 +432,9 @@ class SessionWindows(_AggregatingWindows):
             if end - 1 + self.lateness > time_ms:
                 kept.append([start, end, accs])
         self.sessions.update(kept or None)  # a key without sessions holds no state
+
+
+_START = itemgetter(0)
 
 
 class CountWindows(_AggregatingWindows):
