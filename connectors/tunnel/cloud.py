@@ -64,7 +64,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -100,6 +100,7 @@ from connectors.tunnel.kafka import (
 )
 from connectors.tunnel.keys import KeyRegistry
 from connectors.tunnel.ledger import Gap, Ledger
+from connectors.tunnel.receipts import MAX_HOLES, Receipt, ReceiptPublisher
 from connectors.tunnel.registry import Registration, RegistrationError, Registry
 
 log = logging.getLogger("streamflow.cloud")
@@ -475,10 +476,11 @@ class CloudStore:
     def _load_ledger(self, device: str, clock: float) -> list[Gap]:
         """Start the ledger of ``device`` from what the store accounted for (its batches and lost gaps); holes
         without an open ``tunnel.gaps`` row are noticed now (the wait restarts with the store)."""
-        spans = self._con.execute(f"SELECT first_seq, first_seq + n_rows FROM {self._t('batches')} WHERE device_id = ? "
-                                  f"UNION ALL SELECT from_seq, to_seq FROM {self._t('gaps')} WHERE device_id = ? AND "
-                                  "outcome = 'lost'", [device, device]).fetchall()
-        holes = self.ledger.load(device, spans, clock)
+        spans = self._con.execute(f"SELECT first_seq, first_seq + n_rows FROM {self._t('batches')} WHERE device_id = ?",
+                                  [device]).fetchall()
+        lost = self._con.execute(f"SELECT from_seq, to_seq FROM {self._t('gaps')} WHERE device_id = ? AND "
+                                 "outcome = 'lost'", [device]).fetchall()
+        holes = self.ledger.load(device, spans, clock, lost)
         known = {s for (s,) in self._con.execute(f"SELECT from_seq FROM {self._t('gaps')} WHERE device_id = ? AND "
                                                  "closed_at IS NULL", [device]).fetchall()}
         return [g for g in holes if g.start not in known]
@@ -493,6 +495,22 @@ class CloudStore:
                               "device_id = ? AND from_seq = ? AND closed_at IS NULL",
                               [now, gap.outcome, gap.missing_rows, gap.device, gap.start])
         return [*noticed, *closed]
+
+    def receipt(self, device: str) -> Receipt:
+        """What the store has of ``device``'s numbers, as a receipt for it (see :mod:`.receipts`)."""
+        with self._lock:
+            if not self.ledger.knows(device):
+                self._note_gaps(self._load_ledger(device, time.monotonic()), [], datetime.now(UTC).replace(tzinfo=None))
+            holes = self.ledger.holes(device)
+            exact_end = holes[MAX_HOLES][0] if len(holes) > MAX_HOLES else self.ledger.seen_end(device)
+            return Receipt(device, self.ledger.stored_mark(device), self.ledger.seen_end(device),
+                           tuple(holes[:MAX_HOLES]), exact_end)
+
+    def devices(self) -> list[str]:
+        """Every device the store accounted batches of."""
+        with self._lock:
+            return [d for (d,) in self._con.execute(f"SELECT DISTINCT device_id FROM {self._t('batches')} "
+                                                    "ORDER BY 1").fetchall()]
 
     def expire_gaps(self) -> ApplyResult:
         """Give up the gaps that waited ``gap_wait_s``: reported lost (``tunnel.gaps``), the mark moves past them."""
@@ -864,7 +882,7 @@ class CloudConsumer:
                  online_key: Sequence[str] = ("user_id",), max_records: int = 500, partitions: int = 4,
                  schemas: Mapping[str, Collection[str]] | None = None, idle_poll_s: float | None = 0.005,
                  freeze_gc: bool = True, online_lag_s: float = DEFAULT_ONLINE_LAG_S, budget: Budget = DEFAULT_BUDGET,
-                 gap_wait_s: float = DEFAULT_GAP_WAIT_S):
+                 gap_wait_s: float = DEFAULT_GAP_WAIT_S, receipts: bool = True):
         self.topic = topic
         self.budget = budget
         self.freeze_gc = freeze_gc
@@ -888,6 +906,8 @@ class CloudConsumer:
         self._last_record = float("-inf")
         self._uncommitted: dict[tuple[str, int], int] = {}  # offsets stored in DuckDB, not yet committed to Kafka
         self._kafka_committed_at = float("-inf")
+        #: publishes what the store has of each device (``<topic>.receipts``, see :mod:`.receipts`); None: off
+        self.receipts = ReceiptPublisher(self.bootstrap, topic, registry, partitions=partitions) if receipts else None
 
     def _connect(self) -> Any:
         """A consumer assigned every partition of the topic (no group rebalance), and the dead-letter producer.
@@ -950,17 +970,30 @@ class CloudConsumer:
         expired = self.store.expire_gaps()
         if expired.gaps:
             self.stats.count(0, expired)
+            self._note_receipts(g.device for g in expired.gaps)
         records = self._poll(min(timeout_s, self.store.online_due_in()))  # an idle wait keeps the lag too
         if not records:
             self.store.flush_online(due_only=True)
+            self._publish_receipts()
             return ApplyResult()
         batches, dead, offsets, read = self._open(records)
         result = self.store.apply(batches, dead, offsets)
         self._after_store(read, offsets, result)
+        # every device heard from: what it sent was stored, dropped as a repeat (a resend: tell it again) or refused
+        self._note_receipts([b.device for b in batches] + [d.device for d in dead if d.device and d.seqs])
+        self._publish_receipts()
         self.store.flush_online(due_only=True)
         if result.registered:
             self._recover()
         return result
+
+    def _note_receipts(self, devices: Iterable[str]) -> None:
+        if self.receipts is not None:
+            self.receipts.note(devices)
+
+    def _publish_receipts(self, force: bool = False) -> None:
+        if self.receipts is not None:
+            self.receipts.publish_due(self.store.receipt, force)
 
     def _open(self, records: dict[Any, list[Any]]) -> tuple[list[Batch], list[DeadLetter], dict[tuple[str, int], int],
                                                             int]:
@@ -1104,11 +1137,17 @@ class CloudConsumer:
                 with contextlib.suppress(Exception):  # closing a client of a dead broker may fail too
                     client.close(timeout=2) if client is self._dlq_producer else client.close()
         self._consumer = self._dlq_producer = None
+        if self.receipts is not None:
+            self.receipts.close()
 
     def close(self) -> None:
         if self._consumer is not None and self._uncommitted:  # the last offsets, for lag monitoring
             with contextlib.suppress(Exception):  # best effort: a dead broker must not hold the close
                 self._consumer.commit(self._kafka_offsets(), timeout_ms=2000)
+        if self.receipts is not None and self._consumer is not None:
+            with contextlib.suppress(Exception):  # the last receipts; a broker gone: the devices resend, and ask again
+                self._publish_receipts(force=True)
+                self.receipts.flush()
         self._reset()
         self.store.close()
         if self._frozen:

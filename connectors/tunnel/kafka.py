@@ -79,8 +79,8 @@ def dead_letter_topic(topic: str) -> str:
     return f"{topic}.dlq"
 
 
-def ensure_topic(bootstrap: str, topic: str, partitions: int = 4) -> None:
-    """Create ``topic`` if the broker does not have it (once per process and topic)."""
+def ensure_topic(bootstrap: str, topic: str, partitions: int = 4, config: dict[str, str] | None = None) -> None:
+    """Create ``topic`` (with the topic ``config``) if the broker does not have it (once per process and topic)."""
     if (bootstrap, topic) in _known_topics:
         return
     from kafka.admin import KafkaAdminClient, NewTopic
@@ -90,7 +90,8 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int = 4) -> None:
     try:
         if topic not in admin.list_topics():
             try:
-                admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
+                admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1,
+                                              topic_configs=config or {})])
                 log.info("created topic %s (%d partitions) on %s", topic, partitions, bootstrap)
             except TopicAlreadyExistsError:
                 pass

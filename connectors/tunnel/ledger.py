@@ -6,7 +6,9 @@ refused it after verifying it (a dead letter with known numbers). Numbers past t
 broker lost acknowledged records, a topic was deleted, retention passed before the consumer caught up. A gap is
 noticed when a batch lands beyond it; later batches are stored meanwhile (de-duplication is by (device, seq),
 so order of arrival does not matter). It is *filled* when its numbers arrive (the device resends what the
-cloud lacks), or *lost* once it waited ``wait_s``: then it is reported and the mark moves past it.
+cloud lacks), or *lost* once it waited ``wait_s``: then it is reported and the mark moves past it. The numbers of a
+lost gap are remembered as still missing (:meth:`Ledger.holes`) until they arrive after all: the receipts the
+cloud publishes (:mod:`.receipts`) say what it has, not what it gave up on.
 
 Example:
     >>> ledger = Ledger(wait_s=30)
@@ -22,8 +24,8 @@ Example:
     10
     >>> _ = ledger.account("phone-1", 12, 13, now=3.0); [(g.start, g.missing_rows) for g in ledger.expire(now=40.0)]
     [(10, 2)]
-    >>> ledger.mark("phone-1")
-    13
+    >>> ledger.mark("phone-1"), ledger.holes("phone-1"), ledger.stored_mark("phone-1")
+    (13, [(10, 12)], 10)
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class _Device:
         self.above: list[tuple[int, int]] = []  # accounted spans past the mark, sorted, disjoint
         self.seen_end = 0
         self.gaps: list[Gap] = []
+        self.lost: list[tuple[int, int]] = []  # numbers of lost gaps that never arrived, sorted, disjoint
 
 
 class Ledger:
@@ -69,11 +72,18 @@ class Ledger:
     def knows(self, device: str) -> bool:
         return device in self._devices
 
-    def load(self, device: str, spans: Iterable[tuple[int, int]], now: float) -> list[Gap]:
-        """Start ``device`` from the spans ``[first, end)`` stored before; its holes are gaps noticed ``now``."""
-        self._devices[device] = _Device()
-        for first, end in sorted(spans):
+    def load(self, device: str, spans: Iterable[tuple[int, int]], now: float,
+             lost: Iterable[tuple[int, int]] = ()) -> list[Gap]:
+        """Start ``device`` from the spans ``[first, end)`` stored before and those given up as ``lost``; the
+        holes between are gaps noticed ``now``."""
+        d = self._devices[device] = _Device()
+        spans, lost = sorted(spans), sorted(lost)
+        for first, end in [*spans, *lost]:
             self._add(device, first, end)
+        for first, end in lost:
+            d.lost = _union(d.lost, [(first, end)])
+        for first, end in spans:
+            d.lost = _minus(d.lost, first, end)
         return self._notice_holes(device, now)
 
     def account(self, device: str, first: int, end: int, now: float) -> list[Gap]:
@@ -84,6 +94,8 @@ class Ledger:
             noticed.append(Gap(device, d.seen_end, first, now))
             d.gaps.append(noticed[-1])
         self._add(device, first, end)
+        if d.lost:
+            d.lost = _minus(d.lost, first, end)
         for gap in list(d.gaps):
             gap.missing = [piece for a, b in gap.missing for piece in ((a, min(b, first)), (max(a, end), b))
                            if piece[0] < piece[1]]
@@ -100,6 +112,7 @@ class Ledger:
                     gap.missing_rows = sum(b - a for a, b in gap.missing)
                     for a, b in gap.missing:
                         self._add(device, a, b)
+                    d.lost = _union(d.lost, gap.missing)
                     self._close(d, gap, "lost")
                     lost.append(gap)
         return lost
@@ -117,6 +130,18 @@ class Ledger:
     def seen_end(self, device: str) -> int:
         d = self._devices.get(device)
         return 0 if d is None else d.seen_end
+
+    def holes(self, device: str) -> list[tuple[int, int]]:
+        """The spans below :meth:`seen_end` the cloud does not have: awaited (open gaps) or given up (lost)."""
+        d = self._devices.get(device)
+        if d is None:
+            return []
+        return _union(d.lost, [piece for g in d.gaps for piece in g.missing])
+
+    def stored_mark(self, device: str) -> int:
+        """One past the device's last number with none missing before it, lost numbers counting as missing."""
+        holes = self.holes(device)
+        return min(holes[0][0], self.mark(device)) if holes else self.mark(device)
 
     def open_gaps(self) -> list[Gap]:
         return [g for d in self._devices.values() for g in d.gaps]
@@ -152,3 +177,19 @@ class Ledger:
         gap.outcome = outcome
         d.gaps.remove(gap)
         self._closed.append(gap)
+
+
+def _union(spans: list[tuple[int, int]], more: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The sorted, disjoint union of ``spans`` and ``more``."""
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted([*spans, *more]):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        elif a < b:
+            merged.append((a, b))
+    return merged
+
+
+def _minus(spans: list[tuple[int, int]], first: int, end: int) -> list[tuple[int, int]]:
+    """``spans`` without ``first..end-1``."""
+    return [piece for a, b in spans for piece in ((a, min(b, first)), (max(a, end), b)) if piece[0] < piece[1]]

@@ -5,7 +5,8 @@
            (envelope.py: schema and dictionary by id, the codebook announcing them once; zstd; HMAC)
          ─ spool (durable, bounded, locked to this process)
          ─ sender thread: one persistent idempotent producer, the device's partition, acks=all
-         ─ broker ack ─ batch leaves the spool
+         ─ broker ack ─ batch kept (acknowledged) ─ the cloud's receipt covers it ─ batch leaves the spool
+                                                  └ a receipt shows it missing, or none comes in time ─ sent again
 
 Guarantees:
 
@@ -16,7 +17,14 @@ Guarantees:
   topic holds them in sequence order (a resend after an unanswered request can repeat a batch; the cloud drops the
   repeat by (device, seq)).
 - **Never lost once sealed.** A batch is on disk before it is sent and leaves the spool only after
-  the broker acknowledged it (``acks=all``). While the broker is unreachable, batches pile up in the
+  the broker acknowledged it (``acks=all``) and, with ``receipts`` (the default), the cloud said it stored it: a
+  receipt thread reads the cloud's signed receipts for this device (``<topic>.receipts``, :mod:`.receipts`),
+  forgets what they cover, resends at once what they show missing (a broker that lost acknowledged records, a
+  topic deleted and made again), and resends what no receipt reached after ``receipt_timeout_s`` (the newest
+  such batch as a probe: stored past what is missing it makes a receipt show the rest missing; dropped as a
+  repeat it makes the cloud publish its receipt again), the wait doubling per batch up to 60 s. Timeouts start
+  once a receipt was seen (kept in the spool): against a cloud that publishes none, acknowledged batches stay
+  until the spool bound evicts them. While the broker is unreachable, batches pile up in the
   spool and are resent in order when it answers again; a restarted device resends what its spool
   still holds. Rows not yet sealed (younger than ``linger_s``, fewer than ``batch_rows``) are in
   memory only: that is the durability window, as in the storage's. Sealing never waits on the
@@ -27,12 +35,15 @@ Guarantees:
   sealed stays in the spool for the next run.
 - **Bounded.** The spool holds at most ``spool_max_bytes``; rows that would pass it are refused,
   logged at WARNING (the first time and at every doubling) and handed to ``on_refused`` (the device
-  runner's ``dead_letter`` table) with the reason. Nothing is silently dropped.
+  runner's ``dead_letter`` table) with the reason. Nothing is silently dropped: before refusing, the spool
+  evicts batches the broker acknowledged that no receipt covers yet, oldest first (``stats.rows_evicted``,
+  logged at WARNING).
 
 Example (needs a broker; see the README's tunnel section)::
 
     sink = TunnelSink("phone-1", key, spool_path="out/tunnel.spool")
     sink.write("ipv", [{"user_id": "u1", "item_id": 7, "dwell_s": 12.0}])
+    sink.wait_receipted(30)    # the cloud stored every sealed row (a consumer runs somewhere)
     sink.close(timeout_s=10)   # waits until the broker has every sealed row, or until the timeout
 """
 
@@ -64,7 +75,8 @@ from connectors.tunnel.kafka import (
     ensure_topic,
 )
 from connectors.tunnel.keys import check_device_id
-from connectors.tunnel.spool import Spool, SpoolEntry, SpoolFull
+from connectors.tunnel.receipts import Receipt, decode_receipt, receipts_topic
+from connectors.tunnel.spool import Acked, Spool, SpoolEntry, SpoolFull
 
 log = logging.getLogger("streamflow.tunnel")
 
@@ -72,6 +84,12 @@ log = logging.getLogger("streamflow.tunnel")
 MAX_ENVELOPE_BYTES = 900_000
 
 Refused = Callable[[str, list[dict[str, Any]], str], None]
+#: how often the receipt thread polls (without blocking: noida-db answers an empty fetch at once, and a
+#: blocking poll would spin) and how often it looks for batches whose receipt is overdue
+RECEIPT_POLL_S = 0.05
+_TIMEOUT_CHECK_S = 0.25
+#: the longest wait for a receipt before a batch is sent again (the wait doubles per resend up to it)
+MAX_RECEIPT_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -85,6 +103,10 @@ class TunnelStats:
     bytes_acked: int = 0  # envelope bytes (before Kafka's compression)
     rows_refused: int = 0
     send_failures: int = 0
+    rows_receipted: int = 0  # rows the cloud's receipts said it stored (they left the spool)
+    rows_resent: int = 0  # rows sent again: a receipt showed them missing, or none came in time
+    batches_resent: int = 0
+    receipts: int = 0  # receipts for this device read
 
 
 class TunnelSink:
@@ -95,7 +117,9 @@ class TunnelSink:
     when the broker has a batch (at least once: a batch resent after a crash is reported again).
     ``compression``: Kafka's record-batch codec on top of the envelope's own zstd (default none: it would
     only add a frame); ``dictionary_rows``: rows per table a zstd dictionary is trained on (0: never);
-    ``announce_every_s``: how often a schema or dictionary in use is announced again (see :mod:`.codebook`).
+    ``announce_every_s``: how often a schema or dictionary in use is announced again (see :mod:`.codebook`);
+    ``receipts`` (default on): keep batches until the cloud's receipt covers them and resend what it lacks
+    (see the module docstring), ``receipt_timeout_s``: the first wait for a receipt before a resend.
     """
 
     def __init__(self, device: str, key: bytes, spool_path: str | os.PathLike[str], *,
@@ -103,7 +127,8 @@ class TunnelSink:
                  batch_rows: int = 1000, linger_s: float = 0.002, spool_max_bytes: int = 256 << 20,
                  on_refused: Refused | None = None, on_ack: Callable[[SpoolEntry], None] | None = None,
                  send_timeout_s: float = 30.0, partitions: int = 4, retry_for_s: float | None = 600.0,
-                 dictionary_rows: int = 1000, announce_every_s: float = 600.0):
+                 dictionary_rows: int = 1000, announce_every_s: float = 600.0, receipts: bool = True,
+                 receipt_timeout_s: float = 5.0):
         if compression not in COMPRESSION:
             raise ValueError(f"compression must be one of {', '.join(COMPRESSION)}, got {compression!r}")
         if not 1 <= batch_rows <= MAX_ROWS_PER_ENVELOPE or linger_s < 0:
@@ -120,7 +145,17 @@ class TunnelSink:
         #: set when the sender gave up (see the module docstring); write() raises it from then on
         self.error: TunnelUnavailable | None = None
         self.stats = TunnelStats()
-        self.spool = Spool(spool_path, max_bytes=spool_max_bytes)
+        self.spool = Spool(spool_path, max_bytes=spool_max_bytes, keep_acked=receipts)
+        self.receipts = receipts
+        self.receipt_timeout_s = receipt_timeout_s
+        #: the newest receipt read for this device (None before the first)
+        self.receipt: Receipt | None = None
+        self._key = key
+        self._receipts_seen = bool(self.spool.get("receipts_seen"))
+        self._resends: dict[int, int] = {}  # first_seq → times sent again
+        self._resend_after: dict[int, float] = {}  # first_seq → monotonic time before which it is not sent again
+        self._timeouts_checked = 0.0
+        self._stop_receipts = threading.Event()
         self.codebook = Codebook(device, key, self.spool, dictionary_rows=dictionary_rows,
                                  announce_every_s=announce_every_s)
         self._device_key = device.encode()
@@ -138,10 +173,17 @@ class TunnelSink:
         if self.spool.batches_pending:
             log.info("tunnel spool %s holds %d rows in %d batches from an earlier run; resending them first",
                      self.spool.path, self.spool.rows_pending, self.spool.batches_pending)
+        if self.spool.batches_held > self.spool.batches_pending:
+            log.info("tunnel spool %s holds %d rows the broker acknowledged and the cloud has not confirmed; kept "
+                     "until its receipt", self.spool.path, self.spool.rows_held - self.spool.rows_pending)
         self._seal_thread = threading.Thread(target=self._seal_loop, name=f"tunnel-seal-{device}", daemon=True)
         self._send_thread = threading.Thread(target=self._send_loop, name=f"tunnel-send-{device}", daemon=True)
+        self._receipt_thread = threading.Thread(target=self._receipt_loop, name=f"tunnel-receipts-{device}",
+                                                daemon=True)
         self._seal_thread.start()
         self._send_thread.start()
+        if receipts:
+            self._receipt_thread.start()
 
     # -- the device side -------------------------------------------------------------------------
     def write(self, table: str, rows: Iterable[Mapping[str, Any]]) -> None:
@@ -183,6 +225,17 @@ class TunnelSink:
                 self._wake.wait(min(0.05, max(0.0, deadline - time.monotonic())))
             return not self.spool.batches_pending
 
+    def wait_receipted(self, timeout_s: float) -> bool:
+        """Seal, then wait until the cloud's receipts covered every spooled row; False on timeout (or without
+        ``receipts``, when anything is still spooled)."""
+        self.flush()
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while (self.spool.batches_held and self.receipts and self.error is None
+                   and time.monotonic() < deadline):
+                self._wake.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            return not self.spool.batches_held
+
     def close(self, timeout_s: float = 10.0) -> bool:
         """Seal, wait up to ``timeout_s`` for delivery, stop; returns True if nothing is left in the spool.
 
@@ -193,13 +246,20 @@ class TunnelSink:
             self._seal_locked()  # rows another thread wrote meanwhile: spooled for the next run, never dropped
             self._closing = True
             self._wake.notify_all()
+        self._stop_receipts.set()
         self._seal_thread.join(timeout=5)
         self._send_thread.join(timeout=self.send_timeout_s + 5)
+        if self.receipts:
+            self._receipt_thread.join(timeout=10)
         delivered = delivered and not self.spool.batches_pending
         self._drop_producer()
         if not delivered:
             log.warning("tunnel: %d rows in %d batches not yet acknowledged by %s; they stay in %s for the next run",
                         self.spool.rows_pending, self.spool.batches_pending, self.bootstrap, self.spool.path)
+        unconfirmed = self.spool.rows_held - self.spool.rows_pending
+        if unconfirmed:
+            log.info("tunnel: %d rows acknowledged by the broker are not confirmed by the cloud yet; they stay in %s "
+                     "until its receipt (the next run reads it)", unconfirmed, self.spool.path)
         self.spool.close()
         return delivered
 
@@ -336,10 +396,107 @@ class TunnelSink:
 
     def _partition(self, producer: Any) -> int:
         """The device's partition: as Kafka's default partitioner would pick it for the device id as key."""
-        from kafka.partitioner import murmur2
+        return _partition_of(self._device_key, producer.partitions_for(self.topic))
 
-        partitions = sorted(producer.partitions_for(self.topic))
-        return partitions[(murmur2(self._device_key) & 0x7FFFFFFF) % len(partitions)]
+    # -- receipts --------------------------------------------------------------------------------
+    def _receipt_loop(self) -> None:
+        """Read this device's receipts, trim the spool by them, resend what the cloud lacks (module docstring)."""
+        consumer = None
+        while not self._stop_receipts.is_set():
+            try:
+                if consumer is None:
+                    consumer = self._receipt_consumer()
+                if consumer is not None:
+                    self._read_receipts(consumer)
+                if time.monotonic() - self._timeouts_checked >= _TIMEOUT_CHECK_S:
+                    self._timeouts_checked = time.monotonic()
+                    if self._resend_overdue() and consumer is not None:
+                        _rewind_if_past_end(consumer)
+            except Exception as exc:  # noqa: BLE001 - a broker away: the receipts wait, the spool keeps everything
+                log.debug("tunnel: receipts of %s not read (%s); trying again", self.device, exc)
+                _close_quietly(consumer)
+                consumer = None
+                self._stop_receipts.wait(1.0)
+            self._stop_receipts.wait(RECEIPT_POLL_S)
+        _close_quietly(consumer)
+
+    def _receipt_consumer(self) -> Any:
+        """A consumer of this device's partition of the receipts topic, from its start (None: no such topic yet)."""
+        from kafka import KafkaConsumer, TopicPartition
+
+        topic = receipts_topic(self.topic)
+        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, client_id=f"streamflow-{self.device}-receipts",
+                                 group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
+                                 **CLIENT_TIMEOUTS)
+        partitions = consumer.partitions_for_topic(topic)
+        if not partitions:
+            consumer.close()
+            self._stop_receipts.wait(1.0)
+            return None
+        tp = TopicPartition(topic, _partition_of(self._device_key, partitions))
+        consumer.assign([tp])
+        consumer.seek_to_beginning(tp)  # compacted: the newest receipt of each device of the partition
+        return consumer
+
+    def _read_receipts(self, consumer: Any) -> None:
+        newest = None
+        for messages in consumer.poll(timeout_ms=0).values():
+            for m in messages:
+                if m.key == self._device_key:
+                    newest = decode_receipt(m.value, self.device, self._key) or newest
+        if newest is not None:
+            self._on_receipt(newest)
+
+    def _on_receipt(self, receipt: Receipt) -> None:
+        self.receipt = receipt
+        self.stats.receipts += 1
+        if not self._receipts_seen:
+            self._receipts_seen = True
+            self.spool.put("receipts_seen", 1)
+        rows, _ = self.spool.trim(receipt.covers)
+        self.stats.rows_receipted += rows
+        now = time.monotonic()
+        lacking = [a for a in self.spool.acked() if receipt.lacks(a.first_seq, a.end)
+                   and now >= self._resend_after.get(a.first_seq, 0.0)]
+        if lacking:
+            self._resend(lacking, f"the cloud's receipt shows them missing (it has all below {receipt.stored_mark}, "
+                                  f"and up to {receipt.seen_end})")
+        with self._lock:
+            self._wake.notify_all()
+
+    def _resend_overdue(self) -> bool:
+        """Send again the newest acknowledged batch no receipt covered in time (a probe; see the module docstring);
+        whether one was."""
+        if not self._receipts_seen:
+            return False
+        acked = self.spool.acked()
+        live = {a.first_seq for a in acked}
+        for table in (self._resends, self._resend_after):  # forget batches gone from the spool
+            for first_seq in [f for f in table if f not in live]:
+                del table[first_seq]
+        now, wall = time.monotonic(), time.time()
+        overdue = [a for a in acked if wall - a.acked_at >= self._timeout(a.first_seq)
+                   and now >= self._resend_after.get(a.first_seq, 0.0)]
+        if overdue:
+            self._resend(overdue[-1:], f"no receipt for them within {self._timeout(overdue[-1].first_seq):.0f} s")
+        return bool(overdue)
+
+    def _timeout(self, first_seq: int) -> float:
+        return min(MAX_RECEIPT_TIMEOUT_S, self.receipt_timeout_s * 2 ** self._resends.get(first_seq, 0))
+
+    def _resend(self, batches: list[Acked], why: str) -> None:
+        now = time.monotonic()
+        for a in batches:
+            self._resends[a.first_seq] = self._resends.get(a.first_seq, 0) + 1
+            self._resend_after[a.first_seq] = now + self._timeout(a.first_seq) / 2
+        self.spool.resend(a.first_seq for a in batches)
+        rows = sum(a.n_rows for a in batches)
+        self.stats.rows_resent += rows
+        self.stats.batches_resent += len(batches)
+        log.warning("tunnel: sending %d rows again (seq %d..%d, %d batches): %s", rows, batches[0].first_seq,
+                    batches[-1].end - 1, len(batches), why)
+        with self._lock:
+            self._wake.notify_all()
 
     def _connect(self) -> Any:
         if self._producer is None:
@@ -390,3 +547,26 @@ class TunnelSink:
 
 class _TooBig(Exception):
     """An envelope over MAX_ENVELOPE_BYTES (raised before anything is numbered or stored)."""
+
+
+def _partition_of(key: bytes, partitions: Any) -> int:
+    """The partition Kafka's default partitioner gives ``key`` among ``partitions``."""
+    from kafka.partitioner import murmur2
+
+    ordered = sorted(partitions)
+    return ordered[(murmur2(key) & 0x7FFFFFFF) % len(ordered)]
+
+
+def _rewind_if_past_end(consumer: Any) -> None:
+    """Read the receipts from the start again if the broker's log ends before the consumer's position (a broker
+    that lost records hands their offsets to new ones, which the consumer would otherwise skip)."""
+    for tp in consumer.assignment():
+        if consumer.position(tp) > consumer.end_offsets([tp])[tp]:
+            log.info("tunnel: the receipts topic ends before where this device read it; reading it again")
+            consumer.seek_to_beginning(tp)
+
+
+def _close_quietly(client: Any) -> None:
+    if client is not None:
+        with contextlib.suppress(Exception):
+            client.close()

@@ -2,8 +2,10 @@
 
 A batch is *sealed* when its rows get their sequence numbers and its envelope is written to the
 spool; the sequence counter moves in the same transaction, so after a crash the device neither
-reuses nor skips a number. A batch leaves the spool only when the broker has acknowledged it
-(:meth:`Spool.ack`). Batches are sent oldest first, so a device's rows reach the topic in order.
+reuses nor skips a number. A batch leaves the spool when the broker has acknowledged it
+(:meth:`Spool.ack`), or, with ``keep_acked`` (the tunnel's receipts, :mod:`.receipts`), only when the cloud
+says it stored it (:meth:`Spool.trim`): until then an acknowledged batch is kept, and sent again if the cloud
+lacks it (:meth:`Spool.resend`). Batches are sent oldest first, so a device's rows reach the topic in order.
 
 The spool is a SQLite database in WAL mode with ``synchronous=FULL``: every seal is on disk before
 :meth:`Spool.seal` returns, and SIGKILL or power loss cannot tear a batch. An ack's delete is committed
@@ -16,10 +18,12 @@ so a restart goes on with them.
 One process at a time: a spool takes an exclusive lock (``flock`` on ``<spool>.lock``, released by
 the kernel when the process dies, even by SIGKILL); a second process opening it gets :class:`SpoolLocked`.
 
-Bound: at most ``max_bytes`` of envelopes. Policy when full: a seal that would pass the bound is
-refused with :class:`SpoolFull` and the caller stores the rows elsewhere (the tunnel sink puts them
-in the device's ``dead_letter`` table with the reason and counts them); nothing already spooled is
-ever dropped to make room, because those rows may be the only copy.
+Bound: at most ``max_bytes`` of envelopes. Policy when full: batches the broker acknowledged and the cloud has
+not confirmed yet are evicted, oldest first, until the new one fits (counted in ``rows_evicted``, logged at
+WARNING: the broker has them, only the second line of defence is given up for them); if that is not enough,
+the seal is refused with :class:`SpoolFull` and the caller stores the rows elsewhere (the tunnel sink puts
+them in the device's ``dead_letter`` table with the reason and counts them). A batch the broker has not
+acknowledged is never dropped to make room, because those rows may be the only copy.
 
 Example:
     >>> import os, tempfile
@@ -32,17 +36,29 @@ Example:
     ([(0, 2), (2, 3)], 5)
     >>> spool.ack(0); [e.first_seq for e in spool.oldest(10)], spool.rows_pending
     ([2], 3)
+    >>> kept = Spool(os.path.join(tempfile.mkdtemp(), "spool.sqlite"), keep_acked=True)
+    >>> for n in (2, 3): _ = kept.seal("ipv", n, lambda first_seq: b"rows")
+    >>> kept.ack(0); kept.ack(2); (kept.rows_pending, kept.rows_held), [a.first_seq for a in kept.acked()]
+    ((0, 5), [0, 2])
+    >>> kept.resend([2]); [e.first_seq for e in kept.oldest(10)]  # the cloud lacks 2..4: sent again
+    [2]
+    >>> kept.trim(lambda first, end: end <= 2), kept.rows_held  # the cloud has 0..1
+    ((2, 1), 3)
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("streamflow.tunnel")
 
 
 class SpoolFull(Exception):
@@ -62,15 +78,37 @@ class SpoolEntry:
     sealed_at: float  # time.time() when sealed
 
 
-class Spool:
-    """A bounded, durable FIFO of envelopes keyed by their first sequence number (thread-safe)."""
+@dataclass(frozen=True)
+class Acked:
+    """A batch the broker acknowledged and the cloud has not confirmed (kept with ``keep_acked``)."""
 
-    def __init__(self, path: str | os.PathLike[str], max_bytes: int = 256 << 20):
+    first_seq: int
+    n_rows: int
+    acked_at: float  # time.time() of the broker's acknowledgement
+
+    @property
+    def end(self) -> int:
+        return self.first_seq + self.n_rows
+
+
+class Spool:
+    """A bounded, durable FIFO of envelopes keyed by their first sequence number (thread-safe).
+
+    ``rows_pending``/``batches_pending``/``bytes_pending``: what the broker has not acknowledged yet (to send);
+    ``rows_held``/``batches_held``/``bytes_held``: everything in the spool (with ``keep_acked``, also what the
+    broker has and the cloud has not confirmed); the bound is on ``bytes_held``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int = 256 << 20, keep_acked: bool = False):
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
+        self.keep_acked = keep_acked
+        self.rows_evicted = 0
+        self.batches_evicted = 0
+        self._evicted_warned_at = 0
         self._lock_file = _lock_exclusively(Path(f"{self.path}.lock"))
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -82,8 +120,17 @@ class Spool:
         self._db.execute("INSERT OR IGNORE INTO counter VALUES (0, 0)")
         self._db.execute("CREATE TABLE IF NOT EXISTS dictionaries (table_name TEXT PRIMARY KEY, body BLOB NOT NULL,"
                          " useful INTEGER NOT NULL)")
+        if "acked_at" not in {row[1] for row in self._db.execute("PRAGMA table_info(batches)")}:
+            self._db.execute("ALTER TABLE batches ADD COLUMN acked_at REAL")  # NULL: the broker has not acked it
+        self._db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value)")
         self.next_seq, = self._db.execute("SELECT next_seq FROM counter").fetchone()
+        self._count()
+
+    def _count(self) -> None:
         self.bytes_pending, self.rows_pending, self.batches_pending = self._db.execute(
+            "SELECT coalesce(sum(length(value)), 0), coalesce(sum(n_rows), 0), count(*) FROM batches "
+            "WHERE acked_at IS NULL").fetchone()
+        self.bytes_held, self.rows_held, self.batches_held = self._db.execute(
             "SELECT coalesce(sum(length(value)), 0), coalesce(sum(n_rows), 0), count(*) FROM batches").fetchone()
 
     def seal(self, table: str, n_rows: int, envelope: Callable[[int], bytes], sealed_at: float = 0.0) -> int:
@@ -94,42 +141,117 @@ class Spool:
         with self._lock:
             first_seq = self.next_seq
             value = envelope(first_seq)
-            if self.bytes_pending + len(value) > self.max_bytes:
-                raise SpoolFull(f"spool {self.path} holds {self.bytes_pending} bytes; {len(value)} more would pass "
+            if self.bytes_held + len(value) > self.max_bytes:
+                self._evict(self.bytes_held + len(value) - self.max_bytes)
+            if self.bytes_held + len(value) > self.max_bytes:
+                raise SpoolFull(f"spool {self.path} holds {self.bytes_held} bytes; {len(value)} more would pass "
                                 f"its bound of {self.max_bytes} bytes")
             with self._db:
                 self._db.execute("BEGIN IMMEDIATE")
-                self._db.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?)",
-                                 (first_seq, n_rows, table, value, sealed_at))
+                self._db.execute("INSERT INTO batches (first_seq, n_rows, table_name, value, sealed_at) "
+                                 "VALUES (?, ?, ?, ?, ?)", (first_seq, n_rows, table, value, sealed_at))
                 self._db.execute("UPDATE counter SET next_seq = ?", (first_seq + n_rows,))
             self.next_seq = first_seq + n_rows
             self.bytes_pending += len(value)
             self.rows_pending += n_rows
             self.batches_pending += 1
+            self.bytes_held += len(value)
+            self.rows_held += n_rows
+            self.batches_held += 1
             return first_seq
+
+    def _evict(self, need: int) -> None:
+        """Drop acknowledged batches the cloud has not confirmed, oldest first, until ``need`` bytes are free."""
+        rows = self._db.execute("SELECT first_seq, n_rows, length(value) FROM batches WHERE acked_at IS NOT NULL "
+                                "ORDER BY first_seq").fetchall()
+        drop, freed = [], 0
+        for first_seq, n_rows, size in rows:
+            if freed >= need:
+                break
+            drop.append((first_seq, n_rows))
+            freed += size
+        if not drop:
+            return
+        with self._db:
+            self._db.executemany("DELETE FROM batches WHERE first_seq = ?", [(f,) for f, _ in drop])
+        self._count()
+        evicted = sum(n for _, n in drop)
+        self.rows_evicted += evicted
+        self.batches_evicted += len(drop)
+        if self.rows_evicted >= 2 * self._evicted_warned_at:
+            self._evicted_warned_at = self.rows_evicted
+            log.warning("TUNNEL SPOOL FULL: evicted %d rows (seq %d..%d; %d so far) the broker acknowledged and the "
+                        "cloud has not confirmed yet, oldest first; should the broker lose them, they are lost",
+                        evicted, drop[0][0], drop[-1][0] + drop[-1][1] - 1, self.rows_evicted)
 
     def oldest(self, limit: int = 1) -> list[SpoolEntry]:
         """Up to ``limit`` batches in sequence order, oldest first."""
         with self._lock:
             rows = self._db.execute("SELECT first_seq, n_rows, table_name, value, sealed_at FROM batches "
-                                    "ORDER BY first_seq LIMIT ?", (limit,)).fetchall()
+                                    "WHERE acked_at IS NULL ORDER BY first_seq LIMIT ?", (limit,)).fetchall()
         return [SpoolEntry(*row) for row in rows]
 
     def ack(self, first_seq: int) -> None:
-        """The broker has the batch starting at ``first_seq``: forget it."""
+        """The broker has the batch starting at ``first_seq``: forget it (with ``keep_acked``: mark it acknowledged)."""
         with self._lock:
-            row = self._db.execute("SELECT n_rows, length(value) FROM batches WHERE first_seq = ?",
+            row = self._db.execute("SELECT n_rows, length(value) FROM batches WHERE first_seq = ? AND acked_at IS NULL",
                                    (first_seq,)).fetchone()
             if row is None:
                 return
             self._db.execute("PRAGMA synchronous=NORMAL")  # see the module docstring: a lost delete is a resend
             try:
-                self._db.execute("DELETE FROM batches WHERE first_seq = ?", (first_seq,))
+                if self.keep_acked:
+                    self._db.execute("UPDATE batches SET acked_at = ? WHERE first_seq = ?", (time.time(), first_seq))
+                else:
+                    self._db.execute("DELETE FROM batches WHERE first_seq = ?", (first_seq,))
             finally:
                 self._db.execute("PRAGMA synchronous=FULL")
             self.rows_pending -= row[0]
             self.bytes_pending -= row[1]
             self.batches_pending -= 1
+            if not self.keep_acked:
+                self.rows_held -= row[0]
+                self.bytes_held -= row[1]
+                self.batches_held -= 1
+
+    def acked(self) -> list[Acked]:
+        """The batches the broker acknowledged that are still kept, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT first_seq, n_rows, acked_at FROM batches WHERE acked_at IS NOT NULL "
+                                    "ORDER BY first_seq").fetchall()
+        return [Acked(*row) for row in rows]
+
+    def trim(self, stored: Callable[[int, int], bool]) -> tuple[int, int]:
+        """Forget every batch ``stored(first_seq, end)`` says the cloud has; returns (rows, batches) forgotten."""
+        with self._lock:
+            spans = self._db.execute("SELECT first_seq, n_rows FROM batches ORDER BY first_seq").fetchall()
+            drop = [(first, n) for first, n in spans if stored(first, first + n)]
+            if not drop:
+                return 0, 0
+            self._db.execute("PRAGMA synchronous=NORMAL")  # a lost delete: the next receipt trims it again
+            try:
+                with self._db:
+                    self._db.executemany("DELETE FROM batches WHERE first_seq = ?", [(f,) for f, _ in drop])
+            finally:
+                self._db.execute("PRAGMA synchronous=FULL")
+            self._count()
+            return sum(n for _, n in drop), len(drop)
+
+    def resend(self, first_seqs: Iterable[int]) -> None:
+        """Send these acknowledged batches again (the cloud lacks them): they join the batches to send."""
+        with self._lock, self._db:
+            self._db.executemany("UPDATE batches SET acked_at = NULL WHERE first_seq = ?", [(f,) for f in first_seqs])
+            self._count()
+
+    def get(self, name: str) -> object:
+        """A value kept under ``name`` (None if none)."""
+        with self._lock:
+            row = self._db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
+        return None if row is None else row[0]
+
+    def put(self, name: str, value: object) -> None:
+        with self._lock, self._db:
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (name, value))
 
     def save_dictionary(self, table: str, body: bytes, useful: bool) -> None:
         """Keep ``table``'s zstd dictionary (and whether it is used) for the next run."""
