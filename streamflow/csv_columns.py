@@ -1,19 +1,21 @@
 """The fields of a comma-separated file as NumPy columns (the device runner's batch mode reads so).
 
-For files of plain lines only: printable ASCII, no quoting, every line the same number of fields.
-Everything works on the file's bytes as one array, a column of fields at a time, so memory stays
-a few arrays of one entry per line. (pyarrow's CSV reader would do the parsing, but importing
-pyarrow costs ~30 MB and ~60 ms, as much as the rest of the device runtime's start-up.)
+Plain lines (printable ASCII, no quoting, the same number of fields) are found and split at once; the
+other lines are left to a line-by-line parser. Everything works on the file's bytes as one array, a
+column of fields at a time, so memory stays a few arrays of one entry per line. (pyarrow's CSV reader
+would do the parsing, but importing pyarrow costs ~30 MB and ~60 ms, as much as the rest of the device
+runtime's start-up.)
 
 Example:
-    >>> fields = split_lines(b"7,ab,-12\\n8,ab,5\\n", 3)
+    >>> fields = plain_lines(b"7,ab,-12\\n8,ab,5\\n", 3)[0]
     >>> column = text_codes(fields, 1)
-    >>> column.codes.tolist(), column.dictionary.tolist(), integers(fields, 2, 15).tolist()
+    >>> column.codes.tolist(), column.dictionary.tolist(), integer_values(fields, 2, 15)[0].tolist()
     ([0, 0], ['ab'], [-12, 5])
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +47,10 @@ class Fields:
     def lengths(self, k: int) -> np.ndarray:
         return self.ends[:, k] - self.starts[:, k]
 
+    def select(self, rows: np.ndarray) -> Fields:
+        """The fields of the lines ``rows`` (a boolean mask or indices) only."""
+        return Fields(self.data, self.buf, self.starts[rows], self.ends[rows])
+
     def window(self, k: int, width: int) -> np.ndarray:
         """The first ``width`` bytes (at most :data:`MAX_WIDTH`) of field ``k``, a row per line, zeros past
         the field's end."""
@@ -54,34 +60,42 @@ class Fields:
         return block
 
 
-def split_lines(data: bytes, n_fields: int) -> Fields | str:
-    """The field bounds of ``data``'s lines (``\\n``-separated, the last newline optional), each of
-    exactly ``n_fields`` non-empty comma-separated fields; or why not."""
-    if data.translate(None, PLAIN_BYTES):
-        return "bytes other than printable ASCII (a space, a tab, a carriage return, non-ASCII)"
-    if data.startswith(b"\n") or b"\n\n" in data:
-        return "a blank line"
+def plain_lines(data: bytes, n_fields: int) -> tuple[Fields, np.ndarray, np.ndarray, np.ndarray]:
+    """The lines of ``data`` (``\\n``-separated, the last newline optional) of plain fields,
+    whatever the other lines hold: ``(their fields, their indices among all lines, where every line starts
+    and ends in the fields' data)``.
+
+    A plain line has only printable ASCII but the space, exactly ``n_fields`` non-empty comma-separated
+    fields, none longer than :data:`MAX_WIDTH`; the others are for a line-by-line parser.
+
+    Example:
+        >>> fields, rows, starts, ends = plain_lines(b"7,ab\\n8,\\n\\nx y,1\\n9,cd", 2)
+        >>> rows.tolist(), len(starts), text_codes(fields, 1).dictionary.tolist()
+        ([0, 4], 5, ['ab', 'cd'])
+    """
     data += (b"" if data.endswith(b"\n") else b"\n") + bytes(MAX_WIDTH)  # spare bytes for Fields.window
     buf = np.frombuffer(data, dtype=np.uint8)
-    position = np.int32 if len(buf) < 2**31 else np.int64  # half the memory for files under 2 GiB
-    line_ends = np.flatnonzero(buf[:-MAX_WIDTH] == _NEWLINE).astype(position)
-    commas = np.flatnonzero(buf[:-MAX_WIDTH] == _COMMA).astype(position)
+    body = buf[:-MAX_WIDTH]
+    position = np.int32 if len(buf) < 2**31 else np.int64
+    line_ends = np.flatnonzero(body == _NEWLINE).astype(position)
     n = len(line_ends)
-    if len(commas) != (n_fields - 1) * n:
-        return f"a line without exactly {n_fields} fields"
-    commas = commas.reshape(n, n_fields - 1)
     line_starts = np.empty(n, dtype=position)
-    line_starts[0] = 0
+    line_starts[:1] = 0
     line_starts[1:] = line_ends[:-1] + 1
-    # The commas are in order and as many as the lines need: every line has its own if each line's
-    # first comma is after its start and its last one before its end.
-    if np.any(commas[:, 0] < line_starts) or np.any(commas[:, -1] > line_ends):
-        return f"a line without exactly {n_fields} fields"
-    starts = np.column_stack([line_starts, commas + 1])
-    ends = np.column_stack([commas, line_ends])
-    if np.any(ends <= starts):
-        return "an empty field"
-    return Fields(data, buf, starts, ends)
+    plain = np.zeros(256, dtype=bool)
+    plain[np.frombuffer(PLAIN_BYTES, dtype=np.uint8)] = True
+    # Per line: its commas, and whether it holds a byte that is not plain (few: they are found, then their lines).
+    commas = np.flatnonzero(body == _COMMA).astype(position)
+    line_of_comma = np.searchsorted(line_ends, commas)
+    candidate = np.bincount(line_of_comma, minlength=n) == n_fields - 1
+    candidate[np.searchsorted(line_ends, np.flatnonzero(~plain[body]))] = False
+    commas = commas[candidate[line_of_comma]].reshape(-1, n_fields - 1)
+    rows = np.flatnonzero(candidate)
+    starts = np.column_stack([line_starts[rows], commas + 1])
+    ends = np.column_stack([commas, line_ends[rows]])
+    widths = ends - starts
+    good = np.all((widths > 0) & (widths <= MAX_WIDTH), axis=1)
+    return Fields(data, buf, starts[good], ends[good]), rows[good], line_starts, line_ends
 
 
 def text_codes(fields: Fields, k: int) -> TextColumn | str:
@@ -108,22 +122,41 @@ def text_codes(fields: Fields, k: int) -> TextColumn | str:
     return TextColumn(rank[inverse.ravel()], np.array(values, dtype=object))
 
 
-def integers(fields: Fields, k: int, max_digits: int = 15) -> np.ndarray | str:
-    """Field ``k`` of every line as int64: an optional ``-`` and 1 to ``max_digits`` (at most 15) ASCII
-    digits; or why not."""
+def integer_values(fields: Fields, k: int, max_digits: int = 15) -> tuple[np.ndarray, np.ndarray]:
+    """Field ``k`` of every line as int64 where it is an optional ``-`` and 1 to ``max_digits`` (at most 15)
+    ASCII digits, and where it is (``(values, valid)``; an invalid line's value is meaningless).
+
+    Example:
+        >>> fields = plain_lines(b"a,12\\nb,1x\\nc,-3\\n", 2)[0]
+        >>> values, valid = integer_values(fields, 1)
+        >>> values[valid].tolist(), valid.tolist()
+        ([12, -3], [True, False, True])
+    """
     block = fields.window(k, 16).astype(np.int16) - _ZERO
     negative = block[:, 0] == _MINUS - _ZERO
     digits = fields.lengths(k) - negative
     max_digits = min(max_digits, 15)  # the window read is 16 bytes: a sign and 15 digits
-    if np.any(digits < 1) or np.any(digits > max_digits):
-        return f"a number of no digit or more than {max_digits}"
-    value = np.empty(len(fields), dtype=np.int64)
-    shape = digits * 2 + negative
-    for code in np.unique(shape).tolist():  # a few: sign and number of digits
+    valid = (digits >= 1) & (digits <= max_digits)
+    value = np.zeros(len(fields), dtype=np.int64)
+    shape = np.where(valid, digits * 2 + negative, -1)
+    for code in np.unique(shape[valid]).tolist():  # a few: sign and number of digits
         sign, length = code % 2, code // 2
         rows = np.flatnonzero(shape == code)
         numerals = block[rows, sign:sign + length]
-        if np.any((numerals < 0) | (numerals > 9)):
-            return "a number with a character other than a digit"
-        value[rows] = numerals.astype(np.int64) @ 10 ** np.arange(length - 1, -1, -1, dtype=np.int64)
-    return np.where(negative, -value, value)
+        numeric = np.all((numerals >= 0) & (numerals <= 9), axis=1)
+        valid[rows[~numeric]] = False
+        value[rows] = np.where(numeric, numerals.astype(np.int64) @ 10 ** np.arange(length - 1, -1, -1,
+                                                                                        dtype=np.int64), 0)
+    return np.where(negative, -value, value), valid
+
+
+def one_of(fields: Fields, k: int, values: Iterable[str]) -> np.ndarray:
+    """Whether field ``k`` of each line is one of ``values`` (ASCII words of at most 8 bytes).
+
+    Example:
+        >>> fields = plain_lines(b"a,pv\\nb,nap\\nc,buy\\n", 2)[0]
+        >>> one_of(fields, 1, ["pv", "buy"]).tolist()
+        [True, False, True]
+    """
+    words = np.frombuffer(b"".join(value.encode("ascii").ljust(8, b"\0") for value in values), dtype="<u8")
+    return (fields.lengths(k) <= 8) & np.isin(fields.window(k, 8).view("<u8")[:, 0], words)

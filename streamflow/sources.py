@@ -25,7 +25,7 @@ from typing import Any, Self
 import numpy as np
 
 from operators.process import ValueStateDescriptor
-from streamflow.csv_columns import integers, split_lines, text_codes
+from streamflow.csv_columns import Fields, integer_values, one_of, plain_lines, text_codes
 from streamflow.events import BEHAVIOR, PAGE_ENTER, PAGE_EXIT, Event, Rejected, TimestampGuard
 from streamflow.keyed import KeyedStore
 
@@ -93,6 +93,26 @@ class LineSource:
             # Bytes that are not UTF-8 become lone surrogates, so that reading can reject their line.
             with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
                 yield from f
+
+    def read_line(self, line_no: int, line: str) -> Any:
+        """What line ``line_no`` holds, before any state sees it: ``None`` for a blank line (not a record), a
+        :class:`Rejected` for a line the format refuses (bad UTF-8, or :meth:`parse`'s reason), else the
+        parsed record.
+
+        Example:
+            >>> src = TaobaoBehaviorSource.from_lines([])
+            >>> src.read_line(3, "1,10,7,pv,1511848894\\n"), src.read_line(4, "  \\n")
+            (('1', '10', '7', 'pv', 1511848894.0), None)
+            >>> src.read_line(5, "1,10,7,nap,1").reason
+            "bad value: unknown behavior 'nap' (expected one of pv, fav, cart, buy)"
+        """
+        raw = line.rstrip("\r\n")
+        if not raw.strip():  # blank lines carry nothing; they are not records
+            return None
+        if not raw.isascii() and (bad := invalid_utf8(raw)) is not None:
+            return Rejected(self.name, line_no, *bad)
+        parsed = self.parse(raw)
+        return Rejected(self.name, line_no, parsed, raw) if type(parsed) is str else parsed
 
     def fast_blocks(self, reader: SourceReader, step: Callable[[int, str], list[Event | Rejected]], size: int
                     ) -> FastBlocks | None:
@@ -264,20 +284,18 @@ class SourceReader:
             owed.extend(source.end_events(user, state))
 
         # bound once: this runs per line
-        name, parse, user_of, ts_of, user_events = source.name, source.parse, source.user_of, source.ts_of, \
+        name, read_line, user_of, ts_of, user_events = source.name, source.read_line, source.user_of, source.ts_of, \
             source.user_events
         check, ttl = self.guard.check, states.ttl
 
         def step(line_no: int, line: str) -> list[Event | Rejected]:
-            raw = line.rstrip("\r\n")
-            if not raw.strip():  # blank lines carry nothing; they are not records
+            parsed = read_line(line_no, line)
+            if parsed is None:
                 return []
             self.line = line_no
-            if not raw.isascii() and (bad := invalid_utf8(raw)) is not None:
-                return [Rejected(name, line_no, *bad)]
-            parsed = parse(raw)
-            if type(parsed) is str:
-                return [Rejected(name, line_no, parsed, raw)]
+            if type(parsed) is Rejected:
+                return [parsed]
+            raw = line.rstrip("\r\n")
             user, ts = user_of(parsed), ts_of(parsed)
             reason = check(user, ts)
             if reason is not None:
@@ -314,6 +332,35 @@ class OpenPage:
         # A constructor call pickles several times faster than the slots dataclass default; the Flink
         # runner keeps it in keyed state and writes it on every record.
         return OpenPage, (self.item_id, self.category_id, self.last_ts)
+
+
+@dataclass
+class PlainLines:
+    """A CSV file's plain lines as fields (see :meth:`TaobaoBehaviorSource.plain_lines`), each one's line number
+    and timestamp (seconds), and every other line as ``(line number, text)``."""
+
+    fields: Fields
+    line_numbers: np.ndarray
+    ts: np.ndarray
+    others: list[tuple[int, str]]
+
+    def text(self, i: int) -> str:
+        """Plain line ``i`` as read."""
+        return self.fields.data[self.fields.starts[i, 0]:self.fields.ends[i, -1]].decode("ascii")
+
+    def columns(self, keep: np.ndarray | None = None) -> dict[str, Any] | str:
+        """The plain lines (those ``keep`` selects) as columns in their order: ``user_id``, ``item_id``,
+        ``category_id``, ``behavior`` as :class:`~streamflow.columnar.TextColumn` s (codes in order of first
+        appearance among them), ``ts`` seconds as float64; or why not."""
+        fields = self.fields if keep is None else self.fields.select(keep)
+        columns: dict[str, Any] = {}
+        for k, name in enumerate(("user_id", "item_id", "category_id", "behavior")):
+            column = text_codes(fields, k)
+            if isinstance(column, str):
+                return column
+            columns[name] = column
+        columns["ts"] = self.ts if keep is None else self.ts[keep]
+        return columns
 
 
 class TaobaoBehaviorSource(LineSource):
@@ -359,6 +406,26 @@ class TaobaoBehaviorSource(LineSource):
     def user_of(self, parsed: tuple[str, str, str, str, float]) -> str:
         return parsed[0]
 
+    def read_line(self, line_no: int, line: str) -> Any:
+        """What line ``line_no`` holds, before any state sees it: ``None`` for a blank line (not a record), a
+        :class:`Rejected` for a line the format refuses (bad UTF-8, or :meth:`parse`'s reason), else the
+        parsed record.
+
+        Example:
+            >>> src = TaobaoBehaviorSource.from_lines([])
+            >>> src.read_line(3, "1,10,7,pv,1511848894\\n"), src.read_line(4, "  \\n")
+            (('1', '10', '7', 'pv', 1511848894.0), None)
+            >>> src.read_line(5, "1,10,7,nap,1").reason
+            "bad value: unknown behavior 'nap' (expected one of pv, fav, cart, buy)"
+        """
+        raw = line.rstrip("\r\n")
+        if not raw.strip():  # blank lines carry nothing; they are not records
+            return None
+        if not raw.isascii() and (bad := invalid_utf8(raw)) is not None:
+            return Rejected(self.name, line_no, *bad)
+        parsed = self.parse(raw)
+        return Rejected(self.name, line_no, parsed, raw) if type(parsed) is str else parsed
+
     def fast_blocks(self, reader: SourceReader, step: Callable[[int, str], list[Event | Rejected]], size: int
                     ) -> FastBlocks | None:
         """Clean lines (:data:`_CLEAN_RAW_LINE`, ASCII) in one loop that inlines the guard's check and
@@ -378,47 +445,42 @@ class TaobaoBehaviorSource(LineSource):
     def end_events(self, user: str, state: OpenPage | None) -> list[Event]:
         return [page_exit(user, state, state.last_ts)] if state is not None else []
 
-    def clean_columns(self) -> dict[str, Any] | str:
-        """The whole file as columns, in file order, if :meth:`parse` takes every line as it is: five
-        non-empty fields of printable ASCII without spaces, a known behaviour, an integer timestamp of at
-        most 15 digits (and no blank line, no lone carriage return); otherwise why not (the file is then
-        read line by line, where each such line gets its own reason). ``user_id``, ``item_id``,
-        ``category_id`` and ``behavior`` are :class:`~streamflow.columnar.TextColumn` s, ``ts`` seconds
-        as float64. The device runner's batch mode reads files so.
+    def plain_lines(self) -> PlainLines | str:
+        """The file's lines split for column-wise reading, or why it cannot be (lines in memory; a lone
+        carriage return, which the line reader would take as a line break).
+
+        Plain lines are those :meth:`parse` takes as they are: five non-empty fields of printable ASCII
+        without spaces, a known behaviour, an integer timestamp of at most 15 digits. Every other line is
+        kept with its line number for the line-by-line parser (:meth:`LineSource.parse_line`); line numbers
+        count every line, blank ones included, as the line reader does. The device runner's batch mode
+        reads files so.
 
         Example:
             >>> import os, tempfile
             >>> path = os.path.join(tempfile.mkdtemp(), "b.csv")
-            >>> _ = open(path, "w").write("1,10,7,pv,1511848894\\n1,10,7,buy,1511848900\\n")
-            >>> columns = TaobaoBehaviorSource(path).clean_columns()
-            >>> columns["behavior"].dictionary.tolist(), columns["ts"].tolist()
-            (['pv', 'buy'], [1511848894.0, 1511848900.0])
-            >>> _ = open(path, "w").write("1,10,7,pv,1511848894\\n1,10,7,nap,1511848900\\n")
-            >>> TaobaoBehaviorSource(path).clean_columns()
-            'a behaviour other than pv, fav, cart, buy'
+            >>> _ = open(path, "w").write("1,10,7,pv,1511848894\\n1,10,7,nap,1511848900\\n\\n1,11,7,buy,1511848950\\n")
+            >>> lines = TaobaoBehaviorSource(path).plain_lines()
+            >>> lines.line_numbers.tolist(), lines.others, lines.text(1)
+            ([1, 4], [(2, '1,10,7,nap,1511848900'), (3, '')], '1,11,7,buy,1511848950')
+            >>> lines.columns()["behavior"].dictionary.tolist()
+            ['pv', 'buy']
         """
         if self._lines is not None:
             return "lines in memory, not a file"
         data = self.path.read_bytes()
         if b"\r" in data:
-            data = data.replace(b"\r\n", b"\n")  # a lone carriage return stays, and is refused
-        fields = split_lines(data, 5)
-        del data  # the fields hold it
-        if isinstance(fields, str):
-            return fields
-        columns: dict[str, Any] = {}
-        for k, name in enumerate(("user_id", "item_id", "category_id", "behavior")):
-            column = text_codes(fields, k)
-            if isinstance(column, str):
-                return column
-            columns[name] = column
-        if not set(columns["behavior"].dictionary.tolist()) <= TAOBAO_BEHAVIORS:
-            return "a behaviour other than pv, fav, cart, buy"
-        seconds = integers(fields, 4, max_digits=15)
-        if isinstance(seconds, str):
-            return f"a timestamp that is not an integer of at most 15 digits ({seconds})"
-        columns["ts"] = seconds.astype(np.float64)
-        return columns
+            data = data.replace(b"\r\n", b"\n")
+            if b"\r" in data:
+                return "a lone carriage return"
+        fields, rows, line_starts, line_ends = plain_lines(data, 5)
+        ts, digits_ok = integer_values(fields, 4, max_digits=15)
+        plain = digits_ok & one_of(fields, 3, sorted(TAOBAO_BEHAVIORS))
+        fields, rows, ts = fields.select(plain), rows[plain], ts[plain]
+        other = np.ones(len(line_starts), dtype=bool)
+        other[rows] = False
+        others = [(i + 1, fields.data[line_starts[i]:line_ends[i]].decode("utf-8", "surrogateescape"))
+                  for i in np.flatnonzero(other).tolist()]
+        return PlainLines(fields, rows + 1, ts.astype(np.float64), others)
 
     @staticmethod
     def parse(raw: str) -> tuple[str, str, str, str, float] | str:

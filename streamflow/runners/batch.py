@@ -13,9 +13,14 @@ nothing and is simply run again.
 
 It applies (otherwise the runner streams, and says why) when:
 
-- the source is a Taobao CSV file read with the default timestamp guard, and every line is clean
-  (:meth:`~streamflow.sources.TaobaoBehaviorSource.clean_columns`), within the guard's bounds and
-  never earlier than the user's previous line: nothing would be dead-lettered;
+- the source is a Taobao CSV file read with the default timestamp guard. Its plain lines are read as
+  columns (:meth:`~streamflow.sources.TaobaoBehaviorSource.plain_lines`); the others (a wrong field count,
+  an empty field, bad UTF-8, an unknown behaviour, a timestamp that is no integer) go through the
+  streaming run's own line reader (``read_line``), and the guard's rejections (a timestamp outside its
+  bounds, or earlier than the user's previous one) are found over the columns (:func:`guarded_lines`):
+  each becomes the same dead letter, with the same reason and line number, as when streaming. Only a
+  line the parser takes after trimming or decoding it (spaces around a field, non-ASCII text), or a lone
+  carriage return, makes the run stream;
 - the run keeps no state across runs or users: no checkpoints, state TTL, cap on users, tunnel,
   latency recording, stream tasks, task swaps or safe-point hooks;
 - every task fires on the exit of the item page (``trigger=["item"]``) over the page
@@ -66,8 +71,8 @@ from streamflow.columnar import (
     select_rows,
     to_numpy,
 )
-from streamflow.events import PAGE_ENTER, PAGE_EXIT, TimestampGuard
-from streamflow.sources import ITEM_PAGE, LineSource, TaobaoBehaviorSource, item_page_events
+from streamflow.events import PAGE_ENTER, PAGE_EXIT, Rejected, TimestampGuard
+from streamflow.sources import ITEM_PAGE, LineSource, PlainLines, TaobaoBehaviorSource, item_page_events
 
 if TYPE_CHECKING:
     from streamflow.runners.device import DeviceRunner
@@ -146,13 +151,52 @@ class PageVisits:
         return len(self.enter_ts)
 
 
-def page_visits(columns: dict[str, Any], gap: float, guard: TimestampGuard) -> PageVisits | str:
-    """The page visits of a clean file's columns (:meth:`TaobaoBehaviorSource.clean_columns`), as
-    :func:`~streamflow.sources.item_page_events` makes them line by line; or why a line would be rejected."""
+def guarded_lines(lines: PlainLines, users: TextColumn, guard: TimestampGuard, source: str
+                  ) -> tuple[np.ndarray, list[Rejected]]:
+    """Which plain lines ``guard`` accepts, and the others as the streaming run rejects them (line by line,
+    :meth:`~streamflow.events.TimestampGuard.check`): a timestamp outside its bounds, or earlier than the
+    user's previous accepted one. ``(accepted, rejected records in line order)``.
+
+    A user's accepted timestamps never decrease, so the previous accepted one is the largest before it among
+    the user's lines within bounds (a line that goes backwards is below it and changes nothing)."""
+    ts, names = lines.ts, users.dictionary
+    accepted = (ts >= guard.min_ts) & (ts <= guard.max_ts)
+    reasons: dict[int, str] = {}
+    for i in np.flatnonzero(~accepted).tolist():
+        reason = guard.reason(names[users.codes[i]], float(ts[i]), None)  # it reads the clock past max_ts
+        if reason is None:
+            accepted[i] = True
+        else:
+            reasons[i] = reason
+    within = np.flatnonzero(accepted)
+    order = within[np.argsort(users.codes[within], kind="stable")]  # by user, each user's lines in file order
+    user, stamps = users.codes[order], ts[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = user[1:] != user[:-1]
+    previous = np.empty(len(order))
+    if len(order):
+        group = np.cumsum(first) - 1
+        base = stamps.min()
+        span = stamps.max() - base + 1
+        if span * (group[-1] + 1) < 2**52:  # a running maximum per user in one pass, exact in float64
+            shifted = np.maximum.accumulate(stamps - base + group * span) - group * span + base
+        else:
+            parts = np.split(stamps, np.flatnonzero(first)[1:])
+            shifted = np.concatenate([np.maximum.accumulate(part) for part in parts])
+        previous[1:] = shifted[:-1]
+    backwards = ~first & (stamps < previous)
+    for i, last in zip(order[backwards].tolist(), previous[backwards].tolist(), strict=True):
+        reasons[i] = guard.reason(names[users.codes[i]], float(ts[i]), last)
+        accepted[i] = False
+    numbers = lines.line_numbers
+    return accepted, [Rejected(source, int(numbers[i]), reasons[i], lines.text(i)) for i in sorted(reasons)]
+
+
+def page_visits(columns: dict[str, Any], gap: float) -> PageVisits:
+    """The page visits of the accepted lines' columns (:meth:`PlainLines.columns`), as
+    :func:`~streamflow.sources.item_page_events` makes them line by line."""
     ts = columns["ts"]
     n = len(ts)
-    if (ts.min() < guard.min_ts or ts.max() > guard.max_ts):
-        return "a timestamp outside the timestamp guard's bounds"
     users = columns["user_id"]  # codes in order of first appearance
     order = np.argsort(users.codes, kind="stable")
     user, ts = users.codes[order], ts[order]
@@ -160,8 +204,6 @@ def page_visits(columns: dict[str, Any], gap: float, guard: TimestampGuard) -> P
     new_user[1:] = user[1:] != user[:-1]
     step = np.zeros(n)
     step[1:] = np.diff(ts)
-    if np.any((step < 0) & ~new_user):
-        return "a timestamp earlier than the same user's previous one"
     items, categories, behaviors = columns["item_id"], columns["category_id"], columns["behavior"]
     item, category, behavior = items.codes[order], categories.codes[order], behaviors.codes[order]
     new_page = new_user.copy()
@@ -281,13 +323,27 @@ def run_batch(runner: DeviceRunner, source: LineSource) -> str | None:
     why = refusal(runner, source)
     if why is not None:
         return why
-    columns = source.clean_columns()
+    lines = source.plain_lines()
+    if isinstance(lines, str):
+        return f"the input has {lines}"
+    rejected: list[Rejected] = []
+    for line_no, line in lines.others:  # the few lines that are not plain: as the streaming run reads them
+        record = source.read_line(line_no, line)
+        if record is not None and type(record) is not Rejected:
+            return f"line {line_no} is taken only after trimming or decoding it ({line[:40]!r})"
+        if record is not None:
+            rejected.append(record)
+    columns = lines.columns()
     if isinstance(columns, str):
         return f"the input has {columns}"
-    visits = page_visits(columns, source.inactivity_gap_s, runner.guard)
+    accepted, refused = guarded_lines(lines, columns["user_id"], runner.guard, source.name)
+    rejected = sorted(rejected + refused, key=lambda record: record.line)
+    columns = lines.columns(accepted) if refused else columns
+    del lines
+    if isinstance(columns, str):
+        return f"the input has {columns}"
+    visits = page_visits(columns, source.inactivity_gap_s)
     del columns  # the visits hold what the rows need: memory for DuckDB's insert, which comes next
-    if isinstance(visits, str):
-        return f"the input has {visits}"
     outputs = {}
     for name in runner.execution.tasks:
         try:
@@ -304,6 +360,8 @@ def run_batch(runner: DeviceRunner, source: LineSource) -> str | None:
     del visits
     _release_free_memory()
     summary = runner.summary
+    for record in rejected:
+        runner.reject(record)
     summary.events_in += events
     for name, rows in outputs.items():
         stats = summary.task_stats[name]
