@@ -406,26 +406,6 @@ class TaobaoBehaviorSource(LineSource):
     def user_of(self, parsed: tuple[str, str, str, str, float]) -> str:
         return parsed[0]
 
-    def read_line(self, line_no: int, line: str) -> Any:
-        """What line ``line_no`` holds, before any state sees it: ``None`` for a blank line (not a record), a
-        :class:`Rejected` for a line the format refuses (bad UTF-8, or :meth:`parse`'s reason), else the
-        parsed record.
-
-        Example:
-            >>> src = TaobaoBehaviorSource.from_lines([])
-            >>> src.read_line(3, "1,10,7,pv,1511848894\\n"), src.read_line(4, "  \\n")
-            (('1', '10', '7', 'pv', 1511848894.0), None)
-            >>> src.read_line(5, "1,10,7,nap,1").reason
-            "bad value: unknown behavior 'nap' (expected one of pv, fav, cart, buy)"
-        """
-        raw = line.rstrip("\r\n")
-        if not raw.strip():  # blank lines carry nothing; they are not records
-            return None
-        if not raw.isascii() and (bad := invalid_utf8(raw)) is not None:
-            return Rejected(self.name, line_no, *bad)
-        parsed = self.parse(raw)
-        return Rejected(self.name, line_no, parsed, raw) if type(parsed) is str else parsed
-
     def fast_blocks(self, reader: SourceReader, step: Callable[[int, str], list[Event | Rejected]], size: int
                     ) -> FastBlocks | None:
         """Clean lines (:data:`_CLEAN_RAW_LINE`, ASCII) in one loop that inlines the guard's check and
