@@ -76,6 +76,8 @@ def test_every_shell_block_of_the_readme_runs_in_order(tmp_path):
         pytest.skip("the README's Flink and tunnel sections need java and noida-db")
     root = _thin_copy(tmp_path / "streamflow")
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMFLOW_")}
+    # Flink's embedded interpreter (pemja) reads no .pth of the thin venv: give it both paths directly
+    env["PYTHONPATH"] = os.pathsep.join([str(root), sysconfig.get_path("purelib")])
     ran = []
     for block in blocks("bash"):
         first = commands(block)[0]
