@@ -1,0 +1,256 @@
+"""End-to-end acknowledgement (issue 25, the second line of defence), on the real broker (noida-db), no mocks.
+
+The broker loses records it acknowledged (SIGKILL before it wrote them; its data dir rolled back; the topic
+deleted and made again): the device keeps every batch until the cloud's receipt covers it and resends what the
+cloud lacks, so every row acknowledged to the application is in the cloud exactly once. A gap nobody can fill (the
+device's spool deleted) is reported lost, and the receipts keep naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import duckdb
+import pytest
+
+pytest.importorskip("kafka")
+
+from kafka import KafkaConsumer, TopicPartition  # noqa: E402
+from kafka.admin import KafkaAdminClient, NewTopic  # noqa: E402
+from kafka.errors import TopicAlreadyExistsError  # noqa: E402
+
+from connectors.tunnel.cloud import CloudConsumer  # noqa: E402
+from connectors.tunnel.kafka import CLIENT_TIMEOUTS  # noqa: E402
+from connectors.tunnel.keys import KeyRegistry  # noqa: E402
+from connectors.tunnel.sink import TunnelSink  # noqa: E402
+from tests.kafka_broker import LocalBroker  # noqa: E402
+
+ROWS = 10_000
+CHUNK = 50
+
+
+def _rows(start: int, n: int) -> list[dict]:
+    return [{"user_id": f"u{i % 10:04d}", "i": i} for i in range(start, start + n)]
+
+
+class _Cloud:
+    """A cloud consumer polled by a thread of its own until :meth:`stop`; ``paused`` holds its polling."""
+
+    def __init__(self, db: Path, registry: KeyRegistry, topic: str, bootstrap: str, gap_wait_s: float = 120.0):
+        self.consumer = CloudConsumer(db, registry, topic=topic, bootstrap=bootstrap,
+                                      group_id=f"g-{uuid.uuid4().hex}", gap_wait_s=gap_wait_s)
+        self.paused = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if self.paused.is_set():
+                time.sleep(0.05)
+                continue
+            try:
+                self.consumer.poll_once(0.1)
+            except Exception:  # noqa: BLE001 - the broker was killed: reconnect, as CloudConsumer.run does
+                self.consumer._reset()
+                time.sleep(0.2)
+
+    def wait_stored(self, rows: int, max_s: float) -> None:
+        deadline = time.monotonic() + max_s
+        while self.consumer.stats.stored < rows and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.consumer.close()
+
+
+def _stored(db: Path) -> list[tuple[int, int]]:
+    with duckdb.connect(str(db), read_only=True) as con:
+        return con.execute("SELECT seq, i FROM ipv ORDER BY seq").fetchall()
+
+
+def _write(sink: TunnelSink, start: int, end: int, pause_s: float = 0.005) -> None:
+    for first in range(start, end, CHUNK):
+        sink.write("ipv", _rows(first, min(CHUNK, end - first)))
+        time.sleep(pause_s)
+
+
+def _wait_acked(sink: TunnelSink, rows: int, max_s: float = 60.0) -> None:
+    deadline = time.monotonic() + max_s
+    sink.flush()
+    while sink.stats.rows_acked < rows and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sink.stats.rows_acked >= rows, f"the broker acknowledged only {sink.stats.rows_acked} of {rows} rows"
+
+
+def _kill(broker: LocalBroker) -> None:
+    os.kill(broker.pid(), signal.SIGKILL)
+    while broker.listening():
+        time.sleep(0.02)
+
+
+def _audit(db: Path, acked: set[int]) -> None:
+    stored = _stored(db)
+    seqs = [seq for seq, _ in stored]
+    assert len(seqs) == len(set(seqs)), "a row was stored twice"
+    missing = acked - set(seqs)
+    assert not missing, f"{len(missing)} acknowledged rows are not in the cloud (seq {min(missing)}..{max(missing)})"
+    assert all(seq == i for seq, i in stored)  # one device writing rows i = 0.. in order: seq is i
+
+
+@pytest.mark.slow
+def test_broker_killed_three_times_and_rolled_back_once_loses_no_acknowledged_row(tmp_path):
+    """SIGKILL three times mid-run (noida-db loses its last acknowledged records), then once more with its data
+    dir rolled back to the copy taken at the second kill (every record since is gone, its offsets handed to new
+    ones): every acknowledged row is in the cloud exactly once."""
+    broker = LocalBroker(tmp_path / "broker").up()
+    registry = KeyRegistry(tmp_path / "keys.json")
+    topic, db, acked = f"receipts.{uuid.uuid4().hex[:12]}", tmp_path / "cloud.duckdb", set()
+    cloud = _Cloud(db, registry, topic, broker.bootstrap)
+    sink = TunnelSink("phone-1", registry.add("phone-1"), tmp_path / "spool", topic=topic, bootstrap=broker.bootstrap,
+                      linger_s=0.01, batch_rows=CHUNK, send_timeout_s=2.0,
+                      on_ack=lambda e: acked.update(range(e.first_seq, e.first_seq + e.n_rows)))
+    snapshot = tmp_path / "broker-at-kill-2"
+    try:
+        for n, at in enumerate((2000, 4000, 6000, 8000), start=1):
+            cloud.paused.set()  # the cloud lags: what the broker loses now it never read
+            _write(sink, at - 2000, at)
+            _wait_acked(sink, at)  # the broker acknowledged them; killed now, it loses the last of them
+            _kill(broker)
+            if n == 2:
+                shutil.copytree(broker.data_dir, snapshot)
+            if n == 4:
+                shutil.rmtree(broker.data_dir)
+                shutil.copytree(snapshot, broker.data_dir)
+            time.sleep(1.0)
+            broker.up()
+            cloud.paused.clear()
+        _write(sink, 8000, ROWS)
+        _wait_acked(sink, ROWS)
+        cloud.wait_stored(ROWS, max_s=60)
+        time.sleep(1.0)  # a repeat stored now would show in the audit
+    finally:
+        sink.close(timeout_s=5)
+        cloud.stop()
+        broker.down()
+    assert len(acked) == ROWS
+    _audit(db, acked)
+    # the faults were real: the rolled-back broker lost what it had acknowledged since the second kill
+    assert sink.stats.rows_resent >= 2000 and cloud.consumer.stats.gaps["noticed"] >= 1
+
+
+def test_a_topic_deleted_and_made_again_mid_run_loses_no_acknowledged_row(tmp_path, kafka_bootstrap):
+    """The topic is deleted while the cloud lags behind (every acknowledged batch it had not read is gone) and made
+    again: the device resends what the cloud lacks."""
+    registry = KeyRegistry(tmp_path / "keys.json")
+    topic, db, acked = f"receipts.{uuid.uuid4().hex[:12]}", tmp_path / "cloud.duckdb", set()
+    cloud = _Cloud(db, registry, topic, kafka_bootstrap)
+    sink = TunnelSink("phone-1", registry.add("phone-1"), tmp_path / "spool", topic=topic, bootstrap=kafka_bootstrap,
+                      linger_s=0.01, batch_rows=CHUNK, send_timeout_s=2.0,
+                      on_ack=lambda e: acked.update(range(e.first_seq, e.first_seq + e.n_rows)))
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, **CLIENT_TIMEOUTS)
+    try:
+        _write(sink, 0, 3000)
+        _wait_acked(sink, 3000)
+        cloud.wait_stored(3000, max_s=30)
+        cloud.paused.set()  # the cloud falls behind
+        _write(sink, 3000, 6000)
+        _wait_acked(sink, 6000)
+        admin.delete_topics([topic])
+        deadline = time.monotonic() + 10
+        while topic in admin.list_topics() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with contextlib.suppress(TopicAlreadyExistsError):  # a producer's metadata request made it first
+            admin.create_topics([NewTopic(topic, num_partitions=4, replication_factor=1)])
+        cloud.paused.clear()
+        _write(sink, 6000, ROWS)
+        _wait_acked(sink, ROWS)
+        cloud.wait_stored(ROWS, max_s=60)
+        time.sleep(1.0)
+    finally:
+        admin.close()
+        sink.close(timeout_s=5)
+        cloud.stop()
+    assert len(acked) == ROWS
+    _audit(db, acked)
+    assert sink.stats.rows_resent >= 3000  # what the deleted topic held and the cloud had not read
+
+
+def _receipt_values(bootstrap: str, topic: str) -> list[bytes]:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest",
+                             consumer_timeout_ms=2000, **CLIENT_TIMEOUTS)
+    try:
+        partitions = consumer.partitions_for_topic(topic) or set()
+        consumer.assign([TopicPartition(topic, p) for p in partitions])
+        return [m.value for m in consumer if m.key == b"phone-1"]
+    finally:
+        consumer.close()
+
+
+def test_a_gap_nobody_can_fill_is_reported_lost_and_the_receipts_keep_naming_it(tmp_path, kafka_bootstrap):
+    """The broker drops acknowledged batches before the lagging cloud read them (retention: the log's start moved
+    past them), and the device is gone with its spool: the cloud stores the rest, reports the gap lost after
+    gap_wait_s instead of waiting for ever, and its receipts say those numbers are missing (a device that still
+    held them would resend them), not stored."""
+    from connectors.tunnel.receipts import decode_receipt, receipts_topic
+
+    registry = KeyRegistry(tmp_path / "keys.json")
+    key = registry.add("phone-1")
+    topic, db = f"receipts.{uuid.uuid4().hex[:12]}", tmp_path / "cloud.duckdb"
+    cloud = _Cloud(db, registry, topic, kafka_bootstrap, gap_wait_s=2.0)
+    sink = TunnelSink("phone-1", key, tmp_path / "spool", topic=topic, bootstrap=kafka_bootstrap, linger_s=0.01,
+                      batch_rows=100, send_timeout_s=2.0)
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, **CLIENT_TIMEOUTS)
+    try:
+        _write(sink, 0, 300)
+        _wait_acked(sink, 300)
+        cloud.wait_stored(300, max_s=30)
+        cloud.paused.set()
+        _write(sink, 300, 600)
+        _wait_acked(sink, 600)
+        ends = _end_offsets(kafka_bootstrap, topic)
+        admin.delete_records(ends)  # 300..599 (and the stored 0..299) gone from the broker
+        _write(sink, 600, 900)
+        _wait_acked(sink, 900)
+    finally:
+        admin.close()
+        sink.close(timeout_s=5)
+    for leftover in tmp_path.glob("spool*"):  # the device is gone with its spool: nobody holds 300..599
+        leftover.unlink()
+    cloud.paused.clear()
+    started = time.monotonic()
+    try:
+        cloud.wait_stored(600, max_s=30)
+        while not cloud.consumer.stats.gaps["lost"] and time.monotonic() - started < 30:
+            time.sleep(0.1)
+        reported_s = time.monotonic() - started
+        time.sleep(0.5)  # the receipt after the loss
+    finally:
+        cloud.stop()
+    assert cloud.consumer.stats.gaps["lost"] == 1 and cloud.consumer.stats.rows_lost == 300, "the gap was not reported"
+    assert reported_s < 15
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("SELECT from_seq, to_seq, outcome, missing_rows FROM tunnel.gaps").fetchall() == [
+            (300, 600, "lost", 300)]
+    assert [seq for seq, _ in _stored(db)] == [*range(300), *range(600, 900)]
+    receipts = [decode_receipt(v, "phone-1", key) for v in _receipt_values(kafka_bootstrap, receipts_topic(topic))]
+    newest = receipts[-1]
+    assert (newest.stored_mark, newest.seen_end, newest.holes) == (300, 900, ((300, 600),))
+
+
+def _end_offsets(bootstrap: str, topic: str) -> dict[TopicPartition, int]:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, **CLIENT_TIMEOUTS)
+    try:
+        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        return {tp: end for tp, end in consumer.end_offsets(partitions).items() if end}
+    finally:
+        consumer.close()
