@@ -3,6 +3,7 @@ stored as sent), against the real cloud store (DuckDB) and, where the consumer i
 
 from __future__ import annotations
 
+import stat
 import time
 import uuid
 
@@ -263,3 +264,27 @@ def test_the_consumer_refuses_by_row_what_a_device_sent_in_the_wrong_type(tmp_pa
     assert (consumer.stats.stored, dict(consumer.stats.dead)) == (1, {"bad_value": 2})
     with duckdb.connect(str(tmp_path / "cloud.duckdb"), read_only=True) as con:
         assert con.execute("SELECT seq, rid FROM ipv").fetchall() == [(0, 1)]
+
+
+def test_the_key_registry_never_leaks_through_a_planted_temporary_file(tmp_path):
+    """Issue 26 item 10: keys.json was written through a fixed keys.json.tmp, opened without O_EXCL/O_NOFOLLOW: a
+    leftover 0644 .tmp left keys.json at 0644, a symlinked .tmp sent the keys to its target."""
+    path = tmp_path / "registry" / "keys.json"
+    path.parent.mkdir()
+    planted = path.with_name("keys.json.tmp")
+    planted.write_text("{}")
+    planted.chmod(0o644)  # a leftover anyone on the host may read
+    key = KeyRegistry(path).add("phone-1")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    planted.unlink()
+    stolen = tmp_path / "elsewhere" / "stolen.json"
+    stolen.parent.mkdir()
+    planted.symlink_to(stolen)  # a symlink another local user planted
+    KeyRegistry(path).add("phone-2")
+    assert not stolen.exists(), "the keys were written to the symlink's target"
+    assert not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert KeyRegistry(path).key_for("phone-1") == key and KeyRegistry(path).key_for("phone-2") is not None
+    assert key.hex() not in "".join(p.read_text() for p in tmp_path.rglob("*") if p.is_file() and p != path)
+    fresh = tmp_path / "new" / "keys.json"
+    KeyRegistry(fresh).add("phone-1")
+    assert stat.S_IMODE(fresh.parent.stat().st_mode) == 0o700  # a directory made for it is this user's only

@@ -1,6 +1,7 @@
 """Per-device signing keys: a registry file the cloud side reads and each device reads its own entry of.
 
-The registry is a JSON file ``{"devices": {"<device id>": "<hex key>"}}`` written with mode 0600;
+The registry is a JSON file ``{"devices": {"<device id>": "<hex key>"}}`` written with mode 0600 through a fresh
+temporary file (:mod:`connectors.private`, in a directory of mode 0700 when it makes one);
 keys are 32 random bytes (HMAC-SHA256). A device needs only its own key; in production the cloud's
 registry would hold all of them and each device would be provisioned with one (``export``).
 
@@ -39,6 +40,8 @@ import secrets
 import time
 from collections.abc import Mapping
 from pathlib import Path
+
+from connectors.private import private_dir, write_private
 
 #: How often at most an unknown device makes the registry look at its file again.
 RELOAD_EVERY_S = 1.0
@@ -172,9 +175,9 @@ class KeyRegistry:
         return True
 
     def _save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            json.dump({"devices": {d: k.hex() for d, k in sorted(self._keys.items())}}, out, indent=1)
-        os.replace(tmp, self.path)
+        """Write the file through a fresh temporary of mode 0600 (never a fixed name another local user could
+        plant a 0644 file or a symlink at), renamed into place; a directory made for it is 0700."""
+        if not self.path.parent.exists():  # an existing directory (a project's, say) keeps its mode
+            private_dir(self.path.parent)
+        body = json.dumps({"devices": {d: k.hex() for d, k in sorted(self._keys.items())}}, indent=1)
+        write_private(self.path, body.encode())

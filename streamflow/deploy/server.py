@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from connectors.private import create_private, private_dir, read_private, tighten
 from streamflow.deploy.device_auth import WINDOW_S, verify_request
 from streamflow.deploy.manifest import check_task_name
 from streamflow.deploy.policy import (
@@ -68,7 +69,6 @@ from streamflow.deploy.policy import (
     check_version,
     parse_pairs,
 )
-from streamflow.deploy.private import create_private, private_dir, read_private, tighten
 from streamflow.deploy.release import PublishedBundle, ReleaseError, ReleaseManager, ReleasePlan, Simulator
 from streamflow.deploy.state import ReleaseStore
 

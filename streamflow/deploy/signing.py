@@ -26,7 +26,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from streamflow.deploy.private import create_private
+from connectors.private import create_private
 from streamflow.prerequisites import MissingExtra
 
 try:

@@ -7,7 +7,7 @@ stable version), ``releases`` (plan, stage, gray fraction, outcome, simulation r
 ``devices`` (the last versions each device reported), ``offers`` (the devices each release was offered to,
 its only samples). File contents live in ``files/<sha256>``, written
 once, atomically (a fresh temporary name, then rename). The directory, ``files/`` and the database are
-this user's only (0700, 0600: :mod:`streamflow.deploy.private`): exclusive files are served per device.
+this user's only (0700, 0600: :mod:`connectors.private`): exclusive files are served per device.
 
 SQLite rather than DuckDB: the writes are many small ones (a report, a transition), which is what
 SQLite is for; the status page's few aggregates are cheap on either.
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from streamflow.deploy.private import create_private, private_dir, tighten, write_private
+from connectors.private import create_private, private_dir, tighten, write_private
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS bundles (task TEXT, version TEXT, digest TEXT UNIQUE, key_id TEXT, previous TEXT,

@@ -31,11 +31,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from connectors.private import private_dir, write_private
 from streamflow.deploy.bundle import install_bundle, load_installed
 from streamflow.deploy.errors import DigestMismatch
 from streamflow.deploy.layout import MANIFEST
 from streamflow.deploy.manifest import FileEntry, Limits, Manifest, check_task_name, version_key
-from streamflow.deploy.private import private_dir, write_private
 from streamflow.deploy.signing import TrustedKeys
 
 log = logging.getLogger("streamflow.deploy")

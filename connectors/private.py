@@ -1,4 +1,6 @@
-"""Files only this user may read: keys, tokens, state. One place for how they are created.
+"""Files only this user may read: keys, tokens, state. One place for how they are created, for the tunnel's key
+registry (:mod:`connectors.tunnel.keys`) and the release server's state and keys (``streamflow.deploy``): here, in
+``connectors``, because the connectors may not import ``streamflow`` and both may import this.
 
 - a directory is created (or tightened) to mode 0700; a symlink in its place is refused;
 - a file is written under a fresh :func:`tempfile.mkstemp` name (``O_EXCL``, mode 0600: no fixed
