@@ -185,13 +185,13 @@ def test_a_topic_deleted_and_made_again_mid_run_loses_no_acknowledged_row(tmp_pa
     assert sink.stats.rows_resent >= 3000  # what the deleted topic held and the cloud had not read
 
 
-def _receipt_values(bootstrap: str, topic: str) -> list[bytes]:
+def _receipt_values(bootstrap: str, topic: str, devices: tuple[str, ...] = ("phone-1",)) -> list[bytes]:
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest",
                              consumer_timeout_ms=2000, **CLIENT_TIMEOUTS)
     try:
         partitions = consumer.partitions_for_topic(topic) or set()
         consumer.assign([TopicPartition(topic, p) for p in partitions])
-        return [m.value for m in consumer if m.key == b"phone-1"]
+        return [m.value for m in consumer if m.key.decode() in devices]
     finally:
         consumer.close()
 
@@ -254,3 +254,29 @@ def _end_offsets(bootstrap: str, topic: str) -> dict[TopicPartition, int]:
         return {tp: end for tp, end in consumer.end_offsets(partitions).items() if end}
     finally:
         consumer.close()
+
+
+def test_a_reader_that_runs_and_ends_publishes_every_devices_receipt_with_its_holes(tmp_path, kafka_bootstrap):
+    """What the Flink reader does when its job ended (``publish_receipts``): a receipt per device the store holds,
+    signed with that device's key, naming what it lacks."""
+    import pyarrow as pa
+
+    from connectors.tunnel.cloud import CloudStore, publish_receipts
+    from connectors.tunnel.envelope import Batch
+    from connectors.tunnel.receipts import decode_receipt, receipts_topic
+
+    registry = KeyRegistry(tmp_path / "keys.json")
+    keys = {d: registry.add(d) for d in ("phone-1", "phone-2")}
+    topic = f"receipts.{uuid.uuid4().hex[:12]}"
+    rows = pa.table({"user_id": ["u1", "u2"], "i": [1, 2]})
+    with CloudStore(tmp_path / "cloud.duckdb") as store:
+        store.apply([Batch("phone-1", "ipv", 0, rows), Batch("phone-1", "ipv", 4, rows),
+                     Batch("phone-2", "ipv", 0, rows)])
+    with CloudStore(tmp_path / "cloud.duckdb") as store:  # a new process: the ledger comes from the tables
+        assert publish_receipts(store, topic, registry, kafka_bootstrap) == 2
+    published = {}
+    for value in _receipt_values(kafka_bootstrap, receipts_topic(topic), devices=tuple(keys)):
+        for device, key in keys.items():
+            published[device] = decode_receipt(value, device, key) or published.get(device)
+    assert {d: (r.stored_mark, r.seen_end, r.holes) for d, r in published.items()} == {
+        "phone-1": (2, 6, ((2, 4),)), "phone-2": (2, 2, ())}

@@ -861,6 +861,19 @@ def open_message(topic: str, partition: int, offset: int, value: bytes | None, k
     return batch if problem is None else _dead_letter(batch, "bad_schema", problem)
 
 
+def publish_receipts(store: CloudStore, topic: str, keys: KeyRegistry, bootstrap: str | None = None) -> int:
+    """Publish the receipt of every device ``store`` holds batches of to ``<topic>.receipts`` (what a reader that
+    runs and ends, the Flink job, does when it ended); how many were published."""
+    publisher = ReceiptPublisher(bootstrap_servers(bootstrap), topic, keys)
+    try:
+        publisher.note(store.devices())
+        published = publisher.publish_due(store.receipt, force=True)
+        publisher.flush()
+    finally:
+        publisher.close()
+    return published
+
+
 class CloudConsumer:
     """A consumer storing the tunnel's features in a :class:`CloudStore` (see the module docstring).
 

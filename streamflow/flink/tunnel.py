@@ -21,6 +21,11 @@ stored in ``db_path`` end (``tunnel.offsets``, written in the same transaction a
 consumer does), or at the earliest offset: running it again reads only what arrived since, and a batch a
 device sent twice is stored once (de-duplication by (device, seq) covers what offsets cannot).
 
+Receipts (:mod:`connectors.tunnel.receipts`): when the job has ended, the driver publishes a receipt for every
+device the store holds (what it has, the holes it lacks), as the Kafka consumer does after each poll, so devices
+trim their spools and resend what is missing; the next run stores the resends. Between runs a device hears
+nothing and probes now and then (a resend its receipt timeout paces, dropped as a repeat by the next run).
+
 Example (starts a JVM, so not run as a doctest)::
 
     summary = run_flink_features("streamflow.features", "out/cloud.duckdb", ".streamflow/keys.json")
@@ -43,7 +48,7 @@ from pyflink.datastream.connectors.base import Sink
 from pyflink.datastream.functions import FlatMapFunction, ProcessFunction, RuntimeContext
 from pyflink.java_gateway import get_gateway
 
-from connectors.tunnel.cloud import CloudStats, CloudStore, DeadLetter, open_message
+from connectors.tunnel.cloud import CloudStats, CloudStore, DeadLetter, open_message, publish_receipts
 from connectors.tunnel.envelope import Batch
 from connectors.tunnel.kafka import bootstrap_servers
 from connectors.tunnel.keys import KeyRegistry, resolve_registry_path
@@ -155,7 +160,7 @@ def run_flink_features(topic: str, db_path: str | os.PathLike[str],
                        group_id: str = "streamflow-flink-features", *, cluster: str | None = None,
                        parallelism: int = 1, online_key: Sequence[str] = ("user_id",),
                        group_size: int = DEFAULT_GROUP_SIZE,
-                       schemas: dict[str, dict[str, str]] | None = None) -> FeaturesSummary:
+                       schemas: dict[str, dict[str, str]] | None = None, receipts: bool = True) -> FeaturesSummary:
     """Consume ``topic`` on Flink into the DuckDB ``db_path``: from where the rows stored there end (else the
     earliest offset) to the latest offsets at job start. The tunnel's topic is
     ``connectors.tunnel.kafka.DEFAULT_TOPIC``.
@@ -165,7 +170,8 @@ def run_flink_features(topic: str, db_path: str | os.PathLike[str],
     ``127.0.0.1:9092``; ``cluster``: ``HOST:PORT`` of a JobManager (default: a local MiniCluster);
     ``parallelism``: readers and decoders (the writer is always one). Rows go to ``<table>`` and
     ``<table>_online`` (keyed by device and ``online_key``), refused messages to ``tunnel.dead_letter``;
-    ``schemas``: declared tables, columns and types (see :class:`~connectors.tunnel.cloud.CloudStore`).
+    ``schemas``: declared tables, columns and types (see :class:`~connectors.tunnel.cloud.CloudStore`);
+    ``receipts``: publish every device's receipt to ``<topic>.receipts`` once the job ended (see the module docstring).
     """
     started = time.perf_counter()
     db = Path(db_path).resolve()
@@ -188,7 +194,12 @@ def run_flink_features(topic: str, db_path: str | os.PathLike[str],
      .set_parallelism(1)
      .sink_to(Sink(get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink())))
     env.execute(f"streamflow tunnel {topic}")
+    if receipts:
+        with CloudStore(db, online_key=online_key, schemas=schemas) as store:
+            published = publish_receipts(store, topic, KeyRegistry(registry), bootstrap_servers(bootstrap))
+        log.info("flink tunnel: the receipts of %d devices published", published)
     counts = json.loads(report.read_text(encoding="utf-8"))
     return FeaturesSummary(db_path=str(db), topic=topic, messages=counts["messages"], stored=counts["stored"],
                            duplicates=counts["duplicates"], dead_reasons=counts["dead_reasons"],
                            elapsed_s=time.perf_counter() - started)
+
