@@ -78,6 +78,20 @@ Measured side by side in one run:
   kept one: ``dictionary_used``, ``dictionary_gain_one_row``), as one record batch each; beside it the same
   rows in format 1.
 
+- **End-to-end acknowledgement** (``e2e_lost_rows_broker_kill``, ``gap_recovery_s``; only with our own noida-db,
+  which this phase kills): a device (receipts on, the default) writes ``KILL_ROWS`` rows, 50 a write, paced over
+  ~8 s, to a broker of its own, SIGKILLed three times mid-run and restarted after ``KILL_DOWN_S`` (noida-db loses
+  the records it acknowledged since it last wrote its state, ~1 s, and hands their offsets to new ones); a cloud
+  consumer process (``CloudConsumer.run``, receipts on, ``gap_wait_s`` long enough never to give up) stores them.
+  ``e2e_lost_rows_broker_kill``: rows the broker acknowledged to the application (``on_ack``) missing from the
+  cloud once the device's spool is empty (every batch covered by a receipt) or ``WAIT_S`` passed.
+  ``gap_recovery_s``: per kill, from the broker's restart to the moment the cloud stored the last missing row (the
+  ``closed_at`` of the gaps it noticed after that restart, in ``tunnel.gaps``: filled by the device's resends; 0
+  when the kill cost no record), the largest over the kills (None if a gap never filled). ``e2e_rows_resent`` and
+  ``e2e_gaps_noticed`` say whether the kills cost records this time (it is a race); the full run repeats the
+  phase with receipts off (``e2e_lost_rows_broker_kill_receipts_off``: Kafka's guarantee alone, as before
+  issue 25).
+
 Timings are reported, never asserted; ``loadavg_1m_start_end`` says how busy the (shared) machine
 was. ``--quick`` (under 60 s): 3 latency rounds of 2.5 s per size, 10,000-row tunnel and 1,000-row
 naive throughput rounds, and the naive bytes rebuilt instead of sent (the full run sends them and
@@ -122,6 +136,10 @@ LATENCY_SECONDS = {False: 10.0, True: 2.5}  # per round and size
 WARMUP_ROWS = 30
 THROUGHPUT_ROWS = {False: 50_000, True: 10_000}
 NAIVE_ROWS = {False: 3_000, True: 1_000}
+KILL_ROWS = 10_000
+KILL_CHUNK = 50
+KILL_AT = (50, 110, 170)  # the write (of KILL_ROWS / KILL_CHUNK) after which the broker is SIGKILLed
+KILL_DOWN_S = 3.0  # as in issue 25's measurement
 SINGLE_ROW_SAMPLE = 1_000  # rows put each in an envelope of its own: the run's last ones, after the dictionary window
 WAIT_S = 120.0
 CODECS = {"none": 0, "gzip": 1, "lz4": 3, "zstd": 4}  # Kafka record-batch compression attribute
@@ -162,7 +180,7 @@ def _tunnel_cloud(db: str, registry: str, bootstrap: str, topic: str, group: str
         called = time.time()
         result = apply(batches, dead, *args)
         committed = time.time()
-        if batches:
+        if result.stored:  # a transaction of repeats only (resends) stamps no tunnel.batches row
             committed_at.append(committed)
             called_at.append(called)
         if result.stored:
@@ -172,10 +190,15 @@ def _tunnel_cloud(db: str, registry: str, bootstrap: str, topic: str, group: str
 
     store.apply = timed_apply  # type: ignore[method-assign]
     gc_pauses = GcPauses()
+    idle = True
     try:
         while not stop.is_set():
             if active.wait(0.2):
                 consumer.poll_once()
+                idle = False
+            elif not idle:  # the receipts of the last rows, before the devices' receipt timeout resends them
+                consumer.publish_receipts()
+                idle = True
         stats = consumer.stats
         # Every transaction with batches writes tunnel.batches rows stamped with its own ingested_at, and
         # transactions run one after the other: the i-th distinct ingested_at is the i-th commit.
@@ -291,6 +314,83 @@ class Cloud:
             log(f"cloud {self.mode} process did not stop; terminating it")
             self.process.terminate()
             self.process.join(timeout=5)
+
+
+# -- end-to-end acknowledgement: the broker killed mid-run ------------------------------------------------------
+def kill_cloud_process(db: str, registry: str, bootstrap: str, topic: str, receipts: bool, stop: Any) -> None:
+    """A cloud consumer riding out broker kills (``CloudConsumer.run`` retries), until ``stop`` is set."""
+    import threading
+
+    from connectors.tunnel.cloud import CloudConsumer
+
+    logging.basicConfig(level=logging.ERROR, format="kill-cloud %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    consumer = CloudConsumer(db, KeyRegistry(registry), topic=topic, bootstrap=bootstrap,
+                             group_id=f"bench-kill-{uuid.uuid4().hex[:8]}", gap_wait_s=3600, receipts=receipts)
+    threading.Thread(target=lambda: (stop.wait(), consumer.stop()), daemon=True).start()
+    try:
+        consumer.run(retry_for_s=None)
+    finally:
+        consumer.close()
+
+
+def measure_broker_kills(tmp: Path, registry: KeyRegistry, receipts: bool) -> dict[str, Any]:
+    """KILL_ROWS rows through a tunnel whose broker is SIGKILLed three times mid-run (see the module docstring)."""
+    import signal
+
+    from tests.kafka_broker import LocalBroker
+
+    name = f"kill-{'on' if receipts else 'off'}"
+    broker = LocalBroker(tmp / f"{name}_broker").up()
+    key = registry.add(f"bench-{name}")
+    topic, db = f"bench.{name}.{uuid.uuid4().hex[:8]}", tmp / f"{name}.duckdb"
+    ensure_topic(broker.bootstrap, topic)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    cloud = ctx.Process(target=kill_cloud_process, name=f"cloud-{name}", daemon=True,
+                        args=(str(db), str(registry.path), broker.bootstrap, topic, receipts, stop))
+    cloud.start()
+    acked: set[int] = set()
+    kills: list[tuple[float, float]] = []  # (killed, restarted), epoch seconds
+    sink = TunnelSink(f"bench-{name}", key, tmp / f"{name}.spool", topic=topic, bootstrap=broker.bootstrap,
+                      linger_s=0.01, batch_rows=KILL_CHUNK, send_timeout_s=2.0, receipts=receipts,
+                      on_ack=lambda e: acked.update(range(e.first_seq, e.first_seq + e.n_rows)))
+    try:
+        period = 8.0 * KILL_CHUNK / KILL_ROWS
+        for n, first in enumerate(range(0, KILL_ROWS, KILL_CHUNK)):
+            sink.write("kill", [{"user_id": f"u{i % 64}", "i": i} for i in range(first, first + KILL_CHUNK)])
+            time.sleep(period)
+            if n in KILL_AT:
+                killed = time.time()
+                os.kill(broker.pid(), signal.SIGKILL)
+                while broker.listening():
+                    time.sleep(0.01)
+                time.sleep(KILL_DOWN_S)
+                broker.up()
+                kills.append((killed, time.time()))
+        delivered = sink.wait_receipted(WAIT_S) if receipts else sink.wait_delivered(WAIT_S)
+        if not receipts:  # no receipt says when the cloud is done (its DuckDB file is its process's alone): wait
+            time.sleep(10.0)
+        stats = sink.stats
+    finally:
+        sink.close(timeout_s=5)
+        stop.set()
+        cloud.join(timeout=30)
+        if cloud.is_alive():
+            cloud.terminate()
+        broker.down(timeout_s=120)
+    with duckdb.connect(str(db), read_only=True) as con:
+        stored = dict(con.execute("SELECT seq, ingested_at FROM kill").fetchall())
+        repeats = con.execute("SELECT count(*) - count(DISTINCT seq) FROM kill").fetchone()[0]
+        gaps = [(noticed.replace(tzinfo=UTC).timestamp(), closed and closed.replace(tzinfo=UTC).timestamp())
+                for noticed, closed in con.execute("SELECT noticed_at, closed_at FROM tunnel.gaps").fetchall()]
+    recovery: list[float | None] = []
+    for k, (_, restarted) in enumerate(kills):
+        until = kills[k + 1][0] if k + 1 < len(kills) else float("inf")
+        closed = [c for noticed, c in gaps if restarted - 1.0 <= noticed < until]
+        recovery.append(None if None in closed else round(max(closed) - restarted, 2) if closed else 0.0)
+    return {"lost": len(acked - stored.keys()), "acked": len(acked), "stored_twice": repeats, "delivered": delivered,
+            "recovery_s": recovery, "resent": stats.rows_resent, "gaps": len(gaps), "kills": len(kills)}
 
 
 # -- bytes on the wire --------------------------------------------------------------------------------
@@ -474,7 +574,10 @@ RowTimes = tuple[int, float, float, float, float, float, float, float]
 def row_times(db: Path, table: str, commits: dict[datetime, tuple[float, float]],
               acks: list[tuple[int, int, float, float]], sent: dict[int, float]) -> list[RowTimes]:
     """Per stored row, its :data:`RowTimes` (epoch seconds)."""
-    batch_of = {seq: (first, sealed, acked) for first, n, sealed, acked in acks for seq in range(first, first + n)}
+    batch_of: dict[int, tuple[int, float, float]] = {}
+    for first, n, sealed, acked in acks:  # a batch resent (a receipt came late) is acked again: the first ack counts
+        for seq in range(first, first + n):
+            batch_of.setdefault(seq, (first, sealed, acked))
     with duckdb.connect(str(db), read_only=True) as con:
         rows = con.execute(f'SELECT seq, rnd, produced_at, ingested_at FROM "{table}"').fetchall()
     out = []
@@ -554,6 +657,16 @@ def main(argv: list[str] | None = None) -> None:
             f"saved {b['bytes_saved_fraction']:.1%}")
         with duckdb.connect(str(tmp / "bytes_device.duckdb"), read_only=True) as con:
             ipv_rows = con.sql("SELECT * FROM ipv").to_arrow_table().to_pylist()
+
+        # the broker killed mid-run (our own noida-db only: an external broker is not ours to kill)
+        kill_metrics: dict[str, Any] = {}
+        if bytes_broker_dir is not None:
+            log(f"end-to-end acknowledgement: {KILL_ROWS:,} rows, the broker SIGKILLed {len(KILL_AT)} times")
+            kill_metrics["on"] = measure_broker_kills(tmp, registry, receipts=True)
+            log(f"  receipts on: {kill_metrics['on']}")
+            if not quick:
+                kill_metrics["off"] = measure_broker_kills(tmp, registry, receipts=False)
+                log(f"  receipts off: {kill_metrics['off']}")
 
         # sinks and warm-up
         acks: dict[str, list[tuple[int, int, float, float]]] = {kind: [] for kind in DIMS}
@@ -654,7 +767,14 @@ def main(argv: list[str] | None = None) -> None:
     metrics["bytes_saved_fraction_vs_app_events_json"] = byte_metrics.pop("bytes_saved_fraction_vs_app_events_json")
     metrics["rows_per_s"] = round(median(rates))
     metrics["bytes_saved_fraction"] = byte_metrics.pop("bytes_saved_fraction")
+    on = kill_metrics.get("on")
+    metrics["e2e_lost_rows_broker_kill"] = on["lost"] if on else None
+    recoveries = on["recovery_s"] if on else [None]
+    metrics["gap_recovery_s"] = None if None in recoveries else max(recoveries)
     metrics["target_p99_3kb_50ms_met"] = metrics["p99_ms_3kb"] <= 50.0
+    metrics["target_e2e_lost_rows_0_met"] = on["lost"] == 0 if on else None
+    recovered = metrics["gap_recovery_s"]
+    metrics["target_gap_recovery_5s_met"] = None if recovered is None else recovered <= 5.0
     metrics["target_one_row_150_bytes_met"] = metrics["one_row_per_envelope_wire_bytes_per_row"] <= 150.0
     metrics["target_app_events_json_95_met"] = metrics["bytes_saved_fraction_vs_app_events_json"] >= 0.95
     metrics["target_bytes_saved_95_met"] = metrics["bytes_saved_fraction"] >= 0.95
@@ -682,6 +802,13 @@ def main(argv: list[str] | None = None) -> None:
         metrics[f"rows_per_batch_{kind}"] = round(len(total) / max(1, len({r[2] for r in rows_})), 2)
         metrics[f"paced_rows_per_s_{kind}"] = round(median(achieved[kind]), 1)
     metrics.update({
+        "e2e_gap_recovery_s_per_kill": on["recovery_s"] if on else None,
+        "e2e_rows_acked": on["acked"] if on else None,
+        "e2e_rows_stored_twice": on["stored_twice"] if on else None,
+        "e2e_rows_resent": on["resent"] if on else None,
+        "e2e_gaps_noticed": on["gaps"] if on else None,
+        "e2e_lost_rows_broker_kill_receipts_off": kill_metrics["off"]["lost"] if "off" in kill_metrics else None,
+        "receipts": True,
         "payload_bytes": {kind: dims * 4 for kind, dims in DIMS.items()},
         "device_acked_rows_per_s": round(median(acked_rates)),
         "naive_json_rows_per_s": round(median(naive_rates)),

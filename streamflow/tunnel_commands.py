@@ -97,6 +97,12 @@ def close_tunnel(tunnel: Any, wait_s: float) -> str:
         line += f"; {s.rows_refused} rows REFUSED (in dead_letter)"
     if not delivered:
         line += f"; {tunnel.spool.rows_pending} rows NOT YET ACKNOWLEDGED, kept in {tunnel.spool.path}"
+    if s.rows_resent:
+        line += f"; {s.rows_resent} rows sent again (the cloud's receipts showed them missing)"
+    unconfirmed = tunnel.spool.rows_held - tunnel.spool.rows_pending
+    if unconfirmed:
+        line += (f"; {unconfirmed} rows await the cloud's receipt, kept in {tunnel.spool.path} (the next run resends "
+                 "what the cloud lacks)")
     return line
 
 

@@ -1008,6 +1008,10 @@ class CloudConsumer:
         if self.receipts is not None:
             self.receipts.publish_due(self.store.receipt, force)
 
+    def publish_receipts(self) -> None:
+        """Publish now the receipts waiting for their rate limit (a consumer about to stop polling for a while)."""
+        self._publish_receipts(force=True)
+
     def _open(self, records: dict[Any, list[Any]]) -> tuple[list[Batch], list[DeadLetter], dict[tuple[str, int], int],
                                                             int]:
         """Open the polled ``records`` until their rows or decoded bytes pass the poll's budget; the consumer is
