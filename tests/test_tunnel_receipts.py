@@ -47,6 +47,7 @@ class _Cloud:
         self.consumer = CloudConsumer(db, registry, topic=topic, bootstrap=bootstrap,
                                       group_id=f"g-{uuid.uuid4().hex}", gap_wait_s=gap_wait_s)
         self.paused = threading.Event()
+        self._idle = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -54,13 +55,20 @@ class _Cloud:
     def _loop(self) -> None:
         while not self._stop.is_set():
             if self.paused.is_set():
+                self._idle.set()
                 time.sleep(0.05)
                 continue
+            self._idle.clear()
             try:
                 self.consumer.poll_once(0.1)
             except Exception:  # noqa: BLE001 - the broker was killed: reconnect, as CloudConsumer.run does
                 self.consumer._reset()
                 time.sleep(0.2)
+
+    def pause(self) -> None:
+        """Stop polling (returns once the poll under way, if any, is done)."""
+        self.paused.set()
+        self._idle.wait(30)
 
     def wait_stored(self, rows: int, max_s: float) -> None:
         deadline = time.monotonic() + max_s
@@ -122,7 +130,7 @@ def test_broker_killed_three_times_and_rolled_back_once_loses_no_acknowledged_ro
     snapshot = tmp_path / "broker-at-kill-2"
     try:
         for n, at in enumerate((2000, 4000, 6000, 8000), start=1):
-            cloud.paused.set()  # the cloud lags: what the broker loses now it never read
+            cloud.pause()  # the cloud lags: what the broker loses now it never read
             _write(sink, at - 2000, at)
             _wait_acked(sink, at)  # the broker acknowledged them; killed now, it loses the last of them
             _kill(broker)
@@ -162,7 +170,7 @@ def test_a_topic_deleted_and_made_again_mid_run_loses_no_acknowledged_row(tmp_pa
         _write(sink, 0, 3000)
         _wait_acked(sink, 3000)
         cloud.wait_stored(3000, max_s=30)
-        cloud.paused.set()  # the cloud falls behind
+        cloud.pause()  # the cloud falls behind
         _write(sink, 3000, 6000)
         _wait_acked(sink, 6000)
         admin.delete_topics([topic])
@@ -214,7 +222,7 @@ def test_a_gap_nobody_can_fill_is_reported_lost_and_the_receipts_keep_naming_it(
         _write(sink, 0, 300)
         _wait_acked(sink, 300)
         cloud.wait_stored(300, max_s=30)
-        cloud.paused.set()
+        cloud.pause()
         _write(sink, 300, 600)
         _wait_acked(sink, 600)
         ends = _end_offsets(kafka_bootstrap, topic)
@@ -280,3 +288,53 @@ def test_a_reader_that_runs_and_ends_publishes_every_devices_receipt_with_its_ho
             published[device] = decode_receipt(value, device, key) or published.get(device)
     assert {d: (r.stored_mark, r.seen_end, r.holes) for d, r in published.items()} == {
         "phone-1": (2, 6, ((2, 4),)), "phone-2": (2, 2, ())}
+
+
+def test_a_batch_lost_at_the_end_is_resent_after_the_receipt_timeout(tmp_path, kafka_bootstrap, caplog):
+    """The broker drops the last acknowledged batches before the cloud read them and nothing follows them, so no
+    receipt shows a hole: the device probes after its receipt timeout (the newest batch again), the cloud then sees
+    the hole and the device fills it."""
+    registry = KeyRegistry(tmp_path / "keys.json")
+    topic, db = f"receipts.{uuid.uuid4().hex[:12]}", tmp_path / "cloud.duckdb"
+    cloud = _Cloud(db, registry, topic, kafka_bootstrap)
+    sink = TunnelSink("phone-1", registry.add("phone-1"), tmp_path / "spool", topic=topic, bootstrap=kafka_bootstrap,
+                      linger_s=0.01, batch_rows=100, send_timeout_s=2.0, receipt_timeout_s=1.0)
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, **CLIENT_TIMEOUTS)
+    try:
+        _write(sink, 0, 300)
+        _wait_acked(sink, 300)
+        cloud.wait_stored(300, max_s=30)
+        assert sink.wait_receipted(10), "the cloud's receipt never covered what it stored"
+        cloud.pause()
+        _write(sink, 300, 600)
+        _wait_acked(sink, 600)
+        admin.delete_records(_end_offsets(kafka_bootstrap, topic))  # 300..599 gone before the cloud read them
+        cloud.paused.clear()
+        started = time.monotonic()
+        assert sink.wait_receipted(30), f"{sink.spool.rows_held} rows never confirmed"
+        took = time.monotonic() - started
+    finally:
+        admin.close()
+        sink.close(timeout_s=5)
+        cloud.stop()
+    assert [seq for seq, _ in _stored(db)] == list(range(600))
+    assert sink.stats.rows_resent >= 300 and took < 15
+    assert "no receipt for them within 1 s" in caplog.text  # the probe, then the hole it showed
+
+
+def test_at_its_bound_the_spool_evicts_acknowledged_unconfirmed_batches_oldest_first(tmp_path, caplog):
+    from connectors.tunnel.spool import Spool, SpoolFull
+
+    spool = Spool(tmp_path / "spool", max_bytes=100, keep_acked=True)
+    for _ in range(4):
+        spool.seal("ipv", 5, lambda first_seq: b"x" * 25)
+    spool.ack(0)
+    spool.ack(5)
+    with caplog.at_level("WARNING", logger="streamflow.tunnel"):
+        assert spool.seal("ipv", 5, lambda first_seq: b"y" * 30) == 20  # 30 bytes: two acknowledged batches go
+    assert [e.first_seq for e in spool.oldest(10)] == [10, 15, 20] and spool.acked() == []
+    assert (spool.rows_evicted, spool.batches_evicted, spool.bytes_held) == (10, 2, 80)
+    assert "evicted 10 rows (seq 0..9" in caplog.text
+    with pytest.raises(SpoolFull):  # nothing the broker has not acknowledged is ever dropped
+        spool.seal("ipv", 5, lambda first_seq: b"z" * 25)
+    spool.close()
