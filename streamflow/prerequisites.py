@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -43,6 +44,8 @@ class MissingExtra(MissingPrerequisite, ImportError):
 def require_extra(extra: str, *modules: str, what: str) -> None:
     """Raise :class:`MissingExtra` if any of ``modules`` (default: :data:`EXTRA_MODULES` of ``extra``) is absent."""
     for name in modules or EXTRA_MODULES[extra]:
+        if sys.modules.get(name) is not None:
+            continue  # imported already (faust's lazy module then has no __spec__, which find_spec refuses)
         try:
             found = importlib.util.find_spec(name) is not None
         except (ImportError, ValueError):  # a parent package missing, or the module blocked (sys.modules[name] None)
