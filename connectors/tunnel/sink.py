@@ -20,9 +20,10 @@ Guarantees:
   the broker acknowledged it (``acks=all``) and, with ``receipts`` (the default), the cloud said it stored it: a
   receipt thread reads the cloud's signed receipts for this device (``<topic>.receipts``, :mod:`.receipts`),
   forgets what they cover, resends at once what they show missing (a broker that lost acknowledged records, a
-  topic deleted and made again), and resends what no receipt reached after ``receipt_timeout_s`` (the newest
-  such batch as a probe: stored past what is missing it makes a receipt show the rest missing; dropped as a
-  repeat it makes the cloud publish its receipt again), the wait doubling per batch up to 60 s. Timeouts start
+  topic deleted and made again), and, when batches acknowledged more than ``receipt_timeout_s`` ago are not
+  covered, sends the newest of them again as a probe (stored past what is missing it makes a receipt show the
+  rest missing; dropped as a repeat it makes the cloud publish its receipt again), one probe per wait, the wait
+  doubling up to 60 s while no receipt brings progress. Timeouts start
   once a receipt was seen (kept in the spool): against a cloud that publishes none, acknowledged batches stay
   until the spool bound evicts them. While the broker is unreachable, batches pile up in the
   spool and are resent in order when it answers again; a restarted device resends what its spool
@@ -158,6 +159,8 @@ class TunnelSink:
         self._resends: dict[int, int] = {}  # first_seq → times sent again
         self._resend_after: dict[int, float] = {}  # first_seq → monotonic time before which it is not sent again
         self._timeouts_checked = 0.0
+        self._probe_at = 0.0  # monotonic time before which no probe is sent
+        self._probe_wait = receipt_timeout_s  # the wait after the next probe (doubles while nothing progresses)
         self._stop_receipts = threading.Event()
         self._acked = threading.Event()  # set when the broker acknowledged a batch (wakes the receipt thread)
         self._acked_at = 0.0  # monotonic time of the last acknowledgement
@@ -357,7 +360,10 @@ class TunnelSink:
                     self._wake.wait()
                 if self._closing:
                     return  # close() waited for delivery; what is left stays spooled for the next run
-            entry = self.spool.oldest(1)[0]
+            oldest = self.spool.oldest(1)
+            if not oldest:  # a receipt covered it meanwhile (the cloud had it already)
+                continue
+            entry = oldest[0]
             try:
                 self._deliver(entry)
                 retry.succeeded()
@@ -475,6 +481,8 @@ class TunnelSink:
         rows, _ = self.spool.trim(receipt.covers)
         self.stats.rows_receipted += rows
         now = time.monotonic()
+        if rows:  # the cloud is there and storing: a later silence gets the first probe wait again
+            self._probe_wait = self.receipt_timeout_s
         lacking = [a for a in self.spool.acked() if receipt.lacks(a.first_seq, a.end)
                    and now >= self._resend_after.get(a.first_seq, 0.0)]
         if lacking:
@@ -484,23 +492,29 @@ class TunnelSink:
             self._wake.notify_all()
 
     def _resend_overdue(self) -> bool:
-        """Send again the newest acknowledged batch no receipt covered in time (a probe; see the module docstring);
-        whether one was."""
-        if not self._receipts_seen:
+        """Send again the newest acknowledged batch no receipt covered within ``receipt_timeout_s`` (a probe; see
+        the module docstring), one probe per wait, the wait doubling up to 60 s while no receipt brings progress;
+        whether one was sent."""
+        now = time.monotonic()
+        if not self._receipts_seen or now < self._probe_at:
             return False
         acked = self.spool.acked()
         live = {a.first_seq for a in acked}
         for table in (self._resends, self._resend_after):  # forget batches gone from the spool
             for first_seq in [f for f in table if f not in live]:
                 del table[first_seq]
-        now, wall = time.monotonic(), time.time()
-        overdue = [a for a in acked if wall - a.acked_at >= self._timeout(a.first_seq)
-                   and now >= self._resend_after.get(a.first_seq, 0.0)]
-        if overdue:
-            self._resend(overdue[-1:], f"no receipt for them within {self._timeout(overdue[-1].first_seq):.0f} s")
-        return bool(overdue)
+        wall = time.time()
+        overdue = [a for a in acked if wall - a.acked_at >= self.receipt_timeout_s]
+        if not overdue:
+            return False
+        self._resend(overdue[-1:], f"no receipt covers the {len(overdue)} batches acknowledged more than "
+                                   f"{self.receipt_timeout_s:g} s ago (next probe in {self._probe_wait:g} s)")
+        self._probe_at = now + self._probe_wait
+        self._probe_wait = min(MAX_RECEIPT_TIMEOUT_S, 2 * self._probe_wait)
+        return True
 
     def _timeout(self, first_seq: int) -> float:
+        """How long a batch sent again is not sent again for a receipt's hole (doubling per resend)."""
         return min(MAX_RECEIPT_TIMEOUT_S, self.receipt_timeout_s * 2 ** self._resends.get(first_seq, 0))
 
     def _resend(self, batches: list[Acked], why: str) -> None:
