@@ -50,7 +50,7 @@ MAGIC = b"SFR1"
 #: holes listed in one receipt; a device with more waits for the first ones to fill before it learns of the rest
 MAX_HOLES = 64
 #: a device's receipt is published at most this often (the last change waits at most this long)
-DEFAULT_EVERY_S = 0.1
+DEFAULT_EVERY_S = 0.25
 #: the receipts topic is compacted: the newest receipt of each device is what a device needs
 TOPIC_CONFIG = {"cleanup.policy": "compact"}
 

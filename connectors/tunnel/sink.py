@@ -86,14 +86,16 @@ MAX_ENVELOPE_BYTES = 900_000
 
 Refused = Callable[[str, list[dict[str, Any]], str], None]
 #: how often the receipt thread polls (without blocking: noida-db answers an empty fetch at once, and a
-#: blocking poll would spin): often for a while after an acknowledgement, then less (~1 % of a core instead of
+#: blocking poll would spin): often for a while after an acknowledgement, then less (~0.7 % of a core instead of
 #: ~5 %); and how often it looks for batches whose receipt is overdue
-RECEIPT_POLL_S = 0.05
-RECEIPT_POLL_IDLE_S = 0.25
+RECEIPT_POLL_S = 0.2
+RECEIPT_POLL_IDLE_S = 0.5
 _RECEIPT_BUSY_S = 2.0
 _TIMEOUT_CHECK_S = 0.25
-#: the longest wait for a receipt before a batch is sent again (the wait doubles per resend up to it)
+#: the longest wait between two probes (the wait doubles while no receipt brings progress)
 MAX_RECEIPT_TIMEOUT_S = 60.0
+#: a receipt's hole sends a batch again once the broker acknowledged it this long ago (doubling per resend)
+HOLE_GRACE_S = 1.0
 
 
 @dataclass
@@ -157,7 +159,6 @@ class TunnelSink:
         self._key = key
         self._receipts_seen = bool(self.spool.get("receipts_seen"))
         self._resends: dict[int, int] = {}  # first_seq → times sent again
-        self._resend_after: dict[int, float] = {}  # first_seq → monotonic time before which it is not sent again
         self._timeouts_checked = 0.0
         self._probe_at = 0.0  # monotonic time before which no probe is sent
         self._probe_wait = receipt_timeout_s  # the wait after the next probe (doubles while nothing progresses)
@@ -480,11 +481,13 @@ class TunnelSink:
             self.spool.put("receipts_seen", 1)
         rows, _ = self.spool.trim(receipt.covers)
         self.stats.rows_receipted += rows
-        now = time.monotonic()
         if rows:  # the cloud is there and storing: a later silence gets the first probe wait again
             self._probe_wait = self.receipt_timeout_s
-        lacking = [a for a in self.spool.acked() if receipt.lacks(a.first_seq, a.end)
-                   and now >= self._resend_after.get(a.first_seq, 0.0)]
+        acked, wall = self.spool.acked(), time.time()
+        live = {a.first_seq for a in acked}
+        for first_seq in [f for f in self._resends if f not in live]:  # forget batches gone from the spool
+            del self._resends[first_seq]
+        lacking = [a for a in acked if receipt.lacks(a.first_seq, a.end) and wall - a.acked_at >= self._grace(a)]
         if lacking:
             self._resend(lacking, f"the cloud's receipt shows them missing (it has all below {receipt.stored_mark}, "
                                   f"and up to {receipt.seen_end})")
@@ -498,12 +501,7 @@ class TunnelSink:
         now = time.monotonic()
         if not self._receipts_seen or now < self._probe_at:
             return False
-        acked = self.spool.acked()
-        live = {a.first_seq for a in acked}
-        for table in (self._resends, self._resend_after):  # forget batches gone from the spool
-            for first_seq in [f for f in table if f not in live]:
-                del table[first_seq]
-        wall = time.time()
+        acked, wall = self.spool.acked(), time.time()
         overdue = [a for a in acked if wall - a.acked_at >= self.receipt_timeout_s]
         if not overdue:
             return False
@@ -513,15 +511,15 @@ class TunnelSink:
         self._probe_wait = min(MAX_RECEIPT_TIMEOUT_S, 2 * self._probe_wait)
         return True
 
-    def _timeout(self, first_seq: int) -> float:
-        """How long a batch sent again is not sent again for a receipt's hole (doubling per resend)."""
-        return min(MAX_RECEIPT_TIMEOUT_S, self.receipt_timeout_s * 2 ** self._resends.get(first_seq, 0))
+    def _grace(self, batch: Acked) -> float:
+        """How long after the broker acknowledged ``batch`` a receipt's hole may send it again: time for the cloud
+        to read it (a receipt older than the batch's last send still shows the hole), doubling per resend (a
+        resend lost again, to the next kill of the broker say, is sent again within seconds, not in a storm)."""
+        return min(MAX_RECEIPT_TIMEOUT_S / 2, HOLE_GRACE_S * 2 ** self._resends.get(batch.first_seq, 0))
 
     def _resend(self, batches: list[Acked], why: str) -> None:
-        now = time.monotonic()
         for a in batches:
             self._resends[a.first_seq] = self._resends.get(a.first_seq, 0) + 1
-            self._resend_after[a.first_seq] = now + self._timeout(a.first_seq) / 2
         self.spool.resend(a.first_seq for a in batches)
         rows = sum(a.n_rows for a in batches)
         self.stats.rows_resent += rows
