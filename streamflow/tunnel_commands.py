@@ -159,6 +159,8 @@ def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: floa
           f"{stats.dead_total} dead letters {dict(stats.dead)}"
           + (f", {stats.resolved} parked envelopes resolved" if stats.resolved else "")
           + (f"; sequence gaps {dict(stats.gaps)}, {stats.rows_lost} numbers LOST (see tunnel.gaps)" if stats.gaps
+             else "")
+          + (f"; {consumer.receipts.published} receipts published to {consumer.receipts.topic}" if consumer.receipts
              else ""))
     return 0
 
