@@ -19,13 +19,13 @@ Guarantees:
 - **Never lost once sealed.** A batch is on disk before it is sent and leaves the spool only after
   the broker acknowledged it (``acks=all``) and, with ``receipts`` (the default), the cloud said it stored it: a
   receipt thread reads the cloud's signed receipts for this device (``<topic>.receipts``, :mod:`.receipts`),
-  forgets what they cover, resends at once what they show missing (a broker that lost acknowledged records, a
-  topic deleted and made again), and, when batches acknowledged more than ``receipt_timeout_s`` ago are not
-  covered, sends the newest of them again as a probe (stored past what is missing it makes a receipt show the
-  rest missing; dropped as a repeat it makes the cloud publish its receipt again), one probe per wait, the wait
-  doubling up to 60 s while no receipt brings progress. Timeouts start
-  once a receipt was seen (kept in the spool): against a cloud that publishes none, acknowledged batches stay
-  until the spool bound evicts them. While the broker is unreachable, batches pile up in the
+  forgets what they cover, resends what they show missing (a broker that lost acknowledged records, a topic
+  deleted and made again; once the broker acknowledged it a second ago, doubling per resend), and, when batches
+  acknowledged more than ``receipt_timeout_s`` ago are not covered, sends the newest of them again as a probe
+  (stored past what is missing it makes a receipt show the rest missing; dropped as a repeat it makes the cloud
+  publish its receipt again), one probe per wait, the wait doubling up to 60 s while no receipt brings progress.
+  Probes start once a receipt was seen (kept in the spool): against a cloud that publishes none, acknowledged
+  batches stay until the spool bound evicts them. While the broker is unreachable, batches pile up in the
   spool and are resent in order when it answers again; a restarted device resends what its spool
   still holds. Rows not yet sealed (younger than ``linger_s``, fewer than ``batch_rows``) are in
   memory only: that is the durability window, as in the storage's. Sealing never waits on the
@@ -37,7 +37,7 @@ Guarantees:
 - **Bounded.** The spool holds at most ``spool_max_bytes``; rows that would pass it are refused,
   logged at WARNING (the first time and at every doubling) and handed to ``on_refused`` (the device
   runner's ``dead_letter`` table) with the reason. Nothing is silently dropped: before refusing, the spool
-  evicts batches the broker acknowledged that no receipt covers yet, oldest first (``stats.rows_evicted``,
+  evicts batches the broker acknowledged that no receipt covers yet, oldest first (``spool.rows_evicted``,
   logged at WARNING).
 
 Example (needs a broker; see the README's tunnel section)::
