@@ -116,11 +116,11 @@ def _audit(db: Path, acked: set[int]) -> None:
 
 
 @pytest.mark.slow
-def test_broker_killed_three_times_and_rolled_back_once_loses_no_acknowledged_row(tmp_path):
+def test_broker_killed_three_times_and_rolled_back_once_loses_no_acknowledged_row(tmp_path, private_broker):
     """SIGKILL three times mid-run (noida-db loses its last acknowledged records), then once more with its data
     dir rolled back to the copy taken at the second kill (every record since is gone, its offsets handed to new
     ones): every acknowledged row is in the cloud exactly once."""
-    broker = LocalBroker(tmp_path / "broker").up()
+    broker = private_broker
     registry = KeyRegistry(tmp_path / "keys.json")
     topic, db, acked = f"receipts.{uuid.uuid4().hex[:12]}", tmp_path / "cloud.duckdb", set()
     cloud = _Cloud(db, registry, topic, broker.bootstrap)
@@ -149,7 +149,6 @@ def test_broker_killed_three_times_and_rolled_back_once_loses_no_acknowledged_ro
     finally:
         sink.close(timeout_s=5)
         cloud.stop()
-        broker.down()
     assert len(acked) == ROWS
     _audit(db, acked)
     # the faults were real: the rolled-back broker lost what it had acknowledged since the second kill
