@@ -487,11 +487,7 @@ class DeviceRunner:
                     for table, rows in held.items():
                         self._write(table, rows)
             return
-        check = None if self._prechecked else self.guard.check
-        events = [record for record in records if type(record) is Event] if check is None else None
-        if events is None or len(events) != len(records):  # a guard to ask, or records to reject
-            events = self._accept(records, check)
-        self.summary.events_in += len(events)
+        events = self._accepted(records)
         outputs = self.triggers.process_block(events, _user_of, _ts_of)
         if outputs:
             for table, rows in rows_by_output(outputs).items():
@@ -504,16 +500,21 @@ class DeviceRunner:
     def _stream_block(self, records: list[Event | Rejected]) -> None:
         """The block through the job's one stream task in one call; its rows and side rows are written once
         per table, in their order (:meth:`process` for each event writes the same rows)."""
-        check = None if self._prechecked else self.guard.check
-        events = [record for record in records if type(record) is Event] if check is None else None
-        if events is None or len(events) != len(records):
-            events = self._accept(records, check)
-        self.summary.events_in += len(events)
+        events = self._accepted(records)
         (stream,) = self._streams.values()
         rows, sides, failed = stream.process_block(events)
         self._write_stream(stream, rows, sides)
         for event, exc in failed:
             self._stream_failed(stream, event, exc)
+
+    def _accepted(self, records: list[Event | Rejected]) -> list[Event]:
+        """The block's events the guard accepts, counted in; the rejected records and events are dead letters."""
+        check = None if self._prechecked else self.guard.check
+        events = [record for record in records if type(record) is Event] if check is None else None
+        if events is None or len(events) != len(records):  # a guard to ask, or records to reject
+            events = self._accept(records, check)
+        self.summary.events_in += len(events)
+        return events
 
     def _accept(self, records: list[Event | Rejected], check: Callable[[str, float], str | None] | None
                 ) -> list[Event]:
