@@ -120,8 +120,11 @@ class Spool:
         self._db.execute("INSERT OR IGNORE INTO counter VALUES (0, 0)")
         self._db.execute("CREATE TABLE IF NOT EXISTS dictionaries (table_name TEXT PRIMARY KEY, body BLOB NOT NULL,"
                          " useful INTEGER NOT NULL)")
-        if "acked_at" not in {row[1] for row in self._db.execute("PRAGMA table_info(batches)")}:
-            self._db.execute("ALTER TABLE batches ADD COLUMN acked_at REAL")  # NULL: the broker has not acked it
+        # the batches the broker acknowledged and the cloud has not confirmed: a table of their own, so an ack
+        # writes a small row, never the envelope again (SQLite rewrites a whole row on UPDATE)
+        self._db.execute("CREATE TABLE IF NOT EXISTS acked (first_seq INTEGER PRIMARY KEY, acked_at REAL NOT NULL)")
+        if not keep_acked:  # kept by a run with receipts, opened by one without: send them again (repeats, dropped)
+            self._db.execute("DELETE FROM acked")
         self._db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value)")
         self.next_seq, = self._db.execute("SELECT next_seq FROM counter").fetchone()
         self._count()
@@ -129,7 +132,7 @@ class Spool:
     def _count(self) -> None:
         self.bytes_pending, self.rows_pending, self.batches_pending = self._db.execute(
             "SELECT coalesce(sum(length(value)), 0), coalesce(sum(n_rows), 0), count(*) FROM batches "
-            "WHERE acked_at IS NULL").fetchone()
+            "WHERE first_seq NOT IN (SELECT first_seq FROM acked)").fetchone()
         self.bytes_held, self.rows_held, self.batches_held = self._db.execute(
             "SELECT coalesce(sum(length(value)), 0), coalesce(sum(n_rows), 0), count(*) FROM batches").fetchone()
 
@@ -162,7 +165,7 @@ class Spool:
 
     def _evict(self, need: int) -> None:
         """Drop acknowledged batches the cloud has not confirmed, oldest first, until ``need`` bytes are free."""
-        rows = self._db.execute("SELECT first_seq, n_rows, length(value) FROM batches WHERE acked_at IS NOT NULL "
+        rows = self._db.execute("SELECT first_seq, n_rows, length(value) FROM batches JOIN acked USING (first_seq) "
                                 "ORDER BY first_seq").fetchall()
         drop, freed = [], 0
         for first_seq, n_rows, size in rows:
@@ -174,6 +177,7 @@ class Spool:
             return
         with self._db:
             self._db.executemany("DELETE FROM batches WHERE first_seq = ?", [(f,) for f, _ in drop])
+            self._db.executemany("DELETE FROM acked WHERE first_seq = ?", [(f,) for f, _ in drop])
         self._count()
         evicted = sum(n for _, n in drop)
         self.rows_evicted += evicted
@@ -188,20 +192,21 @@ class Spool:
         """Up to ``limit`` batches in sequence order, oldest first."""
         with self._lock:
             rows = self._db.execute("SELECT first_seq, n_rows, table_name, value, sealed_at FROM batches "
-                                    "WHERE acked_at IS NULL ORDER BY first_seq LIMIT ?", (limit,)).fetchall()
+                                    "WHERE first_seq NOT IN (SELECT first_seq FROM acked) ORDER BY first_seq LIMIT ?",
+                                    (limit,)).fetchall()
         return [SpoolEntry(*row) for row in rows]
 
     def ack(self, first_seq: int) -> None:
         """The broker has the batch starting at ``first_seq``: forget it (with ``keep_acked``: mark it acknowledged)."""
         with self._lock:
-            row = self._db.execute("SELECT n_rows, length(value) FROM batches WHERE first_seq = ? AND acked_at IS NULL",
-                                   (first_seq,)).fetchone()
+            row = self._db.execute("SELECT n_rows, length(value) FROM batches WHERE first_seq = ? AND first_seq NOT IN "
+                                   "(SELECT first_seq FROM acked)", (first_seq,)).fetchone()
             if row is None:
                 return
             self._db.execute("PRAGMA synchronous=NORMAL")  # see the module docstring: a lost delete is a resend
             try:
                 if self.keep_acked:
-                    self._db.execute("UPDATE batches SET acked_at = ? WHERE first_seq = ?", (time.time(), first_seq))
+                    self._db.execute("INSERT INTO acked VALUES (?, ?)", (first_seq, time.time()))
                 else:
                     self._db.execute("DELETE FROM batches WHERE first_seq = ?", (first_seq,))
             finally:
@@ -217,7 +222,7 @@ class Spool:
     def acked(self) -> list[Acked]:
         """The batches the broker acknowledged that are still kept, oldest first."""
         with self._lock:
-            rows = self._db.execute("SELECT first_seq, n_rows, acked_at FROM batches WHERE acked_at IS NOT NULL "
+            rows = self._db.execute("SELECT first_seq, n_rows, acked_at FROM batches JOIN acked USING (first_seq) "
                                     "ORDER BY first_seq").fetchall()
         return [Acked(*row) for row in rows]
 
@@ -232,6 +237,7 @@ class Spool:
             try:
                 with self._db:
                     self._db.executemany("DELETE FROM batches WHERE first_seq = ?", [(f,) for f, _ in drop])
+                    self._db.executemany("DELETE FROM acked WHERE first_seq = ?", [(f,) for f, _ in drop])
             finally:
                 self._db.execute("PRAGMA synchronous=FULL")
             self._count()
@@ -240,7 +246,7 @@ class Spool:
     def resend(self, first_seqs: Iterable[int]) -> None:
         """Send these acknowledged batches again (the cloud lacks them): they join the batches to send."""
         with self._lock, self._db:
-            self._db.executemany("UPDATE batches SET acked_at = NULL WHERE first_seq = ?", [(f,) for f in first_seqs])
+            self._db.executemany("DELETE FROM acked WHERE first_seq = ?", [(f,) for f in first_seqs])
             self._count()
 
     def get(self, name: str) -> object:
