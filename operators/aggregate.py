@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from operators.aggregations import Aggregation, Count, CountBy, First, Last, Max, Min, Sum
-from operators.base import Group, Operator, _not_a_row, generated
+from operators.base import EVENT_ATTRIBUTES, Group, Operator, _not_a_row, generated
 
 
 class Aggregate(Operator):
@@ -73,8 +73,6 @@ _INLINE_ATTRIBUTE = {
     Min: "min([x.{field} for x in items], default=None)",
     Max: "max([x.{field} for x in items], default=None)",
 }
-# Event attributes (streamflow.events.EVENT_ATTRIBUTES; operators does not import streamflow).
-_EVENT_ATTRIBUTES = frozenset(("user_id", "event_id", "page_id", "ts", "contents"))
 
 
 def _fold_lines(aggregate: Aggregate, namespace: dict[str, Any]) -> list[str]:
@@ -86,7 +84,7 @@ def _fold_lines(aggregate: Aggregate, namespace: dict[str, Any]) -> list[str]:
         kind = type(agg) if agg.where is None else None
         event_field = getattr(agg, "_event_field", None)  # set where the items are known to be events
         if kind is not None and isinstance(event_field, str):
-            if event_field in _EVENT_ATTRIBUTES:
+            if event_field in EVENT_ATTRIBUTES:
                 if kind is CountBy:
                     lines += [f"        v{k} = c = {{}}", "        for x in items:", f"            v = x.{event_field}",
                               "            c[v] = c.get(v, 0) + 1"]

@@ -27,6 +27,7 @@ from operator import attrgetter
 from typing import Any
 
 from connectors.storage import JSON_ERRORS, encode_json, to_json
+from operators.base import EVENT_ATTRIBUTES
 from operators.process import ValueStateDescriptor
 from streamflow.keyed import KeyedStore
 
@@ -119,7 +120,6 @@ class Event:
                 "ts": self.ts, "contents": dict(self.contents)}
 
 
-EVENT_ATTRIBUTES = frozenset(("user_id", "event_id", "page_id", "ts", "contents"))
 
 
 def event_reader(name: str) -> Callable[[Event], Any]:

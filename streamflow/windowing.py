@@ -52,10 +52,10 @@ from connectors.storage import check_table_name, to_json
 from operators import Aggregate, Count, CountWindow, Filter, KeyBy, Map, Operator, Process, SessionWindow, TimeWindow
 from operators.aggregate import Accumulators
 from operators.aggregations import Aggregation, checked_field
-from operators.base import GENERATED_CODE, field_reader, generated
+from operators.base import EVENT_ATTRIBUTES, GENERATED_CODE, field_reader, generated
 from operators.process import LATE, KeyedProcessFunction, ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from operators.window import to_millis, window_starts_ms
-from streamflow.events import EVENT_ATTRIBUTES, Event
+from streamflow.events import Event
 from streamflow.keyed import END_OF_TIME, KeyedRuntime
 from streamflow.summary import TASK_ERRORS_TABLE
 
@@ -629,16 +629,18 @@ class StreamInput:
         namespace: dict[str, Any] = {"streak": self.streak, "failed": self._failed, "Event": Event,
                                      "NO_KEY": _NO_KEY}
         skip = ["streak.failures = 0", "return None"]
+
+        def chain(ops: Sequence[Filter | Map], prefix: str) -> list[str]:  # dropped by a Filter or a Map's None
+            if not ops:
+                return []
+            return [*_step_lines(ops, prefix, namespace, "        ", skip), "        if item is None:",
+                    *(f"            {line}" for line in skip)]
+
         lines = ["def step(event):", "    if streak.quarantined:", "        return None",
-                 "    key, ts_ms, item = NO_KEY, None, event", "    try:"]
-        if plan.before_key:
-            lines += [*_step_lines(plan.before_key, "b", namespace, "        ", skip),
-                      "        if item is None:", *(f"            {line}" for line in skip)]
-        lines += [f"        key = {_read_expression(plan.key_by.key, 'read_key', namespace)}",
-                  "        hash(key)"]  # a key must be hashable: keyed state is held by key
-        if plan.before_window:
-            lines += [*_step_lines(plan.before_window, "w", namespace, "        ", skip),
-                      "        if item is None:", *(f"            {line}" for line in skip)]
+                 "    key, ts_ms, item = NO_KEY, None, event", "    try:", *chain(plan.before_key, "b"),
+                 f"        key = {_read_expression(plan.key_by.key, 'read_key', namespace)}",
+                 "        hash(key)",  # a key must be hashable: keyed state is held by key
+                 *chain(plan.before_window, "w")]
         if plan.ts is not None:
             read_ts = _read_expression(plan.ts, "read_ts", namespace)
             lines.append(f"        ts_ms = round({read_ts} * 1000)")  # to_millis, inline
