@@ -27,8 +27,9 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "flink": ("pyflink", "cloudpickle"),
     "kafka": ("kafka", "zstandard"),
     "deploy": ("cryptography",),
-    "deploy-server": ("aiohttp", "cryptography"),
-    "serve": ("faust", "PIL", "onnx", "kafka"),
+    "deploy-server": ("aiohttp", "cryptography", "prometheus_client"),
+    "serve": ("faust", "PIL", "onnx", "kafka", "prometheus_client"),
+    "metrics": ("prometheus_client",),
 }
 CLUSTER_PROBE_TIMEOUT_S = 3.0
 
