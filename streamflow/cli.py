@@ -67,6 +67,8 @@ app.command("deploy-server", help="the release server: deploy directives, bundle
 FormatName = Literal[tuple(sorted(FORMATS))]  # type: ignore[valid-type]
 KeyRegistryOption = Annotated[str | None, typer.Option(
     "--key-registry", help="key registry file (default: $STREAMFLOW_KEY_REGISTRY or .streamflow/keys.json)")]
+MetricsPortOption = Annotated[int | None, typer.Option(
+    min=0, help="serve Prometheus /metrics, /healthz and /readyz on 127.0.0.1:PORT (default: off; the metrics extra)")]
 
 
 @dataclass(frozen=True)
@@ -221,9 +223,10 @@ def tunnel_consume(
     schema: Annotated[str | None, typer.Option(metavar="FILE.json", help="declared tables, columns and types: "
                       '{"ipv": {"user_id": "VARCHAR", "dwell_s": "DOUBLE"}}; other tables and columns are refused, '
                       "and a value its declared type would change is refused by row")] = None,
+    metrics_port: MetricsPortOption = None,
 ) -> int:
     return tunnel_commands.consume(db, topic, group, online_key, idle_timeout, runner, cluster, parallelism,
-                                   key_registry, online_lag_ms / 1000, schema)
+                                   key_registry, online_lag_ms / 1000, schema, metrics_port)
 
 
 @app.command("serve", help="the serving worker (faust-streaming): answer serve.requests with a zoo model chosen "

@@ -123,14 +123,19 @@ def keys(action: str, device: str | None, key_registry: str | None) -> int:
 
 def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: float | None, runner: str,
             cluster: str | None, parallelism: int, key_registry: str | None, online_lag_s: float = 0.1,
-            schema: str | None = None) -> int:
-    """``streamflow tunnel consume``: the features topic into a cloud DuckDB."""
+            schema: str | None = None, metrics_port: int | None = None) -> int:
+    """``streamflow tunnel consume``: the features topic into a cloud DuckDB (``metrics_port``: Prometheus
+    metrics, ``/healthz`` and ``/readyz`` on 127.0.0.1, :mod:`streamflow.metrics.cloud`)."""
     columns = [c for c in online_key.split(",") if c]
     schemas = read_schemas(schema) if schema else None
     if runner == "flink":
+        if metrics_port is not None:
+            raise ValueError("--metrics-port is the python consumer's; a Flink job reports through Flink's metrics")
         require_flink("tunnel consume --runner flink", cluster)
         return _consume_on_flink(db, topic, group, columns, cluster, parallelism, key_registry, schemas)
     require_extra("kafka", what="tunnel consume")
+    if metrics_port is not None:
+        require_extra("metrics", what="tunnel consume --metrics-port")
     from connectors.tunnel.cloud import CloudConsumer
 
     registry = KeyRegistry(key_registry)
@@ -146,6 +151,12 @@ def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: floa
         retry_s = min(retry_s, idle_timeout)
     print(f"consuming {topic} from {bootstrap_servers()} into {db} (group {group}; gives up after {retry_s:g} s "
           "without the broker)", file=sys.stderr)
+    metrics = None
+    if metrics_port is not None:
+        from streamflow.metrics.cloud import serve_cloud_metrics
+
+        metrics = serve_cloud_metrics(consumer, metrics_port)
+        print(f"metrics on {metrics.url}/metrics (and /healthz, /readyz)", file=sys.stderr)
     try:
         stats = consumer.run(idle_timeout_s=idle_timeout, retry_for_s=retry_s)
     except KeyboardInterrupt:
@@ -155,6 +166,8 @@ def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: floa
                                 f"{env_name('kafka_bootstrap')} points at another)") from exc
     finally:
         consumer.close()
+        if metrics is not None:
+            metrics.close()
     print(f"cloud: {stats.messages} messages, {stats.stored} rows stored, {stats.duplicates} duplicates dropped, "
           f"{stats.dead_total} dead letters {dict(stats.dead)}"
           + (f", {stats.resolved} parked envelopes resolved" if stats.resolved else "")

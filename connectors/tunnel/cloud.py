@@ -921,6 +921,9 @@ class CloudConsumer:
         self._kafka_committed_at = float("-inf")
         #: publishes what the store has of each device (``<topic>.receipts``, see :mod:`.receipts`); None: off
         self.receipts = ReceiptPublisher(self.bootstrap, topic, registry, partitions=partitions) if receipts else None
+        #: told of every poll, ``polled(consumer, records, offsets stored, batches opened, transaction seconds)``: the
+        #: Prometheus metrics (:mod:`streamflow.metrics.cloud`); None: none
+        self.metrics: Any = None
 
     def _connect(self) -> Any:
         """A consumer assigned every partition of the topic (no group rebalance), and the dead-letter producer.
@@ -988,9 +991,14 @@ class CloudConsumer:
         if not records:
             self.store.flush_online(due_only=True)
             self._publish_receipts()
+            if self.metrics is not None:
+                self.metrics.polled(self._consumer, {}, {}, (), 0.0)
             return ApplyResult()
         batches, dead, offsets, read = self._open(records)
+        started = time.perf_counter()
         result = self.store.apply(batches, dead, offsets)
+        if self.metrics is not None:
+            self.metrics.polled(self._consumer, records, offsets, batches, time.perf_counter() - started)
         self._after_store(read, offsets, result)
         # every device heard from: what it sent was stored, dropped as a repeat (a resend: tell it again) or refused
         self._note_receipts([b.device for b in batches] + [d.device for d in dead if d.device and d.seqs])

@@ -96,6 +96,8 @@ _TIMEOUT_CHECK_S = 0.25
 MAX_RECEIPT_TIMEOUT_S = 60.0
 #: a receipt's hole sends a batch again once the broker acknowledged it this long ago (doubling per resend)
 HOLE_GRACE_S = 1.0
+#: a batch sealed longer ago than this is sent with the time of sending as its Kafka timestamp (see _record_time_ms)
+SEAL_TIME_MAX_AGE_S = 3600.0
 
 
 @dataclass
@@ -113,6 +115,13 @@ class TunnelStats:
     rows_resent: int = 0  # rows sent again: a receipt showed them missing, or none came in time
     batches_resent: int = 0
     receipts: int = 0  # receipts for this device read
+
+
+def _record_time_ms(sealed_at: float) -> int | None:
+    """The Kafka timestamp of a batch's record: its seal time (the cloud measures seal → stored by it, a resend
+    included), unless it was sealed over :data:`SEAL_TIME_MAX_AGE_S` ago (None: the time of sending), so that a
+    long-spooled batch does not reach the broker already past a time-based retention."""
+    return round(sealed_at * 1000) if 0 <= time.time() - sealed_at < SEAL_TIME_MAX_AGE_S else None
 
 
 class TunnelSink:
@@ -394,7 +403,8 @@ class TunnelSink:
 
     def _deliver(self, entry: SpoolEntry) -> None:
         producer = self._connect()
-        future = producer.send(self.topic, value=entry.value, partition=self._partition(producer))
+        future = producer.send(self.topic, value=entry.value, partition=self._partition(producer),
+                               timestamp_ms=_record_time_ms(entry.sealed_at))
         # the producer fails the batch itself at delivery_timeout_ms (= send_timeout_s); waiting a little longer
         # leaves it no record pending, so _drop_producer can close it at once
         future.get(timeout=self.send_timeout_s + 2.0)
