@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -91,6 +91,7 @@ class RunOptions:
     checkpoint_dir: str | None
     show: int
     mode: RuntimeMode = "automatic"
+    metrics_port: int | None = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -168,6 +169,7 @@ def run(
                                                    "column by column, for jobs and clean inputs that allow it; an "
                                                    "error otherwise), automatic (batch where allowed, else "
                                                    "streaming)")] = "automatic",
+    metrics_port: MetricsPortOption = None,
     tunnel: Annotated[Literal["none", "kafka"], typer.Option(rich_help_panel=TUNNEL_PANEL, help="kafka: also send "
                       "every task's rows to the features topic ($STREAMFLOW_KAFKA_BOOTSTRAP)")] = "none",
     device_id: Annotated[str | None, typer.Option(rich_help_panel=TUNNEL_PANEL, help="this device's id (default: "
@@ -186,7 +188,7 @@ def run(
 ) -> int:
     options = RunOptions(events, fmt, settings(runner=runner).runner, db, workers, quarantine_after, cluster,
                          parallelism, pace_ms, state_ttl, max_users, replace, checkpoint_interval, checkpoint_dir,
-                         show, mode)
+                         show, mode, metrics_port)
     tunnel_options = TunnelOptions(tunnel, device_id, key_registry, topic, compression, spool, tunnel_wait)
     return _run(load_job(job), options, tunnel_options)
 
@@ -390,6 +392,10 @@ def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
     tunnel_commands.check_tunnel(tunnel_options, args.runner)
     if args.runner == "flink":
         require_flink("--runner flink", args.cluster)
+    if args.metrics_port is not None:
+        if args.runner == "flink":
+            raise ValueError("--metrics-port is the device runner's; a Flink job reports through Flink's metrics")
+        require_extra("metrics", what="run --metrics-port")
     flush_on_signals()
     tunnel_line = ""
     with CollectiveStorage(args.db, background=True) as storage:  # COMMITs overlap the run
@@ -406,10 +412,13 @@ def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
             runner = DeviceRunner(job, storage, workers=args.workers, quarantine_after=args.quarantine_after,
                                   tunnel=tunnel, state_ttl_s=args.state_ttl, max_users=args.max_users,
                                   checkpoint_interval_s=args.checkpoint_interval, runtime_mode=args.mode)
+            metrics = _device_metrics(runner, args.metrics_port)
             try:
                 summary = runner.run(source, progress=Track(f"{job.name} on device"))
             finally:
                 runner.close()
+                if metrics is not None:
+                    metrics.close()
                 if tunnel is not None:
                     tunnel_line = tunnel_commands.close_tunnel(tunnel, tunnel_options.wait_s)
     where = f" (cluster {args.cluster})" if args.runner == "flink" and args.cluster else ""
@@ -428,6 +437,17 @@ def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
         print(f"\nquery them: {_python()} -c \"import duckdb; print(duckdb.connect('{summary.db_path}', "
               f"read_only=True).sql('{sql}'))\"")
     return 0
+
+
+def _device_metrics(runner: DeviceRunner, port: int | None) -> Any:
+    """The device runner's metrics server on 127.0.0.1:``port`` (:mod:`streamflow.metrics.device`), or None."""
+    if port is None:
+        return None
+    from streamflow.metrics.device import serve_device_metrics
+
+    server = serve_device_metrics(runner, port)
+    print(f"metrics on {server.url}/metrics (and /healthz, /readyz)", file=sys.stderr)
+    return server
 
 
 def _note_earlier_rows(storage: CollectiveStorage, job: Job) -> None:
