@@ -49,7 +49,7 @@ import numpy as np
 
 from engine.coldstart.fingerprint import engine_version, machine_key
 from engine.coldstart.pipeline import StepTiming, run_pipelined, run_serial, schedule_table
-from engine.coldstart.store import EntryStore
+from engine.coldstart.store import LINK_SUFFIX, EntryStore
 from engine.format import graph_from_structure, graph_structure, save_model
 from engine.ir import Graph, GraphError
 from engine.kernels import Kernel, NodeCtx, accel, aot
@@ -149,6 +149,11 @@ class ColdSession(InferenceSession):
         self.store = EntryStore(cache_dir, cache_limit_bytes)
         self.source = model
         self._loader: WeightLoader | None = None
+        self._weights: dict[str, np.ndarray] | None = None  # the mapped graph file's weights (views)
+        self._seal_key = ""
+        self.sealed = False  # the graph file was verified whole before: no checks on the first run
+        self.integrity_error: ModelFileError | None = None  # found by the background audit
+        self._integrity_thread: threading.Thread | None = None
         self._pending: dict[str, np.ndarray] = {}  # big weights not checked (read) yet: name -> mapped view
         self._cold_cache_use: dict[tuple[str, str], bool] = {}  # (node, kernel) -> first run reads the cached copy
         self._cache_checked: dict[str, bool] = {}  # weight entries the cold plan's costs looked for -> found
@@ -196,7 +201,7 @@ class ColdSession(InferenceSession):
         layer by :meth:`prepare`), or built from ``model`` and cached. With numba installed it is in
         the channel-blocked layout (:mod:`engine.layout`), its weights packed as the kernels read them."""
         self._graph_key = self._graph_key_of(self.model_digest)
-        path = self.store.file(self._graph_key, ".sfe")
+        path = self.store.file(self._graph_key, ".sfe", touch=False)  # touched after the first run
         if path is not None:
             try:
                 graph = self._open_cached_graph(path)
@@ -223,7 +228,7 @@ class ColdSession(InferenceSession):
         graph.weights = in_use_order(graph)
         with contextlib.suppress(OSError):  # a read-only cache costs the next cold start this work
             self.store.put_file(self._graph_key, ".sfe", lambda tmp: save_model(graph, tmp))
-        self._loader, self._pending = None, {}
+        self._loader, self._pending, self._weights = None, {}, None
         return graph
 
     def _open_cached_graph(self, path: Path) -> Graph:
@@ -233,11 +238,17 @@ class ColdSession(InferenceSession):
         its layer is prepared, so reading the file overlaps planning and execution."""
         loader = WeightLoader(path, drop_cache=False)
         header = loader.header
+        weights = loader.map_all()
+        self._weights = weights
+        self._seal_key = f"seal-{loader.seal_name()}"
+        if self.store.link(self._seal_key) == path:  # verified whole before, unchanged since: no checks now
+            loader.trusted = self.sealed = True
+            self._loader, self._pending = loader, {}
+            return graph_from_structure(header, weights)
         lazy_ok: dict[str, bool] = {}
         for n in header["nodes"]:
             for i, t in enumerate(n["inputs"]):
                 lazy_ok[t] = lazy_ok.get(t, True) and n["op"] in LAZY_OPS and i >= 1
-        weights = loader.map_all()
         pending = {}
         for name, view in weights.items():
             if lazy_ok.get(name) and view.nbytes >= LAZY_MIN_BYTES:
@@ -246,6 +257,38 @@ class ColdSession(InferenceSession):
                 loader.verify(name, view)
         self._loader, self._pending = loader, pending
         return graph_from_structure(header, weights)
+
+    # --- integrity, off the critical path --------------------------------------------------------------
+    def _check_integrity(self) -> None:
+        """After the first output (a background thread, niced): mark the graph file recently used (LRU;
+        this changes its change time, so it is done here, not at open), then check every block of it
+        and seal the file as it is now (:meth:`WeightLoader.seal_name`), the old seal removed: the next
+        process's first run checks nothing. The audit also finds what a seal cannot see (the medium
+        changing under an unchanged inode). A failed audit removes the seal and the file: the next run
+        rebuilds the graph."""
+        loader = self._loader
+        if loader is None or self._weights is None:
+            return
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+        try:
+            with contextlib.suppress(OSError):
+                os.utime(loader.path)
+            seal = f"seal-{loader.seal_name(now=True)}"
+            loader.audit(self._weights)
+            if f"seal-{loader.seal_name(now=True)}" == seal:  # unchanged while audited
+                with contextlib.suppress(OSError):  # a read-only cache: the next start checks again
+                    self.store.put_link(seal, loader.path)
+                    if seal != self._seal_key:
+                        self.store.delete(self._seal_key, LINK_SUFFIX)
+        except OSError:  # the file went (evicted) or cannot be stat'ed: no seal this time
+            return
+        except ModelFileError as e:
+            self.integrity_error = e
+            self.store.stats["corrupt"] += 1
+            self.store.delete(self._seal_key, LINK_SUFFIX)
+            self.store.delete(self._graph_key, ".sfe")
+            self._bound.clear()  # the next run takes the cold path again, on a rebuilt graph
 
     def _read_weights(self, step: StepPlan) -> bool:
         """Check the step's weights not checked yet (reading them from the mapping); whether there were any."""
@@ -320,6 +363,9 @@ class ColdSession(InferenceSession):
         if bound is not None:
             with self._limit():
                 return bound.run(feeds)
+        if self.integrity_error is not None and self._loader is not None:  # the audit failed: rebuild
+            self._loader, self._weights, self.sealed = None, None, False
+            self.graph = self._build_graph(self.source)
         try:
             outputs, bound = self._cold_run(feeds, shapes)
         except ModelFileError:  # the cached graph failed a checksum mid-read: rebuild it, run again
@@ -328,6 +374,9 @@ class ColdSession(InferenceSession):
             self.graph = self._build_graph(self.source)
             outputs, bound = self._cold_run(feeds, shapes)
         self._bound.setdefault(key, bound)
+        if self._loader is not None and self._integrity_thread is None:
+            self._integrity_thread = threading.Thread(target=self._check_integrity, name="engine-verify")
+            self._integrity_thread.start()  # not a daemon: the seal is written before the process ends
         if self.warm_switch:
             self._warm_thread = threading.Thread(target=self._switch, args=(shapes, key), name="engine-warm",
                                                  daemon=True)
@@ -409,6 +458,10 @@ class ColdSession(InferenceSession):
                     if s.kernel is not None:
                         self.prepare(s)
                 warm = BoundPlan(plan)
+            if self._integrity_thread is not None:
+                self._integrity_thread.join()
+            if self.integrity_error is not None:  # the graph file failed its audit: rebuilt by the next run
+                return
             self._bound[key] = warm  # one dict store: a concurrent run uses either plan, whole
             if self.build_aot and accel.available() and accel.load_ahead_of_time(self.store.root) is None:
                 self.aot_build = aot.build_in_background(self.store.root)  # for the next cold start
@@ -416,6 +469,14 @@ class ColdSession(InferenceSession):
             self.warm_error = e
         finally:
             self._warm_ready.set()
+
+    def wait_verified(self, timeout: float | None = None) -> bool:
+        """Block until the background integrity check is done (:meth:`_check_integrity`; for tests and
+        benchmarks); False if it is still running."""
+        if self._integrity_thread is not None:
+            self._integrity_thread.join(timeout)
+            return not self._integrity_thread.is_alive()
+        return True
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Block until the warm plan is in use (for tests and benchmarks; callers never need to)."""

@@ -136,12 +136,13 @@ class EntryStore:
                 finally:
                     os.close(fd)
 
-    def file(self, key: str, suffix: str) -> Path | None:
-        """The path of a whole file kept by :meth:`put_file` (marked recently used), or None. The
-        file's format checks its own integrity (an engine model file has a CRC-32 per weight)."""
+    def file(self, key: str, suffix: str, touch: bool = True) -> Path | None:
+        """The path of a whole file kept by :meth:`put_file` (marked recently used unless ``touch`` is
+        False: the caller marks it later), or None. The file's format checks its own integrity (an
+        engine model file has a CRC-32 per weight)."""
         path = self.path(key).with_suffix(suffix)
         try:
-            os.utime(path)
+            os.utime(path) if touch else os.stat(path)
         except FileNotFoundError:
             self.stats["misses"] += 1
             return None

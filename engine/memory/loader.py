@@ -15,6 +15,15 @@ whole file once (private, copy-on-write: writeable views, no copy) and starts th
 in the background (``MADV_WILLNEED``); :meth:`WeightLoader.verify` checks a mapped block's checksum
 before its first use.
 
+A file verified whole once can be *sealed* (:meth:`WeightLoader.seal_name`: a name for the file as it
+is on disk now, from its device, inode, size, modification and change times; the runtime keeps the
+seal, e.g. as a link in its cache): a later loader of the same file identity sets ``trusted`` and
+:meth:`verify` then costs nothing, so checking leaves a cold start's critical path. Any write to the
+file changes its change time (``st_ctime``, which no user call can set back), a replaced file has
+another inode, a torn or truncated one another size: each gets another seal name and is checked
+block by block again before use. What a seal cannot see (the medium rotting under an unchanged
+inode) :meth:`audit` finds: it checks every block off the critical path.
+
 Every block (one weight) carries a checksum in the file header (CRC-32C when both the writer and
 this process have the ``crc32c`` package: hardware speed; else zlib's CRC-32, which costs about a
 quarter of the read time). Reading a block whole, or its row ranges in order (slice 0, 1, ...,
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import math
 import mmap
 import os
@@ -101,6 +111,9 @@ class WeightLoader:
         st = os.fstat(self._fd)
         self._size = st.st_size
         self._identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+        self._seal_parts = (os.path.realpath(self.path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                            st.st_ctime_ns)
+        self.trusted = False  # sealed: verify() skips the checksums (module doc)
         self.blocks: dict[str, Block] = {}
         for e in self.header["weights"]:
             kind, fn = checksum_fn(e) or ("", None)
@@ -130,16 +143,53 @@ class WeightLoader:
         return {b.name: np.frombuffer(self._map, b.dtype, count=int(np.prod(b.shape, dtype=np.int64)),
                                       offset=b.offset).reshape(b.shape) for b in self.blocks.values()}
 
+    def seal_name(self, now: bool = False) -> str:
+        """A short name for this file as it was when opened (``now``: as it is now) from its path,
+        device, inode, size, modification and change times: a seal kept under it after :meth:`audit`
+        passed vouches for exactly these bytes; any change to the file gives another name."""
+        parts = self._seal_parts
+        if now:
+            st = os.stat(self.path)
+            parts = (parts[0], st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
+
     def verify(self, name: str, view: np.ndarray) -> None:
         """Check a mapped block against its checksum (touching its pages: this is where it is read);
-        :class:`ModelFileError` if it does not match."""
+        :class:`ModelFileError` if it does not match. Nothing to do when the file is ``trusted``."""
         b = self.blocks[name]
-        if b.checksum_fn is not None:
+        if b.checksum_fn is not None and not self.trusted:
             crc = b.checksum_fn(view.reshape(-1).view(np.uint8), 0)
             if crc != b.checksum:
                 raise ModelFileError(f"{self.path}: weight {name!r} fails its checksum ({b.checksum_kind} "
                                      f"{crc:#010x}, header says {b.checksum:#010x}): corrupt")
         self.bytes_read += b.nbytes
+
+    def audit(self, views: dict[str, np.ndarray] | None = None, chunk: int = 1 << 20) -> int:
+        """Check every block's checksum, ``chunk`` bytes at a time (the GIL is free between and
+        during chunks: a thread doing this leaves the caller's compute alone), from ``views`` (a
+        mapping's views, :meth:`map_all`) or else read through a small buffer. Raises
+        :class:`ModelFileError` naming the first bad block; returns the bytes checked."""
+        done = 0
+        for b in sorted(self.blocks.values(), key=lambda b: b.offset):
+            if b.checksum_fn is None or not b.nbytes:
+                continue
+            if views is not None and b.name in views:
+                flat = views[b.name].reshape(-1).view(np.uint8)
+                crc = 0
+                for start in range(0, b.nbytes, chunk):
+                    crc = b.checksum_fn(flat[start : start + chunk], crc)
+            else:
+                buf = np.empty(min(chunk, b.nbytes), np.uint8)
+                crc = 0
+                for start in range(0, b.nbytes, chunk):
+                    part = buf[: min(chunk, b.nbytes - start)]
+                    self._read_exact(b, part, b.offset + start)
+                    crc = b.checksum_fn(part, crc)
+            if crc != b.checksum:
+                raise ModelFileError(f"{self.path}: weight {b.name!r} fails its checksum ({b.checksum_kind} "
+                                     f"{crc:#010x}, header says {b.checksum:#010x}): corrupt")
+            done += b.nbytes
+        return done
 
     def check_unchanged(self) -> None:
         """Raise if the file on disk was replaced, resized or touched since it was opened."""

@@ -582,3 +582,73 @@ def test_first_run_cost_counts_disk_reads_transforms_and_jit_load():
     assert extra == pytest.approx((u + w) / 1e8) and from_cache
     fast_disk = Calibration(bytes_per_s=1e9, disk_bytes_per_s=1e12)
     assert fast_disk.first_run_choice(winograd, w, u, True, True, originals_read_anyway=True)[1]
+
+
+def test_graph_file_is_sealed_after_a_full_check_and_then_not_checked_on_the_first_run(cache, x):
+    """The first process that opens a cached graph checks it (CRC per weight, before use) and seals it
+    in the background; the next one trusts the seal: nothing checked before its first output."""
+    graph = small_net()
+    ColdSession(graph, cache_dir=cache, warm_switch=False)  # builds the graph file
+    first_open = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    assert not first_open.sealed and first_open._pending
+    first_open.run(x)
+    assert first_open.wait_verified(30) and first_open.integrity_error is None
+    sealed = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    assert sealed.sealed and sealed._loader.trusted and not sealed._pending
+    np.testing.assert_allclose(first(sealed.run(x)), warm_output(graph, x), atol=TOL, rtol=0)
+    assert sealed.wait_verified(30) and sealed.integrity_error is None  # the background audit passed
+
+
+@pytest.mark.parametrize("damage", ["weight_byte_mtime_kept", "torn"])
+def test_tampered_or_torn_sealed_graph_file_is_refused_before_use(cache, x, damage):
+    """Writing to a sealed file changes its change time (which no user call sets back), a torn copy its
+    size: either way the seal no longer names the file, it is checked before use and refused."""
+    graph = small_net()
+    ColdSession(graph, cache_dir=cache, warm_switch=False)
+    s = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    s.run(x)
+    s.wait_verified(30)
+    (path,) = Path(cache).glob("graph-*.sfe")
+    st = path.stat()
+    raw = bytearray(path.read_bytes())
+    if damage == "torn":
+        raw = raw[: len(raw) - 4096]
+    else:
+        from engine.memory.loader import WeightLoader
+
+        with WeightLoader(path) as loader:
+            big = max(loader.blocks.values(), key=lambda b: b.nbytes)
+        raw[big.offset + big.nbytes // 2] ^= 0x40
+    with open(path, "r+b") as f:  # in place: same inode
+        f.write(bytes(raw))
+        f.truncate()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the modification time put back
+    sess = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    assert not sess.sealed
+    np.testing.assert_allclose(first(sess.run(x)), warm_output(graph, x), atol=TOL, rtol=0)
+    assert sess.store.stats["corrupt"] == 1
+
+
+def test_background_audit_finds_corruption_a_seal_cannot_see(cache, x):
+    """A seal vouches for a file identity; the medium changing under it (simulated: the seal re-made
+    for the damaged file) is found by the audit after the first output: seal and file removed, the next
+    run rebuilds the graph and answers right."""
+    from engine.coldstart.store import EntryStore
+    from engine.memory.loader import WeightLoader
+
+    graph = small_net()
+    ColdSession(graph, cache_dir=cache, warm_switch=False)
+    (path,) = Path(cache).glob("graph-*.sfe")
+    with WeightLoader(path) as loader:
+        big = max(loader.blocks.values(), key=lambda b: b.nbytes)
+    raw = bytearray(path.read_bytes())
+    raw[big.offset + 8] ^= 0x40
+    path.write_bytes(bytes(raw))
+    with WeightLoader(path) as loader:
+        EntryStore(cache).put_link(f"seal-{loader.seal_name()}", path)  # a seal for the bad bytes
+    sess = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    assert sess.sealed
+    sess.run(x)
+    assert sess.wait_verified(30) and sess.integrity_error is not None
+    assert not path.exists() and not list(Path(cache).glob("seal-*"))
+    np.testing.assert_allclose(first(sess.run(x)), warm_output(graph, x), atol=TOL, rtol=0)
