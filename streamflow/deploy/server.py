@@ -18,6 +18,7 @@ the tunnel's key registry, ``devices``):
   success or failure (counted only if the device was offered the release); devices with a tunnel report
   over Kafka instead (:meth:`DeployServer.read_tunnel_reports`).
 - ``GET /deploy/status``: the read-only HTML status page; ``GET /deploy/api/status``: the same as JSON.
+- ``GET /metrics`` (Prometheus, :mod:`streamflow.metrics.deploy`), ``GET /healthz``, ``GET /readyz``.
 - Admin (``Authorization: Bearer <token>``, the token in ``<dir>/admin.token``, mode 0600):
   ``POST /deploy/api/bundles`` (publish: manifest, signature and files, base64 in JSON; the signature
   and every file's digest and size are verified before anything is stored), ``POST /deploy/api/releases``
@@ -71,6 +72,7 @@ from streamflow.deploy.policy import (
 )
 from streamflow.deploy.release import PublishedBundle, ReleaseError, ReleaseManager, ReleasePlan, Simulator
 from streamflow.deploy.state import ReleaseStore
+from streamflow.metrics.deploy import DeployMetrics
 
 if TYPE_CHECKING:
     from connectors.tunnel.keys import KeyRegistry
@@ -115,6 +117,7 @@ class DeployServer:
         self.stats: Counter[str] = Counter()  # requests, directives, bad headers, refused reports...
         self.tunnel_reader: TunnelReportReader | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.metrics = DeployMetrics(self)  # GET /metrics (streamflow.metrics.deploy)
 
     def read_tunnel_reports(self, registry: KeyRegistry | None = None, *, bootstrap: str | None = None,
                             topic: str | None = None) -> None:
@@ -151,6 +154,9 @@ class DeployServer:
         r.add_post("/deploy/api/bundles", self._publish)
         r.add_post("/deploy/api/releases", self._start)
         r.add_post("/deploy/api/tasks/{task}/{command}", self._task_command)
+        r.add_get("/metrics", self._metrics)
+        r.add_get("/healthz", self._healthz)
+        r.add_get("/readyz", self._readyz)
         app.cleanup_ctx.append(self._ticker)
         return app
 
@@ -223,10 +229,24 @@ class DeployServer:
             response.headers[DEPLOY_ERROR_HEADER] = (refused or "unauthenticated")[:300]
             return
         headers = request.headers
+        started = time.perf_counter()
         value = self.manager.decide_header(device, tasks, headers.get(ATTRS_HEADER), headers.get(USER_HEADER))
+        self.metrics.decision.observe(time.perf_counter() - started)
         if value is not None:
             self.stats["directives"] += 1
             response.headers[DEPLOY_HEADER] = value
+
+    # -- operating it: Prometheus metrics, liveness, readiness ---------------------------------------
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        why = self.metrics.ready()
+        return web.Response(text="ready\n") if why is None else web.Response(status=503, text=f"not ready: {why}\n")
 
     # -- device endpoints -------------------------------------------------------------------------
     async def _app_api(self, request: web.Request) -> web.Response:
