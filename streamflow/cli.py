@@ -250,6 +250,7 @@ def serve_command(
     seed: Annotated[int, typer.Option(help="seed of the policy's sampling")] = 0,
     web_port: Annotated[int | None, typer.Option(help="serve faust's web views on 127.0.0.1:PORT (default: off)")]
     = None,
+    metrics_port: MetricsPortOption = None,
     key_registry: KeyRegistryOption = None,
     loglevel: Annotated[Literal["debug", "info", "warning", "error"], typer.Option()] = "warning",
 ) -> int:
@@ -265,12 +266,14 @@ def serve_command(
                                        rule=s.serve_rule,
                                        app_id=s.serve_app_id, zoo_path=Path(zoo) if zoo else None, seed=seed,
                                        explore=explore,
-                                       web_port=web_port, key_registry=Path(key_registry) if key_registry else None)
+                                       web_port=web_port, metrics_port=metrics_port,
+                                       key_registry=Path(key_registry) if key_registry else None)
     try:
         served = served_models(config)
     except ZooError as exc:
         return _error(str(exc), 2)
-    print(f"serving {', '.join(served)} (zoo {config.zoo_path}) from {config.bootstrap}, app {config.app_id}",
+    print(f"serving {', '.join(served)} (zoo {config.zoo_path}) from {config.bootstrap}, app {config.app_id}"
+          + (f"; metrics on http://127.0.0.1:{metrics_port}/metrics (and /healthz, /readyz)" if metrics_port else ""),
           file=sys.stderr)
     try:
         run_worker(config, loglevel)

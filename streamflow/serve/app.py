@@ -13,7 +13,8 @@ by MDInference's policy.
   (:func:`~streamflow.serve.messages.reply_partition`);
 - a **Faust table** ``serve-profiles`` holds each model's EWMA latency profile (mean and variance, seeded
   from the zoo's measured profile), changelogged to the broker, so a restarted worker resumes with them;
-  a second table ``serve-counters`` counts what was served, expired and dead-lettered;
+  a second table ``serve-counters`` counts what was served (and how much of it left within the device's wait),
+  expired and dead-lettered; with ``metrics_port`` they are Prometheus metrics (:mod:`streamflow.metrics.serve`);
 - a request that does not verify or parse goes whole to ``serve.requests.dlq`` with its reason in the
   headers and is counted (``dead_letter.<reason>``); a request whose wait had already passed when the worker
   got to it (after an outage, say; judged by the device's clock at sending against the worker's, so the two
@@ -88,6 +89,7 @@ class ServeConfig:
     reply_retention_s: float = 30.0
     cleanup_every_s: float = 5.0
     web_port: int | None = None  # None: no web server
+    metrics_port: int | None = None  # Prometheus /metrics, /healthz, /readyz on faust's web server there; None: off
     warm_up: bool = True
     empty_fetch_pause_ms: float = 2.0  # see pause_after_empty_fetches; 0: off
 
@@ -205,9 +207,13 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
     server = server or load_server(config)
     if config.empty_fetch_pause_ms > 0:
         pause_after_empty_fetches(config.empty_fetch_pause_ms)
-    web = {"web_enabled": config.web_port is not None, "web_bind": "127.0.0.1", "web_host": "127.0.0.1"}
-    if config.web_port is not None:
-        web["web_port"] = config.web_port
+    if config.metrics_port is not None and config.web_port not in (None, config.metrics_port):
+        raise ValueError("the metrics are served on faust's web server: give --web-port and --metrics-port the same "
+                         "port, or only one of them")
+    port = config.metrics_port if config.metrics_port is not None else config.web_port
+    web = {"web_enabled": port is not None, "web_bind": "127.0.0.1", "web_host": "127.0.0.1"}
+    if port is not None:
+        web["web_port"] = port
     app = faust.App(
         config.app_id, broker=faust_broker(config.bootstrap), store="memory://", topic_partitions=1,
         datadir=Path(tempfile.gettempdir()) / f"streamflow-serve-{config.app_id}",
@@ -219,6 +225,11 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
     profiles = app.Table(PROFILES_TABLE, default=None, partitions=1)
     counters = app.Table(COUNTERS_TABLE, default=int, partitions=1)
     loop_executor = server.executor
+    metrics = None
+    if config.metrics_port is not None:
+        from streamflow.metrics.serve import wire
+
+        metrics = wire(app, counters, config.metrics_port)
 
     def count(name: str) -> None:
         counters[name] += 1
@@ -242,6 +253,8 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
             return
         partition = reply_partition(request.device)
         sent = await replies.send(key=request.device.encode(), value=encode_reply(answer, key), partition=partition)
+        if metrics is not None:
+            metrics.replied(request.sent_ms, answer.inference_ms, answer.model)
         sent.add_done_callback(lambda f: f.exception() or server.replies_sent.append(
             (time.monotonic(), f.result().topic_partition.partition, f.result().offset)))
 
@@ -281,6 +294,8 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
         profiles[choice.model] = server.policy.update(current[choice.model], inference_ms).to_dict()
         count("served")
         count(f"model.{choice.model}")
+        if time.time() * 1000.0 <= request.sent_ms + request.wait_ms:  # the answer leaves within the device's wait
+            count("in_time")
         await reply(request, Reply(**base, status="ok", model=choice.model, label=label, budget_ms=choice.budget_ms,
                                    network_ms=choice.network_ms, inference_ms=inference_ms,
                                    candidates=choice.candidates))

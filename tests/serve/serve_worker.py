@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ class Worker:
     app_id: str
     bootstrap: str
     log: Path
+    metrics_port: int  # /metrics, /healthz, /readyz on 127.0.0.1 (streamflow.metrics.serve)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -46,13 +48,16 @@ def start_worker(bootstrap: str, zoo: Zoo, keys: KeyRegistry, log: Path, probe: 
     from streamflow.serve.client import ServeClient
 
     app_id = f"serve-test-{uuid.uuid4().hex[:8]}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
     env = {**os.environ, "STREAMFLOW_KAFKA_BOOTSTRAP": bootstrap, "STREAMFLOW_KEY_REGISTRY": str(keys.path),
            "PYTHONPATH": str(ROOT)}
     with open(log, "wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "streamflow.cli", "serve", "--app-id", app_id,
-                                    "--zoo", str(zoo.path), "--loglevel", "info"],
+                                    "--zoo", str(zoo.path), "--loglevel", "info", "--metrics-port", str(metrics_port)],
                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    worker = Worker(process, app_id, bootstrap, log)
+    worker = Worker(process, app_id, bootstrap, log, metrics_port)
     try:
         with ServeClient("phone-1", keys.key_for("phone-1"), bootstrap=bootstrap, zoo=zoo) as c:
             deadline = time.monotonic() + WORKER_START_S
