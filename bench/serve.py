@@ -29,8 +29,10 @@ cloud replied to afterwards), ``per_setting`` (each setting × policy), the load
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import REPO, GcPauses, finish, log, parse_args, percentile
 from connectors.tunnel.keys import KeyRegistry
@@ -56,6 +59,8 @@ CVS = (0.0, 0.5, 1.0)
 POLICIES = ("mdinference", "largest", "local")
 OUTAGE_SLA_MS, OUTAGE_CV = 150.0, 0.5
 DEVICE = "bench-phone"
+SCRAPE_EVERY_S = 1.0  # the worker's /metrics is scraped this often (Prometheus: 5-60 s; docker/'s: 5 s)
+BURST_INTERVAL_S = 0.005  # between requests of the metrics-overhead phase
 
 
 def options(parser: Any) -> None:
@@ -77,13 +82,74 @@ def load_zoo() -> Zoo:
         return build_zoo()
 
 
-def start_worker(bootstrap: str, zoo: Zoo, registry: Path, log_path: Path, rule: str) -> subprocess.Popen:
+def start_worker(bootstrap: str, zoo: Zoo, registry: Path, log_path: Path, rule: str,
+                 metrics_port: int | None = None, models: str | None = None) -> subprocess.Popen:
     env = {**os.environ, "STREAMFLOW_KAFKA_BOOTSTRAP": bootstrap, "STREAMFLOW_KEY_REGISTRY": str(registry),
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    extra = (["--metrics-port", str(metrics_port)] if metrics_port is not None else []) + (
+        ["--models", models] if models else [])
     with open(log_path, "wb") as out:
         return subprocess.Popen([sys.executable, "-m", "streamflow.cli", "serve", "--app-id",
-                                 f"bench-serve-{uuid.uuid4().hex[:8]}", "--zoo", str(zoo.path), "--rule", rule],
-                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+                                 f"bench-serve-{uuid.uuid4().hex[:8]}", "--zoo", str(zoo.path), "--rule", rule,
+                                 *extra], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def stop_worker(worker: subprocess.Popen) -> None:
+    if worker.poll() is not None:
+        return
+    worker.terminate()
+    try:
+        worker.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape_loop(url: str, every_s: float, stop: Any, out: Any) -> None:
+    """A Prometheus stand-in (its own process, so the device's process pays nothing): GET ``url`` every
+    ``every_s``; puts the number of scrapes and the last exposition on ``out`` when ``stop`` is set."""
+    import urllib.request
+
+    scrapes, last = 0, ""
+    while not stop.wait(every_s):
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                last = response.read().decode()
+            scrapes += 1
+        except OSError:  # not up yet, or stopping
+            continue
+    out.put((scrapes, last))
+
+
+class Scraping:
+    """:func:`scrape_loop` in a spawned process, from start to :meth:`stop` (the scrapes and the last text)."""
+
+    def __init__(self, url: str, every_s: float = SCRAPE_EVERY_S):
+        ctx = mp.get_context("spawn")
+        self.stop_event, self.out = ctx.Event(), ctx.Queue()
+        self.process = ctx.Process(target=scrape_loop, args=(url, every_s, self.stop_event, self.out), daemon=True)
+        self.process.start()
+
+    def stop(self) -> tuple[int, str]:
+        self.stop_event.set()
+        try:
+            result = self.out.get(timeout=30)
+        except Exception:  # noqa: BLE001 - queue.Empty: the scraper died; say so in the figures
+            result = (0, "")
+        self.process.join(10)
+        return result
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_for_cloud(client: ServeClient, image: np.ndarray, worker: subprocess.Popen, log_path: Path,
@@ -124,6 +190,60 @@ def run_setting(client: ServeClient, images: np.ndarray, labels: np.ndarray, sta
     counts = Counter(client.counts)
     counts.subtract(before)
     return answered[warmup:], warmup, dict(counts)
+
+
+def metrics_overhead(bootstrap: str, zoo: Zoo, registry: Path, key: bytes, images: np.ndarray, tmp: Path,
+                     rule: str, n: int, orders: tuple[bool, ...]) -> dict[str, Any]:
+    """The worker's CPU per request with its metrics served and scraped vs without: a fresh worker per turn (two
+    cannot share ``serve.requests``), each serving only the zoo's fastest model (the least work per request, so the
+    metrics' share is the largest), ``n`` requests with a 10 s SLA sent every :data:`BURST_INTERVAL_S` straight to
+    the broker (no shim), after a warm-up. The worker's CPU (``/proc``) over the burst, per request."""
+    fastest = zoo.fastest().name
+    cpu: dict[bool, list[float]] = {True: [], False: []}
+    rate: dict[bool, list[float]] = {True: [], False: []}
+    for turn, with_metrics in enumerate(orders):
+        port = free_port() if with_metrics else None
+        log_path = tmp / f"overhead_{turn}.log"
+        worker = start_worker(bootstrap, zoo, registry, log_path, rule, metrics_port=port, models=fastest)
+        scraping = Scraping(f"http://127.0.0.1:{port}/metrics") if port is not None else None
+        try:
+            with ServeClient(DEVICE, key, bootstrap=bootstrap, zoo=zoo) as client:
+                wait_for_cloud(client, images[0], worker, log_path)
+                for i in range(30):  # warm-up: the device's upload estimate, the worker's first fetches
+                    client.infer(images[i % len(images)], 2000.0, "largest")
+                before, started = process_cpu_s(worker.pid), time.monotonic()
+                futures = []
+                for i in range(n):
+                    futures.append(client.submit(images[i % len(images)], 10_000.0, "largest"))
+                    time.sleep(BURST_INTERVAL_S)
+                answers = [future.result(timeout=120) for future in futures]
+                wall = time.monotonic() - started
+                used = process_cpu_s(worker.pid) - before
+            by_cloud = sum(a.answered_by == "cloud" for a in answers)
+            if by_cloud < n:
+                log(f"metrics overhead: {n - by_cloud} of {n} requests answered by the device")
+            cpu[with_metrics].append(used / n)
+            rate[with_metrics].append(n / wall)
+            log(f"metrics overhead: worker {'with' if with_metrics else 'without'} metrics: "
+                f"{used / n * 1000:.2f} ms CPU per request, {n / wall:.0f} requests/s")
+        finally:
+            if scraping is not None:
+                scraping.stop()
+            worker.terminate()
+            try:
+                worker.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+    on, off = statistics.median(cpu[True]), statistics.median(cpu[False])
+    return {"metrics_overhead_fraction": round(on / off - 1, 4),
+            "target_metrics_overhead_3pct_met": on / off - 1 <= 0.03,
+            "metrics_overhead_fraction_wall": round(1 - statistics.median(rate[True]) / statistics.median(rate[False]),
+                                                    4),
+            "metrics_overhead_worker_cpu_ms_per_request": {"metrics": round(on * 1000, 3),
+                                                           "no_metrics": round(off * 1000, 3)},
+            "metrics_overhead_requests": n, "metrics_overhead_model": fastest,
+            "metrics_overhead_turns": ["metrics" if t else "no_metrics" for t in orders]}
 
 
 def misses(rows: list[tuple[int, str, float, Answer]], limit: int = 5) -> list[str]:
@@ -211,7 +331,9 @@ def main(argv: list[str] | None = None) -> None:
     registry = KeyRegistry(tmp / "keys.json")
     key = registry.add(DEVICE)
     worker_log = tmp / "worker.log"
-    worker = start_worker(broker.bootstrap, zoo, registry.path, worker_log, args.rule)
+    metrics_port = free_port()  # the settings run with the worker's metrics served and scraped
+    worker = start_worker(broker.bootstrap, zoo, registry.path, worker_log, args.rule, metrics_port=metrics_port)
+    scraping: Scraping | None = Scraping(f"http://127.0.0.1:{metrics_port}/metrics")
     wanted = set(args.settings.split(",")) if args.settings else None
     shim = client = None
     try:
@@ -257,6 +379,17 @@ def main(argv: list[str] | None = None) -> None:
         if wanted is None or "outage" in wanted:
             outage_metrics = run_outage(client, shim, images, labels, next_image, per_policy, interval_s, outage_s,
                                         args, per_setting)
+        scrapes, exposition = scraping.stop()
+        scraping = None
+        scraped = {s.name: s.value for f in text_string_to_metric_families(exposition) for s in f.samples
+                   if not s.labels}
+        client.close()
+        shim.stop()
+        client = shim = None
+        stop_worker(worker)
+        turns = (True, False) if args.quick else (True, False, False, True)
+        overhead = metrics_overhead(broker.bootstrap, zoo, registry.path, key, images, tmp, args.rule,
+                                    60 if args.quick else 300, turns)
         network = [v for k, v in per_setting.items() if k != "outage"]
         attainments = [s["mdinference"]["sla_attainment"] for s in per_setting.values()]
         metrics = {
@@ -269,6 +402,10 @@ def main(argv: list[str] | None = None) -> None:
             "on_device_reliance": round(statistics.fmean(s["mdinference"]["device_share"] for s in network), 4),
             "p99_ms": round(percentile(sorted(pooled_mdi), 99), 2),
             **outage_metrics,
+            **overhead,
+            "metrics_scrapes": scrapes,
+            "metrics_scrape_every_s": SCRAPE_EVERY_S,
+            "metrics_requests_total_last_scrape": scraped.get("streamflow_serve_requests_total"),
             "duplicate_replies": client.counts.get("duplicate_replies", 0),
             "requests_per_policy_per_setting": per_policy,
             "interval_ms": interval_s * 1000,
@@ -288,16 +425,13 @@ def main(argv: list[str] | None = None) -> None:
             "wall_s": round(time.monotonic() - began, 1),
         }
     finally:
+        if scraping is not None:
+            scraping.stop()
         if client is not None:
             client.close()
         if shim is not None:
             shim.stop()
-        worker.terminate()
-        try:
-            worker.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
+        stop_worker(worker)
         broker.down()
         shutil.rmtree(tmp, ignore_errors=True)
     finish("serve", metrics, quick=args.quick)

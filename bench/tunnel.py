@@ -95,6 +95,15 @@ Measured side by side in one run:
   phase with receipts off (``e2e_lost_rows_broker_kill_receipts_off``: Kafka's guarantee alone, as before
   issue 25).
 
+- **Metrics** (``metrics_overhead_fraction``, issue 30): the throughput and latency clouds run with their
+  Prometheus metrics served (:mod:`streamflow.metrics.cloud`) and scraped over HTTP every ``SCRAPE_EVERY_S`` (1 s)
+  by a thread of the bench's process, so every figure above is with metrics on. Beside the throughput cloud, a
+  second one without metrics (its own topic, sink and DuckDB file) stores the same rows in the same rounds, the two
+  taking turns to go first. ``metrics_overhead_fraction``: the cloud process's CPU per row stored with metrics over
+  without, less 1 (medians over the rounds): the throughput cost for a consumer that keeps a core busy;
+  ``metrics_overhead_fraction_wall``: 1 - rows/s stored with metrics / without (the device and the broker share
+  the two cores with it, so this one is noisier). ``cloud_cpu_us_per_row`` gives both.
+
 Timings are reported, never asserted; ``loadavg_1m_start_end`` says how busy the (shared) machine
 was. ``--quick`` (under 60 s): 3 latency rounds of 2.5 s per size, 10,000-row tunnel and 1,000-row
 naive throughput rounds, and the naive bytes rebuilt instead of sent (the full run sends them and
@@ -147,6 +156,7 @@ KILL_LAG_S = 1.0  # the cloud stops reading this long before each kill (noida-db
 SINGLE_ROW_SAMPLE = 1_000  # rows put each in an envelope of its own: the run's last ones, after the dictionary window
 WAIT_S = 120.0
 CODECS = {"none": 0, "gzip": 1, "lz4": 3, "zstd": 4}  # Kafka record-batch compression attribute
+SCRAPE_EVERY_S = 1.0  # a cloud with metrics is scraped this often (Prometheus: 5-60 s; docker/'s: 5 s)
 
 
 # -- the cloud side (child processes) -----------------------------------------------------------------
@@ -160,8 +170,8 @@ def cloud_process(mode: str, db: str, registry: str, bootstrap: str, topic: str,
     """
     logging.basicConfig(level=logging.WARNING, format="cloud %(levelname)s %(name)s: %(message)s")
     try:
-        if mode == "tunnel":
-            _tunnel_cloud(db, registry, bootstrap, topic, group, out, stop, active)
+        if mode.startswith("tunnel"):
+            _tunnel_cloud(db, registry, bootstrap, topic, group, out, stop, active, metrics=mode == "tunnel+metrics")
         else:
             _naive_cloud(db, bootstrap, topic, group, out, stop, active)
     except BaseException as exc:
@@ -170,10 +180,16 @@ def cloud_process(mode: str, db: str, registry: str, bootstrap: str, topic: str,
 
 
 def _tunnel_cloud(db: str, registry: str, bootstrap: str, topic: str, group: str, out: Any, stop: Any,
-                  active: Any) -> None:
+                  active: Any, metrics: bool = False) -> None:
     from connectors.tunnel.cloud import CloudConsumer
 
     consumer = CloudConsumer(db, KeyRegistry(registry), topic=topic, bootstrap=bootstrap, group_id=group)
+    server = None
+    if metrics:  # Prometheus metrics (streamflow.metrics.cloud) on a free port, scraped by the parent (Scraper)
+        from streamflow.metrics.cloud import serve_cloud_metrics
+
+        server = serve_cloud_metrics(consumer, 0)
+        out.put(("metrics_url", server.url + "/metrics"))
     store, apply = consumer.store, consumer.store.apply
     committed_at: list[float] = []  # when COMMIT returned, per transaction that stored batches, in order
     called_at: list[float] = []  # when apply was called (the poll returned and its messages were opened)
@@ -189,7 +205,7 @@ def _tunnel_cloud(db: str, registry: str, bootstrap: str, topic: str, group: str
             called_at.append(called)
         if result.stored:
             stored += result.stored
-            out.put(("stored", committed, stored))
+            out.put(("stored", committed, stored, time.process_time()))
         return result
 
     store.apply = timed_apply  # type: ignore[method-assign]
@@ -209,11 +225,41 @@ def _tunnel_cloud(db: str, registry: str, bootstrap: str, topic: str, group: str
         ingested = [row[0] for row in store.query("SELECT DISTINCT ingested_at FROM tunnel.batches ORDER BY 1")]
     finally:
         consumer.close()
+        if server is not None:
+            server.close()
     if len(ingested) != len(committed_at):
         raise RuntimeError(f"{len(ingested)} ingested_at stamps for {len(committed_at)} recorded commits")
     out.put(("done", list(zip(ingested, zip(called_at, committed_at, strict=True), strict=True)), {
         "messages": stats.messages, "stored": stats.stored, "duplicates": stats.duplicates, "dead": dict(stats.dead),
         "gc": gc_pauses.summary()}))
+
+
+class Scraper:
+    """Scrapes a cloud's ``/metrics`` over HTTP every :data:`SCRAPE_EVERY_S` from a thread of this process (as a
+    Prometheus elsewhere would: the cloud process pays for answering, not for reading the answer)."""
+
+    def __init__(self, url: str):
+        import threading
+
+        self.url, self.scrapes, self.last = url, 0, ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scraper", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import urllib.request
+
+        while not self._stop.wait(SCRAPE_EVERY_S):
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as response:
+                    self.last = response.read().decode()
+                self.scrapes += 1
+            except OSError:  # the cloud process stopping
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
 
 
 def _naive_cloud(db: str, bootstrap: str, topic: str, group: str, out: Any, stop: Any, active: Any) -> None:
@@ -261,6 +307,8 @@ class Cloud:
             mode, str(db), str(registry), bootstrap, topic, group, self.out, self.stop_event, self.active))
         self.process.start()
         self.stored = 0  # rows stored so far, as last reported
+        self.cpu_s = 0.0  # the cloud process's CPU time when it last reported (tunnel clouds)
+        self.scraper: Scraper | None = None  # scrapes its /metrics (a cloud with metrics)
         self.expected = 0  # rows sent to it so far
         self.commits: dict[datetime, tuple[float, float]] = {}  # transaction start → (apply called, committed)
         self.stats: dict[str, Any] = {}
@@ -272,6 +320,8 @@ class Cloud:
             return None
         if message[0] == "error":
             raise RuntimeError(f"cloud {self.mode} process failed: {message[1]}")
+        if message[0] == "metrics_url":
+            self.scraper = Scraper(message[1])
         return message
 
     def wait_stored(self, n: int) -> float:
@@ -300,11 +350,15 @@ class Cloud:
                 continue
             if message[0] == "stored":
                 self.stored = message[2]
+                if len(message) > 3:
+                    self.cpu_s = message[3]
                 if self.stored >= self.expected:
                     return message[1]
         raise RuntimeError(f"cloud {self.mode} stored {self.stored} of {self.expected} rows within {WAIT_S:.0f} s")
 
     def close(self) -> None:
+        if self.scraper is not None:
+            self.scraper.close()
         self.stop_event.set()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -642,17 +696,23 @@ def main(argv: list[str] | None = None) -> None:
             log(f"broker: noida-db on {bootstrap}; the bytes and latency phases on private ones at {bytes_bootstrap}"
                 f" and {lat_bootstrap}")
         registry = KeyRegistry(tmp / "keys.json")
-        keys = {d: registry.add(d) for d in ("bench-lat-3kb", "bench-lat-30kb", "bench-tput", "bench-bytes")}
-        tunnel_topic, naive_topic, lat_topic = (f"bench.{name}.{run_id}" for name in ("tunnel", "naive", "latency"))
-        for topic in (tunnel_topic, naive_topic):
+        keys = {d: registry.add(d) for d in ("bench-lat-3kb", "bench-lat-30kb", "bench-tput", "bench-tput-off",
+                                             "bench-bytes")}
+        tunnel_topic, off_topic, naive_topic, lat_topic = (f"bench.{name}.{run_id}" for name in (
+            "tunnel", "nometrics", "naive", "latency"))
+        for topic in (tunnel_topic, off_topic, naive_topic):
             ensure_topic(bootstrap, topic)
         ensure_topic(lat_bootstrap, lat_topic)
-        cloud = Cloud("tunnel", tmp / "cloud.duckdb", registry.path, bootstrap, tunnel_topic, f"bench-cloud-{run_id}")
+        # the clouds measured run with their metrics served and scraped; cloud_off, the same without, beside it
+        cloud = Cloud("tunnel+metrics", tmp / "cloud.duckdb", registry.path, bootstrap, tunnel_topic,
+                      f"bench-cloud-{run_id}")
+        cloud_off = Cloud("tunnel", tmp / "cloud_off.duckdb", registry.path, bootstrap, off_topic,
+                          f"bench-cloud-off-{run_id}")
         naive_cloud = Cloud("naive", tmp / "naive.duckdb", registry.path, bootstrap, naive_topic,
                             f"bench-naive-{run_id}")
-        lat_cloud = Cloud("tunnel", tmp / "latency_cloud.duckdb", registry.path, lat_bootstrap, lat_topic,
+        lat_cloud = Cloud("tunnel+metrics", tmp / "latency_cloud.duckdb", registry.path, lat_bootstrap, lat_topic,
                           f"bench-latency-{run_id}")
-        clouds += [cloud, naive_cloud, lat_cloud]
+        clouds += [cloud, cloud_off, naive_cloud, lat_cloud]
 
         # bytes (while the cloud processes start)
         job = load_job(JOB_FILE)
@@ -689,18 +749,21 @@ def main(argv: list[str] | None = None) -> None:
             sink._deliver = _timed_deliver(sink._deliver, sent[kind])  # type: ignore[method-assign]
         tput = TunnelSink("bench-tput", keys["bench-tput"], tmp / "tput.spool", topic=tunnel_topic,
                           bootstrap=bootstrap)
-        sinks += [*lat_sinks.values(), tput]
+        tput_off = TunnelSink("bench-tput-off", keys["bench-tput-off"], tmp / "tput_off.spool", topic=off_topic,
+                              bootstrap=bootstrap)
+        sinks += [*lat_sinks.values(), tput, tput_off]
         linger_s, batch_rows, tput_compression = tput.linger_s, tput.batch_rows, tput.compression
         rng = np.random.default_rng(args.seed)
         lat_cloud.resume()
         for kind, sink in lat_sinks.items():
             paced(sink, f"warmup_{kind}", rng.standard_normal((WARMUP_ROWS, DIMS[kind]), dtype=np.float32), -1)
         lat_cloud.wait_stored(2 * WARMUP_ROWS)
-        cloud.resume()
-        for row in ipv_like_rows(ipv_rows, 1000):
-            tput.write("warmup_tput", [row])
-        tput.flush()
-        cloud.wait_stored(1000)
+        for c, sink in ((cloud, tput), (cloud_off, tput_off)):
+            c.resume()
+            for row in ipv_like_rows(ipv_rows, 1000):
+                sink.write("warmup_tput", [row])
+            sink.flush()
+            c.wait_stored(1000)
         producer = naive_producer(bootstrap)
         naive_cloud.resume()
         send_naive(producer, naive_topic, b"bench-tput", ipv_like_rows(ipv_rows, 1000))
@@ -711,25 +774,35 @@ def main(argv: list[str] | None = None) -> None:
         n_rows, n_naive = THROUGHPUT_ROWS[quick], NAIVE_ROWS[quick]
         rows, naive_rows = ipv_like_rows(ipv_rows, n_rows), ipv_like_rows(ipv_rows, n_naive)
         rates, acked_rates, naive_rates = [], [], []
-        for _ in progress(range(args.rounds), f"throughput rounds ({n_rows:,} tunnel / {n_naive:,} naive rows)",
-                          total=args.rounds):
-            cloud.resume()
-            started = time.time()
-            for row in rows:
-                tput.write("ipv", [row])
-            tput.flush()
-            if not tput.wait_delivered(WAIT_S):
-                raise RuntimeError("the tunnel sink did not deliver the throughput rows")
-            acked = time.time()
-            stored = cloud.wait_stored(n_rows)
-            rates.append(n_rows / (stored - started))
-            acked_rates.append(n_rows / (acked - started))
+        rates_off: list[float] = []
+        cpu_per_row: dict[bool, list[float]] = {True: [], False: []}  # the cloud process's CPU s per row stored
+        for rnd in progress(range(args.rounds), f"throughput rounds ({n_rows:,} tunnel with and without metrics / "
+                            f"{n_naive:,} naive rows)", total=args.rounds):
+            for with_metrics in ((True, False) if rnd % 2 == 0 else (False, True)):  # either goes first in turn
+                c, sink = (cloud, tput) if with_metrics else (cloud_off, tput_off)
+                cpu_before = c.cpu_s
+                c.resume()
+                started = time.time()
+                for row in rows:
+                    sink.write("ipv", [row])
+                sink.flush()
+                if not sink.wait_delivered(WAIT_S):
+                    raise RuntimeError("the tunnel sink did not deliver the throughput rows")
+                acked = time.time()
+                stored = c.wait_stored(n_rows)
+                cpu_per_row[with_metrics].append((c.cpu_s - cpu_before) / n_rows)
+                if with_metrics:
+                    rates.append(n_rows / (stored - started))
+                    acked_rates.append(n_rows / (acked - started))
+                else:
+                    rates_off.append(n_rows / (stored - started))
             naive_cloud.resume()
             started = time.time()
             send_naive(producer, naive_topic, b"bench-tput", naive_rows)
             naive_rates.append(n_naive / (naive_cloud.wait_stored(n_naive) - started))
-            log(f"  tunnel {rates[-1]:,.0f} rows/s stored ({acked_rates[-1]:,.0f} acked), "
-                f"naive {naive_rates[-1]:,.0f} rows/s stored")
+            log(f"  tunnel {rates[-1]:,.0f} rows/s stored ({acked_rates[-1]:,.0f} acked; without metrics "
+                f"{rates_off[-1]:,.0f}), cloud CPU {cpu_per_row[True][-1] * 1e6:.1f} us/row (without metrics "
+                f"{cpu_per_row[False][-1] * 1e6:.1f}), naive {naive_rates[-1]:,.0f} rows/s stored")
 
         # latency rounds: every 3 KB round, then every 30 KB round (see the module docstring for why)
         n_paced = int(LATENCY_SECONDS[quick] * RATE)
@@ -752,6 +825,7 @@ def main(argv: list[str] | None = None) -> None:
             if c.stats.get("duplicates") or c.stats.get("dead"):
                 log(f"cloud consumer: {c.stats}")
         lat = {kind: row_times(lat_cloud.db, f"lat_{kind}", lat_cloud.commits, acks[kind], sent[kind]) for kind in DIMS}
+        scrapes = sum(c.scraper.scrapes for c in (cloud, lat_cloud) if c.scraper is not None)
         cloud_gc = lat_cloud.stats.get("gc")
     finally:
         for sink in sinks:
@@ -775,6 +849,10 @@ def main(argv: list[str] | None = None) -> None:
     metrics["one_row_per_envelope_wire_bytes_per_row"] = byte_metrics.pop("one_row_per_envelope_wire_bytes_per_row")
     metrics["bytes_saved_fraction_vs_app_events_json"] = byte_metrics.pop("bytes_saved_fraction_vs_app_events_json")
     metrics["rows_per_s"] = round(median(rates))
+    # the consumer's CPU per row stored with its metrics served and scraped vs without (the throughput cost for a
+    # consumer that keeps a core busy); the wall-clock rows/s of the two are reported beside it
+    metrics["metrics_overhead_fraction"] = round(median(cpu_per_row[True]) / median(cpu_per_row[False]) - 1, 4)
+    metrics["target_metrics_overhead_3pct_met"] = metrics["metrics_overhead_fraction"] <= 0.03
     metrics["bytes_saved_fraction"] = byte_metrics.pop("bytes_saved_fraction")
     on = kill_metrics.get("on")
     metrics["e2e_lost_rows_broker_kill"] = on["lost"] if on else None
@@ -820,6 +898,12 @@ def main(argv: list[str] | None = None) -> None:
         "receipts": True,
         "payload_bytes": {kind: dims * 4 for kind, dims in DIMS.items()},
         "device_acked_rows_per_s": round(median(acked_rates)),
+        "metrics_overhead_fraction_wall": round(1 - median(rates) / median(rates_off), 4),
+        "rows_per_s_without_metrics": round(median(rates_off)),
+        "cloud_cpu_us_per_row": {"metrics": round(median(cpu_per_row[True]) * 1e6, 2),
+                                 "no_metrics": round(median(cpu_per_row[False]) * 1e6, 2)},
+        "metrics_scrapes": scrapes,
+        "metrics_scrape_every_s": SCRAPE_EVERY_S,
         "naive_json_rows_per_s": round(median(naive_rates)),
         "tunnel_vs_naive_rows_per_s": round(median(rates) / median(naive_rates), 2),
         "throughput_rows": n_rows,
