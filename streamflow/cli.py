@@ -13,7 +13,8 @@
 One command line (Typer), every default from :mod:`streamflow.settings` (explicit option first,
 ``STREAMFLOW_*`` second, built-in default last). :func:`main` returns the exit code: 0 done, 1 the
 broker or the spool is unavailable or a cluster failed, 2 bad input (job file, events file, options) or a
-missing prerequisite (an extra, a JVM, a Flink cluster that does not answer: :mod:`streamflow.prerequisites`).
+missing prerequisite (an extra, a JVM, a Kafka broker or a Flink cluster that does not answer:
+:mod:`streamflow.prerequisites`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from streamflow.deploy.errors import BundleError
 from streamflow.deploy.release_commands import deploy_server, release_app
 from streamflow.flink.connector_jars import kafka_topic  # reads kafka://TOPIC without PyFlink
 from streamflow.job import Job, JobLoadError, Task, load_job
-from streamflow.prerequisites import MissingPrerequisite, require_extra, require_flink, require_java
+from streamflow.prerequisites import MissingPrerequisite, require_broker, require_extra, require_flink, require_java
 from streamflow.progress import Track
 from streamflow.runners.device import DeviceRunner, RuntimeMode
 from streamflow.settings import SettingsError, env_name, settings
@@ -268,6 +269,7 @@ def serve_command(
                                        explore=explore,
                                        web_port=web_port, metrics_port=metrics_port,
                                        key_registry=Path(key_registry) if key_registry else None)
+    require_broker("streamflow serve", config.bootstrap)
     try:
         served = served_models(config)
     except ZooError as exc:
@@ -395,6 +397,8 @@ def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
     tunnel_commands.check_tunnel(tunnel_options, args.runner)
     if args.runner == "flink":
         require_flink("--runner flink", args.cluster)
+    if from_kafka:
+        require_broker(f"--events {args.events}")
     if args.metrics_port is not None:
         if args.runner == "flink":
             raise ValueError("--metrics-port is the device runner's; a Flink job reports through Flink's metrics")

@@ -1,8 +1,9 @@
-"""What a command needs beyond the core install, checked before it starts: an extra, a JVM, a Flink cluster.
+"""What a command needs beyond the core install, checked before it starts: an extra, a JVM, a broker, a cluster.
 
 ``make run`` installs the core only. A command that needs more calls these first, so that what is missing is
 one line naming the fix (``streamflow`` prints it and exits with 2), not a traceback, a retry loop or a silent
-wait. Each check is cheap: :func:`require_extra` looks the modules up without importing them.
+wait. Each check is cheap: :func:`require_extra` looks the modules up without importing them, and
+:func:`require_broker` and :func:`require_cluster` give up within a few seconds.
 
     >>> require_extra("core", "json", what="this")       # present: nothing happens
     >>> require_extra("kafka", "no_such_module_xyz", what="tunnel consume")  # doctest: +ELLIPSIS
@@ -17,6 +18,8 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
+import struct
 import sys
 import urllib.error
 import urllib.request
@@ -32,6 +35,8 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "metrics": ("prometheus_client",),
 }
 CLUSTER_PROBE_TIMEOUT_S = 3.0
+BROKER_PROBE_TIMEOUT_S = 3.0
+_API_VERSIONS = 18  # Kafka's ApiVersions request: every broker answers it, before any authentication
 
 
 class MissingPrerequisite(RuntimeError):
@@ -107,3 +112,46 @@ def require_cluster(cluster: str, timeout_s: float = CLUSTER_PROBE_TIMEOUT_S) ->
     if overview["taskmanagers"] < 1:
         raise MissingPrerequisite(f"the Flink cluster at {cluster} has no TaskManager to run the job")
     return overview
+
+
+def require_broker(what: str, bootstrap: str | None = None, timeout_s: float = BROKER_PROBE_TIMEOUT_S) -> str:
+    """The bootstrap servers (``bootstrap``, else the settings') if one of them answers as a Kafka broker within
+    ``timeout_s``, else :class:`MissingPrerequisite` naming how to start one (a client would retry for minutes).
+
+    >>> require_broker("consume", "127.0.0.1:1", timeout_s=1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    streamflow.prerequisites.MissingPrerequisite: consume needs a Kafka broker and none answers at 127.0.0.1:1 ...
+    """
+    from streamflow.settings import env_name, settings
+
+    servers = settings(kafka_bootstrap=bootstrap).kafka_bootstrap
+    reasons = []
+    for server in filter(None, (s.strip() for s in servers.split(","))):
+        try:
+            _api_versions(server, timeout_s)
+            return servers
+        except (OSError, ValueError) as exc:
+            reasons.append(f"{server}: {getattr(exc, 'strerror', None) or exc}")
+    raise MissingPrerequisite(f"{what} needs a Kafka broker and none answers at {servers} ({'; '.join(reasons)}): "
+                              f"start one with `make broker-up`, or point {env_name('kafka_bootstrap')} at one")
+
+
+def _api_versions(server: str, timeout_s: float) -> None:
+    """Send Kafka's ApiVersions (v0) to ``HOST:PORT`` and check that a Kafka response comes back."""
+    host, _, port = server.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"not HOST:PORT: {server!r}")
+    client = b"streamflow-probe"
+    request = struct.pack(">hhih", _API_VERSIONS, 0, 0x5F10, len(client)) + client
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
+        conn.settimeout(timeout_s)
+        conn.sendall(struct.pack(">i", len(request)) + request)
+        head = b""
+        while len(head) < 8:  # the response's size and correlation id
+            chunk = conn.recv(8 - len(head))
+            if not chunk:
+                raise ValueError("closed the connection: not a Kafka broker")
+            head += chunk
+    if struct.unpack(">i", head[4:])[0] != 0x5F10:
+        raise ValueError("answered, but not as a Kafka broker")

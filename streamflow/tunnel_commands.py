@@ -20,7 +20,7 @@ from typing import Any, Literal
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, to_json
 from connectors.tunnel.kafka import COMPRESSION, DEFAULT_TOPIC, TunnelUnavailable, bootstrap_servers
 from connectors.tunnel.keys import KeyRegistry, check_device_id
-from streamflow.prerequisites import require_extra, require_flink
+from streamflow.prerequisites import require_broker, require_extra, require_flink
 from streamflow.settings import env_name, settings
 
 TUNNELS = ("none", "kafka")
@@ -52,31 +52,39 @@ class TunnelOptions:
 
 
 def check_tunnel(options: TunnelOptions, runner: str) -> None:
-    """Fail before anything is written if the tunnel asked for cannot run: another runner, no kafka extra."""
+    """Fail before anything is written if the tunnel asked for cannot run: another runner, no kafka extra, no key
+    for the device, no broker answering (a broker lost during the run is ridden out: the rows wait in the spool)."""
     if options.tunnel == "none":
         return
     if runner != "device":
         raise ValueError("--tunnel ships the device runner's rows; on Flink, read the features topic instead")
     require_extra("kafka", what="--tunnel kafka")  # here, with the extra to install, not in the sender thread
+    _device_key(options)
+    require_broker("--tunnel kafka")
 
 
-def open_tunnel(options: TunnelOptions, runner: str, storage: CollectiveStorage) -> Any:
-    """The TunnelSink ``streamflow run --tunnel kafka`` asked for (None without ``--tunnel``).
-
-    Rows the sink refuses (spool full, a row over the message size limit) go to the device's
-    ``dead_letter`` table with the reason.
-    """
-    if options.tunnel == "none":
-        return None
-    check_tunnel(options, runner)
-    from connectors.tunnel.sink import TunnelSink
-
+def _device_key(options: TunnelOptions) -> tuple[str, bytes]:
     device = check_device_id(options.device_id or default_device_id())
     registry = KeyRegistry(options.key_registry)
     key = registry.key_for(device)
     if key is None:
         raise ValueError(f"device {device!r} has no key in {registry.path}: "
                          f"run `streamflow tunnel keys add {device}` (and give the cloud the same registry)")
+    return device, key
+
+
+def open_tunnel(options: TunnelOptions, runner: str, storage: CollectiveStorage) -> Any:
+    """The TunnelSink ``streamflow run --tunnel kafka`` asked for (None without ``--tunnel``; call
+    :func:`check_tunnel` first).
+
+    Rows the sink refuses (spool full, a row over the message size limit) go to the device's
+    ``dead_letter`` table with the reason.
+    """
+    if options.tunnel == "none":
+        return None
+    from connectors.tunnel.sink import TunnelSink
+
+    device, key = _device_key(options)
 
     def refused(table: str, rows: list[dict[str, Any]], reason: str) -> None:
         storage.write(DEAD_LETTER_TABLE, [{"source": f"tunnel:{table}", "line": i, "reason": reason,
@@ -132,8 +140,10 @@ def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: floa
         if metrics_port is not None:
             raise ValueError("--metrics-port is the python consumer's; a Flink job reports through Flink's metrics")
         require_flink("tunnel consume --runner flink", cluster)
+        require_broker("tunnel consume --runner flink")
         return _consume_on_flink(db, topic, group, columns, cluster, parallelism, key_registry, schemas)
     require_extra("kafka", what="tunnel consume")
+    require_broker("tunnel consume")
     if metrics_port is not None:
         require_extra("metrics", what="tunnel consume --metrics-port")
     from connectors.tunnel.cloud import CloudConsumer

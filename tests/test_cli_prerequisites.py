@@ -123,14 +123,48 @@ def test_the_zoo_names_an_install_that_exists(tmp_path):
     assert "\ntest:" in (REPO / "Makefile").read_text()
 
 
-def test_tunnel_consume_with_an_idle_timeout_gives_up_on_an_absent_broker(tmp_path):
+NEEDS_A_BROKER = [
+    (["tunnel", "consume", "--db", "c.duckdb"], "tunnel consume"),
+    (["tunnel", "consume", "--db", "c.duckdb", "--idle-timeout", "5"], "tunnel consume"),
+    (["run", str(REPO / "jobs" / "ipv.py"), "--events", str(SAMPLE), "--db", "o.duckdb", "--tunnel", "kafka",
+      "--device-id", "phone-1", "--key-registry", "keys.json"], "--tunnel kafka"),
+    (["deploy-server", "--trusted-key", "x.pub", "--tunnel-reports", "--port", "1"], "deploy-server --tunnel-reports"),
+    (["serve"], "streamflow serve"),
+]
+
+
+@pytest.mark.parametrize(("args", "what"), NEEDS_A_BROKER, ids=lambda v: " ".join(v[:3]) if isinstance(v, list)
+                         else None)
+def test_a_command_that_needs_a_broker_fails_at_once_when_none_answers(tmp_path, args, what):
     pytest.importorskip("kafka")
+    if args[0] == "serve":
+        pytest.importorskip("faust")
+    if args[0] == "deploy-server":
+        pytest.importorskip("aiohttp")
+    from connectors.tunnel.keys import KeyRegistry
+
+    KeyRegistry(tmp_path / "keys.json").add("phone-1")
     port = _free_port()  # nothing listens there
-    env = {"STREAMFLOW_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}", "STREAMFLOW_CONSUMER_RETRY_S": "300"}
-    code, stderr, took = cli(["tunnel", "consume", "--db", "c.duckdb", "--idle-timeout", "3"], tmp_path, env=env,
-                             timeout=60)
-    assert code == 1 and took < 20
-    assert "gives up after 3 s without the broker" in stderr
-    error = stderr.strip().splitlines()[-1]
-    assert error.startswith(f"streamflow: error: cloud consumer of streamflow.features on 127.0.0.1:{port}: failed")
-    assert "`make broker-up` starts one" in error and "STREAMFLOW_KAFKA_BOOTSTRAP" in error
+    code, stderr, took = cli(args, tmp_path, env={"STREAMFLOW_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}"})
+    assert code == 2 and took < 10, stderr
+    assert_one_line(stderr, f"{what} needs a Kafka broker and none answers at 127.0.0.1:{port}",
+                    "`make broker-up`", "STREAMFLOW_KAFKA_BOOTSTRAP")
+    assert not (tmp_path / "o.duckdb").exists() and not (tmp_path / "c.duckdb").exists()
+
+
+def test_a_port_that_is_not_a_kafka_broker_is_refused(tmp_path):
+    from streamflow.prerequisites import MissingPrerequisite, require_broker
+
+    with socket.socket() as server:  # listens, never answers
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        with pytest.raises(MissingPrerequisite, match=r"127.0.0.1:\d+: timed out; 127.0.0.1:\d+: Connection refused"):
+            require_broker("x", f"127.0.0.1:{port},127.0.0.1:{_free_port()}", timeout_s=0.5)
+
+
+def test_require_broker_accepts_a_real_broker(kafka_bootstrap):
+    from streamflow.prerequisites import require_broker
+
+    assert require_broker("x", f"127.0.0.1:{_free_port()},{kafka_bootstrap}").endswith(kafka_bootstrap)
+

@@ -25,7 +25,7 @@ from typing import Annotated, Any
 
 import typer
 
-from streamflow.prerequisites import require_extra
+from streamflow.prerequisites import require_broker, require_extra
 from streamflow.settings import settings
 
 release_app = typer.Typer(help="staged releases of task bundles on the release server", no_args_is_help=True)
@@ -81,6 +81,8 @@ def deploy_server(
 ) -> int:
     """Serve release directives, bundles and the status page (``/deploy/status``) until interrupted."""
     require_extra("deploy-server", what="streamflow deploy-server")
+    if tunnel_reports:
+        require_broker("deploy-server --tunnel-reports")
     from streamflow.deploy.server import DeployServer, run
     from streamflow.deploy.signing import TrustedKeys
     from streamflow.deploy.simulation import ReplaySimulator
