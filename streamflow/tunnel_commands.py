@@ -143,9 +143,9 @@ def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: floa
         require_broker("tunnel consume --runner flink")
         return _consume_on_flink(db, topic, group, columns, cluster, parallelism, key_registry, schemas)
     require_extra("kafka", what="tunnel consume")
-    require_broker("tunnel consume")
     if metrics_port is not None:
         require_extra("metrics", what="tunnel consume --metrics-port")
+    require_broker("tunnel consume")
     from connectors.tunnel.cloud import CloudConsumer
 
     registry = KeyRegistry(key_registry)
