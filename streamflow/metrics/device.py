@@ -86,7 +86,11 @@ class DeviceMetrics:
 
 
 def _bounded(counts: dict[str, int]) -> dict[str, int]:
-    """``counts`` with at most :data:`MAX_REASONS` keys (the first met), the rest summed as ``other``."""
+    """``counts`` with at most :data:`MAX_REASONS` keys (the first met), the rest summed as ``other``.
+
+    >>> len(_bounded({f"reason {i}": 1 for i in range(30)})), _bounded({f"r{i}": 1 for i in range(30)})["other"]
+    (21, 10)
+    """
     if len(counts) <= MAX_REASONS:
         return counts
     kept = dict(list(counts.items())[:MAX_REASONS])
