@@ -154,6 +154,7 @@ class ColdSession(InferenceSession):
         self.sealed = False  # the graph file was verified whole before: no checks on the first run
         self.integrity_error: ModelFileError | None = None  # found by the background audit
         self._integrity_thread: threading.Thread | None = None
+        self.aot_error = False  # the background audit found the compiled loops' file corrupt
         self._pending: dict[str, np.ndarray] = {}  # big weights not checked (read) yet: name -> mapped view
         self._cold_cache_use: dict[tuple[str, str], bool] = {}  # (node, kernel) -> first run reads the cached copy
         self._cache_checked: dict[str, bool] = {}  # weight entries the cold plan's costs looked for -> found
@@ -266,11 +267,14 @@ class ColdSession(InferenceSession):
         process's first run checks nothing. The audit also finds what a seal cannot see (the medium
         changing under an unchanged inode). A failed audit removes the seal and the file: the next run
         rebuilds the graph."""
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+        loops = getattr(accel.loaded(), "__file__", None) or ""
+        if loops.startswith(str(self.store.root)) and not aot.audit(self.store.root):
+            self.aot_error = True  # the compiled loops' file is corrupt: deleted, the next process rebuilds it
         loader = self._loader
         if loader is None or self._weights is None:
             return
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
         try:
             with contextlib.suppress(OSError):
                 os.utime(loader.path)

@@ -15,7 +15,7 @@ whole file once (private, copy-on-write: writeable views, no copy) and starts th
 in the background (``MADV_WILLNEED``); :meth:`WeightLoader.verify` checks a mapped block's checksum
 before its first use.
 
-A file verified whole once can be *sealed* (:meth:`WeightLoader.seal_name`: a name for the file as it
+A file verified whole once can be *sealed* (:func:`seal_name`: a name for the file as it
 is on disk now, from its device, inode, size, modification and change times; the runtime keeps the
 seal, e.g. as a link in its cache): a later loader of the same file identity sets ``trusted`` and
 :meth:`verify` then costs nothing, so checking leaves a cold start's critical path. Any write to the
@@ -56,6 +56,16 @@ import numpy as np
 from engine.format import ModelFile, checksum_fn
 
 DIRECT_ALIGN = 4096  # offsets, addresses and lengths of direct reads (the largest logical block size)
+
+
+def seal_name(path: str | os.PathLike, st: os.stat_result | None = None) -> str:
+    """A short name for a file as it is now (its real path, device, inode, size, modification and
+    change times; ``st``: as that stat saw it): a seal kept under this name after the file was checked
+    whole vouches for exactly these bytes. Any write changes the change time, which no user call can
+    set back; a replaced file has another inode; a torn one another size: each gets another name."""
+    st = st or os.stat(path)
+    parts = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
 
 
 def direct_len(n: int) -> int:
@@ -111,8 +121,7 @@ class WeightLoader:
         st = os.fstat(self._fd)
         self._size = st.st_size
         self._identity = (st.st_ino, st.st_size, st.st_mtime_ns)
-        self._seal_parts = (os.path.realpath(self.path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
-                            st.st_ctime_ns)
+        self._stat = st
         self.trusted = False  # sealed: verify() skips the checksums (module doc)
         self.blocks: dict[str, Block] = {}
         for e in self.header["weights"]:
@@ -140,18 +149,13 @@ class WeightLoader:
         self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
         with contextlib.suppress(AttributeError, OSError):  # madvise: Python 3.8+ on Linux/BSD
             self._map.madvise(mmap.MADV_WILLNEED)
-        return {b.name: np.frombuffer(self._map, b.dtype, count=int(np.prod(b.shape, dtype=np.int64)),
+        return {b.name: np.frombuffer(self._map, b.dtype, count=math.prod(b.shape),
                                       offset=b.offset).reshape(b.shape) for b in self.blocks.values()}
 
     def seal_name(self, now: bool = False) -> str:
-        """A short name for this file as it was when opened (``now``: as it is now) from its path,
-        device, inode, size, modification and change times: a seal kept under it after :meth:`audit`
-        passed vouches for exactly these bytes; any change to the file gives another name."""
-        parts = self._seal_parts
-        if now:
-            st = os.stat(self.path)
-            parts = (parts[0], st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        return hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
+        """:func:`seal_name` of this file as it was when opened (``now``: as it is now): a seal kept
+        under it after :meth:`audit` passed vouches for exactly these bytes."""
+        return seal_name(self.path, None if now else self._stat)
 
     def verify(self, name: str, view: np.ndarray) -> None:
         """Check a mapped block against its checksum (touching its pages: this is where it is read);

@@ -494,6 +494,38 @@ def test_aot_module_with_wrong_checksum_is_deleted_not_loaded(tmp_path):
     assert aot.load(tmp_path) is None and not path.exists()
 
 
+def test_aot_module_is_sealed_once_checked_and_checked_again_when_written_to(tmp_path, monkeypatch):
+    """A module whose checksum matched is sealed by its file identity: the next load skips the check;
+    written to (in place, its modification time put back), it no longer matches its seal and fails."""
+    import zlib
+
+    from engine.kernels import aot
+
+    path = aot.module_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    raw = b"\x7fELF stand-in"
+    path.write_bytes(raw)
+    EntryStore(tmp_path).put(aot._key(), {}, meta={"crc32": zlib.crc32(raw), "size": len(raw)})
+    loaded = []
+    monkeypatch.setattr(aot.importlib.util, "spec_from_file_location", lambda name, p: loaded.append(p) or None)
+    monkeypatch.setattr(aot.importlib.util, "module_from_spec", lambda spec: None)
+    checks = []
+    real_check = aot.check
+    monkeypatch.setattr(aot, "check", lambda d: checks.append(d) or real_check(d))
+    with pytest.raises(AttributeError):  # past the checks, at the stand-in's import
+        aot.load(tmp_path)
+    assert len(checks) == 1 and list(tmp_path.glob("seal-*.sfl"))
+    with pytest.raises(AttributeError):
+        aot.load(tmp_path)
+    assert len(checks) == 1  # sealed: not checked again
+    assert aot.audit(tmp_path) and len(checks) == 2  # the background audit reads it whole again
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.write(b"\x7fELF stand-im")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert aot.load(tmp_path) is None and len(checks) == 3 and not path.exists()
+
+
 def test_cold_process_with_aot_loops_matches_warm_without_numba(fixed_cache, tmp_path):
     """With the loops compiled ahead of time (built once per machine into the user's engine cache,
     ~20-90 s, then copied), a fresh process runs the numba kernels cold without importing numba,
