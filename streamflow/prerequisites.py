@@ -18,8 +18,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
-import struct
 import sys
 import urllib.error
 import urllib.request
@@ -36,7 +34,6 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
 }
 CLUSTER_PROBE_TIMEOUT_S = 3.0
 BROKER_PROBE_TIMEOUT_S = 3.0
-_API_VERSIONS = 18  # Kafka's ApiVersions request: every broker answers it, before any authentication
 
 
 class MissingPrerequisite(RuntimeError):
@@ -123,35 +120,13 @@ def require_broker(what: str, bootstrap: str | None = None, timeout_s: float = B
     ...
     streamflow.prerequisites.MissingPrerequisite: consume needs a Kafka broker and none answers at 127.0.0.1:1 ...
     """
+    from connectors.tunnel.kafka import probe_broker
     from streamflow.settings import env_name, settings
 
     servers = settings(kafka_bootstrap=bootstrap).kafka_bootstrap
-    reasons = []
-    for server in filter(None, (s.strip() for s in servers.split(","))):
-        try:
-            _api_versions(server, timeout_s)
-            return servers
-        except (OSError, ValueError) as exc:
-            reasons.append(f"{server}: {getattr(exc, 'strerror', None) or exc}")
-    raise MissingPrerequisite(f"{what} needs a Kafka broker and none answers at {servers} ({'; '.join(reasons)}): "
-                              f"start one with `make broker-up`, or point {env_name('kafka_bootstrap')} at one")
-
-
-def _api_versions(server: str, timeout_s: float) -> None:
-    """Send Kafka's ApiVersions (v0) to ``HOST:PORT`` and check that a Kafka response comes back."""
-    host, _, port = server.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"not HOST:PORT: {server!r}")
-    client = b"streamflow-probe"
-    request = struct.pack(">hhih", _API_VERSIONS, 0, 0x5F10, len(client)) + client
-    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
-        conn.settimeout(timeout_s)
-        conn.sendall(struct.pack(">i", len(request)) + request)
-        head = b""
-        while len(head) < 8:  # the response's size and correlation id
-            chunk = conn.recv(8 - len(head))
-            if not chunk:
-                raise ValueError("closed the connection: not a Kafka broker")
-            head += chunk
-    if struct.unpack(">i", head[4:])[0] != 0x5F10:
-        raise ValueError("answered, but not as a Kafka broker")
+    try:
+        probe_broker(servers, timeout_s)
+    except ConnectionError as exc:
+        raise MissingPrerequisite(f"{what} needs a Kafka broker and none answers at {servers} ({exc}): start one "
+                                  f"with `make broker-up`, or point {env_name('kafka_bootstrap')} at one") from None
+    return servers

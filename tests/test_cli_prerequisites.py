@@ -168,3 +168,27 @@ def test_require_broker_accepts_a_real_broker(kafka_bootstrap):
 
     assert require_broker("x", f"127.0.0.1:{_free_port()},{kafka_bootstrap}").endswith(kafka_bootstrap)
 
+
+def test_tunnel_consume_gives_up_on_a_broker_gone_away_and_says_so(tmp_path, private_broker):
+    pytest.importorskip("kafka")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "STREAMFLOW_KAFKA_BOOTSTRAP": private_broker.bootstrap,
+           "STREAMFLOW_CONSUMER_RETRY_S": "4"}
+    consumer = subprocess.Popen([sys.executable, "-m", "streamflow.cli", "tunnel", "consume", "--db", "c.duckdb"],
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)  # it checked the broker and runs
+        assert consumer.poll() is None, consumer.communicate()
+        private_broker.down()
+        gone = time.monotonic()
+        _, stderr = consumer.communicate(timeout=60)
+    finally:
+        if consumer.poll() is None:
+            consumer.kill()
+            consumer.wait()
+    assert consumer.returncode == 1 and time.monotonic() - gone < 30, stderr
+    assert "gives up after 4 s without the broker" in stderr
+    assert "cloud consumer: " in stderr and "retrying in" in stderr
+    error = stderr.strip().splitlines()[-1]
+    assert error.startswith(f"streamflow: error: cloud consumer of streamflow.features on {private_broker.bootstrap}: "
+                            "failed"), stderr
+    assert "giving up" in error and "`make broker-up` starts one" in error

@@ -97,6 +97,7 @@ from connectors.tunnel.kafka import (
     bootstrap_servers,
     dead_letter_topic,
     ensure_topic,
+    probe_broker,
 )
 from connectors.tunnel.keys import KeyRegistry
 from connectors.tunnel.ledger import Gap, Ledger
@@ -113,6 +114,8 @@ IDLE_AFTER_S = 0.5
 _ASSIGNMENT_CHECK_S = 10.0
 #: How often a consumer commits its offsets to Kafka (for lag monitoring only; Kafka's own auto-commit: 5 s).
 KAFKA_COMMIT_INTERVAL_S = 1.0
+#: While nothing arrives, how often :meth:`CloudConsumer.run` checks that the broker still answers.
+IDLE_PROBE_S = 5.0
 #: how long the cloud waits for a device's missing sequence numbers before it reports them lost
 DEFAULT_GAP_WAIT_S = 30.0
 #: the consumer's online tables follow its offline ones within about this (see CloudStore's online_lag_s)
@@ -1118,16 +1121,22 @@ class CloudConsumer:
         never from the start, so a slow start or a broker outage does not end the run early. While the
         broker fails, the consumer reconnects with exponential backoff (0.1 s doubling to 5 s) and raises
         :class:`~connectors.tunnel.kafka.TunnelUnavailable` once it failed for ``retry_for_s`` on end
-        (None: retry forever).
+        (None: retry forever). A poll of a broker gone away returns nothing rather than failing, so while
+        nothing arrives the broker is probed every :data:`IDLE_PROBE_S` seconds, a failed probe counting as a
+        failure.
         Records it did not store stay on the topic, and the next consumer starts at DuckDB's offsets.
         """
         started = time.monotonic()
         last_record = None  # set when the consumer holds its partitions
         retry = Retry(f"cloud consumer of {self.topic} on {self.bootstrap}", give_up_after_s=retry_for_s)
+        probed = started
         while not self._stop.is_set():
             messages = self.stats.messages
             try:
                 self.poll_once()
+                if self.stats.messages == messages and time.monotonic() - probed >= IDLE_PROBE_S:
+                    probed = time.monotonic()
+                    probe_broker(self.bootstrap)  # an idle poll does not notice a broker gone
             except ImportError:  # kafka-python not installed: no retry brings it (issue 31)
                 raise
             except Exception as exc:  # noqa: BLE001 - broker gone: say so, back off, reconnect

@@ -7,6 +7,8 @@ names it, ``127.0.0.1:9092`` otherwise (the docker compose broker, or ``make bro
 from __future__ import annotations
 
 import logging
+import socket
+import struct
 import time
 
 log = logging.getLogger("streamflow.tunnel")
@@ -22,6 +24,45 @@ _known_topics: set[tuple[str, str]] = set()
 
 class TunnelUnavailable(ConnectionError):
     """The broker did not answer within the retry budget; what was not delivered is kept (spool, topic)."""
+
+
+def probe_broker(bootstrap: str, timeout_s: float = 3.0) -> str:
+    """The first of ``bootstrap``'s ``HOST:PORT`` servers that answers Kafka's ApiVersions request within
+    ``timeout_s``; ``ConnectionError`` naming each server's failure when none does (a client would retry on).
+
+    >>> probe_broker("127.0.0.1:1", timeout_s=1)
+    Traceback (most recent call last):
+    ...
+    ConnectionError: 127.0.0.1:1: Connection refused
+    """
+    reasons = []
+    for server in filter(None, (part.strip() for part in bootstrap.split(","))):
+        try:
+            _api_versions(server, timeout_s)
+            return server
+        except (OSError, ValueError) as exc:
+            reasons.append(f"{server}: {getattr(exc, 'strerror', None) or exc}")
+    raise ConnectionError("; ".join(reasons) or f"no broker in {bootstrap!r}")
+
+
+def _api_versions(server: str, timeout_s: float) -> None:
+    """Send ApiVersions (v0: every broker answers it, before any authentication) and check the answer's id."""
+    host, _, port = server.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"not HOST:PORT: {server!r}")
+    client = b"streamflow-probe"
+    request = struct.pack(">hhih", 18, 0, 0x5F10, len(client)) + client
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
+        conn.settimeout(timeout_s)
+        conn.sendall(struct.pack(">i", len(request)) + request)
+        head = b""
+        while len(head) < 8:  # the response's size and correlation id
+            chunk = conn.recv(8 - len(head))
+            if not chunk:
+                raise ValueError("closed the connection: not a Kafka broker")
+            head += chunk
+    if struct.unpack(">i", head[4:])[0] != 0x5F10:
+        raise ValueError("answered, but not as a Kafka broker")
 
 
 class Retry:
