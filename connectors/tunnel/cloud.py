@@ -18,7 +18,8 @@ no table name a device can send reaches them.
 
 An envelope naming a schema or dictionary the registry does not have (its registration lost with a
 wiped registry or a truncated topic) is a dead letter ``unknown_schema``, counted, and parked: once
-that registration arrives (the device announces again after a reconnect and every few minutes),
+that registration arrives (the device announces again after a reconnect, every few minutes, and at once
+when the receipt asks it to: a receipt says ``announce`` while the device has envelopes parked),
 :meth:`CloudStore.recover` opens it again and stores its rows (or dead-letters it for what else is
 wrong with it), marking the parked row ``resolved_at``. The de-duplication by (device, seq) makes a
 late batch safe, and the online table keeps the newest row whatever the arrival order.
@@ -248,6 +249,8 @@ class CloudStore:
         #: per device, the numbers accounted for and the gaps between them (see :mod:`.ledger`)
         self.ledger = Ledger(gap_wait_s)
         self._lock = threading.Lock()
+        self._parked_devices: set[str] = set()  # devices with envelopes parked as unknown_schema (see receipt)
+        self._find_parked_devices()
         self._catch_up_online()
 
     def apply(self, batches: Sequence[Batch], dead: Sequence[DeadLetter] = (),
@@ -260,7 +263,8 @@ class CloudStore:
         stored alone and those still refused become ``unstorable`` dead letters.
         """
         registrations = self._new_registrations([*batches, *dead])
-        batches, dead = self._checked(batches, dead)
+        # a zero-row envelope only announces registrations (see Codebook.announcements): nothing else to store
+        batches, dead = self._checked([b for b in batches if b.rows.num_rows], dead)
         with self._lock:
             try:
                 result = self._transaction(batches, dead, offsets, registrations, resolved)
@@ -308,9 +312,16 @@ class CloudStore:
         if not resolved:
             return ApplyResult()
         result = self.apply(batches, dead, None, resolved)
+        with self._lock:
+            self._find_parked_devices()
         log.info("cloud: %d parked envelopes resolved now that their schemas are registered: %d rows stored, "
                  "%d dead letters", len(resolved), result.stored, len(dead))
         return result
+
+    def _find_parked_devices(self) -> None:
+        self._parked_devices = {d for (d,) in self._con.execute(
+            f"SELECT DISTINCT device_id FROM {self._t('dead_letter')} WHERE reason = ? AND resolved_at IS NULL "
+            "AND device_id IS NOT NULL", [PARKED]).fetchall()}
 
     @staticmethod
     def _declared_types(schemas: Mapping[str, Collection[str]]) -> dict[str, dict[str, str]]:
@@ -400,6 +411,7 @@ class CloudStore:
             self._online_keys.clear()
             self._seq_end.clear()
             raise
+        self._parked_devices.update(d.device for d in result.dead_letters if d.reason == PARKED and d.device)
         result.gaps = self._account([(b.device, b.first_seq, b.last_seq + 1) for b in fresh] + refused, now)
         if self.online_lag_s > 0:
             for table, rows in stored:  # only rows whose transaction committed
@@ -507,7 +519,7 @@ class CloudStore:
             holes = self.ledger.holes(device)
             exact_end = holes[MAX_HOLES][0] if len(holes) > MAX_HOLES else self.ledger.seen_end(device)
             return Receipt(device, self.ledger.stored_mark(device), self.ledger.seen_end(device),
-                           tuple(holes[:MAX_HOLES]), exact_end)
+                           tuple(holes[:MAX_HOLES]), exact_end, announce=device in self._parked_devices)
 
     def devices(self) -> list[str]:
         """Every device the store accounted batches of."""

@@ -122,6 +122,33 @@ class Codebook:
         """Announce every registration again (the sender reconnected: the cloud may have lost its registry)."""
         self._announced.clear()
 
+    def announcements(self, first_seq: int) -> list[bytes]:
+        """Zero-row envelopes carrying every schema this device encoded with in this run, each with its table's
+        dictionary (for a cloud that parked envelopes it could not open: its receipt asked for them). They use
+        no sequence number: ``first_seq`` is the next one, and the cloud stores nothing but the registrations.
+
+        Example:
+            >>> import os, tempfile, pyarrow as pa
+            >>> from connectors.tunnel.envelope import decode
+            >>> from connectors.tunnel.registry import Registry
+            >>> spool = Spool(os.path.join(tempfile.mkdtemp(), "spool"))
+            >>> book = Codebook("phone-1", b"k" * 32, spool)
+            >>> _ = book.envelope("ipv", 0, pa.table({"user_id": ["u1"]})); book.sealed()
+            >>> [announcement] = book.announcements(1)
+            >>> registry = Registry(); batch = decode(announcement, {"phone-1": b"k" * 32}, registry)
+            >>> batch.rows.num_rows, len(batch.registrations)
+            (0, 1)
+            >>> spool.close()
+        """
+        with self._install_lock:
+            dictionaries = dict(self.dictionaries)
+        out = []
+        for (table, schema), registration in self._schemas.items():
+            dictionary = dictionaries.get(table)
+            out.append(encode(self.device, table, first_seq, schema.empty_table(), self.key, schema=registration,
+                              carry=[dictionary] if dictionary is not None else ()))
+        return out
+
     def wait_trained(self, timeout_s: float = 30.0) -> None:
         """Wait for dictionaries being trained (for tests and benchmarks)."""
         for thread in list(self._training.values()):

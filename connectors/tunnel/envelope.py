@@ -58,7 +58,7 @@ Example:
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -153,13 +153,14 @@ class Batch:
 # -- writing ----------------------------------------------------------------------------------------
 def encode(device: str, table: str, first_seq: int, rows: pa.Table, key: bytes, *,
            schema: Registration | None = None, dictionary: Registration | None = None,
-           announce: bool | Callable[[Registration], bool] = True) -> bytes:
+           announce: bool | Callable[[Registration], bool] = True, carry: Sequence[Registration] = ()) -> bytes:
     """Sign and frame ``rows`` of ``table`` (sequence numbers from ``first_seq``) as one format-2 envelope.
 
     ``schema``: the registration of ``(table, rows.schema)`` (made here if not given); ``dictionary``: a zstd
     dictionary to compress with (used only if that beats plain bytes). ``announce`` says which of the
     registrations the envelope uses travel in it: all (True, a self-contained envelope), none (False), or
-    those a callable returns True for.
+    those a callable returns True for. ``carry``: registrations it carries whether it uses them or not (a
+    zero-row envelope announcing a dictionary, which compresses nothing).
     """
     schema = schema or Registration.for_schema(table, rows.schema)
     payload, has_nulls = columns.encode(rows)
@@ -170,6 +171,7 @@ def encode(device: str, table: str, first_seq: int, rows: pa.Table, key: bytes, 
             compression, body = (_ZSTD_DICT if dictionary is not None else _ZSTD), packed
     used = [schema] + ([dictionary] if compression == _ZSTD_DICT else [])
     inline = [r for r in used if (announce(r) if callable(announce) else announce)]
+    inline += [r for r in carry if r not in inline]
     n = rows.num_rows
     flags = (FORMAT_VERSION | (_R if inline else 0) | (_S if n == 1 else 0) | (_N if has_nulls else 0)
              | compression << 6)
@@ -244,9 +246,9 @@ def decode(value: bytes | None, keys: Keys, registry: Registry | None = None, bu
             registry.learn(device, registration)
         except RegistrationError as exc:
             raise EnvelopeError("bad_registration", str(exc), device, inline, seqs) from exc
-    schema = _known(registry, device, SCHEMA, head.schema_id, inline)
+    schema = _known(registry, device, SCHEMA, head.schema_id, inline, seqs)
     dictionary = None if head.dictionary_id is None else _known(registry, device, DICTIONARY, head.dictionary_id,
-                                                                 inline)
+                                                                 inline, seqs)
     body = signed[payload_at:]
     try:
         payload = body if head.flags >> 6 == _NONE else decompress(body, dictionary, budget.payload_limit(head.n_rows))
@@ -266,11 +268,12 @@ def decode(value: bytes | None, keys: Keys, registry: Registry | None = None, bu
     return Batch(device, schema.table, head.first_seq, rows, mac, registrations=inline)
 
 
-def _known(registry: Registry, device: str, kind: int, id_: bytes, inline: tuple[Registration, ...]) -> Registration:
+def _known(registry: Registry, device: str, kind: int, id_: bytes, inline: tuple[Registration, ...],
+           seqs: tuple[int, int]) -> Registration:
     registration = registry.get(device, kind, id_)
-    if registration is None:
+    if registration is None:  # with its numbers: the cloud's receipt tells the device to announce again
         raise EnvelopeError("unknown_schema", f"{KINDS[kind]} {id_.hex()} of device {device!r} is not registered",
-                            device, inline)
+                            device, inline, seqs)
     return registration
 
 

@@ -7,7 +7,11 @@ The second line of defence (the first is Kafka's acknowledgement). The cloud con
 - ``seen_end``: one past the highest number accounted for;
 - ``holes``: the spans between them the cloud does not have (a gap still awaited, or one given up as lost
   whose numbers never arrived), sorted, at most :data:`MAX_HOLES`; ``exact_end``: the listing is complete
-  below it (``seen_end``, or where the first unlisted hole starts).
+  below it (``seen_end``, or where the first unlisted hole starts);
+- ``announce``: the cloud holds envelopes of the device it cannot open (parked as ``unknown_schema``: the
+  broker lost the envelope that announced their schema or dictionary, a topic was reset, the cloud's registry
+  was wiped). The device announces its registrations again at once (zero-row envelopes,
+  :meth:`~connectors.tunnel.codebook.Codebook.announcements`), and the cloud opens the parked ones.
 
 A device keeps a sealed batch in its spool until a receipt :meth:`~Receipt.covers` it, resends at once a batch a
 receipt shows in a hole (:meth:`~Receipt.lacks`: the cloud read later numbers of the same partition, so this
@@ -24,6 +28,8 @@ Example:
     >>> opened = decode_receipt(value, "phone-1", key)
     >>> opened == receipt, decode_receipt(value, "phone-2", key), decode_receipt(value[:-1] + b"x", "phone-1", key)
     (True, None, None)
+    >>> decode_receipt(encode_receipt(Receipt("phone-1", 10, 30, announce=True), key), "phone-1", key).announce
+    True
     >>> receipt.covers(0, 10), receipt.covers(12, 20), receipt.covers(18, 22), receipt.covers(25, 31)
     (True, True, False, False)
     >>> receipt.lacks(10, 12), receipt.lacks(12, 20), receipt.lacks(30, 32)
@@ -69,6 +75,7 @@ class Receipt:
     seen_end: int
     holes: tuple[tuple[int, int], ...] = ()
     exact_end: int = 0
+    announce: bool = False
 
     def covers(self, first: int, end: int) -> bool:
         """Whether the cloud has every number ``first..end-1``."""
@@ -85,8 +92,11 @@ class Receipt:
 
 def encode_receipt(receipt: Receipt, key: bytes) -> bytes:
     """The receipt as a Kafka message value: ``SFR1``, its JSON, and the HMAC of the device id and both."""
-    body = MAGIC + json.dumps({"m": receipt.stored_mark, "e": receipt.seen_end, "x": receipt.exact_end,
-                               "h": [list(h) for h in receipt.holes]}, separators=(",", ":")).encode()
+    fields: dict[str, Any] = {"m": receipt.stored_mark, "e": receipt.seen_end, "x": receipt.exact_end,
+                              "h": [list(h) for h in receipt.holes]}
+    if receipt.announce:  # only then: a device of an earlier version reads the receipt as before
+        fields["a"] = 1
+    body = MAGIC + json.dumps(fields, separators=(",", ":")).encode()
     return body + sign(key, receipt.device.encode() + body)
 
 
@@ -100,7 +110,7 @@ def decode_receipt(value: bytes | None, device: str, key: bytes) -> Receipt | No
     try:
         fields = json.loads(body[len(MAGIC):])
         holes = tuple((int(a), int(b)) for a, b in fields["h"])
-        return Receipt(device, int(fields["m"]), int(fields["e"]), holes, int(fields["x"]))
+        return Receipt(device, int(fields["m"]), int(fields["e"]), holes, int(fields["x"]), bool(fields.get("a")))
     except (ValueError, KeyError, TypeError):
         return None
 

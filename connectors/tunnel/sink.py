@@ -24,6 +24,9 @@ Guarantees:
   acknowledged more than ``receipt_timeout_s`` ago are not covered, sends the newest of them again as a probe
   (stored past what is missing it makes a receipt show the rest missing; dropped as a repeat it makes the cloud
   publish its receipt again), one probe per wait, the wait doubling up to 60 s while no receipt brings progress.
+  A receipt that says ``announce`` (the cloud parked envelopes it cannot open: the broker lost the one that
+  announced their schema) makes the sender announce every registration again at once, in zero-row envelopes
+  (:meth:`~.codebook.Codebook.announcements`), then again after 1 s, doubling to 60 s while the receipts still ask.
   Probes start once a receipt was seen (kept in the spool): against a cloud that publishes none, acknowledged
   batches stay until the spool bound evicts them. While the broker is unreachable, batches pile up in the
   spool and are resent in order when it answers again; a restarted device resends what its spool
@@ -96,6 +99,8 @@ _TIMEOUT_CHECK_S = 0.25
 MAX_RECEIPT_TIMEOUT_S = 60.0
 #: a receipt's hole sends a batch again once the broker acknowledged it this long ago (doubling per resend)
 HOLE_GRACE_S = 1.0
+#: the first wait before announcing again while the receipts still ask for it (doubling up to the probes' longest)
+ANNOUNCE_AGAIN_S = 1.0
 #: a batch sealed longer ago than this is sent with the time of sending as its Kafka timestamp (see _record_time_ms)
 SEAL_TIME_MAX_AGE_S = 3600.0
 
@@ -115,6 +120,7 @@ class TunnelStats:
     rows_resent: int = 0  # rows sent again: a receipt showed them missing, or none came in time
     batches_resent: int = 0
     receipts: int = 0  # receipts for this device read
+    announcements: int = 0  # zero-row envelopes sent because a receipt asked for the registrations again
 
 
 def _record_time_ms(sealed_at: float) -> int | None:
@@ -171,6 +177,9 @@ class TunnelSink:
         self._timeouts_checked = 0.0
         self._probe_at = 0.0  # monotonic time before which no probe is sent
         self._probe_wait = receipt_timeout_s  # the wait after the next probe (doubles while nothing progresses)
+        self._announce_due = False  # a receipt asked for the registrations again; the sender sends them
+        self._announce_at = 0.0  # monotonic time before which no receipt asks again
+        self._announce_wait = ANNOUNCE_AGAIN_S
         self._stop_receipts = threading.Event()
         self._acked = threading.Event()  # set when the broker acknowledged a batch (wakes the receipt thread)
         self._acked_at = 0.0  # monotonic time of the last acknowledgement
@@ -366,19 +375,26 @@ class TunnelSink:
         retry = Retry(f"tunnel sender to {self.bootstrap}", give_up_after_s=self.retry_for_s)
         while True:
             with self._lock:
-                while not self.spool.batches_pending and not self._closing:
+                while not self.spool.batches_pending and not self._announce_due and not self._closing:
                     self._wake.wait()
                 if self._closing:
                     return  # close() waited for delivery; what is left stays spooled for the next run
-            oldest = self.spool.oldest(1)
-            if not oldest:  # a receipt covered it meanwhile (the cloud had it already)
-                continue
-            entry = oldest[0]
+                announce, self._announce_due = self._announce_due, False
+            entry = None
             try:
-                self._deliver(entry)
+                if announce:
+                    self._announce()
+                else:
+                    oldest = self.spool.oldest(1)
+                    if not oldest:  # a receipt covered it meanwhile (the cloud had it already)
+                        continue
+                    entry = oldest[0]
+                    self._deliver(entry)
                 retry.succeeded()
             except Exception as exc:  # noqa: BLE001 - any failure: keep the batch, back off, retry in order
                 self.stats.send_failures += 1
+                if entry is None:
+                    self._announce_due = True
                 self._drop_producer()  # the retry gets a fresh producer (see _drop_producer)
                 try:
                     delay = retry.failed(exc)
@@ -386,8 +402,9 @@ class TunnelSink:
                     self._give_up(gave_up)
                     return
                 if retry.failures == 1 or delay >= 2.0:
-                    log.warning("tunnel: broker %s did not take batch %d (%s); %d rows wait in the spool, retrying "
-                                "in %.1f s", self.bootstrap, entry.first_seq, exc, self.spool.rows_pending, delay)
+                    what = "the announcements" if entry is None else f"batch {entry.first_seq}"
+                    log.warning("tunnel: broker %s did not take %s (%s); %d rows wait in the spool, retrying in "
+                                "%.1f s", self.bootstrap, what, exc, self.spool.rows_pending, delay)
                 with self._lock:
                     if self._closing:
                         return
@@ -419,6 +436,18 @@ class TunnelSink:
         stats.bytes_acked += len(entry.value)
         with self._lock:
             self._wake.notify_all()
+
+    def _announce(self) -> None:
+        """Send every registration in use again, in zero-row envelopes on the device's partition (a receipt asked)."""
+        producer = self._connect()
+        with self._lock:
+            values = self.codebook.announcements(self.spool.next_seq)
+        for value in values:
+            producer.send(self.topic, value=value, partition=self._partition(producer)).get(
+                timeout=self.send_timeout_s + 2.0)
+        self.stats.announcements += len(values)
+        log.warning("tunnel: the cloud cannot open some envelopes of %s (their schema's announcement was lost): "
+                    "announced %d schemas again", self.device, len(values))
 
     def _partition(self, producer: Any) -> int:
         """The device's partition: as Kafka's default partitioner would pick it for the device id as key."""
@@ -501,7 +530,14 @@ class TunnelSink:
         if lacking:
             self._resend(lacking, f"the cloud's receipt shows them missing (it has all below {receipt.stored_mark}, "
                                   f"and up to {receipt.seen_end})")
+        now = time.monotonic()
         with self._lock:
+            if not receipt.announce:
+                self._announce_wait = ANNOUNCE_AGAIN_S
+            elif now >= self._announce_at:
+                self._announce_due = True
+                self._announce_at = now + self._announce_wait
+                self._announce_wait = min(MAX_RECEIPT_TIMEOUT_S, 2 * self._announce_wait)
             self._wake.notify_all()
 
     def _resend_overdue(self) -> bool:
