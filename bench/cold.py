@@ -20,6 +20,9 @@ trial the page cache of the model file and of every engine-cache file is dropped
   (calibration measured in the process); its process also times warm runs (``warm``);
 - ``ort_cold`` / ``ort_cold_optcache``: onnxruntime from the ONNX file / from its saved optimised
   model; the better of the two is the anchor ``<model>_ort_cold_ms``;
+- ``cold_stages``: as ``cold``, each stage of the cold path wrapped to add up its CPU time
+  (:data:`STAGES`, plus ``execute``: the first run's kernels, page faults included; ``other``: the
+  rest), reported as ``<model>_cold_stages_cpu_ms`` (medians; the wrappers cost a little CPU too);
 - ``read_floor``: what the disk alone costs ``cold``: a fresh process reads exactly the files the
   previous ``cold`` trial of the round opened (recorded with an audit hook: the model's cached graph,
   its stamp, the calibration, the compiled loops), page cache dropped the same way, all of them
@@ -65,9 +68,10 @@ from pathlib import Path  # noqa: E402
 from bench.common import finish, log, median, parse_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ["cold", "read_floor", "switch", "cold_serial", "cold_thread", "cold_nocache", "cold_noaot", "current",
-            "ort_cold", "ort_cold_optcache"]
-QUICK_SKIPS = ("switch", "cold_serial", "cold_thread", "cold_noaot")  # --quick: the variants behind the keys only
+VARIANTS = ["cold", "read_floor", "cold_stages", "switch", "cold_serial", "cold_thread", "cold_nocache", "cold_noaot",
+            "current", "ort_cold", "ort_cold_optcache"]
+# --quick: the variants behind the keys only
+QUICK_SKIPS = ("cold_stages", "switch", "cold_serial", "cold_thread", "cold_noaot")
 WARM_RUNS = 20
 
 
@@ -127,6 +131,49 @@ def read_files(paths: list[str]) -> int:
     return total
 
 
+STAGES = (("prefetch", "engine.coldstart.store", "EntryStore.prefetch"),
+          ("link_and_version", "engine.coldstart.session", "graph_link_key"),
+          ("graph_open", "engine.coldstart.session", "ColdSession._open_cached_graph"),
+          ("loops_load", "engine.kernels.accel", "load_ahead_of_time"),
+          ("calibration", "engine.coldstart.session", "calibrate"),
+          ("plan_replay", "engine.coldstart.session", "ColdSession._cold_plan"),
+          ("arena", "engine.coldstart.session", "BoundPlan.__init__"),
+          ("feed", "engine.session", "BoundPlan.feed"),
+          ("prepare", "engine.coldstart.session", "ColdSession.prepare"),
+          ("bind", "engine.session", "BoundPlan.bind_step"))
+
+
+def instrument_stages() -> dict[str, float]:
+    """Wrap the cold path's stages (:data:`STAGES`) to add up each one's CPU time (ms) in the returned
+    dict; the first execution's kernels are timed by wrapping each bound closure (``execute``)."""
+    import functools
+    import importlib
+
+    import engine.session as es
+
+    cpu: dict[str, float] = {}
+
+    def timed(label, f):
+        @functools.wraps(f)
+        def g(*a, **k):
+            c = time.thread_time()
+            try:
+                return f(*a, **k)
+            finally:
+                cpu[label] = cpu.get(label, 0.0) + (time.thread_time() - c) * 1e3
+        return g
+
+    for label, module, attr in STAGES:
+        owner = importlib.import_module(module)
+        *outer, name = attr.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        setattr(owner, name, timed(label, getattr(owner, name)))
+    bind = es.BoundPlan.bind_step
+    es.BoundPlan.bind_step = lambda self, s: timed("execute", bind(self, s))
+    return cpu
+
+
 def child(variant: str, model: str, cache: str, files: str = "") -> dict:
     """One trial in this (fresh) process: import, then time open-to-first-output (or, for
     ``read_floor``, reading the files listed in the JSON file ``files``)."""
@@ -162,6 +209,7 @@ def child(variant: str, model: str, cache: str, files: str = "") -> dict:
         from engine.coldstart.session import ColdSession
         from engine.session import InferenceSession
 
+        stages = instrument_stages() if variant == "cold_stages" else None
         imported, cpu_before = time.perf_counter(), time.process_time()
         io_before = disk_read_bytes()
         sess = (InferenceSession(model) if variant == "current"  # no background work but in "switch"
@@ -169,6 +217,9 @@ def child(variant: str, model: str, cache: str, files: str = "") -> dict:
                                  pipeline={"cold_serial": False, "cold_thread": True}.get(variant)))
         y = next(iter(sess.run(x).values()))
         done, cpu_done, io_done = time.perf_counter(), time.process_time(), disk_read_bytes()
+        if stages is not None:
+            stages["other"] = (cpu_done - cpu_before) * 1e3 - sum(stages.values())
+            out["stages"] = stages
         if hasattr(sess, "wait_verified"):  # the integrity check after the first output, off its path
             sess.wait_verified()
             out.update(sealed=sess.sealed, verify_cpu_ms=(time.process_time() - cpu_done) * 1e3)
@@ -264,7 +315,7 @@ def bench_model(name: str, model: Path, rounds: int, work: Path, variants: list[
                 if v == "cold_nocache":
                     shutil.copytree(caches["base"], cache, symlinks=True)
             else:
-                cache = caches.get("cold" if v in ("cold_serial", "cold_thread", "switch") else v, model)
+                cache = caches.get("cold" if v in ("cold_serial", "cold_thread", "switch", "cold_stages") else v, model)
             got[v].append(trial(v, model, cache))
         log(f"{name}: round {r + 1}/{rounds}")
     for v in ("cold", "cold_serial", "cold_thread", "cold_nocache", "switch"):  # measured code = prepared code
@@ -276,6 +327,10 @@ def bench_model(name: str, model: Path, rounds: int, work: Path, variants: list[
     warm = median(t["warm_ms"] for t in got["current"])
     floor_bytes = median(t["bytes"] for t in got["read_floor"])
     optional = {f"{name}_{v}_ms": first[v] for v in ("cold_noaot", "cold_serial", "cold_thread") if v in first}
+    if "cold_stages" in got:  # CPU ms per stage of the cold path (medians; "execute": the first run's kernels)
+        runs = got["cold_stages"]
+        optional[f"{name}_cold_stages_cpu_ms"] = {k: round(median(t["stages"].get(k, 0.0) for t in runs), 2)
+                                                   for k in runs[0]["stages"]}
     if "switch" in got:
         optional.update({f"{name}_switch_max_run_ms": median(t["during_max_ms"] for t in got["switch"]),
                          f"{name}_switch_runs": median(t["during_runs"] for t in got["switch"]),
