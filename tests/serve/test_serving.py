@@ -173,7 +173,9 @@ def test_bad_replies_are_dead_lettered_on_the_device_and_never_answer(serve_work
     assert [reason for reason, _, _ in device.dead_letters] == ["bad_signature", "garbage", "bad_signature"]
 
 
-def test_a_model_missing_from_the_zoo_is_a_clear_error_at_start_up(serve_zoo, serve_keys, capsys):
+def test_a_model_missing_from_the_zoo_is_a_clear_error_at_start_up(serve_zoo, serve_keys, capsys, kafka_bootstrap,
+                                                                    monkeypatch):
+    monkeypatch.setenv("STREAMFLOW_KAFKA_BOOTSTRAP", kafka_bootstrap)  # serve checks the broker first
     code = main(["serve", "--zoo", str(serve_zoo.path), "--models", f"{serve_zoo.fastest().name},pplcnet_999"])
     err = capsys.readouterr().err
     assert code == 2
@@ -190,6 +192,15 @@ def test_the_serve_operator_adds_the_answer_to_each_row(client, pages):
     assert all(r["answered_by"] == "cloud" and r["met_sla"] and r["label"] in range(4) for r in out)
     local = run_pipeline([Serve(client, image="page", sla_ms=GENEROUS_SLA_MS, policy="local")], rows[:1])
     assert local[0]["answered_by"] == "device" and np.isnan(local[0]["budget_ms"])
+
+
+def test_warm_makes_a_fresh_client_wait_for_the_clouds_first_answer(serve_worker, serve_zoo, serve_keys, pages):
+    images, _ = pages
+    with ServeClient("phone-2", serve_keys.key_for("phone-2"), bootstrap=serve_worker.bootstrap, zoo=serve_zoo) as c:
+        warm = c.warm(images[0], timeout_s=120)
+        assert warm.cloud == "ok" and warm.answered_by == "cloud", warm
+        assert c.upload_ms is not None  # the next request carries the device's upload time
+        assert c.infer(images[1], sla_ms=GENEROUS_SLA_MS).answered_by == "cloud"
 
 
 def test_a_request_with_an_oversized_field_is_dead_lettered_with_a_short_reason_and_serving_goes_on(
