@@ -18,8 +18,10 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -130,3 +132,23 @@ def require_broker(what: str, bootstrap: str | None = None, timeout_s: float = B
         raise MissingPrerequisite(f"{what} needs a Kafka broker and none answers at {servers} ({exc}): start one "
                                   f"with `make broker-up`, or point {env_name('kafka_bootstrap')} at one") from None
     return servers
+
+
+def require_server(url: str, what: str, fix: str, timeout_s: float = CLUSTER_PROBE_TIMEOUT_S) -> None:
+    """Something accepts connections at ``url``'s host and port within ``timeout_s``, else
+    :class:`MissingPrerequisite` naming ``fix`` (a request would wait up to its own, longer timeout).
+
+    >>> require_server("http://127.0.0.1:1", "release", "start one", timeout_s=1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    streamflow.prerequisites.MissingPrerequisite: release: nothing answers at http://127.0.0.1:1 (Connection ...
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http(s)://HOST[:PORT] URL")
+    try:
+        with socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
+                                      timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise MissingPrerequisite(f"{what}: nothing answers at {url} ({exc.strerror or exc}): {fix}") from None

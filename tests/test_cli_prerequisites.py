@@ -192,3 +192,14 @@ def test_tunnel_consume_gives_up_on_a_broker_gone_away_and_says_so(tmp_path, pri
     assert error.startswith(f"streamflow: error: cloud consumer of streamflow.features on {private_broker.bootstrap}: "
                             "failed"), stderr
     assert "giving up" in error and "`make broker-up` starts one" in error
+
+
+def test_release_without_a_release_server_fails_at_once_naming_how_to_start_one(tmp_path):
+    pytest.importorskip("cryptography")
+    (tmp_path / "deploy").mkdir()
+    (tmp_path / "deploy" / "admin.token").write_text("token")
+    port = _free_port()
+    code, stderr, took = cli(["release", "status", "--server", f"http://127.0.0.1:{port}", "--token-file",
+                              "deploy/admin.token"], tmp_path)
+    assert code == 2 and took < 10, stderr
+    assert_one_line(stderr, f"nothing answers at http://127.0.0.1:{port}", "streamflow deploy-server", "--server")

@@ -25,8 +25,8 @@ from typing import Annotated, Any
 
 import typer
 
-from streamflow.prerequisites import require_broker, require_extra
-from streamflow.settings import settings
+from streamflow.prerequisites import require_broker, require_extra, require_server
+from streamflow.settings import env_name, settings
 
 release_app = typer.Typer(help="staged releases of task bundles on the release server", no_args_is_help=True)
 
@@ -45,6 +45,8 @@ def _admin(server: str | None, token_file: Path | None) -> Any:
     if not path.is_file():
         raise FileNotFoundError(f"admin token {path} not found: give --token-file (the release server writes "
                                 "admin.token into its --dir)")
+    require_server(config.deploy_server, "streamflow release", "start one with `streamflow deploy-server "
+                   f"--trusted-key KEY.pub`, or give --server (or {env_name('deploy_server')})")
     return AdminClient(config.deploy_server, path.read_text())
 
 

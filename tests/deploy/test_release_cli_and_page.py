@@ -140,11 +140,11 @@ def test_release_commands_drive_the_server_and_the_page_shows_it_in_chromium(dep
     assert [(d["action"], d["version"]) for d in directives] == [("rollback", "1")]
 
 
-def test_release_commands_without_a_server_exit_1(tmp_path, capsys):
+def test_release_commands_without_a_server_exit_2_naming_how_to_start_one(tmp_path, capsys):
     token = tmp_path / "admin.token"
     token.write_text("t")
     assert main(["release", "status", "--server", f"http://127.0.0.1:{_free_port()}", "--token-file",
-                 str(token)]) == 1
-    assert "Connection refused" in capsys.readouterr().err
+                 str(token)]) == 2
+    assert "Connection refused): start one with `streamflow deploy-server" in capsys.readouterr().err
     assert main(["release", "status", "--token-file", str(tmp_path / "missing.token")]) == 2
     assert "admin token" in capsys.readouterr().err
