@@ -383,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
         scraping = None
         scraped = {s.name: s.value for f in text_string_to_metric_families(exposition) for s in f.samples
                    if not s.labels}
+        counts, local_model = dict(client.counts), client.local_model
         client.close()
         shim.stop()
         client = shim = None
@@ -406,17 +407,17 @@ def main(argv: list[str] | None = None) -> None:
             "metrics_scrapes": scrapes,
             "metrics_scrape_every_s": SCRAPE_EVERY_S,
             "metrics_requests_total_last_scrape": scraped.get("streamflow_serve_requests_total"),
-            "duplicate_replies": client.counts.get("duplicate_replies", 0),
+            "duplicate_replies": counts.get("duplicate_replies", 0),
             "requests_per_policy_per_setting": per_policy,
             "interval_ms": interval_s * 1000,
             "mean_delay_ms": args.delay_ms,
             "rule": args.rule,
             "settings_run": list(per_setting),
-            "local_model": client.local_model,
+            "local_model": local_model,
             "static_model": zoo.largest().name,
             "zoo_accuracy": {m.name: m.accuracy for m in zoo.models},
             "zoo_eval_size": zoo.meta.get("eval_size"),
-            "cloud_less_accurate_replies": client.counts.get("cloud_less_accurate", 0),
+            "cloud_less_accurate_replies": counts.get("cloud_less_accurate", 0),
             "device_process_gc": gc_pauses.summary(),
             "per_setting": per_setting,
             "load_average_before": [round(x, 2) for x in load_before],
