@@ -40,8 +40,10 @@ import _thread
 import atexit
 import contextlib
 import hashlib
+import io
 import json
 import os
+import pickle
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -67,6 +69,7 @@ PLANS_PER_GRAPH = 8  # recorded cold plans kept per graph (one per input shapes)
 LAZY_OPS = {"Conv", "NchwcConv", "NchwcDepthwiseConv", "Gemm", "MatMul"}  # weights (inputs >= 1) only kernels read
 LAZY_MIN_BYTES = 4096  # smaller weights are read with the header
 HEADER_PREFETCH = 64 << 10  # a graph file's head, asked for alone: one small read, not its first 2 MB
+SNAPSHOT_MAX_BYTES = 4 << 20  # a plan snapshot larger than this (constants held by value) is not kept
 
 
 def _blake(*parts: str) -> str:
@@ -127,6 +130,11 @@ def in_use_order(graph: Graph) -> dict[str, np.ndarray]:
     return {t: graph.weights[t] for t in names}
 
 
+def _snapshot_name(shape_key: str) -> str:
+    """The array of the plan entry holding the snapshot of the plan for these input shapes."""
+    return f"snapshot-{_blake(shape_key)}"
+
+
 def _background(fn: Callable[[], None]) -> threading.Event:
     """Run ``fn`` on a new thread and return at once an event set when it is done. Not
     ``threading.Thread.start``, which waits until the new thread runs: on a busy machine that new
@@ -178,6 +186,7 @@ class ColdSession(InferenceSession):
         self._cold_cache_use: dict[tuple[str, str], bool] = {}  # (node, kernel) -> first run reads the cached copy
         self._cache_checked: dict[str, bool] = {}  # weight entries the cold plan's costs looked for -> found
         self.plan_source: str | None = None  # the first run's plan: "recorded" (from the cache) or "planned"
+        self.plan_replay: str | None = None  # a recorded plan: "snapshot" (unpickled) or "compiled" again
         self._blocked = accel.available() and not kernels  # forced kernels are NCHW kernels
         self._layout = "nchwc" if self._blocked else "nchw"
         # a model file seen before links to its cached graph: the digest is in the graph's name, and the
@@ -443,9 +452,14 @@ class ColdSession(InferenceSession):
                 entry = plans.get(shape_key)
                 if entry is not None and entry["basis"] == json.loads(json.dumps(self._plan_basis())) and all(
                         self.store.path(k).exists() == found for k, found in entry["checked"].items()):
-                    plan = compile_plan(self.graph, dict(shapes), self.calibration, self.overrides,
-                                        first_run=self._first_run_extra, transform=False,
-                                        recorded=RecordedPlan.from_dict(entry["plan"]))
+                    snapshot = hit[0].get(_snapshot_name(shape_key))
+                    plan = self._load_plan(snapshot) if snapshot is not None else None
+                    self.plan_replay = "snapshot" if plan is not None else "compiled"
+                    if plan is None:
+                        plan = compile_plan(self.graph, dict(shapes), self.calibration, self.overrides,
+                                            first_run=self._first_run_extra, transform=False,
+                                            recorded=RecordedPlan.from_dict(entry["plan"]))
+                        self._put_plans(key, plans, hit[0], {_snapshot_name(shape_key): self._dump_plan(plan)})
                     self._cold_cache_use.update({(n, k): use for n, k, use in entry["cache_use"]})
                     self.plan_source = "recorded"
                     return plan
@@ -463,9 +477,61 @@ class ColdSession(InferenceSession):
                                            self._cold_cache_use.get((s.node.name, s.kernel.name), True)]
                                           for s in plan.steps if s.kernel is not None]}
         plans = dict(list(plans.items())[-PLANS_PER_GRAPH:])
-        with contextlib.suppress(OSError):  # a read-only cache: the next first run plans again
-            self.store.put(key, {"plan": np.frombuffer(json.dumps(plans, separators=(",", ":")).encode(), np.uint8)})
+        self._put_plans(key, plans, hit[0] if hit is not None else {},
+                        {_snapshot_name(shape_key): self._dump_plan(plan)})
         return plan
+
+    def _put_plans(self, key: str, plans: dict, arrays: Mapping[str, np.ndarray],
+                   snapshots: dict[str, np.ndarray | None]) -> None:
+        """Write the recorded plans and the snapshots of the shapes still recorded (a read-only cache:
+        the next first run plans or replays again)."""
+        keep = {_snapshot_name(k) for k in plans}
+        out = {n: a for n, a in arrays.items() if n in keep}
+        out.update({n: a for n, a in snapshots.items() if a is not None})
+        out["plan"] = np.frombuffer(json.dumps(plans, separators=(",", ":")).encode(), np.uint8)
+        with contextlib.suppress(OSError):
+            self.store.put(key, out)
+
+    def _refs(self) -> dict[str, Any]:
+        """What a plan snapshot names instead of holding: the graph, its nodes and weights (the mapped
+        file's views) and the calibration, all of this session."""
+        refs: dict[str, Any] = {"graph": self.graph, "calibration": self.calibration}
+        refs.update({f"node:{i}": n for i, n in enumerate(self.graph.nodes)})
+        refs.update({f"weight:{n}": w for n, w in self.graph.weights.items()})
+        return refs
+
+    def _dump_plan(self, plan: ExecutionPlan) -> np.ndarray | None:
+        """The compiled cold plan (before its weights are prepared) pickled, the session's graph, nodes,
+        weights and calibration by name: replaying it costs ~0.5 ms against ~1.5-2.5 ms for compiling the
+        recorded kernels again (issue 27). None if it would be large (a folded constant held by value)."""
+        ids = {id(obj): name for name, obj in self._refs().items()}
+
+        class _Pickler(pickle.Pickler):
+            def persistent_id(self, obj: Any) -> str | None:
+                return ids.get(id(obj))
+
+        buf = io.BytesIO()
+        try:
+            _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(plan)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            return None
+        return np.frombuffer(buf.getvalue(), np.uint8) if buf.tell() <= SNAPSHOT_MAX_BYTES else None
+
+    def _load_plan(self, raw: np.ndarray) -> ExecutionPlan | None:
+        """A plan snapshot (:meth:`_dump_plan`) bound to this session's graph, or None if it does not
+        load (then the recorded kernels are compiled again). The entry holding it passed its checksum;
+        it is the engine cache's own file, as trusted as the compiled loops loaded from the same place."""
+        refs = self._refs()
+
+        class _Unpickler(pickle.Unpickler):
+            def persistent_load(self, pid: str) -> Any:
+                return refs[pid]
+
+        try:
+            plan = _Unpickler(io.BytesIO(raw.tobytes())).load()
+        except Exception:  # noqa: BLE001 - any failure: compile the recorded plan instead
+            return None
+        return plan if isinstance(plan, ExecutionPlan) and plan.graph is self.graph else None
 
     def _switch(self, shapes: Mapping[str, tuple[int, ...]], key: tuple) -> None:
         """Load numba, plan with warm costs, prepare and bind, then swap the plan in."""

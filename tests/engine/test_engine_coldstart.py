@@ -280,6 +280,40 @@ def test_cold_plan_is_recorded_then_replayed_with_the_same_kernels_arena_and_out
     assert d.plan_source == "recorded"
 
 
+def test_recorded_plan_is_replayed_from_its_snapshot_bound_to_the_session_graph(cache, x):
+    """A recorded plan keeps a pickled snapshot (graph, nodes, weights and calibration by name): the next
+    first run loads it instead of compiling the recorded kernels again; same kernels, arena and output,
+    its steps on this session's own graph and mapped weights. A snapshot that does not load is compiled."""
+    from engine.coldstart import session as cold
+
+    graph = small_net()
+    ref = warm_output(graph, x)
+    ColdSession(graph, cache_dir=cache, warm_switch=False).run(x)
+    b = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    np.testing.assert_allclose(first(b.run(x)), ref, atol=TOL, rtol=0)
+    assert b.plan_source == "recorded" and b.plan_replay == "snapshot"
+    pb = next(iter(b._bound.values())).plan
+    assert pb.graph is b.graph and all(s.node in b.graph.nodes for s in pb.steps)
+    assert all(pb.consts[n] is w for n, w in b.graph.weights.items())
+    compiled = cold.compile_plan(b.graph, {"x": x.shape}, b.calibration, b.overrides, transform=False,
+                                 recorded=cold.record_plan(pb))
+    assert [(s.node.name, s.kernel and s.kernel.name) for s in pb.steps] == \
+        [(s.node.name, s.kernel and s.kernel.name) for s in compiled.steps]
+    assert pb.arena.offsets == compiled.arena.offsets
+    store = EntryStore(cache)
+    key = plan_entry(cache).stem
+    arrays, _ = store.get(key)
+    arrays = {n: (np.frombuffer(b"not a pickle", np.uint8) if n.startswith("snapshot-") else a)
+              for n, a in arrays.items()}
+    store.put(key, arrays)
+    c = ColdSession(graph, cache_dir=cache, warm_switch=False)
+    np.testing.assert_allclose(first(c.run(x)), ref, atol=TOL, rtol=0)
+    assert c.plan_source == "recorded" and c.plan_replay == "compiled"
+    d = ColdSession(graph, cache_dir=cache, warm_switch=False)  # the snapshot was written again
+    d.run(x)
+    assert d.plan_replay == "snapshot"
+
+
 def test_recorded_plan_replays_kernels_and_keeps_its_arena_only_for_the_same_buffers(x):
     from engine.ir import GraphError
     from engine.plan import compile_plan, record_plan
