@@ -19,6 +19,12 @@ Accuracy is the fraction of answers equal to the page's label: real predictions 
 (cloud or device), never the zoo's stored figure. SLA attainment: answered within the SLA, measured on the device
 from submission to answer. ``on_device_reliance``: the share of MDInference's requests the device answered.
 
+Metrics (issue 30): the worker runs with ``--metrics-port``, its ``/metrics`` scraped every ``SCRAPE_EVERY_S`` (1 s)
+by a process of its own, so every figure is with metrics on. ``metrics_overhead_fraction``: afterwards, fresh workers
+serving only the fastest model (the least work per request: the metrics' largest share) take turns with and without
+metrics (6 turns, 3 each; quick 2), each answering 400 requests (quick 60) sent 5 ms apart straight to the broker;
+the worker's CPU per request (``/proc``) with metrics over without, less 1 (medians); ``_wall``: from requests/s.
+
 Final JSON keys: ``sla_attainment_min`` (MDInference, over the 9 settings and the outage run),
 ``sla_attainment_min_all_policies``, ``accuracy_mdinference`` / ``accuracy_static_cloud`` / ``accuracy_local_only``
 (means over the 9 settings), ``on_device_reliance`` (mean over the 9), ``p99_ms`` (MDInference, all 9 pooled),
@@ -388,9 +394,9 @@ def main(argv: list[str] | None = None) -> None:
         shim.stop()
         client = shim = None
         stop_worker(worker)
-        turns = (True, False) if args.quick else (True, False, False, True)
+        turns = (True, False) if args.quick else (True, False, False, True, True, False)  # each first in turn
         overhead = metrics_overhead(broker.bootstrap, zoo, registry.path, key, images, tmp, args.rule,
-                                    60 if args.quick else 300, turns)
+                                    60 if args.quick else 400, turns)
         network = [v for k, v in per_setting.items() if k != "outage"]
         attainments = [s["mdinference"]["sla_attainment"] for s in per_setting.values()]
         metrics = {
