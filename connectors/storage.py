@@ -738,6 +738,11 @@ class CollectiveStorage:
                 self._con.execute(f"DROP TABLE IF EXISTS {quote_identifier(table)}")
 
     # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (a device run's ``/readyz`` asks)."""
+        return self._closed
+
     def close(self) -> None:
         """Flush and close; safe to call twice. Held storage drops the rows no :meth:`commit` stored."""
         with self._lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -31,6 +32,14 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         text = response.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def urlopen_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def by_label(got: dict, name: str) -> dict[str, float]:
@@ -82,6 +91,9 @@ def test_device_metrics_mid_run_and_at_the_end_match_the_summary(tmp_path):
         thread.join(30)
         summary = result["summary"]
         end = scrape(server.url)
+        runner.close()
+        storage.close()
+        assert urlopen_status(server.url + "/readyz") == 503  # the run's storage is closed
     finally:
         resume.set()
         server.close()

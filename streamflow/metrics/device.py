@@ -82,7 +82,7 @@ class DeviceMetrics:
 
     def ready(self) -> str | None:
         """None while the storage is open (for ``/readyz``)."""
-        return "the storage is closed" if getattr(self.runner.storage, "closed", False) else None
+        return "the storage is closed" if self.runner.storage.closed else None
 
 
 def _bounded(counts: dict[str, int]) -> dict[str, int]:
