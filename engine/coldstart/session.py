@@ -39,6 +39,7 @@ from __future__ import annotations
 import _thread
 import atexit
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -135,18 +136,24 @@ def _snapshot_name(shape_key: str) -> str:
     return f"snapshot-{_blake(shape_key)}"
 
 
-def _background(fn: Callable[[], None]) -> threading.Event:
-    """Run ``fn`` on a new thread and return at once an event set when it is done. Not
-    ``threading.Thread.start``, which waits until the new thread runs: on a busy machine that new
-    thread may then hold the GIL for a switch interval (5 ms) before the caller, whose output is
-    ready, gets it back (measured: a median 5.4 ms per start at load 5)."""
+def _background(fn: Callable[[], None], finish_at_exit: bool = False) -> threading.Event:
+    """Run ``fn`` on a new thread and return at once an event set when it is done (``finish_at_exit``:
+    the process waits for it at exit, up to a minute). Not ``threading.Thread.start``, which waits
+    until the new thread runs: on a busy machine that new thread may then hold the GIL for a switch
+    interval (5 ms) before the caller, whose output is ready, gets it back (measured: a median 5.4 ms
+    per start at load 5)."""
     done = threading.Event()
+    at_exit = functools.partial(done.wait, 60)
+    if finish_at_exit:
+        atexit.register(at_exit)
 
     def body() -> None:
         try:
             fn()
         finally:
             done.set()
+            if finish_at_exit:
+                atexit.unregister(at_exit)
 
     _thread.start_new_thread(body, ())
     return done
@@ -406,8 +413,7 @@ class ColdSession(InferenceSession):
             outputs, bound = self._cold_run(feeds, shapes)
         self._bound.setdefault(key, bound)
         if self._loader is not None and self._verified is None:
-            self._verified = _background(self._check_integrity)
-            atexit.register(self._verified.wait, 60)  # the seal is written before the process ends
+            self._verified = _background(self._check_integrity, finish_at_exit=True)  # sealed before exit
         if self.warm_switch:
             _background(lambda: self._switch(shapes, key))
         else:
@@ -454,6 +460,8 @@ class ColdSession(InferenceSession):
                         self.store.path(k).exists() == found for k, found in entry["checked"].items()):
                     snapshot = hit[0].get(_snapshot_name(shape_key))
                     plan = self._load_plan(snapshot) if snapshot is not None else None
+                    if plan is not None and plan.choices != entry["plan"]["kernels"]:
+                        plan = None  # not the plan recorded beside it: compiled from the record instead
                     self.plan_replay = "snapshot" if plan is not None else "compiled"
                     if plan is None:
                         plan = compile_plan(self.graph, dict(shapes), self.calibration, self.overrides,
@@ -496,7 +504,7 @@ class ColdSession(InferenceSession):
         """What a plan snapshot names instead of holding: the graph, its nodes and weights (the mapped
         file's views) and the calibration, all of this session."""
         refs: dict[str, Any] = {"graph": self.graph, "calibration": self.calibration}
-        refs.update({f"node:{i}": n for i, n in enumerate(self.graph.nodes)})
+        refs.update({f"node:{n.name}": n for n in self.graph.nodes})
         refs.update({f"weight:{n}": w for n, w in self.graph.weights.items()})
         return refs
 
