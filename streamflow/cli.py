@@ -484,6 +484,9 @@ def _run_on_flink(job: Job, args: RunOptions, db: Path) -> RunSummary:
         from streamflow.flink.runner import run_flink
     except ImportError as exc:
         raise ValueError(str(exc)) from exc
+    where = f"the Flink cluster at {args.cluster}" if args.cluster else "a local Flink MiniCluster"
+    print(f"streamflow: running job {job.name} on {where} (a JVM starts first; the summary follows when the job "
+          "ends)", file=sys.stderr, flush=True)
     return run_flink(job, args.events, args.fmt, db, cluster=args.cluster, parallelism=args.parallelism,
                      pace_ms=args.pace_ms, checkpoint_dir=args.checkpoint_dir,
                      checkpoint_interval_ms=round((args.checkpoint_interval or 10) * 1000),
