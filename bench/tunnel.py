@@ -102,7 +102,11 @@ Measured side by side in one run:
   taking turns to go first. ``metrics_overhead_fraction``: the cloud process's CPU per row stored with metrics over
   without, less 1 (medians over the rounds): the throughput cost for a consumer that keeps a core busy;
   ``metrics_overhead_fraction_wall``: 1 - rows/s stored with metrics / without (the device and the broker share
-  the two cores with it, so this one is noisier). ``cloud_cpu_us_per_row`` gives both.
+  the two cores with it, so this one is noisier). ``cloud_cpu_us_per_row`` gives both. On a loaded machine both
+  A/B figures vary by more than the metrics cost; ``metrics_overhead_fraction_direct`` measures that cost itself, per
+  round with metrics: the consumer thread's CPU in the metrics' per-poll hook (``CloudMetrics.polled``) plus the
+  scrapes of the round × one exposition's CPU (``metrics_scrape_cpu_ms``, timed in the cloud process at the end;
+  the HTTP exchange around it is not in it), over the process's CPU in the round.
 
 Timings are reported, never asserted; ``loadavg_1m_start_end`` says how busy the (shared) machine
 was. ``--quick`` (under 60 s): 3 latency rounds of 2.5 s per size, 10,000-row tunnel and 1,000-row
@@ -184,11 +188,25 @@ def _tunnel_cloud(db: str, registry: str, bootstrap: str, topic: str, group: str
     from connectors.tunnel.cloud import CloudConsumer
 
     consumer = CloudConsumer(db, KeyRegistry(registry), topic=topic, bootstrap=bootstrap, group_id=group)
-    server = None
+    server = registry_ = None
+    polled_cpu = [0.0]  # CPU seconds of the consumer's thread in CloudMetrics.polled (the metrics' share per poll)
     if metrics:  # Prometheus metrics (streamflow.metrics.cloud) on a free port, scraped by the parent (Scraper)
-        from streamflow.metrics.cloud import serve_cloud_metrics
+        from prometheus_client import CollectorRegistry
 
-        server = serve_cloud_metrics(consumer, 0)
+        from streamflow.metrics import MetricsServer
+        from streamflow.metrics.cloud import CloudMetrics
+
+        registry_ = CollectorRegistry()
+        cloud_metrics = CloudMetrics(consumer, registry_)
+        server = MetricsServer(registry_, 0, cloud_metrics.ready)
+        polled = cloud_metrics.polled
+
+        def timed_polled(*args: Any) -> None:
+            started = time.thread_time()
+            polled(*args)
+            polled_cpu[0] += time.thread_time() - started
+
+        cloud_metrics.polled = timed_polled  # type: ignore[method-assign]
         out.put(("metrics_url", server.url + "/metrics"))
     store, apply = consumer.store, consumer.store.apply
     committed_at: list[float] = []  # when COMMIT returned, per transaction that stored batches, in order
@@ -205,7 +223,7 @@ def _tunnel_cloud(db: str, registry: str, bootstrap: str, topic: str, group: str
             called_at.append(called)
         if result.stored:
             stored += result.stored
-            out.put(("stored", committed, stored, time.process_time()))
+            out.put(("stored", committed, stored, time.process_time(), polled_cpu[0]))
         return result
 
     store.apply = timed_apply  # type: ignore[method-assign]
@@ -223,6 +241,14 @@ def _tunnel_cloud(db: str, registry: str, bootstrap: str, topic: str, group: str
         # Every transaction with batches writes tunnel.batches rows stamped with its own ingested_at, and
         # transactions run one after the other: the i-th distinct ingested_at is the i-th commit.
         ingested = [row[0] for row in store.query("SELECT DISTINCT ingested_at FROM tunnel.batches ORDER BY 1")]
+        scrape_cpu_s = None
+        if registry_ is not None:  # the CPU of one exposition (what a scrape makes the process do, but the HTTP)
+            from prometheus_client import generate_latest
+
+            started = time.process_time()
+            for _ in range(50):
+                generate_latest(registry_)
+            scrape_cpu_s = (time.process_time() - started) / 50
     finally:
         consumer.close()
         if server is not None:
@@ -231,7 +257,7 @@ def _tunnel_cloud(db: str, registry: str, bootstrap: str, topic: str, group: str
         raise RuntimeError(f"{len(ingested)} ingested_at stamps for {len(committed_at)} recorded commits")
     out.put(("done", list(zip(ingested, zip(called_at, committed_at, strict=True), strict=True)), {
         "messages": stats.messages, "stored": stats.stored, "duplicates": stats.duplicates, "dead": dict(stats.dead),
-        "gc": gc_pauses.summary()}))
+        "gc": gc_pauses.summary(), "scrape_cpu_s": scrape_cpu_s}))
 
 
 class Scraper:
@@ -308,6 +334,7 @@ class Cloud:
         self.process.start()
         self.stored = 0  # rows stored so far, as last reported
         self.cpu_s = 0.0  # the cloud process's CPU time when it last reported (tunnel clouds)
+        self.polled_cpu_s = 0.0  # of which in the metrics' per-poll hook (a cloud with metrics)
         self.scraper: Scraper | None = None  # scrapes its /metrics (a cloud with metrics)
         self.expected = 0  # rows sent to it so far
         self.commits: dict[datetime, tuple[float, float]] = {}  # transaction start → (apply called, committed)
@@ -351,7 +378,7 @@ class Cloud:
             if message[0] == "stored":
                 self.stored = message[2]
                 if len(message) > 3:
-                    self.cpu_s = message[3]
+                    self.cpu_s, self.polled_cpu_s = message[3], message[4]
                 if self.stored >= self.expected:
                     return message[1]
         raise RuntimeError(f"cloud {self.mode} stored {self.stored} of {self.expected} rows within {WAIT_S:.0f} s")
@@ -776,11 +803,13 @@ def main(argv: list[str] | None = None) -> None:
         rates, acked_rates, naive_rates = [], [], []
         rates_off: list[float] = []
         cpu_per_row: dict[bool, list[float]] = {True: [], False: []}  # the cloud process's CPU s per row stored
+        metered: list[tuple[float, float, int]] = []  # with metrics, per round: CPU, of it in polled(), scrapes
         for rnd in progress(range(args.rounds), f"throughput rounds ({n_rows:,} tunnel with and without metrics / "
                             f"{n_naive:,} naive rows)", total=args.rounds):
             for with_metrics in ((True, False) if rnd % 2 == 0 else (False, True)):  # either goes first in turn
                 c, sink = (cloud, tput) if with_metrics else (cloud_off, tput_off)
-                cpu_before = c.cpu_s
+                cpu_before, polled_before = c.cpu_s, c.polled_cpu_s
+                scrapes_before = c.scraper.scrapes if c.scraper is not None else 0
                 c.resume()
                 started = time.time()
                 for row in rows:
@@ -791,6 +820,9 @@ def main(argv: list[str] | None = None) -> None:
                 acked = time.time()
                 stored = c.wait_stored(n_rows)
                 cpu_per_row[with_metrics].append((c.cpu_s - cpu_before) / n_rows)
+                if c.scraper is not None:
+                    metered.append((c.cpu_s - cpu_before, c.polled_cpu_s - polled_before,
+                                    c.scraper.scrapes - scrapes_before))
                 if with_metrics:
                     rates.append(n_rows / (stored - started))
                     acked_rates.append(n_rows / (acked - started))
@@ -826,6 +858,8 @@ def main(argv: list[str] | None = None) -> None:
                 log(f"cloud consumer: {c.stats}")
         lat = {kind: row_times(lat_cloud.db, f"lat_{kind}", lat_cloud.commits, acks[kind], sent[kind]) for kind in DIMS}
         scrapes = sum(c.scraper.scrapes for c in (cloud, lat_cloud) if c.scraper is not None)
+        scrape_cpu_s = cloud.stats.get("scrape_cpu_s") or 0.0
+        direct = [(polled + n * scrape_cpu_s) / cpu for cpu, polled, n in metered if cpu > 0]
         cloud_gc = lat_cloud.stats.get("gc")
     finally:
         for sink in sinks:
@@ -899,6 +933,8 @@ def main(argv: list[str] | None = None) -> None:
         "payload_bytes": {kind: dims * 4 for kind, dims in DIMS.items()},
         "device_acked_rows_per_s": round(median(acked_rates)),
         "metrics_overhead_fraction_wall": round(1 - median(rates) / median(rates_off), 4),
+        "metrics_overhead_fraction_direct": round(median(direct), 5) if direct else None,
+        "metrics_scrape_cpu_ms": round(scrape_cpu_s * 1e3, 3),
         "rows_per_s_without_metrics": round(median(rates_off)),
         "cloud_cpu_us_per_row": {"metrics": round(median(cpu_per_row[True]) * 1e6, 2),
                                  "no_metrics": round(median(cpu_per_row[False]) * 1e6, 2)},
