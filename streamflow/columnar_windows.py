@@ -1,9 +1,10 @@
-"""Event-time windows over a whole bounded input at once: what a stream task's ``TimeWindow`` + ``Aggregate`` emits,
-in the order the streaming run emits it (the device runner's batch mode for stream tasks).
+"""Event-time windows a block of items at a time: what a stream task's ``TimeWindow`` + ``Aggregate`` emits, in the
+order the streaming run emits it (the device runner's batch mode for stream tasks).
 
 Streaming, :class:`~streamflow.windowing.EventTimeWindows` decides per item under the watermark (rules in
-:mod:`streamflow.windowing`). Over a bounded input every one of those decisions is a function of the items' order
-and times, so they are made for all items at once, with NumPy:
+:mod:`streamflow.windowing`). Every one of those decisions is a function of the items' order and times up to that
+item, so they are made for a whole block of items at once, with NumPy, carrying to the next block only the items
+of the windows still within their lateness (what any later firing can hold):
 
 - the watermark while item ``i`` is added is ``max(ts[:i]) - out_of_orderness - 1`` (a running maximum);
 - item ``i`` is a late event when even its newest window is late then (``end - 1 + lateness <= watermark``);
@@ -19,16 +20,19 @@ and times, so they are made for all items at once, with NumPy:
   window's timer is registered by the first item of its key added to it on time.
 
 Only the aggregation runs per firing, with the aggregate's own fold over the window's items (so each aggregation
-gives exactly what it gives streaming). When the allowed lateness is a positive multiple of the slide, a key's
+gives exactly what it gives streaming). One difference: an aggregation that raises (``Max`` over a number and a
+string, say) fails the firing (a :data:`FAILED` output naming the key and the window), where streaming fails the
+event whose ``add`` raised. When the allowed lateness is a positive multiple of the slide, a key's
 cleanup timer can share the time of one of its firings and reorder firings of equal time: such a window
 streams (:func:`refusal`).
 
 Example:
     >>> from operators import Aggregate, Count, TimeWindow
     >>> windows = BatchTimeWindows(TimeWindow(10), Aggregate(n=Count()), "user")
-    >>> windows.outputs(["u", "u", "u"], [{"ts": 3.0}, {"ts": 12.0}, {"ts": 4.0}], [3000, 12000, 4000])
-    [(1, 'emit', {'user': 'u', 'window_start': 0.0, 'window_end': 10.0, 'n': 1}), (2, 'late_events', {'ts': 4.0}), \
-(3, 'emit', {'user': 'u', 'window_start': 10.0, 'window_end': 20.0, 'n': 1})]
+    >>> windows.add(["u", "u"], [{"ts": 3.0}, {"ts": 12.0}], [3000, 12000])  # items 0 and 1
+    [(1, 'emit', {'user': 'u', 'window_start': 0.0, 'window_end': 10.0, 'n': 1})]
+    >>> windows.add(["u"], [{"ts": 4.0}], [4000]), windows.finish()  # item 2, then the end (3)
+    ([(2, 'late_events', {'ts': 4.0})], [(3, 'emit', {'user': 'u', 'window_start': 10.0, 'window_end': 20.0, 'n': 1})])
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from operators.window import to_millis
 from streamflow.keyed import START_OF_TIME
 from streamflow.windowing import window_row
 
+#: The tag of a firing whose aggregation raised; its value is ``(key, (window start, window end), exception)``.
+FAILED = "failed"
 #: Event times (ms) within this bound keep every sum of the arithmetic below inside int64.
 _TIME_BOUND = 2 ** 60
 
@@ -58,7 +64,7 @@ def refusal(window: TimeWindow) -> str | None:
 
 
 class BatchTimeWindows:
-    """A ``TimeWindow`` + ``Aggregate`` keyed step over a whole input (see the module docstring)."""
+    """A ``TimeWindow`` + ``Aggregate`` keyed step a block of items at a time (see the module docstring)."""
 
     def __init__(self, window: TimeWindow, aggregate: Aggregate, key_name: str):
         self.size, self.slide = to_millis(window.size), to_millis(window.slide)
@@ -66,85 +72,165 @@ class BatchTimeWindows:
         self.bound = to_millis(window.out_of_orderness)
         self.fold = aggregate.fold_one
         self.key_name = key_name
+        self.seen = 0  # items added so far: the next item's number
+        self._clock: int | None = None  # the largest time seen
+        self._codes: dict[Any, int] = {}  # key -> its number
+        # the (item, window) pairs of the windows still within their lateness: item number, key number, window
+        # start, whether the item came on time for the window
+        self._pairs = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, bool))
+        self._held: dict[int, tuple[Any, Any]] = {}  # item number -> (key, item), for the pairs above
 
     def outputs(self, keys: Sequence[Any], items: Sequence[Any], ts_ms: Sequence[int]) -> list[tuple[int, str, Any]]:
-        """The keyed step's outputs for items ``i`` of key ``keys[i]`` at ``ts_ms[i]``, in order: ``(i, tag,
-        value)``, ``i`` the item it came with (``len(items)``: the end of the input), ``tag`` ``"emit"`` (a window's
-        row) or ``late_events`` (the item). ``ValueError`` for times past ±2**60 ms; the fold's own exception if
-        an aggregation raises."""
-        n = len(items)
-        if n == 0:
+        """:meth:`add` of a whole input, then :meth:`finish`."""
+        return self.add(keys, items, ts_ms) + self.finish()
+
+    def add(self, keys: Sequence[Any], items: Sequence[Any], ts_ms: Sequence[int]) -> list[tuple[int, str, Any]]:
+        """The next items (numbered on from :attr:`seen`), of key ``keys[i]`` at ``ts_ms[i]`` each: the keyed
+        step's outputs up to the last of them, in order, as ``(n, tag, value)``: ``n`` the number of the item it
+        came with, ``tag`` ``"emit"`` (a window's row), ``late_events`` (the item) or :data:`FAILED`.
+        ``ValueError`` for times past ±2**60 ms (nothing added)."""
+        m = len(items)
+        if m == 0:
             return []
         ts = np.asarray(ts_ms, dtype=np.int64)
         if np.abs(ts).max() >= _TIME_BOUND:
             raise ValueError("event times past 2**60 ms")
-        size, slide, lateness = self.size, self.slide, self.lateness
+        size, slide, lateness, first = self.size, self.slide, self.lateness, self.seen
         running = np.maximum.accumulate(ts)
-        watermark = np.empty(n, dtype=np.int64)
-        watermark[0] = START_OF_TIME
+        watermark = np.empty(m, dtype=np.int64)
+        if self._clock is None:
+            watermark[0] = START_OF_TIME
+        else:
+            running = np.maximum(running, self._clock)
+            watermark[0] = self._clock - self.bound - 1
         watermark[1:] = running[:-1] - self.bound - 1
         newest = ts - np.mod(ts - self.offset, slide)
         late_event = newest + (size - 1 + lateness) <= watermark
 
-        # (item, window) pairs: each item not late with each of its windows not past its lateness
+        # the new (item, window) pairs: each item not late with each of its windows not past its lateness
         added = np.flatnonzero(~late_event)
-        item_of, window_no, start_of = [], [], []
+        new_item, new_window, new_start = [], [], []
         for j in range(-(-size // slide)):
             starts = newest[added] - j * slide
             ok = (starts > ts[added] - size) & (starts + (size - 1 + lateness) > watermark[added])
-            item_of.append(added[ok])
-            window_no.append(np.full(int(ok.sum()), j, dtype=np.int64))
-            start_of.append(starts[ok])
-        pair_item, pair_window, pair_start = (np.concatenate(parts) for parts in (item_of, window_no, start_of))
-        codes: dict[Any, int] = {}
-        key_code = np.fromiter((codes.setdefault(key, len(codes)) for key in keys), dtype=np.int64, count=n)
-        order = np.lexsort((pair_item, pair_start, key_code[pair_item]))  # by key, window, arrival
-        pair_item, pair_window, pair_start = pair_item[order], pair_window[order], pair_start[order]
-        pair_key = key_code[pair_item]
-        first = np.ones(len(order), dtype=bool)
-        first[1:] = (pair_key[1:] != pair_key[:-1]) | (pair_start[1:] != pair_start[:-1])
-        group = np.cumsum(first) - 1
-        group_start = np.flatnonzero(first)
-        on_time = pair_start + (size - 1) > watermark[pair_item]
-
-        # on-time firings: windows whose first item came on time (its timer), after the item that moves the
-        # watermark to the window's end - 1 (n: the end of the input), with the window's items up to that one
-        fires = np.flatnonzero(on_time[group_start])
-        fire_time = pair_start[group_start[fires]] + (size - 1)
-        fire_after = np.searchsorted(running, fire_time + self.bound + 1, side="left")
-        arrival = group * (n + 1) + pair_item  # sorted: groups in order, items in order within each
-        fire_end = np.searchsorted(arrival, fires * (n + 1) + fire_after, side="right")
-        # late firings: each pair added after its window fired, with the window's items up to it
+            new_item.append(added[ok])
+            new_window.append(np.full(int(ok.sum()), j, dtype=np.int64))
+            new_start.append(starts[ok])
+        local, window_no, start = (np.concatenate(parts) for parts in (new_item, new_window, new_start))
+        codes = self._codes
+        key_code = np.fromiter((codes.setdefault(key, len(codes)) for key in keys), dtype=np.int64, count=m)
+        held = self._held
+        for i in added.tolist():
+            held[first + i] = (keys[i], items[i])
+        on_time = start + (size - 1) > watermark[local]
         late = np.flatnonzero(~on_time)
+        late_item, late_window = local[late] + first, window_no[late]
 
-        kinds = np.concatenate([np.zeros(len(fires), dtype=np.int8), np.ones(len(late), dtype=np.int8),
-                                np.full(n - len(added), 2, dtype=np.int8)])
-        where = np.concatenate([fires, late, np.flatnonzero(late_event)])
-        at = np.concatenate([fire_after, pair_item[late], where[len(fires) + len(late):]])
-        phase = np.concatenate([np.ones(len(fires), dtype=np.int8), np.zeros(n - len(added) + len(late), np.int8)])
-        tie = np.concatenate([fire_time, pair_window[late], np.zeros(n - len(added), dtype=np.int64)])
-        registered = np.concatenate([pair_item[group_start[fires]], np.zeros(len(late) + n - len(added), np.int64)])
-        emitted = np.lexsort((registered, tie, phase, at))
+        # every pair, carried and new, by key, window and arrival
+        carried_item, carried_key, carried_start, carried_on_time = self._pairs
+        pair_item = np.concatenate([carried_item, local + first])
+        pair_key = np.concatenate([carried_key, key_code[local]])
+        pair_start = np.concatenate([carried_start, start])
+        pair_on_time = np.concatenate([carried_on_time, on_time])
+        order = np.lexsort((pair_item, pair_start, pair_key))
+        pair_item, pair_key, pair_start, pair_on_time = (a[order] for a in (pair_item, pair_key, pair_start,
+                                                                             pair_on_time))
+        n_pairs = len(pair_item)
+        group_first = np.ones(n_pairs, dtype=bool)
+        group_first[1:] = (pair_key[1:] != pair_key[:-1]) | (pair_start[1:] != pair_start[:-1])
+        group = np.cumsum(group_first) - 1
+        group_start = np.flatnonzero(group_first)
+        end_item = first + m  # past the items there are so far
+        arrival = group * (end_item + 1) + pair_item  # sorted: groups in order, items in order within each
 
-        fold, key_name, items_at = self.fold, self.key_name, items.__getitem__
-        starts_of = group_start.tolist()
-        ends_of = np.zeros(len(group_start), dtype=np.int64)
-        ends_of[fires] = fire_end
-        ends_of = ends_of.tolist()
+        # on-time firings in this block: windows whose first item came on time (its timer), when the watermark
+        # first reaches the window's end - 1 after one of this block's items
+        fire_time = pair_start[group_start] + (size - 1)
+        fire_after = np.searchsorted(running, fire_time + self.bound + 1, side="left")
+        fires = np.flatnonzero(pair_on_time[group_start] & (fire_time > watermark[0]) & (fire_after < m))
+        fire_end = np.searchsorted(arrival, fires * (end_item + 1) + first + fire_after[fires], side="right")
+        # late firings: each new pair added after its window fired, with the window's items up to it
+        sorted_at = np.empty(n_pairs, dtype=np.int64)
+        sorted_at[order] = np.arange(n_pairs)
+        late_position = sorted_at[len(carried_item) + late]  # where each late pair is among the sorted pairs
+        late_events = np.flatnonzero(late_event)
+
+        out = self._emit(
+            kinds=[np.zeros(len(fires), np.int8), np.ones(len(late), np.int8), np.full(len(late_events), 2, np.int8)],
+            where=[fires, late_position, late_events + first],
+            at=[first + fire_after[fires], late_item, late_events + first],
+            phase=[np.ones(len(fires), np.int8), np.zeros(len(late) + len(late_events), np.int8)],
+            tie=[fire_time[fires], late_window, np.zeros(len(late_events), np.int64)],
+            registered=[pair_item[group_start[fires]], np.zeros(len(late) + len(late_events), np.int64)],
+            group=group, group_start=group_start, fire_end=(fires, fire_end), pair_item=pair_item,
+            pair_start=pair_start, items={i + first: items[i] for i in late_events.tolist()})
+
+        # carry the pairs of the windows still within their lateness after the block
+        now = running[-1] - self.bound - 1
+        keep = pair_start + (size - 1 + lateness) > now
+        self._pairs = (pair_item[keep], pair_key[keep], pair_start[keep], pair_on_time[keep])
+        kept = set(self._pairs[0].tolist())
+        for number in [n for n in held if n not in kept]:
+            del held[number]
+        self.seen, self._clock = end_item, int(running[-1])
+        return out
+
+    def finish(self) -> list[tuple[int, str, Any]]:
+        """The end of the input: the windows whose on-time firing is still to come fire, by time and registration,
+        each with all its items (numbered :attr:`seen`)."""
+        pair_item, pair_key, pair_start, pair_on_time = self._pairs
+        if not len(pair_item):
+            return []
+        group_first = np.ones(len(pair_item), dtype=bool)
+        group_first[1:] = (pair_key[1:] != pair_key[:-1]) | (pair_start[1:] != pair_start[:-1])
+        group = np.cumsum(group_first) - 1
+        group_start = np.flatnonzero(group_first)
+        fire_time = pair_start[group_start] + (self.size - 1)
+        watermark = self._clock - self.bound - 1
+        fires = np.flatnonzero(pair_on_time[group_start] & (fire_time > watermark))
+        group_end = np.append(group_start[1:], len(pair_item))
+        out = self._emit(
+            kinds=[np.zeros(len(fires), np.int8)], where=[fires], at=[np.full(len(fires), self.seen, np.int64)],
+            phase=[np.ones(len(fires), np.int8)], tie=[fire_time[fires]], registered=[pair_item[group_start[fires]]],
+            group=group, group_start=group_start, fire_end=(fires, group_end[fires]), pair_item=pair_item,
+            pair_start=pair_start, items={})
+        self._pairs = (pair_item[:0], pair_key[:0], pair_start[:0], pair_on_time[:0])
+        self._held.clear()
+        return out
+
+    def _emit(self, *, kinds: list[np.ndarray], where: list[np.ndarray], at: list[np.ndarray],
+              phase: list[np.ndarray], tie: list[np.ndarray], registered: list[np.ndarray], group: np.ndarray,
+              group_start: np.ndarray, fire_end: tuple[np.ndarray, np.ndarray], pair_item: np.ndarray,
+              pair_start: np.ndarray, items: dict[int, Any]) -> list[tuple[int, str, Any]]:
+        """The outputs in the streaming run's order: by item, then during it (late firings, newest window first, or
+        its late event) before after it (timers by time, then by registration). ``kinds``: 0 an on-time firing
+        (``where`` its group), 1 a late firing (``where`` its pair), 2 a late event (``where`` the item)."""
+        kind, place, position = np.concatenate(kinds), np.concatenate(where), np.concatenate(at)
+        emitted = np.lexsort((np.concatenate(registered), np.concatenate(tie), np.concatenate(phase), position))
+        ends = np.zeros(len(group_start), dtype=np.int64)
+        ends[fire_end[0]] = fire_end[1]
+        starts_of, ends_of, group_of = group_start.tolist(), ends.tolist(), group.tolist()
+        fold, key_name, size, held = self.fold, self.key_name, self.size, self._held
         out: list[tuple[int, str, Any]] = []
-        for k, w, i in zip(kinds[emitted].tolist(), where[emitted].tolist(), at[emitted].tolist(), strict=True):
+        for k, w, n in zip(kind[emitted].tolist(), place[emitted].tolist(), position[emitted].tolist(), strict=True):
             if k == 2:
-                out.append((i, LATE, items[i]))
+                out.append((n, LATE, items[w]))
                 continue
             if k == 0:
                 begin, end = starts_of[w], ends_of[w]
             else:
-                begin, end = starts_of[group[w]], w + 1
-            members = pair_item[begin:end].tolist()
-            start = int(pair_start[begin])
-            out.append((i, "emit", window_row(key_name, keys[members[0] if k == 0 else i], start / 1000,
-                                              (start + size) / 1000, fold(list(map(items_at, members))))))
+                begin, end = starts_of[group_of[w]], w + 1
+            members = [held[i] for i in pair_item[begin:end].tolist()]
+            window_start = int(pair_start[begin])
+            key = members[0][0] if k == 0 else held[n][0]
+            window = (window_start / 1000, (window_start + size) / 1000)
+            try:
+                results = fold([item for _, item in members])
+            except Exception as exc:  # noqa: BLE001 - the firing fails alone (see the module docstring)
+                out.append((n, FAILED, (key, window, exc)))
+                continue
+            out.append((n, "emit", window_row(key_name, key, *window, results)))
         return out
 
 
-__all__ = ["BatchTimeWindows", "refusal"]
+__all__ = ["FAILED", "BatchTimeWindows", "refusal"]

@@ -20,6 +20,8 @@ class TaskStats:
     errors: int = 0
     consecutive_errors: int = 0
     quarantined: bool = False
+    #: How a stream task's keyed step ran in batch mode (:mod:`streamflow.runners.batch_streams`); "" otherwise.
+    mode: str = ""
 
 
 @dataclass
@@ -63,6 +65,7 @@ class RunSummary:
                          f"errors {stats.errors:,}{state}")
         lines.append("runtime mode     batch  (the bounded input column by column)" if self.runtime_mode == "batch"
                      else "runtime mode     streaming  (event by event)")
+        lines.extend(f"  task {name:<18} {stats.mode}" for name, stats in self.task_stats.items() if stats.mode)
         late = self.rows_written.get(LATE_EVENTS_TABLE, 0)
         if late:
             lines.append(f"late events      {late:,}  (too late for every window: in table {LATE_EVENTS_TABLE})")

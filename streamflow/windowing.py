@@ -845,7 +845,7 @@ class StreamTaskRun:
         entry = self.input.step(item)
         if entry is None:
             return [], self._failures(self.input.out) if self.input.out else []
-        return self._split(self.runtime.process(*entry))
+        return self.route(self.runtime.process(*entry))
 
     def process_block(self, items: list[Any]) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]],
                                                          list[tuple[Any, Exception]]]:
@@ -881,7 +881,7 @@ class StreamTaskRun:
 
     def finish(self) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
         """End of input: the rows of every window still open (the final watermark's timers)."""
-        rows, sides = self._split(self.runtime.finish())
+        rows, sides = self.route(self.runtime.finish())
         if self.keyed.closing:
             sides += [(TASK_ERRORS_TABLE, row) for row in self.keyed.closing]
             self.keyed.closing.clear()
@@ -900,6 +900,11 @@ class StreamTaskRun:
             streak.restore(state[name])
         self.quarantined = any(quarantined for _, quarantined in state.values())
 
+    def step_failures(self) -> list[tuple[str, dict[str, Any]]]:
+        """The ``(table, row)`` failures the steps before the keyed step recorded since the last call (a step
+        that quarantined marks the task quarantined)."""
+        return self._failures(self.input.out) if self.input.out else []
+
     def _failures(self, out: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
         sides = [record for record in out if record[0] != QUARANTINED]
         if len(sides) < len(out):
@@ -907,7 +912,8 @@ class StreamTaskRun:
         out.clear()
         return sides
 
-    def _split(self, outputs: list[tuple[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
+    def route(self, outputs: list[tuple[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
+        """The keyed step's ``(tag, value)`` outputs through the steps after it: ``(feature rows, side rows)``."""
         rows: list[dict[str, Any]] = []
         sides: list[tuple[str, Any]] = []
         route = self.output.route

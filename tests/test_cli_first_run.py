@@ -24,10 +24,14 @@ def test_a_second_run_without_replace_says_it_adds_to_the_earlier_rows(tmp_path,
     assert "already holds rows" not in capsys.readouterr().err
 
 
-def test_the_summary_counts_late_events_and_names_the_streaming_mode(tmp_path, capsys):
-    assert main(["run", *WINDOWS, "--db", str(tmp_path / "w.duckdb"), "--show", "0"]) == 0
+def test_the_summary_counts_late_events_and_names_the_mode(tmp_path, capsys):
+    assert main(["run", *WINDOWS, "--db", str(tmp_path / "w.duckdb"), "--show", "0", "--mode", "streaming"]) == 0
     out = capsys.readouterr().out
     assert "runtime mode     streaming  (event by event)" in out
+    assert "late events      6  (too late for every window: in table late_events)" in out
+    assert main(["run", *WINDOWS, "--db", str(tmp_path / "b.duckdb"), "--show", "0"]) == 0  # a bounded file
+    out = capsys.readouterr().out
+    assert "runtime mode     batch  (the bounded input column by column)\n  task activity           columnar windows" in out
     assert "late events      6  (too late for every window: in table late_events)" in out
 
 

@@ -1,6 +1,7 @@
 """Batch time windows (streamflow/columnar_windows.py) against the streaming window function they stand for.
 
-Generated inputs (keys, times out of order, lateness, out-of-orderness, sliding and tumbling windows, offsets) and
+Generated inputs (keys, times out of order, lateness, out-of-orderness, sliding and tumbling windows, offsets, cut
+into blocks anywhere) and
 every kind of aggregation: the outputs, their order and the item each comes with equal what
 :class:`~streamflow.windowing.EventTimeWindows` under :class:`~streamflow.keyed.KeyedRuntime` emits item by item.
 """
@@ -62,17 +63,23 @@ def _inputs(draw):
     kinds = draw(st.lists(st.sampled_from(["x", "y", "z"]), min_size=n, max_size=n))
     items = [{"v": v if isinstance(v, int) else round(v, 2), "k": k, "ts": t / 1000}
              for v, k, t in zip(values, kinds, ts_ms, strict=True)]
-    return window, keys, items, ts_ms
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=4)))
+    return window, keys, items, ts_ms, cuts
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_inputs())
 def test_batch_windows_emit_what_the_streaming_windows_emit_in_the_same_order(case):
-    window, keys, items, ts_ms = case
+    """Whole, or cut into blocks anywhere (what a window holds at a cut is carried to the next block)."""
+    window, keys, items, ts_ms, cuts = case
     if refusal(window) is not None:
         return
-    batch = BatchTimeWindows(window, _aggregate(), "user").outputs(keys, items, ts_ms)
-    assert batch == _streamed(window, keys, items, ts_ms)
+    expected = _streamed(window, keys, items, ts_ms)
+    assert BatchTimeWindows(window, _aggregate(), "user").outputs(keys, items, ts_ms) == expected
+    windows, out = BatchTimeWindows(window, _aggregate(), "user"), []
+    for a, b in zip([0, *cuts], [*cuts, len(items)], strict=True):
+        out += windows.add(keys[a:b], items[a:b], ts_ms[a:b])
+    assert out + windows.finish() == expected
 
 
 def test_a_lateness_that_is_a_multiple_of_the_slide_streams():

@@ -181,7 +181,7 @@ def device_rows(task: Task, events: list[dict[str, Any]], settled_ms: int | None
         rows += out
         late += [json.loads(row["item"]) for table, row in sides if table == "late_events"]
     if settled_ms is not None:
-        out, sides = run._split(run.runtime.advance(max(e["ms"] for e in events) + settled_ms))
+        out, sides = run.route(run.runtime.advance(max(e["ms"] for e in events) + settled_ms))
         rows += out
         assert run.runtime.keys_held == 0 and not sides
     out, sides = run.finish()

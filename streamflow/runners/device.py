@@ -75,6 +75,7 @@ from streamflow.execution import TaskExecution, TriggerTasks, task_error_row
 from streamflow.job import Job, Task
 from streamflow.keyed import KeyedRuntime, rows_by_output
 from streamflow.runners.batch import run_batch
+from streamflow.runners.batch_streams import run_stream_batch
 from streamflow.sources import LineSource, SourcePosition, SourceReader
 from streamflow.summary import TASK_ERRORS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamTaskRun, stream_error_row
@@ -315,7 +316,7 @@ class DeviceRunner:
         self._prechecked = (self._own_guard and isinstance(source, LineSource) and source.events_checked
                             and source.guard is None and source.state_ttl_s is None and self.state_ttl_s is None)
         try:
-            if self.runtime_mode != "streaming" and reader is None and self._run_batch(source):
+            if self.runtime_mode != "streaming" and reader is None and self._run_batch(source, progress):
                 return self.summary
             self.summary.runtime_mode = "streaming"
             self._run_blocks(records, reader, progress)
@@ -331,9 +332,14 @@ class DeviceRunner:
             self.summary.refused_rows = dict(self.storage.refused)
         return self.summary
 
-    def _run_batch(self, source: Iterable[Event | Rejected] | LineSource) -> bool:
-        """Run in batch mode if the job and input allow it (see :mod:`streamflow.runners.batch`): whether it ran."""
-        refusal = run_batch(self, source)
+    def _run_batch(self, source: Iterable[Event | Rejected] | LineSource,
+                   progress: Callable[[Iterable[Any]], Iterator[Any]] | None = None) -> bool:
+        """Run in batch mode if the job and input allow it (see :mod:`streamflow.runners.batch`, and
+        :mod:`streamflow.runners.batch_streams` for a job of stream tasks): whether it ran."""
+        if self._streams and not self.execution.tasks:
+            refusal = run_stream_batch(self, source, progress)
+        else:
+            refusal = run_batch(self, source)
         if refusal is None:
             log.info("job %s ran in batch mode", self.job.name)
             return True
@@ -409,25 +415,28 @@ class DeviceRunner:
         handlers = {}
         if reader is not None and threading.current_thread() is threading.main_thread():
             handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        size = self.block_size or (BLOCK_SIZE if isinstance(self._source, LineSource) else 1)
-        blocks: Iterable[list[Event | Rejected]]
-        if size > 1 and isinstance(records, (LineSource, SourceReader)) and (
-                progress is None or callable(getattr(progress, "blocks", None))):
-            blocks = (records if isinstance(records, SourceReader) else records.read()).blocks(size)
-            if progress is not None:
-                blocks = progress.blocks(blocks)  # type: ignore[attr-defined]
-        else:
-            it = iter(records if progress is None else progress(records))
-            blocks = iter(lambda: list(islice(it, size)), [])
         self._block_started = time.perf_counter()
         try:
-            for block in blocks:
+            for block in self.blocks(records, progress):
                 self.process_block(block)
                 if reader is not None and time.monotonic() >= self._next_checkpoint:
                     self._checkpoint_between(reader, block[-1])
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+
+    def blocks(self, records: Iterable[Event | Rejected] | LineSource | SourceReader,
+               progress: Callable[[Iterable[Any]], Iterator[Any]] | None = None) -> Iterator[list[Event | Rejected]]:
+        """``records`` in blocks of ``block_size`` records, as the record loop takes them (see :meth:`_run_blocks`)."""
+        size = self.block_size or (BLOCK_SIZE if isinstance(self._source, LineSource) else 1)
+        if size > 1 and isinstance(records, (LineSource, SourceReader)) and (
+                progress is None or callable(getattr(progress, "blocks", None))):
+            blocks = (records if isinstance(records, SourceReader) else records.read()).blocks(size)
+            if progress is not None:
+                blocks = progress.blocks(blocks)  # type: ignore[attr-defined]
+            return iter(blocks)
+        it = iter(records if progress is None else progress(records))
+        return iter(lambda: list(islice(it, size)), [])
 
     def _checkpoint_between(self, reader: SourceReader, record: Event | Rejected) -> None:
         self.checkpoint(reader.position_after(record))
@@ -572,22 +581,28 @@ class DeviceRunner:
         summary = self.summary
         summary.tasks_fired = sum(stats.fired for stats in summary.task_stats.values())
         summary.evicted_users = self.triggers.evicted + sum(s.runtime.evicted for s in self._streams.values())
+        for stream in self._streams.values():  # the run of failures at the end (counted per block while it ran)
+            stats = summary.task_stats[stream.name]
+            if stats.errors:
+                stats.consecutive_errors = stream.consecutive_errors
 
     def _write_stream(self, stream: StreamTaskRun, rows: list[dict[str, Any]],
                       sides: list[tuple[str, dict[str, Any]]]) -> None:
+        self.count_stream(stream, len(rows), sides)
         if rows:
-            stats = self.summary.task_stats[stream.name]
-            stats.fired += len(rows)
-            stats.rows += len(rows)
             self._write(stream.sink, rows)
-        if not sides:
-            return
-        by_table = rows_by_output(sides)
-        for table, table_rows in by_table.items():
-            self._write(table, table_rows)
-        errors = sum(1 for row in by_table.get(TASK_ERRORS_TABLE, ()) if row.get("task") == stream.name)
-        if errors:  # as Flink's writer counts them
-            stats = self.summary.task_stats[stream.name]
+        if sides:
+            for table, table_rows in rows_by_output(sides).items():
+                self._write(table, table_rows)
+
+    def count_stream(self, stream: StreamTaskRun, rows: int, sides: list[tuple[str, dict[str, Any]]]) -> None:
+        """Count ``rows`` feature rows and the task's failures among ``sides`` in the summary (as Flink's writer)."""
+        stats = self.summary.task_stats[stream.name]
+        if rows:
+            stats.fired += rows
+            stats.rows += rows
+        errors = sum(1 for table, row in sides if table == TASK_ERRORS_TABLE and row.get("task") == stream.name)
+        if errors:
             stats.errors += errors
             stats.consecutive_errors = stream.consecutive_errors
             stats.quarantined = stats.quarantined or stream.quarantined

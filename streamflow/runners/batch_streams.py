@@ -1,0 +1,228 @@
+"""The device runner's batch mode for a job of stream tasks: each task's keyed step over the whole bounded input.
+
+Flink runs a DataStream program over bounded input in BATCH execution mode with other operator implementations
+and the same results; so does this, for a job whose tasks are all stream tasks:
+
+- the records are read in blocks and checked as when streaming (the source's parse and the runner's timestamp
+  guard: the same dead letters, written as they come);
+- each event goes through each task's steps before its keyed step (Filter/Map, the key, the event time: the
+  streaming code itself, :class:`~streamflow.windowing.StreamInput`, so a step that raises makes the same
+  ``task_errors`` row);
+- a task whose keyed step is a ``TimeWindow`` + ``Aggregate`` takes the items of ``CHUNK_EVENTS`` events at a time
+  and makes their firings, late firings and late events at once (:mod:`streamflow.columnar_windows`: only the
+  items of windows still within their lateness are carried to the next chunk, so memory is set by the chunk and
+  the windows, not the input). Any other keyed step (a session or count window, a ``Process``) runs item by item
+  as when streaming, in the same run;
+- every output goes through the steps after the keyed step, and each table gets its rows in the streaming run's
+  order (tasks interleaved per event, as when streaming), written a chunk at a time.
+
+No checkpoint is taken: a run stopped before its end is run again with ``--replace``. The summary says how each
+task's keyed step ran (:attr:`~streamflow.summary.TaskStats.mode`).
+
+Example:
+    >>> import os, tempfile
+    >>> from connectors import CollectiveStorage
+    >>> from operators import Aggregate, Count, KeyBy, TimeWindow
+    >>> from streamflow import Event, Job, Task
+    >>> from streamflow.runners import DeviceRunner
+    >>> task = Task("n", None, [KeyBy("user_id"), TimeWindow(10), Aggregate(n=Count())], input="stream")
+    >>> runner = DeviceRunner(Job("j", [task]), CollectiveStorage(os.path.join(tempfile.mkdtemp(), "f.duckdb")),
+    ...                       runtime_mode="batch")
+    >>> events = [Event("u", "fav", "item", 1.6e9 + t) for t in (1, 2, 12)]
+    >>> summary = runner.run(events)
+    >>> summary.runtime_mode, summary.task_stats["n"].mode
+    ('batch', 'columnar windows')
+    >>> runner.storage.query("SELECT user_id, window_start, n FROM n ORDER BY window_start")
+    [('u', 1600000000.0, 2), ('u', 1600000010.0, 1)]
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from operators import TimeWindow
+from streamflow.columnar_windows import FAILED, BatchTimeWindows
+from streamflow.columnar_windows import refusal as window_refusal
+from streamflow.events import Event
+from streamflow.summary import TASK_ERRORS_TABLE
+from streamflow.windowing import StreamTaskRun, stream_error_row
+
+if TYPE_CHECKING:
+    from streamflow.runners.device import DeviceRunner
+
+log = logging.getLogger("streamflow.runners")
+
+COLUMNAR = "columnar windows"
+#: (position in the input, task index, feature rows, side rows): one event's (or the end's) outputs of one task
+Outputs = tuple[int, int, list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]
+
+
+def refusal(runner: DeviceRunner) -> str | None:
+    """Why this batch mode cannot run ``runner``'s job, or ``None``."""
+    if runner.execution.tasks or not runner._streams:
+        return "the job is not made of stream tasks only"
+    settings = {"checkpoints": runner.checkpoint_interval_s, "a state TTL": runner.state_ttl_s,
+                "a cap on users": runner.max_users, "the tunnel": runner.tunnel,
+                "latency recording": runner.latencies_s is not None,
+                "a safe-point hook or task swap": runner._hooks or runner._swaps}
+    for what, on in settings.items():
+        if on:
+            return f"the run has {what}"
+    reasons = {name: keyed_refusal(run) for name, run in runner._streams.items()}
+    if all(reasons.values()):
+        return "no stream task has a keyed step batch mode computes at once (" + "; ".join(
+            f"{name}: {why}" for name, why in reasons.items()) + ")"
+    return None
+
+
+def keyed_refusal(run: StreamTaskRun) -> str | None:
+    """Why ``run``'s keyed step runs item by item in batch mode, or ``None`` (it is computed at once)."""
+    window = run.plan.window
+    if not isinstance(window, TimeWindow):
+        return f"{type(window).__name__} runs item by item"
+    return window_refusal(window)
+
+
+#: Events read before each task's keyed step takes them as one block (what a chunk holds is all that is kept of it).
+CHUNK_EVENTS = 8192
+
+
+class _BatchTask:
+    """One stream task in batch mode: its steps per event, its keyed step a chunk at a time or item by item."""
+
+    def __init__(self, run: StreamTaskRun, index: int, failed: Callable[[StreamTaskRun, Event, Exception], None],
+                 alone: bool):
+        self.run, self.index, self._failed = run, index, failed
+        self.alone = alone  # the job's only task: no other task's rows to interleave with
+        why = keyed_refusal(run)
+        plan = run.plan
+        self.windows = None if why is not None else BatchTimeWindows(plan.window, plan.aggregate, plan.key_by.name)
+        self.mode = COLUMNAR if why is None else f"item by item: {why}"
+        #: what the task made so far and nobody took yet, in order
+        self.outputs: list[Outputs] = []
+
+    def take(self, events: list[Event], first: int) -> None:
+        """The events at positions ``first``, ``first + 1``... through the task."""
+        run, index, outputs = self.run, self.index, self.outputs
+        if self.windows is None:
+            for k, event in enumerate(events):
+                try:
+                    rows, sides = run.process(event)
+                except Exception as exc:  # a backstop, as when streaming
+                    self._failed(run, event, exc)
+                    continue
+                if rows or sides:
+                    outputs.append((first + k, index, rows, sides))
+            return
+        step, failures = run.input.step, run.step_failures
+        keys: list[Any] = []
+        items: list[Any] = []
+        times: list[int] = []
+        at: list[int] = []
+        for k, event in enumerate(events):
+            entry = step(event)
+            if entry is None:
+                sides = failures()
+                if sides:
+                    outputs.append((first + k, index, [], sides))
+                continue
+            keys.append(entry[0])
+            items.append(entry[1])
+            times.append(entry[2])
+            at.append(first + k)
+        numbered = self.windows.seen
+        self._route(self.windows.add(keys, items, times), lambda n: at[n - numbered])
+
+    def finish(self, end: int) -> None:
+        """The end of the input (at position ``end``)."""
+        if self.windows is not None:
+            self._route(self.windows.finish(), lambda n: end)
+        rows, sides = self.run.finish()
+        if rows or sides:
+            self.outputs.append((end, self.index, rows, sides))
+
+    def _route(self, keyed: list[tuple[int, str, Any]], position: Callable[[int], int]) -> None:
+        """The keyed step's outputs through the steps after it, merged by position with the failures before it.
+
+        The job's only task with no failure before the keyed step in the chunk has nothing to interleave them
+        with: they are routed in one call."""
+        if not keyed:
+            return
+        run, index = self.run, self.index
+        for i, (n, tag, value) in enumerate(keyed):
+            if tag == FAILED:
+                key, window, exc = value
+                keyed[i] = (n, TASK_ERRORS_TABLE, stream_error_row(run.name, exc, None, key, window=window))
+        if self.alone and not self.outputs:
+            rows, sides = run.route([(tag, value) for _, tag, value in keyed])
+            if rows or sides:
+                self.outputs.append((position(keyed[0][0]), index, rows, sides))
+            return
+        routed = []
+        for n, tag, value in keyed:
+            rows, sides = run.route([(tag, value)])
+            if rows or sides:
+                routed.append((position(n), index, rows, sides))
+        self.outputs = list(heapq.merge(self.outputs, routed, key=_position))
+
+
+def _position(outputs: Outputs) -> tuple[int, int]:
+    return outputs[0], outputs[1]
+
+
+def run_stream_batch(runner: DeviceRunner, records: Iterable[Any],
+                     progress: Callable[[Iterable[Any]], Iterator[Any]] | None = None) -> str | None:
+    """Run ``runner``'s job of stream tasks over ``records`` in batch mode; ``None`` when it ran (rows written,
+    summary counted), else why not (nothing read, written or counted)."""
+    why = refusal(runner)
+    if why is not None:
+        return why
+    runs = list(runner._streams.values())
+    tasks = [_BatchTask(run, i, runner._stream_failed, len(runs) == 1) for i, run in enumerate(runs)]
+    position = 0
+    chunk: list[Event] = []
+
+    def through(final: bool) -> None:
+        nonlocal position
+        for task in tasks:
+            task.take(chunk, position)
+        position += len(chunk)
+        chunk.clear()
+        for task in tasks:
+            if final:
+                task.finish(position)
+        _write(runner, tasks)
+
+    for block in runner.blocks(records, progress):
+        chunk += runner._accepted(block)
+        if len(chunk) >= CHUNK_EVENTS:
+            through(final=False)
+    through(final=True)
+    for task in tasks:
+        runner.summary.task_stats[task.run.name].mode = task.mode
+    runner.summary.runtime_mode = "batch"
+    log.info("job %s ran in batch mode: %s", runner.job.name,
+             "; ".join(f"{task.run.name} {task.mode}" for task in tasks))
+    return None
+
+
+def _write(runner: DeviceRunner, tasks: list[_BatchTask]) -> None:
+    """The tasks' outputs so far, by position (tasks in order within one), counted and written once per table."""
+    by_table: dict[str, list[dict[str, Any]]] = {}
+    for _, index, rows, sides in heapq.merge(*(task.outputs for task in tasks), key=_position):
+        run = tasks[index].run
+        runner.count_stream(run, len(rows), sides)
+        if rows:
+            by_table.setdefault(run.sink, []).extend(rows)
+        for table, row in sides:
+            by_table.setdefault(table, []).append(row)
+    for task in tasks:
+        task.outputs = []
+    for table, rows in by_table.items():
+        runner._write(table, rows)
+
+
+__all__ = ["CHUNK_EVENTS", "COLUMNAR", "keyed_refusal", "refusal", "run_stream_batch"]
