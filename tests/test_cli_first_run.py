@@ -31,7 +31,8 @@ def test_the_summary_counts_late_events_and_names_the_mode(tmp_path, capsys):
     assert "late events      6  (too late for every window: in table late_events)" in out
     assert main(["run", *WINDOWS, "--db", str(tmp_path / "b.duckdb"), "--show", "0"]) == 0  # a bounded file
     out = capsys.readouterr().out
-    assert "runtime mode     batch  (the bounded input column by column)\n  task activity           columnar windows" in out
+    assert ("runtime mode     batch  (the bounded input column by column)\n"
+            "  task activity           columnar windows") in out
     assert "late events      6  (too late for every window: in table late_events)" in out
 
 
