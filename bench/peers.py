@@ -33,6 +33,12 @@ A live stream arrives in time order, where nearly every event lands in open wind
 jobs also run over the large input sorted by timestamp (stable; lines without one at the end), keys
 ``J_time_ordered_*`` (``J`` in ``windows|sessions``; the same comparison, its own rows compared).
 
+The large input has 0.1% bad lines mixed in (:data:`BAD_LINES`: a wrong field count, an empty field, an unknown
+behaviour, a timestamp that is no integer or absurd; both sides refuse them). Issue 24's keys, per job ``J`` in
+``ipv|windows|sessions``, describe the default mode (``--mode automatic``) over it: ``J_speedup_vs_bytewax`` (and
+``_cpu``), ``J_runtime_mode`` (``batch`` when it ran batch), ``J_peak_mb``, ``J_default_rows_equal`` (the job's
+table and the late events against Bytewax's).
+
 Keys, per job ``J`` in ``ipv|windows|sessions`` (large input): ``J_streaming_speedup_vs_bytewax`` (Bytewax's
 median wall time over ours with ``--mode streaming``; ``J_streaming_speedup_vs_bytewax_cpu`` the same in CPU
 time, steadier on a shared machine), ``J_streaming_wall_s``, ``J_bytewax_wall_s``, ``J_streaming_peak_mb``,
@@ -58,6 +64,7 @@ from __future__ import annotations
 
 import compileall
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -125,6 +132,26 @@ def shifted_copies(lines: list[str], copies: int, path: Path) -> int:
                     out.write(f"{user},{f[1]},{f[2]},{f[3]},{ts}\n")
                 written += 1
     return written
+
+
+#: Bad lines mixed into the large input, of the kinds both sides refuse (wrong field count, an empty field, an unknown
+#: behaviour, a timestamp that is no integer or is absurd): ``{ts}`` is a plausible time, so only the named field fails.
+BAD_LINES = ("{u},{i},{c},pv", "{u},{i},{c},pv,{ts},x", "{u},,{c},pv,{ts}", "{u},{i},{c},nap,{ts}",
+             "{u},{i},{c},pv,17x", "{u},{i},{c},fav,99999999999")
+BAD_FRACTION = 0.001
+
+
+def with_bad_lines(path: Path, fraction: float = BAD_FRACTION, seed: int = 24) -> int:
+    """Mix ``fraction`` of bad lines (:data:`BAD_LINES`, in turn) into the CSV at ``path`` at seeded random places,
+    each next to a good line whose fields it borrows; how many were added."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    rng = random.Random(seed)
+    places = sorted(rng.sample(range(len(lines)), max(1, round(len(lines) * fraction))), reverse=True)
+    for n, at in enumerate(places):
+        u, i, c, _, ts = lines[at].split(",")
+        lines.insert(at, BAD_LINES[n % len(BAD_LINES)].format(u=u, i=i, c=c, ts=ts))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return len(places)
 
 
 def time_ordered(source: Path, path: Path) -> None:
@@ -237,7 +264,8 @@ def compare(csv: Path, lines: int, pairs: int, tmp: Path, label: str) -> dict[st
             "rows": n_rows, "rows_equal": rows_equal, "runtime_mode": "/".join(sorted(modes)),
             "streaming_events_per_s": lines / median(streaming_s), "streaming_peak_mb": median(streaming_mb),
             "streaming_wall_s": median(streaming_s), "streaming_cpu_s": median(streaming_cpu),
-            "bytewax_cpu_s": median(theirs_cpu), "streaming_rows_equal": streaming_rows_equal}
+            "bytewax_cpu_s": median(theirs_cpu), "streaming_rows_equal": streaming_rows_equal,
+            "cpu_s": median(ours_cpu)}
 
 
 def table_rows(con: duckdb.DuckDBPyConnection, database: str, table: str) -> int | None:
@@ -262,17 +290,32 @@ def same_rows(ours: Path, theirs: Path, table: str, columns: tuple[str, ...]) ->
         return n_ours == n_theirs and differ == 0, n_ours, n_theirs
 
 
-def compare_windows(job: WindowJob, csv: Path, lines: int, pairs: int, tmp: Path) -> dict[str, Any]:
-    """``pairs`` side-by-side runs of ``job`` over ``csv``, ours with ``--mode streaming``: medians of wall time,
-    CPU time and peak RSS; the job's table and ``late_events`` equal in all."""
+def compare_windows(job: WindowJob, csv: Path, lines: int, pairs: int, tmp: Path,
+                    default_mode: bool = False) -> dict[str, Any]:
+    """``pairs`` side-by-side runs of ``job`` over ``csv``, ours with ``--mode streaming`` (and, with
+    ``default_mode``, also with the default mode): medians of wall time, CPU time and peak RSS; the job's table and
+    ``late_events`` equal in all."""
     ours_s, theirs_s, ours_cpu, theirs_cpu, ours_mb, theirs_mb = [], [], [], [], [], []
+    default_s, default_cpu, default_mb, modes, default_equal = [], [], [], set(), True
     rows_equal, late_equal, n_rows, n_late = True, True, 0, 0
     for p in progress(range(pairs), f"{job.name}: pairs", total=pairs):
-        st_db, bw_db = (tmp / f"{side}_{job.name}_{p}.duckdb" for side in ("st", "bw"))
+        st_db, bw_db, df_db = (tmp / f"{side}_{job.name}_{p}.duckdb" for side in ("st", "bw", "df"))
         runs = [("streaming", streamflow_command(csv, st_db, "streaming", job.job_file)),
                 ("bytewax", bytewax_command(csv, bw_db, job.bytewax))]
+        if default_mode:
+            runs.append(("default", streamflow_command(csv, df_db, "automatic", job.job_file)))
         measured = {name: run_process(command, tmp / f"{job.name}_{name}.log")
                     for name, command in (runs if p % 2 == 0 else runs[::-1])}
+        if default_mode:
+            df_s, df_cpu, df_mb = measured["default"]
+            default_s.append(df_s)
+            default_cpu.append(df_cpu)
+            default_mb.append(df_mb)
+            log_text = (tmp / f"{job.name}_default.log").read_text()
+            modes.add("batch" if "runtime mode     batch" in log_text else "streaming")
+            default_equal = (default_equal and same_rows(df_db, bw_db, job.table, job.columns)[0]
+                             and same_rows(df_db, bw_db, LATE_TABLE, LATE_COLUMNS)[0])
+            df_db.unlink()
         (st_s, st_cpu, st_mb), (bw_s, bw_cpu, bw_mb) = measured["streaming"], measured["bytewax"]
         ours_s.append(st_s)
         theirs_s.append(bw_s)
@@ -289,10 +332,14 @@ def compare_windows(job: WindowJob, csv: Path, lines: int, pairs: int, tmp: Path
         log(f"  {job.name}: streamflow --mode streaming {st_s:.2f} s (CPU {st_cpu:.2f} s) {st_mb:.0f} MiB, "
             f"bytewax {bw_s:.2f} s (CPU {bw_cpu:.2f} s) {bw_mb:.0f} MiB; {job.table} {n_rows:,} vs {bw_rows:,} "
             f"rows, equal: {equal}; late events {n_late:,} vs {bw_late:,}, equal: {equal_late}")
-    return {"lines": lines, "streaming_wall_s": median(ours_s), "bytewax_wall_s": median(theirs_s),
-            "streaming_cpu_s": median(ours_cpu), "bytewax_cpu_s": median(theirs_cpu),
-            "streaming_peak_mb": median(ours_mb), "bytewax_peak_mb": median(theirs_mb),
-            "rows": n_rows, "rows_equal": rows_equal, "late_events": n_late, "late_events_equal": late_equal}
+    result = {"lines": lines, "streaming_wall_s": median(ours_s), "bytewax_wall_s": median(theirs_s),
+              "streaming_cpu_s": median(ours_cpu), "bytewax_cpu_s": median(theirs_cpu),
+              "streaming_peak_mb": median(ours_mb), "bytewax_peak_mb": median(theirs_mb),
+              "rows": n_rows, "rows_equal": rows_equal, "late_events": n_late, "late_events_equal": late_equal}
+    if default_mode:
+        result.update({"wall_s": median(default_s), "cpu_s": median(default_cpu), "peak_mb": median(default_mb),
+                       "runtime_mode": "/".join(sorted(modes)), "default_rows_equal": default_equal})
+    return result
 
 
 def job_metrics(name: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -310,6 +357,12 @@ def job_metrics(name: str, result: dict[str, Any]) -> dict[str, Any]:
     if "late_events" in result:
         metrics[f"{name}_late_events"] = result["late_events"]
         metrics[f"{name}_late_events_equal"] = result["late_events_equal"]
+    if "runtime_mode" in result:  # the default mode (issue 24's keys)
+        metrics[f"{name}_speedup_vs_bytewax"] = round(result["bytewax_wall_s"] / result["wall_s"], 3)
+        metrics[f"{name}_speedup_vs_bytewax_cpu"] = round(result["bytewax_cpu_s"] / result["cpu_s"], 3)
+        metrics[f"{name}_runtime_mode"] = result["runtime_mode"]
+        metrics[f"{name}_peak_mb"] = round(result["peak_mb"], 1)
+        metrics[f"{name}_default_rows_equal"] = result.get("default_rows_equal", result.get("rows_equal"))
     return metrics
 
 
@@ -362,14 +415,18 @@ def main(argv: list[str] | None = None) -> None:
         large = tmp / "large.csv"
         copies = -(-LARGE_LINES[args.quick] // len(lines))
         large_lines = shifted_copies(lines, copies, large)
+        bad = with_bad_lines(large)
+        large_lines += bad
         one_line = tmp / "one.csv"
         one_line.write_text(lines[0] + "\n", encoding="utf-8")
-        log(f"inputs: the sample ({len(lines):,} lines) and {copies} shifted copies ({large_lines:,} lines)")
+        log(f"inputs: the sample ({len(lines):,} lines) and {copies} shifted copies ({large_lines:,} lines, {bad} of "
+            "them bad)")
         sf_start, bw_start = startup(one_line, STARTUP_RUNS[args.quick], tmp)
         log(f"start-up (one-line input): streamflow {sf_start:.2f} s, bytewax {bw_start:.2f} s")
         small = None if args.quick else compare(TAOBAO_SAMPLE, len(lines), pairs, tmp, "10k")
         big = compare(large, large_lines, pairs, tmp, "large")
-        windowed = {job.name: compare_windows(job, large, large_lines, pairs, tmp) for job in WINDOW_JOBS}
+        windowed = {job.name: compare_windows(job, large, large_lines, pairs, tmp, default_mode=True)
+                    for job in WINDOW_JOBS}
         in_time = tmp / "large_time_ordered.csv"
         time_ordered(large, in_time)
         log("the window jobs over the same lines in time order")
