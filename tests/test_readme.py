@@ -177,6 +177,8 @@ def test_every_shell_block_of_the_readme_runs_in_order(tmp_path, small_zoo):
             assert ok, f"README block failed or timed out:\n{block}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
             assert "Traceback" not in err, f"{block}\n{err[-3000:]}"
             ran.append((block, out))
+        ok, out, _ = terminal.run(len(ran), "jobs -l\ntest -z \"$(jobs -pr)\"\n", timeout_s=30)
+        assert ok, f"servers the README started and did not stop:\n{out}"
     finally:
         terminal.close()
         subprocess.run([str(root / ".venv" / "bin" / "noida-db"), "down", "--data-dir", str(root / ".broker")],
