@@ -34,8 +34,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import random
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +72,8 @@ log = logging.getLogger("streamflow.serve")
 DEAD_LETTER_TOPIC = REQUEST_TOPIC + ".dlq"
 PROFILES_TABLE = "serve-profiles"
 COUNTERS_TABLE = "serve-counters"
+#: How often ``run_worker`` checks that the broker answers.
+BROKER_WATCH_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -338,12 +343,49 @@ def _delete_old_records(server: Server) -> None:
         log.info("could not delete old serving records (%s); trying again later", exc)
 
 
-def run_worker(config: ServeConfig, loglevel: str = "warning") -> None:
-    """Run the worker in this process until it is stopped (SIGINT/SIGTERM)."""
+def run_worker(config: ServeConfig, loglevel: str = "warning", give_up_s: float | None = None) -> None:
+    """Run the worker in this process until it is stopped (SIGINT/SIGTERM), or until the broker has not answered
+    for ``give_up_s`` (default ``STREAMFLOW_CONSUMER_RETRY_S``, 300 s): then it says so and exits with status 1.
+
+    Faust's Kafka client retries a lost broker forever, logging each failed connection at ERROR (tens of lines a
+    second), and a worker told to stop waits for the broker to commit. So below ``info`` its log is quieted and
+    a thread probes the broker every :data:`BROKER_WATCH_S` seconds instead, saying once per probe that it is
+    away and for how much longer the worker waits."""
     import faust
 
+    from streamflow.settings import settings
+
     app = create_app(config)
+    if loglevel not in ("debug", "info"):
+        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    give_up_s = settings().consumer_retry_s if give_up_s is None else give_up_s
+    threading.Thread(target=_watch_broker, args=(config.bootstrap, give_up_s), name="serve-broker-watch",
+                     daemon=True).start()
     faust.Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False).execute_from_commandline()
+
+
+def _watch_broker(bootstrap: str, give_up_s: float) -> None:
+    """Probe the broker every :data:`BROKER_WATCH_S`; after ``give_up_s`` of failures, end the process (status 1)."""
+    from connectors.tunnel.kafka import probe_broker
+
+    away_since = None
+    while True:
+        time.sleep(BROKER_WATCH_S)
+        try:
+            probe_broker(bootstrap)
+        except ConnectionError as exc:
+            now = time.monotonic()
+            away_since = now if away_since is None else away_since
+            if now - away_since >= give_up_s:
+                print(f"streamflow: error: the broker at {bootstrap} did not answer for {now - away_since:.0f} s "
+                      f"({exc}); the serving worker stops", file=sys.stderr, flush=True)
+                os._exit(1)  # a graceful stop would wait for the broker to commit
+            log.warning("the broker at %s does not answer (%s); the worker gives up in %.0f s", bootstrap, exc,
+                        give_up_s - (now - away_since))
+            continue
+        if away_since is not None:
+            log.warning("the broker at %s answers again", bootstrap)
+        away_since = None
 
 
 def served_models(config: ServeConfig) -> Sequence[str]:

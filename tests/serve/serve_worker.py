@@ -43,7 +43,8 @@ class Worker:
             self.process.wait()
 
 
-def start_worker(bootstrap: str, zoo: Zoo, keys: KeyRegistry, log: Path, probe: np.ndarray) -> Worker:
+def start_worker(bootstrap: str, zoo: Zoo, keys: KeyRegistry, log: Path, probe: np.ndarray,
+                 loglevel: str = "info") -> Worker:
     """``streamflow serve`` against ``bootstrap``, returned once it answers a real request."""
     from streamflow.serve.client import ServeClient
 
@@ -55,7 +56,8 @@ def start_worker(bootstrap: str, zoo: Zoo, keys: KeyRegistry, log: Path, probe: 
            "PYTHONPATH": str(ROOT)}
     with open(log, "wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "streamflow.cli", "serve", "--app-id", app_id,
-                                    "--zoo", str(zoo.path), "--loglevel", "info", "--metrics-port", str(metrics_port)],
+                                    "--zoo", str(zoo.path), "--loglevel", loglevel, "--metrics-port",
+                                    str(metrics_port)],
                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     worker = Worker(process, app_id, bootstrap, log, metrics_port)
     try:
