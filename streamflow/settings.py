@@ -72,8 +72,8 @@ class Settings:
     kafka_bootstrap: str = _setting("127.0.0.1:9092", "Kafka broker(s) of the tunnel, host:port[,...]")
     key_registry: Path = _setting(Path(".streamflow") / "keys.json", "the tunnel's device key registry", Path)
     device_id: str | None = _setting(None, "this device's id in the tunnel (default: the host name)", optional=True)
-    consumer_retry_s: float = _setting(300.0, "seconds `streamflow tunnel consume` retries an unreachable broker "
-                                              "before it gives up (exit 1)", _number, gt=0)
+    consumer_retry_s: float = _setting(300.0, "seconds `streamflow tunnel consume` and `streamflow serve` retry a "
+                                              "broker gone away before they give up (exit 1)", _number, gt=0)
     flink_home_dir: Path = _setting(Path(".flink-cluster"), "state dir of the local Flink cluster", Path)
     flink_jars_dir: Path = _setting(Path.home() / ".cache" / "streamflow" / "flink-kafka-2.0",
                                     "cache of the verified Flink Kafka connector jars", Path)
