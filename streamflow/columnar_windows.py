@@ -42,7 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from operators import Aggregate, TimeWindow
+from operators import Aggregate, Count, CountDistinct, First, Last, Max, Min, Sum, TimeWindow
+from operators.aggregations import Aggregation
 from operators.process import LATE
 from operators.window import to_millis
 from streamflow.keyed import START_OF_TIME
@@ -50,6 +51,8 @@ from streamflow.windowing import window_row
 
 #: The tag of a firing whose aggregation raised; its value is ``(key, (window start, window end), exception)``.
 FAILED = "failed"
+#: Integer sums below this are exact in int64 (and in Python's int).
+_EXACT_SUM = 2 ** 62
 #: Event times (ms) within this bound keep every sum of the arithmetic below inside int64.
 _TIME_BOUND = 2 ** 60
 
@@ -71,6 +74,7 @@ class BatchTimeWindows:
         self.offset, self.lateness = to_millis(window.offset), to_millis(window.allowed_lateness)
         self.bound = to_millis(window.out_of_orderness)
         self.fold = aggregate.fold_one
+        self.aggregations = list(aggregate.aggregations.items())
         self.key_name = key_name
         self.seen = 0  # items added so far: the next item's number
         self._clock: int | None = None  # the largest time seen
@@ -207,30 +211,128 @@ class BatchTimeWindows:
         (``where`` its group), 1 a late firing (``where`` its pair), 2 a late event (``where`` the item)."""
         kind, place, position = np.concatenate(kinds), np.concatenate(where), np.concatenate(at)
         emitted = np.lexsort((np.concatenate(registered), np.concatenate(tie), np.concatenate(phase), position))
+        kind, place, position = kind[emitted], place[emitted], position[emitted]
+        firing = kind != 2
+        fired_kind, fired_place = kind[firing], place[firing]
         ends = np.zeros(len(group_start), dtype=np.int64)
         ends[fire_end[0]] = fire_end[1]
-        starts_of, ends_of, group_of = group_start.tolist(), ends.tolist(), group.tolist()
-        fold, key_name, size, held = self.fold, self.key_name, self.size, self._held
+        on_time = fired_kind == 0
+        begin = np.where(on_time, group_start[np.where(on_time, fired_place, 0)],
+                         group_start[group[np.where(on_time, 0, fired_place)]] if len(group) else 0)
+        end = np.where(on_time, ends[np.where(on_time, fired_place, 0)], fired_place + 1)
+        key_item = np.where(on_time, pair_item[begin] if len(pair_item) else 0, position[firing])
+        results = self._results(begin, end, pair_item, group)
+        held, key_name, size = self._held, self.key_name, self.size
+        starts = (pair_start[begin] if len(pair_start) else begin).tolist()
+        firings = zip(starts, key_item.tolist(), results, strict=True)
         out: list[tuple[int, str, Any]] = []
-        for k, w, n in zip(kind[emitted].tolist(), place[emitted].tolist(), position[emitted].tolist(), strict=True):
+        for k, w, n in zip(kind.tolist(), place.tolist(), position.tolist(), strict=True):
             if k == 2:
                 out.append((n, LATE, items[w]))
                 continue
-            if k == 0:
-                begin, end = starts_of[w], ends_of[w]
-            else:
-                begin, end = starts_of[group_of[w]], w + 1
-            members = [held[i] for i in pair_item[begin:end].tolist()]
-            window_start = int(pair_start[begin])
-            key = members[0][0] if k == 0 else held[n][0]
+            window_start, key_at, result = next(firings)
             window = (window_start / 1000, (window_start + size) / 1000)
-            try:
-                results = fold([item for _, item in members])
-            except Exception as exc:  # noqa: BLE001 - the firing fails alone (see the module docstring)
-                out.append((n, FAILED, (key, window, exc)))
-                continue
-            out.append((n, "emit", window_row(key_name, key, *window, results)))
+            key = held[key_at][0]
+            if isinstance(result, Exception):  # the firing fails alone (see the module docstring)
+                out.append((n, FAILED, (key, window, result)))
+            else:
+                out.append((n, "emit", window_row(key_name, key, *window, result)))
         return out
+
+    def _results(self, begin: np.ndarray, end: np.ndarray, pair_item: np.ndarray,
+                 group: np.ndarray) -> list[dict[str, Any] | Exception]:
+        """Each firing's aggregation results (the items of pairs ``begin[f]:end[f]``, a window's first pair on), or
+        the exception its fold raised: common aggregations over arrays (prefix sums and reductions over the pairs),
+        the others with their own fold per firing."""
+        n = len(begin)
+        if n == 0:
+            return []
+        held = self._held
+        items = [held[i][1] for i in pair_item.tolist()]
+        columns: dict[str, list[Any]] = {}
+        folded: list[tuple[str, Any]] = []
+        for name, aggregation in self.aggregations:
+            column = _column(aggregation, items, begin, end, group)
+            if column is None:
+                folded.append((name, aggregation))
+            else:
+                columns[name] = column
+        if not columns:
+            return _fold_each(self.fold, items, begin, end)
+        names = [name for name, _ in self.aggregations]
+        rows: list[dict[str, Any] | Exception] = [dict(zip(columns, values, strict=True))
+                                                   for values in zip(*columns.values(), strict=True)]
+        if folded:
+            for f, (b, e) in enumerate(zip(begin.tolist(), end.tolist(), strict=True)):
+                part = items[b:e]
+                try:
+                    rows[f].update((name, aggregation.fold(part)) for name, aggregation in folded)
+                except Exception as exc:  # noqa: BLE001 - the firing fails alone
+                    rows[f] = exc
+        if list(columns) != names:
+            rows = [row if isinstance(row, Exception) else {name: row[name] for name in names} for row in rows]
+        return rows
+
+
+def _fold_each(fold: Any, items: list[Any], begin: np.ndarray, end: np.ndarray) -> list[dict[str, Any] | Exception]:
+    out: list[dict[str, Any] | Exception] = []
+    for b, e in zip(begin.tolist(), end.tolist(), strict=True):
+        try:
+            out.append(fold(items[b:e]))
+        except Exception as exc:  # noqa: BLE001 - the firing fails alone
+            out.append(exc)
+    return out
+
+
+def _column(aggregation: Aggregation, items: list[Any], begin: np.ndarray, end: np.ndarray,
+            group: np.ndarray) -> list[Any] | None:
+    """``aggregation``'s result for each range ``begin[f]:end[f]`` of ``items`` (each range starts where its window's
+    items start; ``group``: each item's window), computed over arrays; ``None`` where its own fold must run (another
+    kind of aggregation or one with ``where=``, values of mixed types, NaN, sums past what int64 holds exactly)."""
+    kind, where = type(aggregation), aggregation.where
+    if kind is Count:
+        if where is None:
+            return (end - begin).tolist()
+        counts = np.concatenate([[0], np.cumsum(np.fromiter(map(bool, map(where, items)), bool, len(items)))])
+        return (counts[end] - counts[begin]).tolist()
+    if where is not None or kind not in (Sum, Max, Min, First, Last, CountDistinct):
+        return None
+    values = list(map(aggregation._read, items))
+    if kind is First:
+        return [values[b] for b in begin.tolist()]
+    if kind is Last:
+        return [values[e - 1] for e in end.tolist()]
+    if kind is CountDistinct:
+        codes: dict[Any, int] = {}
+        try:
+            code = np.fromiter((codes.setdefault(v, len(codes)) for v in values), np.int64, len(values))
+        except TypeError:  # unhashable: the fold says so
+            return None
+        order = np.lexsort((np.arange(len(values)), code, group))  # the first of each value in each window first
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = (code[order][1:] != code[order][:-1]) | (group[order][1:] != group[order][:-1])
+        new = np.zeros(len(values), dtype=np.int64)
+        new[order[first]] = 1
+        counts = np.concatenate([[0], np.cumsum(new)])
+        return (counts[end] - counts[begin]).tolist()
+    types = set(map(type, values))
+    if types == {int}:
+        array = np.array(values, dtype=object)
+        if max(abs(min(values)), abs(max(values))) * len(values) >= _EXACT_SUM:
+            return None
+        array = array.astype(np.int64)
+    elif types == {float}:
+        array = np.array(values, dtype=np.float64)
+        if kind is Sum or np.isnan(array).any():  # a float sum is exact (fsum) in the fold
+            return None
+    else:
+        return None
+    if kind is Sum:
+        sums = np.concatenate([[0], np.cumsum(array)])
+        return (sums[end] - sums[begin]).tolist()
+    reduce = np.maximum if kind is Max else np.minimum
+    padded = np.append(array, array[:1])  # reduceat's indices must stay below its length
+    return reduce.reduceat(padded, np.column_stack([begin, end]).ravel())[::2].tolist()
 
 
 __all__ = ["FAILED", "BatchTimeWindows", "refusal"]
