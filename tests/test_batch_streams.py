@@ -149,3 +149,9 @@ def test_a_job_of_process_functions_only_streams_and_says_why(tmp_path: Path, ca
     with pytest.raises(ValueError, match="no stream task has a keyed step batch mode computes at once"):
         DeviceRunner(Job("j", [task]), CollectiveStorage(tmp_path / "x.duckdb"), runtime_mode="batch").run(
             _csv(tmp_path, lines)())
+
+
+def test_an_input_that_may_never_end_streams(tmp_path: Path) -> None:
+    runner = DeviceRunner(Job("j", [ACTIVITY]), CollectiveStorage(tmp_path / "g.duckdb"), runtime_mode="automatic")
+    events = iter(JsonLinesSource(REPO / "tests" / "data" / "activity.jsonl"))  # a generator: a live feed, say
+    assert runner.run(events).runtime_mode == "streaming"

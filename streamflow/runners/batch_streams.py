@@ -47,6 +47,7 @@ from operators import TimeWindow
 from streamflow.columnar_windows import FAILED, BatchTimeWindows
 from streamflow.columnar_windows import refusal as window_refusal
 from streamflow.events import Event
+from streamflow.sources import LineSource
 from streamflow.summary import TASK_ERRORS_TABLE
 from streamflow.windowing import StreamTaskRun, stream_error_row
 
@@ -60,10 +61,12 @@ COLUMNAR = "columnar windows"
 Outputs = tuple[int, int, list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]
 
 
-def refusal(runner: DeviceRunner) -> str | None:
-    """Why this batch mode cannot run ``runner``'s job, or ``None``."""
+def refusal(runner: DeviceRunner, records: Any = ()) -> str | None:
+    """Why this batch mode cannot run ``runner``'s job over ``records``, or ``None``."""
     if runner.execution.tasks or not runner._streams:
         return "the job is not made of stream tasks only"
+    if not isinstance(records, (LineSource, list, tuple)):
+        return f"the input is not a file or a list (a {type(records).__name__} may never end)"
     settings = {"checkpoints": runner.checkpoint_interval_s, "a state TTL": runner.state_ttl_s,
                 "a cap on users": runner.max_users, "the tunnel": runner.tunnel,
                 "latency recording": runner.latencies_s is not None,
@@ -177,7 +180,7 @@ def run_stream_batch(runner: DeviceRunner, records: Iterable[Any],
                      progress: Callable[[Iterable[Any]], Iterator[Any]] | None = None) -> str | None:
     """Run ``runner``'s job of stream tasks over ``records`` in batch mode; ``None`` when it ran (rows written,
     summary counted), else why not (nothing read, written or counted)."""
-    why = refusal(runner)
+    why = refusal(runner, records)
     if why is not None:
         return why
     runs = list(runner._streams.values())
