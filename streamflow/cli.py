@@ -93,6 +93,7 @@ class RunOptions:
     show: int
     mode: RuntimeMode = "automatic"
     metrics_port: int | None = None
+    sink: str | None = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -149,6 +150,10 @@ def run(
     cluster: Annotated[str | None, typer.Option(metavar="HOST:PORT", help="flink runner: submit to this JobManager "
                                                 "(REST endpoint) instead of a local MiniCluster")] = None,
     parallelism: Annotated[int, typer.Option(help="flink runner: job parallelism")] = 1,
+    sink: Annotated[str | None, typer.Option(metavar="URI", help="flink runner: where rows go: duckdb:PATH (as "
+                                             "--db), or kafka:TOPIC (feature rows in the tunnel's envelope at the "
+                                             "job's parallelism, one device flink-JOB-i per subtask; the rest in "
+                                             "--db)")] = None,
     pace_ms: Annotated[float, typer.Option(help="flink runner: replay one record per N ms, so that periodic "
                                                 "watermarks decide lateness per event as the device runner does")]
     = 0.0,
@@ -187,9 +192,13 @@ def run(
                            "the broker to acknowledge every row (the rest stays spooled and is sent by the next "
                            "run)")] = 30.0,
 ) -> int:
+    if sink is not None and sink.startswith("duckdb:"):
+        db = sink.partition(":")[2]  # the file the summary's sample rows are read from, too
     options = RunOptions(events, fmt, settings(runner=runner).runner, db, workers, quarantine_after, cluster,
                          parallelism, pace_ms, state_ttl, max_users, replace, checkpoint_interval, checkpoint_dir,
-                         show, mode, metrics_port)
+                         show, mode, metrics_port, sink)
+    if sink is not None and options.runner != "flink":
+        raise ValueError("--sink is the flink runner's; on the device runner use --db, and --tunnel kafka")
     tunnel_options = TunnelOptions(tunnel, device_id, key_registry, topic, compression, spool, tunnel_wait)
     return _run(load_job(job), options, tunnel_options)
 
@@ -490,7 +499,7 @@ def _run_on_flink(job: Job, args: RunOptions, db: Path) -> RunSummary:
     return run_flink(job, args.events, args.fmt, db, cluster=args.cluster, parallelism=args.parallelism,
                      pace_ms=args.pace_ms, checkpoint_dir=args.checkpoint_dir,
                      checkpoint_interval_ms=round((args.checkpoint_interval or 10) * 1000),
-                     quarantine_after=args.quarantine_after)
+                     quarantine_after=args.quarantine_after, sink=args.sink)
 
 
 if __name__ == "__main__":

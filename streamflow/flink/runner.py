@@ -7,12 +7,19 @@ runner calls)::
       ─ ParseLines        parallelism 1, chained to the source: numbers the lines as the device
                           runner does; the format's stateless ``parse``; a user's consecutive lines go
                           on as one run (one record) when the input's last line is known
+    or, at parallelism N > 1 (see :func:`parallel_readers`):
+    file_splits ─ ReadSplits  N readers, a byte range of the file each, its lines numbered and parsed as the
+                          device does; a run's first line number is its event time (a watermark per reader)
+    kafka://TOPIC ─ kafka_records ─ KafkaRuns  a reader per partition, a record numbered offset + 1
       ─ key_by(user)      (malformed lines under the key "", passed through as dead letters)
-      ─ UserTasks         KeyedProcessFunction: per line the timestamp check and the format's per-user
-                          adapter, then TaskExecution (trie + task pipelines from ``operators/``) over the
-                          run's events, the user's state in Flink keyed state (one write per run); an
-                          event-time timer fires at the end of the input (the final watermark) to emit
-                          what is still owed (the last page exits)
+      ─ UserTasks         KeyedProcessFunction (read from file splits: a user's runs held until the
+                          watermark passed them, then taken in line order): per line the timestamp
+                          check and the format's per-user adapter, then TaskExecution (trie + task
+                          pipelines from ``operators/``) over the run's events, the user's state in
+                          Flink keyed state (one write per run); an event-time timer fires at the end
+                          of the input (the final watermark) to emit what is still owed (page exits)
+      ─ ShipRows          with ``sink="kafka:TOPIC"`` (:mod:`streamflow.flink.sinks`), at the job's
+                          parallelism: feature rows out in the tunnel's envelope, the rest on
       ─ StorageWriter     parallelism 1: CollectiveStorage, the device runner's DuckDB schema
       ─ discarding sink
 
@@ -31,6 +38,7 @@ repository root; Python functions return iterables; results go through a sink, n
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -50,12 +58,13 @@ from operators.window import to_millis
 from streamflow.events import TimestampGuard
 from streamflow.execution import TaskExecution, TriggerTasks
 from streamflow.flink.cluster import python_path, remote_environment
-from streamflow.flink.kafka_source import kafka_lines, kafka_topic
+from streamflow.flink.kafka_source import add_kafka_jars, kafka_lines, kafka_records, kafka_topic
 from streamflow.flink.keyed import FlinkKeyed
+from streamflow.flink.sinks import TunnelShipper, device_keys, flink_devices, parse_sink
 from streamflow.job import Job
 from streamflow.keyed import rows_by_output
 from streamflow.settings import settings
-from streamflow.sources import FORMATS, LineSource, open_source
+from streamflow.sources import FORMATS, LineSource, invalid_utf8, open_source
 from streamflow.summary import TASK_ERRORS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import (
     QUARANTINED,
@@ -73,16 +82,18 @@ try:
     from pyflink.common import Configuration, Types, WatermarkStrategy
     from pyflink.common.time import Duration, Time
     from pyflink.common.watermark_strategy import TimestampAssigner
-    from pyflink.datastream import DataStream, OutputTag, StreamExecutionEnvironment
+    from pyflink.datastream import DataStream, OutputTag, StreamExecutionEnvironment, TimeDomain
     from pyflink.datastream.connectors.base import Sink
     from pyflink.datastream.connectors.file_system import FileSource, StreamFormat
     from pyflink.datastream.functions import (
         AggregateFunction,
+        FlatMapFunction,
         KeyedProcessFunction,
         ProcessFunction,
         ProcessWindowFunction,
         RuntimeContext,
     )
+    from pyflink.datastream.state import ValueStateDescriptor
     from pyflink.datastream.window import SlidingEventTimeWindows
     from pyflink.java_gateway import get_gateway
 except ImportError as exc:  # the `flink` extra is optional
@@ -92,6 +103,8 @@ except ImportError as exc:  # the `flink` extra is optional
 DEFAULT_STATE_TTL_DAYS = 30
 _EVENTS = OutputTag("events", Types.PICKLED_BYTE_ARRAY())  # accepted app events, for stream tasks
 _PICKLED = Types.PICKLED_BYTE_ARRAY()
+#: A file split (see file_splits): path, start byte, end byte, first line number, lines.
+_SPLIT = Types.TUPLE([Types.STRING(), Types.LONG(), Types.LONG(), Types.LONG(), Types.LONG()])
 _NO_SOURCE_STATE = (None, None)
 #: Longest run of one user's lines ParseLines hands on as one record.
 MAX_RUN_LINES = 512
@@ -99,6 +112,10 @@ MAX_RUN_LINES = 512
 _STATS = "__stats__"
 #: Pseudo-table of a list of ``(table, row)``: the rows of one call of UserTasks.
 _ROWS = "__rows__"
+#: The end-of-input timer of a user when runs carry line numbers as event time (Long.MAX_VALUE: the final watermark).
+_END_OF_INPUT = 2**63 - 1
+#: Bytes a split reader decodes at a time (then up to the end of the line it is in).
+_SLAB_BYTES = 1 << 22
 
 
 def flink_environment(cluster: str | None = None, parallelism: int = 1,
@@ -165,11 +182,16 @@ class ParseLines(ProcessFunction):
 
     def process_element(self, line: str, ctx: ProcessFunction.Context) -> list[tuple[str, list[Any]]]:
         self.line_no = line_no = self.line_no + 1
-        out: list[tuple[str, list[Any]]] = []
-        run = self._run
         if self.pace_s:
             time.sleep(self.pace_s)  # paced replay: see run_flink(pace_ms=...)
-        parsed = self.source.parse(line)
+        return self.take(line_no, line, self.source.parse(line))
+
+    def take(self, line_no: int, line: str, parsed: Any) -> list[tuple[str, list[Any]]]:
+        """Line ``line_no`` (``parsed``: the format's record, or a reason for a reject) into the current run;
+        the runs it ended out."""
+        self.line_no = line_no
+        out: list[tuple[str, list[Any]]] = []
+        run = self._run
         if type(parsed) is not str or line.strip():  # a blank line is nothing, but may end the input
             key = "" if type(parsed) is str else self.source.user_of(parsed)
             if run and (key != self._key or len(run) >= self.max_run):
@@ -189,13 +211,136 @@ class ParseLines(ProcessFunction):
                                f"{self.last_line} counted before the run): was the file changed while read?")
 
 
+def file_splits(path: str | os.PathLike[str], n: int) -> list[tuple[str, int, int, int, int]]:
+    """``path`` cut into at most ``n`` byte ranges at line starts, for ``n`` readers:
+    ``(path, start byte, end byte, first line number, lines)`` each. Lines are counted as the device runner
+    reads them (Python's universal newlines: ``\\n``, ``\\r\\n`` and a lone ``\\r`` end a line; a last line
+    without one is a line), so every reader numbers its lines as the device does. A range ends after a
+    ``\\n``, never inside ``\\r\\n``; a file whose lines end only in ``\\r`` stays one range.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("wb", suffix=".csv", delete=False) as f:
+        ...     _ = f.write(b"a\\nbb\\r\\nc\\rd\\n\\ne")
+        >>> [split[1:] for split in file_splits(f.name, 3)]
+        [(0, 6, 1, 2), (6, 10, 3, 2), (10, 12, 5, 2)]
+    """
+    name = str(Path(path).resolve())
+    size = os.path.getsize(name)
+    with open(name, "rb") as f:
+        bounds = [0]
+        for k in range(1, max(1, n)):
+            target = size * k // n
+            if target <= bounds[-1]:
+                continue
+            f.seek(target - 1)
+            f.readline()  # to just after the line end at or after the target
+            if bounds[-1] < f.tell() < size:
+                bounds.append(f.tell())
+        bounds.append(size)
+        splits, first = [], 1
+        for start, end in zip(bounds, bounds[1:], strict=False):
+            lines = _count_lines(f, start, end)
+            splits.append((name, start, end, first, lines))
+            first += lines
+    return splits
+
+
+def _count_lines(f: Any, start: int, end: int) -> int:
+    """Lines of the byte range ``[start, end)`` of binary file ``f``, in universal newlines."""
+    f.seek(start)
+    n, remaining, prev_cr, last = 0, end - start, False, b""
+    while remaining > 0:
+        chunk = f.read(min(_SLAB_BYTES, remaining))
+        if not chunk:
+            break
+        remaining -= len(chunk)
+        n += chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
+        if prev_cr and chunk[:1] == b"\n":
+            n -= 1  # a \r\n cut between two chunks
+        prev_cr, last = chunk.endswith(b"\r"), chunk[-1:]
+    return n + (1 if last and last not in (b"\n", b"\r") else 0)
+
+
+def _split_lines(split: tuple[str, int, int, int, int]) -> Any:
+    """``(line number, line without its line end)`` for every line of a split, decoded as the device runner
+    decodes (UTF-8, bad bytes kept as lone surrogates for :func:`_read`)."""
+    name, start, end, first, _ = split
+    line_no = first - 1
+    with open(name, "rb") as f:
+        f.seek(start)
+        while f.tell() < end:
+            data = f.read(min(_SLAB_BYTES, end - f.tell()))
+            if not data:
+                break
+            if not data.endswith(b"\n") and f.tell() < end:
+                data += f.readline()  # whole lines only (the split's end is a line end)
+            for line in io.StringIO(data.decode("utf-8", "surrogateescape"), newline=None):
+                line_no += 1
+                yield line_no, line.rstrip("\r\n")
+
+
+def _read(source: LineSource, line: str) -> tuple[str, Any]:
+    """``(line, parsed)`` as the device runner's ``read_line`` has them: a line that is not UTF-8 is a reject
+    with its bad bytes escaped, any other line goes to the format's ``parse``."""
+    if not line.isascii() and (bad := invalid_utf8(line)) is not None:
+        return bad[1], bad[0]
+    return line, source.parse(line)
+
+
+class ReadSplits(FlatMapFunction):
+    """Reads a file split (see :func:`file_splits`) and hands its lines on as :class:`ParseLines` does, in runs of
+    one user's consecutive lines, numbered as the device numbers them; a run never crosses a split's end."""
+
+    def __init__(self, source: LineSource, max_run: int = MAX_RUN_LINES):
+        self.source = source
+        self.max_run = max_run
+
+    def flat_map(self, split: tuple[str, int, int, int, int]) -> Any:
+        _, _, _, first, lines = split
+        if not lines:
+            return
+        parse = ParseLines(self.source, last_line=first + lines - 1, max_run=self.max_run)
+        parse.open(None)
+        for line_no, raw in _split_lines(split):
+            line, parsed = _read(self.source, raw)
+            yield from parse.take(line_no, line, parsed)
+        parse.close()
+
+
+class KafkaRuns(FlatMapFunction):
+    """A Kafka record (``kafka_records``' row) as a run of one line, numbered ``offset + 1`` (a fresh
+    single-partition topic's records numbered as a file's lines, as at parallelism 1)."""
+
+    def __init__(self, source: LineSource):
+        self.source = source
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        self.parse = ParseLines(self.source)
+        self.parse.open(runtime_context)
+
+    def flat_map(self, record: Any) -> Any:
+        value = record[4]
+        line, parsed = _read(self.source, bytes(value or b"").decode("utf-8", "surrogateescape"))
+        return self.parse.take(int(record[2]) + 1, line, parsed)
+
+
+class RunOrder(TimestampAssigner):
+    """A run's first line number as its event time: a split's runs come in line order, so each reader's
+    watermark says up to which line it has read (Flink's watermark per split)."""
+
+    def extract_timestamp(self, value: tuple[str, list[Any]], record_timestamp: int) -> int:
+        return value[1][0][0]
+
+
 class UserTasks(FlinkKeyed):
     """One user's records through the format adapter and the timestamp check, then the job's trigger
     tasks (:class:`~streamflow.execution.TriggerTasks`, the same keyed process function the device runs,
     its state in small typed Flink states). An event-time timer fires at the end of the input (the
     final watermark) to emit what is still owed (the last page exits) and this subtask's counts."""
 
-    def __init__(self, job: Job, source: LineSource, state_ttl_days: int, quarantine_after: int = 5):
+    def __init__(self, job: Job, source: LineSource, state_ttl_days: int, quarantine_after: int = 5,
+                 ordered: bool = False):
         execution = TaskExecution(job.trigger_tasks, quarantine_after)
         # Tasks that keep no history hold one page per user at most: pack the user's states in one
         # Flink state, one write per record (FlinkKeyed(packed=True)); with history, lists stay ListStates.
@@ -203,6 +348,10 @@ class UserTasks(FlinkKeyed):
                          packed=not execution.max_events and not execution.max_pages)
         self.source = source
         self.emit_events = bool(job.stream_tasks)
+        # Runs from several readers (ReadSplits): a user's runs are held until the watermark passed their first
+        # line, then taken in line order; the end of the input is then the final watermark's timer.
+        self.ordered = ordered
+        self.end_timer = _END_OF_INPUT if ordered else 0
 
     def open(self, runtime_context: RuntimeContext) -> None:
         super().open(runtime_context)
@@ -215,8 +364,31 @@ class UserTasks(FlinkKeyed):
         self.guard = TimestampGuard()
         self.events = 0
         self._reported: dict[str, TaskStats] = {}
+        if self.ordered:
+            self.pending = runtime_context.get_state(ValueStateDescriptor("pending", _PICKLED))
 
     def process_element(self, value: tuple[str, list[tuple[int, str, Any]]], ctx: KeyedProcessFunction.Context):
+        if not self.ordered:
+            return self._take(value, ctx)
+        self.pending.update([*(self.pending.value() or ()), value])
+        ctx.timer_service().register_event_time_timer(value[1][0][0])  # fires once every reader passed the line
+        return []
+
+    def _take_due(self, timestamp: int, ctx: Any) -> list[tuple[str, Any]]:
+        """The current user's held runs that begin at or before line ``timestamp``, taken in line order."""
+        held = self.pending.value() or []
+        due = sorted((run for run in held if run[1][0][0] <= timestamp), key=lambda run: run[1][0][0])
+        rest = [run for run in held if run[1][0][0] > timestamp]
+        if rest:
+            self.pending.update(rest)
+        else:
+            self.pending.clear()
+        out: list[tuple[str, Any]] = []
+        for run in due:
+            out += self._take(run, ctx)
+        return out
+
+    def _take(self, value: tuple[str, list[tuple[int, str, Any]]], ctx: Any) -> list[tuple[str, Any]]:
         user, lines = value  # a run of one user's lines (see ParseLines)
         out: list[tuple[str, Any]] = []
         self._ctx = ctx
@@ -237,7 +409,7 @@ class UserTasks(FlinkKeyed):
         source, guard = self.source, self.guard
         last_ts, adapter = self.source_state.value() or _NO_SOURCE_STATE
         if last_ts is None:
-            ctx.timer_service().register_event_time_timer(0)  # fires with the final watermark
+            ctx.timer_service().register_event_time_timer(self.end_timer)  # fires with the final watermark
         events: list = []
         accepted = False
         for line_no, raw, parsed in lines:
@@ -258,6 +430,9 @@ class UserTasks(FlinkKeyed):
         return events
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
+        if (self.ordered and timestamp != _END_OF_INPUT
+                and ctx.time_domain() == TimeDomain.EVENT_TIME):
+            return self._take_due(timestamp, ctx)
         self._ctx = ctx
         self.set_key(ctx.get_current_key())
         if self.backstop_fired(ctx):
@@ -498,6 +673,46 @@ class StorageWriter(ProcessFunction):
         Path(self.report_path).write_text(json.dumps(report), encoding="utf-8")
 
 
+def subtask_index(runtime_context: RuntimeContext) -> int:
+    """This subtask's index. PyFlink 2.3's thread-mode context asks Java for ``getIndexOfThisSubtask``, which
+    Flink 2 moved to ``getTaskInfo()``; that is asked then."""
+    try:
+        return runtime_context.get_index_of_this_subtask()
+    except AttributeError:
+        return int(runtime_context._runtime_context.getTaskInfo().getIndexOfThisSubtask())
+
+
+class ShipRows(ProcessFunction):
+    """The ``kafka:TOPIC`` sink (:mod:`streamflow.flink.sinks`), at the job's parallelism: the rows of the shipped
+    tables go out in the tunnel's envelope, one tunnel device per subtask; every other record (dead letters, task
+    errors, counts) goes on to the run's local DuckDB writer."""
+
+    def __init__(self, shipper: TunnelShipper, shipped: set[str]):
+        self.shipper = shipper
+        self.shipped = shipped
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        self.shipper.open(subtask_index(runtime_context))
+
+    def process_element(self, value: tuple[str, Any], ctx: ProcessFunction.Context) -> list[tuple[str, Any]]:
+        table, row = value
+        if table == _ROWS:
+            kept = []
+            for name, rows in rows_by_output(row).items():
+                if name in self.shipped:
+                    self.shipper.write(name, rows)
+                else:
+                    kept += [(name, r) for r in rows]
+            return [(_ROWS, kept)] if kept else []
+        if table in self.shipped:
+            self.shipper.write(table, [row])
+            return []
+        return [value]
+
+    def close(self) -> None:
+        self.shipper.close()
+
+
 def job_modules(job: Job) -> list[str]:
     """The modules a job file brought with it: the job's own module and every module loaded from a file
     in the job file's directory (e.g. ``jobs/ipv_encoder.py`` loads ``jobs/ipv.py``). The workers cannot
@@ -532,8 +747,13 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
               db: str | os.PathLike[str] | None = None, cluster: str | None = None, parallelism: int = 1,
               state_ttl_days: int = DEFAULT_STATE_TTL_DAYS, pace_ms: float = 0.0,
               checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_interval_ms: int = 10_000,
-              restore_from: str | os.PathLike[str] | None = None, quarantine_after: int = 5) -> RunSummary:
+              restore_from: str | os.PathLike[str] | None = None, quarantine_after: int = 5,
+              sink: str | None = None) -> RunSummary:
     """Run ``job`` over an events file on Flink and write its rows to DuckDB ``db``.
+
+    ``sink``: where the rows go (:mod:`streamflow.flink.sinks`): ``duckdb:PATH`` (instead of ``db``), or
+    ``kafka:TOPIC``, the feature rows in the tunnel's envelope at the job's parallelism (broker:
+    ``$STREAMFLOW_KAFKA_BOOTSTRAP``; the subtasks' device keys from the key registry); the rest stays in ``db``.
 
     ``events`` may also be ``kafka://TOPIC`` (broker: ``$STREAMFLOW_KAFKA_BOOTSTRAP``, default
     ``127.0.0.1:9092``): each record's value is one line of the format ``fmt`` (required then), read from
@@ -558,7 +778,14 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
                             db="out/ipv_flink.duckdb")
     """
     source = _open_events(events, fmt)
+    spec = parse_sink(sink)
+    if spec is not None and spec.scheme == "duckdb":
+        db = spec.target
     db_path = resolve_db_path(db).resolve()
+    shipper = None
+    if spec is not None and spec.scheme == "kafka":  # checked before a JVM starts
+        shipper = TunnelShipper(device_keys(flink_devices(job.name, parallelism)), spec.target, None,
+                                str(db_path.with_name(db_path.name + ".tunnel-spool")))
     report = db_path.with_suffix(".flink-run.json")
     report.unlink(missing_ok=True)
     ship_job_modules(job)
@@ -568,22 +795,54 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
     if pace_ms:
         env.get_config().set_auto_watermark_interval(max(1, int(pace_ms / 10)))
         env.set_buffer_timeout(1)
-    lines = _event_lines(env, events)
     # Runs of lines need the input's end: a file read once from its start, unpaced (pacing is per line).
     once = kafka_topic(events) is None and restore_from is None and checkpoint_dir is None and not pace_ms
-    parse = ParseLines(source, pace_ms / 1000, last_line=_line_count(events) if once else None)
-    parsed = lines.process(parse, output_type=_PICKLED).set_parallelism(1)
+    readers = parallel_readers(job, events, parallelism, once)
+    if readers > 1 and kafka_topic(events) is None:  # split across readers, a user's runs put in order again
+        parsed = (env.from_collection(file_splits(events, readers), type_info=_SPLIT)
+                  .rebalance().flat_map(ReadSplits(source), output_type=_PICKLED).set_parallelism(readers)
+                  .assign_timestamps_and_watermarks(
+                      WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner(RunOrder()))
+                  .set_parallelism(readers))
+    elif readers > 1:  # each partition by one reader, in offset order
+        add_kafka_jars(env)
+        parsed = kafka_records(env, kafka_topic(events)).flat_map(KafkaRuns(source), output_type=_PICKLED)
+    else:
+        parse = ParseLines(source, pace_ms / 1000, last_line=_line_count(events) if once else None)
+        parsed = _event_lines(env, events).process(parse, output_type=_PICKLED).set_parallelism(1)
+    ordered = readers > 1 and kafka_topic(events) is None
     outputs = per_user = (parsed.key_by(lambda value: value[0], key_type=Types.STRING())
-                          .process(UserTasks(job, source, state_ttl_days, quarantine_after), output_type=_PICKLED))
+                          .process(UserTasks(job, source, state_ttl_days, quarantine_after, ordered),
+                                   output_type=_PICKLED))
     for task in job.stream_tasks:
         outputs = outputs.union(_stream_task(per_user.get_side_output(_EVENTS), task, quarantine_after))
     stream_sinks = {task.sink: task.name for task in job.stream_tasks}
     tasks = {task.name: task.sink for task in job.tasks}
+    if shipper is not None:
+        shipped = {task.sink for task in job.tasks if task.tunnel}
+        outputs = outputs.process(ShipRows(shipper, shipped), output_type=_PICKLED)
     (outputs.process(StorageWriter(str(db_path), str(report), stream_sinks, tasks), output_type=_PICKLED)
      .set_parallelism(1)
      .sink_to(Sink(get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink())))
     env.execute(f"streamflow {job.name}")
     return _summary(job, db_path, report, time.perf_counter() - started)
+
+
+def parallel_readers(job: Job, events: str | os.PathLike[str], parallelism: int, once: bool) -> int:
+    """How many readers read ``events`` (the rest of the job runs at ``parallelism`` regardless).
+
+    A Kafka topic: ``parallelism`` (each partition by one reader, in offset order; a user's records keep their
+    order when the producer keys them by user, as a partition is the only order Kafka has). A file read once
+    from its start: ``parallelism`` byte ranges (:func:`file_splits`), each user's runs put back in line order
+    before the keyed step (line numbers as event time, a watermark per reader). One reader otherwise: a paced
+    or checkpointed run (Flink's ``FileSource`` keeps its position in the checkpoints; a split read does not),
+    and a job with stream tasks (their steps take Flink's watermarks, which line numbers must not drive).
+    """
+    if parallelism <= 1 or job.stream_tasks:
+        return 1
+    if kafka_topic(events) is not None:
+        return parallelism
+    return parallelism if once else 1
 
 
 def _open_events(events: str | os.PathLike[str], fmt: str | None) -> LineSource:
