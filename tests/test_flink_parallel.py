@@ -152,3 +152,14 @@ def test_kafka_sink_at_parallelism_2_ships_the_device_runners_rows_once(kafka_bo
         consumer.close()
     assert sorted(tuple(row[:-1]) for row in cloud) == sorted(tuple(row[c] for c in columns) for row in device["ipv"])
     assert {row[-1] for row in cloud} == set(flink_devices(job.name, 2))  # both subtasks shipped rows
+
+
+def test_sink_uris_are_checked_before_a_job_starts(tmp_path, capsys):
+    from streamflow.cli import main
+
+    base = ["run", str(IPV), "--events", str(SAMPLE), "--db", str(tmp_path / "d.duckdb")]
+    assert main([*base, "--sink", "kafka:t"]) == 2  # the device runner has --tunnel kafka instead
+    assert main([*base, "--runner", "flink", "--sink", "parquet:out/"]) == 2
+    assert main([*base, "--runner", "flink", "--sink", "s3:bucket"]) == 2
+    err = capsys.readouterr().err
+    assert "--sink is the flink runner's" in err and "parquet:DIR is not built yet" in err and "unknown sink" in err
