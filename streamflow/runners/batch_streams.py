@@ -120,23 +120,19 @@ class _BatchTask:
                 if rows or sides:
                     outputs.append((first + k, index, rows, sides))
             return
-        step, failures = run.input.step, run.step_failures
-        keys: list[Any] = []
-        items: list[Any] = []
-        times: list[int] = []
+        step, failed = run.input.step, run.input.out
+        entries: list[tuple[Any, Any, int]] = []
         at: list[int] = []
-        for k, event in enumerate(events):
+        keep, place = entries.append, at.append
+        for k, event in enumerate(events, first):
             entry = step(event)
-            if entry is None:
-                sides = failures()
-                if sides:
-                    outputs.append((first + k, index, [], sides))
-                continue
-            keys.append(entry[0])
-            items.append(entry[1])
-            times.append(entry[2])
-            at.append(first + k)
+            if entry is not None:
+                keep(entry)
+                place(k)
+            elif failed:  # dropped by a Filter (the usual case) or failed
+                outputs.append((k, index, [], run.step_failures()))
         numbered = self.windows.seen
+        keys, items, times = zip(*entries, strict=True) if entries else ((), (), ())
         self._route(self.windows.add(keys, items, times), lambda n: at[n - numbered])
 
     def finish(self, end: int) -> None:
