@@ -34,6 +34,11 @@ again (``handwritten_one_line_job_s``).
 The per-run fixed cost (MiniCluster start, Python operator set-up, teardown) is inside both rates;
 ``ratio_vs_handwritten_excl_one_line_job`` subtracts each job's one-line time.
 
+``--scaling`` measures only ``run_flink`` at parallelism 1 and 2 (the file split across two readers at 2; rows
+compared) on the local MiniCluster: ``events_per_s_p1``, ``events_per_s_p2``, ``scaling_p2_vs_p1`` and the CPU
+seconds per event of this process and the JVM (``bench/results/flink_scaling.json``). Not yet the issue's
+figures on the standalone cluster with two TaskManagers.
+
 ``--quick`` replays the sample once (~21k events, fewer than the full run's >= 100k) in one round;
 the JVM launch (~4-6 s) plus the first job (~15-20 s on this 2-core machine) are a fixed ~25 s of it.
 """
@@ -196,13 +201,13 @@ def run_handwritten(csv_path: Path, db: Path) -> None:
 
 
 # -- runs ----------------------------------------------------------------------------------------------
-def run_streamflow(job: Any, csv_path: Path, db: Path) -> tuple[float, float, int]:
+def run_streamflow(job: Any, csv_path: Path, db: Path, parallelism: int = 1) -> tuple[float, float, int]:
     """(execute() seconds, run_flink wall seconds, events in) of the translated job."""
     from streamflow.flink.runner import run_flink
 
     before = len(_EXECUTE_TIMES)
     started = time.perf_counter()
-    summary = run_flink(job, csv_path, db=db, parallelism=1)
+    summary = run_flink(job, csv_path, db=db, parallelism=parallelism)
     wall = time.perf_counter() - started
     if len(_EXECUTE_TIMES) != before + 1:
         raise RuntimeError("run_flink did not call env.execute() exactly once")
@@ -258,12 +263,91 @@ def check_same(label: str, a: Path, b: Path, a_name: str, b_name: str) -> int:
     return len(rows_a)
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its live descendants (the gateway JVM, where the
+    MiniCluster and, in thread mode, the Python operators run), from ``/proc``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, cpu = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        parent[pid], cpu[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+    ours = {os.getpid()}
+    for pid in sorted(parent):  # a child's pid may be lower than its parent's: walk up from each
+        chain, at = [], pid
+        while at in parent and at not in ours and at > 1:
+            chain.append(at)
+            at = parent[at]
+        if at in ours:
+            ours.update(chain)
+    return sum(cpu.get(pid, 0.0) for pid in ours)
+
+
+def scaling(args: Any) -> None:
+    """``--scaling``: the IPV job by ``run_flink`` at parallelism 1 and 2 on the local MiniCluster (file split
+    across two readers at 2), rows compared; events/s over ``execute()``, CPU seconds of the process tree per event.
+    Written as ``flink_scaling`` (not the issue's standalone-cluster figures: those need two TaskManagers)."""
+    load_start = os.getloadavg()
+    job = load_job(JOB_FILE)
+    lines = [line.rstrip("\r\n") for line in TAOBAO_SAMPLE.read_text(encoding="utf-8").splitlines() if line.strip()]
+    replays = REPLAYS[args.quick]
+    tmp = Path(tempfile.mkdtemp(prefix="streamflow-bench-flink-scaling-"))
+    metrics: dict[str, Any] = {}
+    try:
+        csv_path = tmp / "replay.csv"
+        replay_csv(lines, replays, sample_period(lines), csv_path)
+        from streamflow.flink.runner import flink_environment
+        flink_environment(parallelism=1)
+        _time_execute()
+        run_streamflow(job, _one_line(lines, tmp), tmp / "warm.duckdb")  # streamflow's first imports, untimed
+        for p in (1, 2):
+            seconds, cpus = [], []
+            for r in range(args.rounds):
+                db = tmp / f"p{p}_{r}.duckdb"
+                cpu0 = tree_cpu_s()
+                s_exec, _, events = run_streamflow(job, csv_path, db, parallelism=p)
+                cpus.append(tree_cpu_s() - cpu0)
+                seconds.append(s_exec)
+                log(f"  parallelism {p} round {r}: {events / s_exec:,.0f} ev/s ({s_exec:.2f} s execute, "
+                    f"{cpus[-1]:.1f} CPU s)")
+                if p == 2 and r == 0:
+                    check_same("p2 vs p1", db, tmp / "p1_0.duckdb", "parallelism 2", "parallelism 1")
+            metrics[f"events_per_s_p{p}"] = round(events / median(seconds))
+            metrics[f"cpu_us_per_event_p{p}"] = round(median(cpus) / events * 1e6, 1)
+            metrics[f"execute_s_p{p}"] = round(median(seconds), 2)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    load_end = os.getloadavg()
+    metrics.update({
+        "scaling_p2_vs_p1": round(metrics["events_per_s_p2"] / metrics["events_per_s_p1"], 3),
+        "rows_match": True, "events": events, "csv_rows": len(lines) * replays, "rounds": args.rounds,
+        "where": "local MiniCluster (one JVM, slots shared), not the standalone cluster",
+        "load_avg_1m_start": round(load_start[0], 2), "load_avg_1m_end": round(load_end[0], 2),
+        "cpu_count": cpu_count(), "quick": args.quick,
+    })
+    finish("flink_scaling", metrics, quick=args.quick)
+
+
+def _one_line(lines: list[str], tmp: Path) -> Path:
+    path = tmp / "one_line.csv"
+    path.write_text(lines[0] + "\n", encoding="utf-8")
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     raw = sys.argv[1:] if argv is None else argv
-    args = parse_args("The IPV job on the Flink MiniCluster: streamflow vs hand-written PyFlink vs device.", argv)
+    args = parse_args("The IPV job on the Flink MiniCluster: streamflow vs hand-written PyFlink vs device.", argv,
+                      extra=lambda parser: parser.add_argument(
+                          "--scaling", action="store_true", help="only parallelism 1 vs 2 (flink_scaling results)"))
     quick = args.quick
     if not any(a == "--rounds" or a.startswith("--rounds=") for a in raw):
         args.rounds = ROUNDS[quick]
+    if args.scaling:
+        scaling(args)
+        return
     load_start = os.getloadavg()
     started_all = time.perf_counter()
     job = load_job(JOB_FILE)

@@ -61,8 +61,13 @@ def test_parallel_readers_only_where_the_rows_stay_the_device_runners():
 
 
 @pytest.mark.slow
-def test_ipv_job_read_by_two_readers_gives_the_device_runners_rows(tmp_path):
+def test_ipv_job_read_by_two_readers_gives_the_device_runners_rows(tmp_path, monkeypatch):
+    """Splits of about 64 KiB (six of the file): each reader takes three in turn, a watermark per reader."""
+    from streamflow.flink import runner as flink_runner
+
+    monkeypatch.setattr(flink_runner, "SPLIT_BYTES", 64 << 10)
     events = awkward_sample(tmp_path / "awkward.csv")
+    assert flink_runner.split_count(events, 2) == 6
     job = load_job(IPV)
     with CollectiveStorage(tmp_path / "device.duckdb") as storage:
         runner = DeviceRunner(job, storage)

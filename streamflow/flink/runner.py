@@ -116,6 +116,9 @@ _ROWS = "__rows__"
 _END_OF_INPUT = 2**63 - 1
 #: Bytes a split reader decodes at a time (then up to the end of the line it is in).
 _SLAB_BYTES = 1 << 22
+#: About how many bytes of the file one split holds: readers take splits in turn (reader i the splits i, i + N,
+#: ...), so all readers move through the file together and a user's runs wait for at most a few splits' lines.
+SPLIT_BYTES = 1 << 20
 
 
 def flink_environment(cluster: str | None = None, parallelism: int = 1,
@@ -244,6 +247,16 @@ def file_splits(path: str | os.PathLike[str], n: int) -> list[tuple[str, int, in
             splits.append((name, start, end, first, lines))
             first += lines
     return splits
+
+
+def split_count(path: str | os.PathLike[str], readers: int) -> int:
+    """How many splits ``readers`` readers take of ``path``: a multiple of ``readers``, about :data:`SPLIT_BYTES`
+    each. Handed out in turn (``rebalance``), each reader's splits come in line order, so its record timestamps
+    (line numbers) only grow, and the slowest reader holds the others back by about one split each, not by
+    half the file (one split per reader would hold every line after the first split until it was read).
+    """
+    size = os.path.getsize(path)
+    return readers * max(1, -(-size // (SPLIT_BYTES * readers)))
 
 
 def _count_lines(f: Any, start: int, end: int) -> int:
@@ -799,7 +812,7 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
     once = kafka_topic(events) is None and restore_from is None and checkpoint_dir is None and not pace_ms
     readers = parallel_readers(job, events, parallelism, once)
     if readers > 1 and kafka_topic(events) is None:  # split across readers, a user's runs put in order again
-        parsed = (env.from_collection(file_splits(events, readers), type_info=_SPLIT)
+        parsed = (env.from_collection(file_splits(events, split_count(events, readers)), type_info=_SPLIT)
                   .rebalance().flat_map(ReadSplits(source), output_type=_PICKLED).set_parallelism(readers)
                   .assign_timestamps_and_watermarks(
                       WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner(RunOrder()))
