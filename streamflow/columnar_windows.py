@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from operators import Aggregate, Count, CountDistinct, First, Last, Max, Min, Sum, TimeWindow
+from operators import Aggregate, Count, CountDistinct, CountWindow, First, Last, Max, Min, Sum, TimeWindow
 from operators.aggregations import Aggregation
 from operators.process import LATE
 from operators.window import to_millis
@@ -240,10 +240,11 @@ class BatchTimeWindows:
         return out
 
     def _results(self, begin: np.ndarray, end: np.ndarray, pair_item: np.ndarray,
-                 group: np.ndarray) -> list[dict[str, Any] | Exception]:
+                 group: np.ndarray | None) -> list[dict[str, Any] | Exception]:
         """Each firing's aggregation results (the items of pairs ``begin[f]:end[f]``, a window's first pair on), or
         the exception its fold raised: common aggregations over arrays (prefix sums and reductions over the pairs),
-        the others with their own fold per firing."""
+        the others with their own fold per firing. ``group``: each pair's window, when every range starts at its
+        window's first pair (``None``: ranges start anywhere)."""
         n = len(begin)
         if n == 0:
             return []
@@ -274,6 +275,84 @@ class BatchTimeWindows:
         return rows
 
 
+class BatchCountWindows(BatchTimeWindows):
+    """A ``CountWindow`` + ``Aggregate`` keyed step a block of items at a time (as
+    :class:`~streamflow.windowing.CountWindows`: a window of a key's last ``size`` items fires on the item that
+    completes it, every ``slide`` (else ``size``) items of the key; nothing fires at the end). Carried to the next
+    block: each key's count and its last ``size - 1`` items.
+
+    Example:
+        >>> from operators import Aggregate, CountWindow, Sum
+        >>> windows = BatchCountWindows(CountWindow(2), Aggregate(total=Sum("x")), "k")
+        >>> windows.add(["a", "b", "a"], [{"x": 1}, {"x": 5}, {"x": 2}], [0, 0, 0])
+        [(2, 'emit', {'k': 'a', 'total': 3})]
+        >>> windows.add(["b"], [{"x": 6}], [0]), windows.finish()
+        ([(3, 'emit', {'k': 'b', 'total': 11})], [])
+    """
+
+    def __init__(self, window: CountWindow, aggregate: Aggregate, key_name: str):
+        self.size, self.step = window.size, window.slide or window.size
+        self.fold = aggregate.fold_one
+        self.aggregations = list(aggregate.aggregations.items())
+        self.key_name = key_name
+        self.seen = 0
+        self._codes: dict[Any, int] = {}
+        self._counts = np.zeros(0, dtype=np.int64)  # key number -> its items so far
+        self._recent = np.empty(0, np.int64)  # the carried items' numbers (each key's last size - 1)
+        self._held: dict[int, tuple[Any, Any]] = {}
+
+    def add(self, keys: Sequence[Any], items: Sequence[Any], ts_ms: Sequence[int]) -> list[tuple[int, str, Any]]:
+        """The next items of keys ``keys[i]`` (``ts_ms`` is not read): the windows they complete, in order."""
+        m = len(items)
+        if m == 0:
+            return []
+        first, codes, held = self.seen, self._codes, self._held
+        key_code = np.fromiter((codes.setdefault(key, len(codes)) for key in keys), dtype=np.int64, count=m)
+        counts = np.zeros(len(codes), dtype=np.int64)
+        counts[:len(self._counts)] = self._counts
+        for i, (key, item) in enumerate(zip(keys, items, strict=True)):
+            held[first + i] = (key, item)
+        number = np.concatenate([self._recent, np.arange(first, first + m, dtype=np.int64)])
+        code = np.concatenate([np.fromiter((codes[held[n][0]] for n in self._recent.tolist()), np.int64,
+                                           len(self._recent)), key_code])
+        order = np.lexsort((number, code))  # by key, then arrival
+        number, code = number[order], code[order]
+        starts_at = np.ones(len(number), dtype=bool)
+        starts_at[1:] = code[1:] != code[:-1]
+        block_start = np.flatnonzero(starts_at)
+        position_in_key = np.arange(len(number)) - block_start[np.cumsum(starts_at) - 1]
+        carried = np.bincount(code, weights=number < first, minlength=len(codes)).astype(np.int64)
+        # the key's count after each of its items: earlier blocks' count, less what is carried, plus the position
+        count = counts[code] - carried[code] + position_in_key + 1
+        fires = np.flatnonzero((number >= first) & (count % self.step == 0) & (count >= min(self.size, self.step)))
+        fires = fires[np.argsort(number[fires], kind="stable")]
+        end = fires + 1
+        begin = end - np.minimum(count[fires], self.size)
+        results = self._results(begin, end, number, None)
+        key_name = self.key_name
+        out: list[tuple[int, str, Any]] = []
+        for n, result in zip(number[fires].tolist(), results, strict=True):
+            key = held[n][0]
+            out.append((n, FAILED, (key, None, result)) if isinstance(result, Exception)
+                       else (n, "emit", {key_name: key, **result}))
+        # carry each key's last size - 1 items
+        from_end = (block_start[np.cumsum(starts_at) - 1] + np.bincount(code, minlength=len(codes))[code] - 1
+                    - np.arange(len(number)))
+        self._recent = np.sort(number[from_end < self.size - 1])
+        kept = set(self._recent.tolist())
+        for n in [n for n in held if n not in kept]:
+            del held[n]
+        self._counts = counts + np.bincount(key_code, minlength=len(codes))
+        self.seen = first + m
+        return out
+
+    def finish(self) -> list[tuple[int, str, Any]]:
+        """Nothing fires at the end (an incomplete count window never fires, as in Flink)."""
+        self._held.clear()
+        self._recent = self._recent[:0]
+        return []
+
+
 def _fold_each(fold: Any, items: list[Any], begin: np.ndarray, end: np.ndarray) -> list[dict[str, Any] | Exception]:
     out: list[dict[str, Any] | Exception] = []
     for b, e in zip(begin.tolist(), end.tolist(), strict=True):
@@ -285,7 +364,7 @@ def _fold_each(fold: Any, items: list[Any], begin: np.ndarray, end: np.ndarray) 
 
 
 def _column(aggregation: Aggregation, items: list[Any], begin: np.ndarray, end: np.ndarray,
-            group: np.ndarray) -> list[Any] | None:
+            group: np.ndarray | None) -> list[Any] | None:
     """``aggregation``'s result for each range ``begin[f]:end[f]`` of ``items`` (each range starts where its window's
     items start; ``group``: each item's window), computed over arrays; ``None`` where its own fold must run (another
     kind of aggregation or one with ``where=``, values of mixed types, NaN, sums past what int64 holds exactly)."""
@@ -295,7 +374,8 @@ def _column(aggregation: Aggregation, items: list[Any], begin: np.ndarray, end: 
             return (end - begin).tolist()
         counts = np.concatenate([[0], np.cumsum(np.fromiter(map(bool, map(where, items)), bool, len(items)))])
         return (counts[end] - counts[begin]).tolist()
-    if where is not None or kind not in (Sum, Max, Min, First, Last, CountDistinct):
+    if where is not None or kind not in (Sum, Max, Min, First, Last, CountDistinct) or (
+            kind is CountDistinct and group is None):
         return None
     values = list(map(aggregation._read, items))
     if kind is First:
@@ -335,4 +415,4 @@ def _column(aggregation: Aggregation, items: list[Any], begin: np.ndarray, end: 
     return reduce.reduceat(padded, np.column_stack([begin, end]).ravel())[::2].tolist()
 
 
-__all__ = ["FAILED", "BatchTimeWindows", "refusal"]
+__all__ = ["FAILED", "BatchCountWindows", "BatchTimeWindows", "refusal"]

@@ -15,6 +15,7 @@ from operators import (
     Count,
     CountBy,
     CountDistinct,
+    CountWindow,
     Filter,
     First,
     KeyBy,
@@ -136,6 +137,16 @@ def test_tasks_batch_mode_cannot_compute_at_once_run_item_by_item_in_the_same_ru
     assert modes["activity"] == modes["fast"] == COLUMNAR
     assert modes["sessions"].startswith("item by item: SessionWindow")
     assert {row[0] for row in tables["late_events"]} >= {"activity", "sessions", "fast"}
+
+
+def test_count_windows_run_in_batch_mode_too(tmp_path: Path) -> None:
+    lines = (REPO / "jobs" / "data" / "taobao_user_behavior_10k.csv").read_text().splitlines()[:4000]
+    task = Task("c", None, [Filter(lambda event: event.event_id != "page_exit"), Map(_weight), KeyBy("kind"),
+                            CountWindow(3, 2), Aggregate(n=Count(), w=Sum("w"), kinds=CountDistinct("kind"),
+                                                         first=First("item_id")),
+                            Map(lambda row: {**row, "per": row["w"] / (row["n"] - 2)})], input="stream")
+    batched, tables = _compare(tmp_path, _csv(tmp_path, lines), [task])
+    assert batched.task_stats["c"].mode == COLUMNAR and len(tables["c"]) > 100 and len(tables["task_errors"]) > 10
 
 
 def test_json_lines_run_in_batch_mode_too(tmp_path: Path) -> None:

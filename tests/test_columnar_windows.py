@@ -24,9 +24,10 @@ from operators import (
     Sum,
     TimeWindow,
 )
-from streamflow.columnar_windows import BatchTimeWindows, refusal
+from operators.window import CountWindow
+from streamflow.columnar_windows import BatchCountWindows, BatchTimeWindows, refusal
 from streamflow.keyed import KeyedRuntime
-from streamflow.windowing import EventTimeWindows
+from streamflow.windowing import CountWindows, EventTimeWindows
 
 
 def _aggregate() -> Aggregate:
@@ -86,3 +87,21 @@ def test_a_lateness_that_is_a_multiple_of_the_slide_streams():
     assert refusal(TimeWindow(60, slide=20, allowed_lateness=40)) is not None
     assert refusal(TimeWindow(60, slide=20, allowed_lateness=10)) is None
     assert refusal(TimeWindow(60)) is None
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 5), st.one_of(st.none(), st.integers(1, 6)),
+       st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(-5, 5)), max_size=50),
+       st.lists(st.integers(0, 50), max_size=4))
+def test_batch_count_windows_emit_what_the_streaming_count_windows_emit(size, slide, entries, cuts):
+    window = CountWindow(size, slide)
+    keys = [key for key, _ in entries]
+    items = [{"v": v, "k": key} for key, v in entries]
+    runtime = KeyedRuntime(CountWindows(window, _aggregate(), "user"))
+    expected = [(i, tag, value) for i, (key, item) in enumerate(zip(keys, items, strict=True))
+                for tag, value in runtime.process(key, item, 0)]
+    windows, out = BatchCountWindows(window, _aggregate(), "user"), []
+    cuts = sorted(min(c, len(items)) for c in cuts)
+    for a, b in zip([0, *cuts], [*cuts, len(items)], strict=True):
+        out += windows.add(keys[a:b], items[a:b], [0] * (b - a))
+    assert out + windows.finish() == expected

@@ -8,11 +8,12 @@ and the same results; so does this, for a job whose tasks are all stream tasks:
 - each event goes through each task's steps before its keyed step (Filter/Map, the key, the event time: the
   streaming code itself, :class:`~streamflow.windowing.StreamInput`, so a step that raises makes the same
   ``task_errors`` row);
-- a task whose keyed step is a ``TimeWindow`` + ``Aggregate`` takes the items of ``CHUNK_EVENTS`` events at a time
-  and makes their firings, late firings and late events at once (:mod:`streamflow.columnar_windows`: only the
-  items of windows still within their lateness are carried to the next chunk, so memory is set by the chunk and
-  the windows, not the input). Any other keyed step (a session or count window, a ``Process``) runs item by item
-  as when streaming, in the same run;
+- a task whose keyed step is a ``TimeWindow`` or ``CountWindow`` + ``Aggregate`` takes the items of
+  ``CHUNK_EVENTS`` events at a time and makes their firings, late firings and late events at once
+  (:mod:`streamflow.columnar_windows`: only the items of windows still within their lateness, or a key's last
+  count-window items, are carried to the next chunk, so memory is set by the chunk and the windows, not the
+  input). Any other keyed step (a session window, a ``Process``) runs item by item as when streaming, in the same
+  run;
 - every output goes through the steps after the keyed step, and each table gets its rows in the streaming run's
   order (tasks interleaved per event, as when streaming), written a chunk at a time.
 
@@ -43,8 +44,8 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from operators import TimeWindow
-from streamflow.columnar_windows import FAILED, BatchTimeWindows
+from operators import CountWindow, TimeWindow
+from streamflow.columnar_windows import FAILED, BatchCountWindows, BatchTimeWindows
 from streamflow.columnar_windows import refusal as window_refusal
 from streamflow.events import Event
 from streamflow.sources import LineSource
@@ -84,6 +85,8 @@ def refusal(runner: DeviceRunner, records: Any = ()) -> str | None:
 def keyed_refusal(run: StreamTaskRun) -> str | None:
     """Why ``run``'s keyed step runs item by item in batch mode, or ``None`` (it is computed at once)."""
     window = run.plan.window
+    if isinstance(window, CountWindow):
+        return None
     if not isinstance(window, TimeWindow):
         return f"{type(window).__name__} runs item by item"
     return window_refusal(window)
@@ -102,7 +105,8 @@ class _BatchTask:
         self.alone = alone  # the job's only task: no other task's rows to interleave with
         why = keyed_refusal(run)
         plan = run.plan
-        self.windows = None if why is not None else BatchTimeWindows(plan.window, plan.aggregate, plan.key_by.name)
+        kind = BatchCountWindows if isinstance(plan.window, CountWindow) else BatchTimeWindows
+        self.windows = None if why is not None else kind(plan.window, plan.aggregate, plan.key_by.name)
         self.mode = COLUMNAR if why is None else f"item by item: {why}"
         #: what the task made so far and nobody took yet, in order
         self.outputs: list[Outputs] = []
