@@ -432,10 +432,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     build.add_argument("--seed", type=int, default=0, help="seed of the evaluation set")
     build.add_argument("--repeats", type=int, default=50, help="timed warm runs per model")
     build.add_argument("--out", type=Path, default=None, help="zoo.json to write (default: settings' zoo_dir)")
+    build.add_argument("--if-missing", action="store_true", help="build only if there is no zoo.json there yet")
     commands.add_parser("show", help="print the zoo").add_argument("--path", type=Path, default=None)
     args = parser.parse_args(argv)
     try:
-        if args.command == "build":
+        if args.command == "build" and args.if_missing and (args.out or default_path()).is_file():
+            zoo = Zoo.load(args.out)
+            print(f"zoo build: {zoo.path} is there already (--if-missing)", file=sys.stderr)
+        elif args.command == "build":
             require_extra("serve", what="python -m streamflow.serve.zoo build")
             zoo = build_zoo(args.out, eval_size=args.eval_size, seed=args.seed, repeats=args.repeats,
                             progress=lambda message: print(f"zoo build: {message}", file=sys.stderr, flush=True))
