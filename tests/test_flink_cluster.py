@@ -112,8 +112,9 @@ def test_remote_pyflink_job_imports_streamflow_in_the_taskmanager(cluster, tmp_p
 
 
 def test_ipv_job_on_the_cluster_matches_the_device_runner(cluster, tmp_path):
-    """`streamflow run --runner flink --cluster`: the translated job (keyed state with TTL, timers,
-    side outputs, the DuckDB writer) runs in the standalone TaskManager, not only a smoke job."""
+    """`streamflow run --runner flink --cluster --parallelism 2`: the translated job (the file split across two
+    readers, keyed state with TTL, timers, side outputs, the DuckDB writer) runs in the standalone TaskManager's
+    two slots, not only a smoke job."""
     import duckdb
 
     from connectors.storage import CollectiveStorage
@@ -126,7 +127,7 @@ def test_ipv_job_on_the_cluster_matches_the_device_runner(cluster, tmp_path):
     lines = (ROOT / "jobs" / "data" / "taobao_user_behavior_10k.csv").read_text().splitlines()[:2000]
     events.write_text("\n".join(lines) + "\n")
     summary = run_flink(load_job(ROOT / "jobs" / "ipv.py"), events, db=tmp_path / "flink.duckdb",
-                        cluster=f"127.0.0.1:{cluster['port']}")
+                        cluster=f"127.0.0.1:{cluster['port']}", parallelism=2)
     with CollectiveStorage(tmp_path / "device.duckdb") as storage:
         DeviceRunner(load_job(ROOT / "jobs" / "ipv.py"), storage).run(open_source(events))
 
