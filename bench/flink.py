@@ -201,13 +201,14 @@ def run_handwritten(csv_path: Path, db: Path) -> None:
 
 
 # -- runs ----------------------------------------------------------------------------------------------
-def run_streamflow(job: Any, csv_path: Path, db: Path, parallelism: int = 1) -> tuple[float, float, int]:
+def run_streamflow(job: Any, csv_path: Path, db: Path, parallelism: int = 1,
+                   cluster: str | None = None) -> tuple[float, float, int]:
     """(execute() seconds, run_flink wall seconds, events in) of the translated job."""
     from streamflow.flink.runner import run_flink
 
     before = len(_EXECUTE_TIMES)
     started = time.perf_counter()
-    summary = run_flink(job, csv_path, db=db, parallelism=parallelism)
+    summary = run_flink(job, csv_path, db=db, parallelism=parallelism, cluster=cluster)
     wall = time.perf_counter() - started
     if len(_EXECUTE_TIMES) != before + 1:
         raise RuntimeError("run_flink did not call env.execute() exactly once")
@@ -263,9 +264,10 @@ def check_same(label: str, a: Path, b: Path, a_name: str, b_name: str) -> int:
     return len(rows_a)
 
 
-def tree_cpu_s() -> float:
+def tree_cpu_s(extra: list[int] = ()) -> float:  # type: ignore[assignment]
     """CPU seconds (user + system) of this process and its live descendants (the gateway JVM, where the
-    MiniCluster and, in thread mode, the Python operators run), from ``/proc``."""
+    MiniCluster and, in thread mode, the Python operators run), and of the ``extra`` pids (a standalone
+    cluster's JVMs), from ``/proc``."""
     tick = os.sysconf("SC_CLK_TCK")
     parent, cpu = {}, {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -275,7 +277,7 @@ def tree_cpu_s() -> float:
             continue
         pid = int(stat.parent.name)
         parent[pid], cpu[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
-    ours = {os.getpid()}
+    ours = {os.getpid(), *extra}
     for pid in sorted(parent):  # a child's pid may be lower than its parent's: walk up from each
         chain, at = [], pid
         while at in parent and at not in ours and at > 1:
@@ -293,23 +295,32 @@ def scaling(args: Any) -> None:
     load_start = os.getloadavg()
     job = load_job(JOB_FILE)
     lines = [line.rstrip("\r\n") for line in TAOBAO_SAMPLE.read_text(encoding="utf-8").splitlines() if line.strip()]
-    replays = REPLAYS[args.quick]
+    replays = args.replays or REPLAYS[args.quick]
     tmp = Path(tempfile.mkdtemp(prefix="streamflow-bench-flink-scaling-"))
     metrics: dict[str, Any] = {}
+    cluster, pids = None, []
     try:
         csv_path = tmp / "replay.csv"
         replay_csv(lines, replays, sample_period(lines), csv_path)
+        from streamflow.flink import cluster as flink_cluster
         from streamflow.flink.runner import flink_environment
+        if args.standalone:  # two TaskManagers of one slot each, JVMs of their own
+            port = flink_cluster._free_port()
+            overview = flink_cluster.start(port=port, directory=tmp / "cluster", slots=1, taskmanagers=2,
+                                           timeout=240)
+            cluster, pids = f"127.0.0.1:{port}", [pid for _, pid in flink_cluster.process_ids(tmp / "cluster")]
+            log(f"standalone cluster: {overview.get('taskmanagers')} TaskManagers, {overview.get('slots-total')} "
+                f"slots, pids {pids}")
         flink_environment(parallelism=1)
         _time_execute()
-        run_streamflow(job, _one_line(lines, tmp), tmp / "warm.duckdb")  # streamflow's first imports, untimed
+        run_streamflow(job, _one_line(lines, tmp), tmp / "warm.duckdb", cluster=cluster)  # first imports, untimed
         for p in (1, 2):
             seconds, cpus = [], []
             for r in range(args.rounds):
                 db = tmp / f"p{p}_{r}.duckdb"
-                cpu0 = tree_cpu_s()
-                s_exec, _, events = run_streamflow(job, csv_path, db, parallelism=p)
-                cpus.append(tree_cpu_s() - cpu0)
+                cpu0 = tree_cpu_s(pids)
+                s_exec, _, events = run_streamflow(job, csv_path, db, parallelism=p, cluster=cluster)
+                cpus.append(tree_cpu_s(pids) - cpu0)
                 seconds.append(s_exec)
                 log(f"  parallelism {p} round {r}: {events / s_exec:,.0f} ev/s ({s_exec:.2f} s execute, "
                     f"{cpus[-1]:.1f} CPU s)")
@@ -319,16 +330,27 @@ def scaling(args: Any) -> None:
             metrics[f"cpu_us_per_event_p{p}"] = round(median(cpus) / events * 1e6, 1)
             metrics[f"execute_s_p{p}"] = round(median(seconds), 2)
     finally:
+        if cluster is not None:
+            flink_cluster.stop(tmp / "cluster")
         shutil.rmtree(tmp, ignore_errors=True)
     load_end = os.getloadavg()
     metrics.update({
         "scaling_p2_vs_p1": round(metrics["events_per_s_p2"] / metrics["events_per_s_p1"], 3),
         "rows_match": True, "events": events, "csv_rows": len(lines) * replays, "rounds": args.rounds,
-        "where": "local MiniCluster (one JVM, slots shared), not the standalone cluster",
+        "where": ("standalone cluster: two TaskManagers of one slot each" if args.standalone
+                  else "local MiniCluster (one JVM, slots shared)"),
         "load_avg_1m_start": round(load_start[0], 2), "load_avg_1m_end": round(load_end[0], 2),
         "cpu_count": cpu_count(), "quick": args.quick,
     })
-    finish("flink_scaling", metrics, quick=args.quick)
+    finish("flink_scaling_standalone" if args.standalone else "flink_scaling", metrics, quick=args.quick)
+
+
+def _scaling_options(parser: Any) -> None:
+    parser.add_argument("--scaling", action="store_true", help="only parallelism 1 vs 2 (flink_scaling results)")
+    parser.add_argument("--standalone", action="store_true", help="with --scaling: on a standalone cluster of two "
+                        "TaskManagers, one slot each, started and stopped here (flink_scaling_standalone)")
+    parser.add_argument("--replays", type=int, default=None, help="with --scaling: times the sample is replayed "
+                        "(default 5, quick 1; 20 gives ~200k lines)")
 
 
 def _one_line(lines: list[str], tmp: Path) -> Path:
@@ -340,8 +362,7 @@ def _one_line(lines: list[str], tmp: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     raw = sys.argv[1:] if argv is None else argv
     args = parse_args("The IPV job on the Flink MiniCluster: streamflow vs hand-written PyFlink vs device.", argv,
-                      extra=lambda parser: parser.add_argument(
-                          "--scaling", action="store_true", help="only parallelism 1 vs 2 (flink_scaling results)"))
+                      extra=_scaling_options)
     quick = args.quick
     if not any(a == "--rounds" or a.startswith("--rounds=") for a in raw):
         args.rounds = ROUNDS[quick]

@@ -1,4 +1,4 @@
-"""A local standalone Apache Flink cluster (one JobManager, one TaskManager) run from the jars of the PyFlink wheel.
+"""A local standalone Apache Flink cluster (one JobManager, one or more TaskManagers) run from the PyFlink wheel's jars.
 
 ``pip install apache-flink`` ships a whole Flink distribution inside the ``pyflink`` package (``bin/``, ``lib/``,
 ``opt/``, ``conf/``). This module starts it as a real standalone cluster, separate from the Python process, so that
@@ -218,9 +218,11 @@ def status(port: int | None = None, directory: str | os.PathLike[str] | None = N
 
 def start(port: int = DEFAULT_PORT, directory: str | os.PathLike[str] | None = None, *, slots: int = 2,
           timeout: float = 120.0, jobmanager_memory: str = "1024m", taskmanager_memory: str = "1536m",
-          python_executable: str | None = None) -> dict[str, Any]:
-    """Start a JobManager and a TaskManager from the PyFlink wheel; return ``/overview`` once a TaskManager has
-    registered. Idempotent: if this directory's cluster already answers on ``port``, its overview is returned.
+          python_executable: str | None = None, taskmanagers: int = 1) -> dict[str, Any]:
+    """Start a JobManager and ``taskmanagers`` TaskManagers (``slots`` slots each) from the PyFlink wheel; return
+    ``/overview`` once they have registered. Idempotent: if this directory's cluster already answers on ``port``,
+    its overview is returned. Several TaskManagers on one machine are separate JVMs (their ports ephemeral): a
+    cluster's data exchange between them goes over the network stack, as between machines.
 
     Raises :class:`ClusterError` (with the tails of the cluster's logs) if the port is taken by something else, a
     process dies, or no TaskManager registers within ``timeout`` seconds; a half-started cluster is stopped.
@@ -262,8 +264,10 @@ def start(port: int = DEFAULT_PORT, directory: str | os.PathLike[str] | None = N
     # What start-cluster.sh does (jobmanager.sh start, then taskmanager.sh start), but both at once: each script
     # first runs two short JVMs to read the config, seconds each on a busy machine; the TaskManager retries its
     # registration until the JobManager is up.
-    failures = [f"{name} failed ({r.returncode}): {r.stdout}{r.stderr}" for name, r in _scripts(
-        home, layout, [("jobmanager.sh", "start"), ("taskmanager.sh", "start")]) if r.returncode != 0]
+    results = _scripts(home, layout, [("jobmanager.sh", "start"), ("taskmanager.sh", "start")])
+    for _ in range(taskmanagers - 1):  # one at a time: the daemon script numbers an instance by its pid file
+        results += _scripts(home, layout, [("taskmanager.sh", "start")])
+    failures = [f"{name} failed ({r.returncode}): {r.stdout}{r.stderr}" for name, r in results if r.returncode != 0]
     if failures:
         stop(layout.root)
         raise ClusterError("; ".join(failures) + _log_tail(layout))
@@ -271,13 +275,14 @@ def start(port: int = DEFAULT_PORT, directory: str | os.PathLike[str] | None = N
     expected = {"standalonesession", "taskexecutor"}
     while True:
         overview = status(port)
-        if overview is not None and overview.get("taskmanagers", 0) >= 1 and overview.get("slots-total", 0) >= slots:
+        if (overview is not None and overview.get("taskmanagers", 0) >= taskmanagers
+                and overview.get("slots-total", 0) >= slots * taskmanagers):
             return overview
         alive = {daemon for daemon, _ in _live_pids(layout)}
         dead = expected - alive
         if dead or time.monotonic() > deadline:
             reason = (f"the {', '.join(sorted(dead))} process exited" if dead
-                      else f"no TaskManager with {slots} slots registered within {timeout:.0f}s")
+                      else f"not {taskmanagers} TaskManager(s) of {slots} slots registered within {timeout:.0f}s")
             stop(layout.root)
             raise ClusterError(f"Flink cluster on {HOST}:{port} did not start: {reason}" + _log_tail(layout))
         time.sleep(0.5)
@@ -415,6 +420,11 @@ def _java_opts(home: Path) -> str:
     except OSError:
         pass
     return _FALLBACK_JAVA_OPTS
+
+
+def process_ids(directory: str | os.PathLike[str] | None = None) -> list[tuple[str, int]]:
+    """``(daemon, pid)`` of this directory's live cluster processes (``standalonesession``, ``taskexecutor``)."""
+    return _live_pids(ClusterLayout.resolve(directory))
 
 
 def _saved_settings(layout: ClusterLayout) -> dict[str, Any]:
