@@ -104,7 +104,7 @@ def _windows_task(draw, name: str = "w") -> Task:
                                         allowed_lateness=lateness), aggregate, *after], input="stream")
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(_USERS, st.lists(st.tuples(st.integers(0, 40), _DIRTY), max_size=6), _windows_task())
 def test_a_generated_windows_job_over_dirty_lines_writes_what_streaming_writes(tmp_path: Path, steps: list,
                                                                              dirty: list, task: Task) -> None:

@@ -68,7 +68,7 @@ def _inputs(draw):
     return window, keys, items, ts_ms, cuts
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_inputs())
 def test_batch_windows_emit_what_the_streaming_windows_emit_in_the_same_order(case):
     """Whole, or cut into blocks anywhere (what a window holds at a cut is carried to the next block)."""
@@ -89,7 +89,7 @@ def test_a_lateness_that_is_a_multiple_of_the_slide_streams():
     assert refusal(TimeWindow(60)) is None
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 5), st.one_of(st.none(), st.integers(1, 6)),
        st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(-5, 5)), max_size=50),
        st.lists(st.integers(0, 50), max_size=4))
