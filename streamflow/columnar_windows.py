@@ -53,8 +53,8 @@ from streamflow.windowing import window_row
 FAILED = "failed"
 #: Integer sums below this are exact in int64 (and in Python's int).
 _EXACT_SUM = 2 ** 62
-#: Event times (ms) within this bound keep every sum of the arithmetic below inside int64.
-_TIME_BOUND = 2 ** 60
+#: Event times (ms) within this bound keep every sum of the arithmetic below inside int64 (36 million years).
+TIME_BOUND = 2 ** 60
 
 
 def refusal(window: TimeWindow) -> str | None:
@@ -96,8 +96,11 @@ class BatchTimeWindows:
         m = len(items)
         if m == 0:
             return []
-        ts = np.asarray(ts_ms, dtype=np.int64)
-        if np.abs(ts).max() >= _TIME_BOUND:
+        try:
+            ts = np.asarray(ts_ms, dtype=np.int64)
+        except OverflowError:
+            raise ValueError("event times past 2**60 ms") from None
+        if np.abs(ts).max() >= TIME_BOUND:
             raise ValueError("event times past 2**60 ms")
         size, slide, lateness, first = self.size, self.slide, self.lateness, self.seen
         running = np.maximum.accumulate(ts)
@@ -415,4 +418,4 @@ def _column(aggregation: Aggregation, items: list[Any], begin: np.ndarray, end: 
     return reduce.reduceat(padded, np.column_stack([begin, end]).ravel())[::2].tolist()
 
 
-__all__ = ["FAILED", "BatchCountWindows", "BatchTimeWindows", "refusal"]
+__all__ = ["FAILED", "TIME_BOUND", "BatchCountWindows", "BatchTimeWindows", "refusal"]

@@ -166,3 +166,15 @@ def test_an_input_that_may_never_end_streams(tmp_path: Path) -> None:
     runner = DeviceRunner(Job("j", [ACTIVITY]), CollectiveStorage(tmp_path / "g.duckdb"), runtime_mode="automatic")
     events = iter(JsonLinesSource(REPO / "tests" / "data" / "activity.jsonl"))  # a generator: a live feed, say
     assert runner.run(events).runtime_mode == "streaming"
+
+
+def test_an_event_time_past_what_batch_mode_windows_is_a_task_error_not_a_crash(tmp_path: Path) -> None:
+    task = Task("far", None, [Map(lambda event: {"user_id": event.user_id, "t": 1e16 if event.event_id == "fav"
+                                                 else event.ts}), KeyBy("user_id"), TimeWindow(60, ts="t"),
+                              Aggregate(n=Count())], input="stream")
+    lines = ["7,10,30,pv,1511848800", "7,10,30,fav,1511848860", "7,11,33,pv,1511848900"]
+    runner = DeviceRunner(Job("j", [task]), CollectiveStorage(tmp_path / "f.duckdb"), runtime_mode="batch")
+    summary = runner.run(_csv(tmp_path, lines)())
+    assert summary.runtime_mode == "batch" and summary.task_stats["far"].errors == 1
+    assert "past ±2**60 ms" in runner.storage.query("SELECT error FROM task_errors")[0][0]
+    assert runner.storage.query("SELECT n FROM far") == [(1,), (3,)]  # the other items, windowed

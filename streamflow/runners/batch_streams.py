@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from operators import CountWindow, TimeWindow
-from streamflow.columnar_windows import FAILED, BatchCountWindows, BatchTimeWindows
+from streamflow.columnar_windows import FAILED, TIME_BOUND, BatchCountWindows, BatchTimeWindows
 from streamflow.columnar_windows import refusal as window_refusal
 from streamflow.events import Event
 from streamflow.sources import LineSource
@@ -135,9 +135,27 @@ class _BatchTask:
                 place(k)
             elif failed:  # dropped by a Filter (the usual case) or failed
                 outputs.append((k, index, [], run.step_failures()))
+        if entries and isinstance(self.windows, BatchTimeWindows) and not all(
+                -TIME_BOUND < ts < TIME_BOUND for _, _, ts in entries):
+            entries, at = self._out_of_range(entries, at)
         numbered = self.windows.seen
         keys, items, times = zip(*entries, strict=True) if entries else ((), (), ())
         self._route(self.windows.add(keys, items, times), lambda n: at[n - numbered])
+
+    def _out_of_range(self, entries: list[tuple[Any, Any, int]], at: list[int]) -> tuple[list[Any], list[int]]:
+        """The entries whose event time batch mode can window, and a ``task_errors`` row for each other one (past
+        ±2**60 ms, 36 million years: streaming would window it; the one place batch mode differs)."""
+        kept, kept_at = [], []
+        for entry, k in zip(entries, at, strict=True):
+            if -TIME_BOUND < entry[2] < TIME_BOUND:
+                kept.append(entry)
+                kept_at.append(k)
+                continue
+            error = ValueError(f"event time {entry[2]} ms is past ±2**60 ms: batch mode does not window it")
+            self.outputs.append((k, self.index, [], [(TASK_ERRORS_TABLE, stream_error_row(
+                self.run.name, error, entry[1], entry[0]))]))
+        self.outputs.sort(key=_position)
+        return kept, kept_at
 
     def finish(self, end: int) -> None:
         """The end of the input (at position ``end``)."""
