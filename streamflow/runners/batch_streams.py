@@ -135,7 +135,7 @@ class _BatchTask:
                 place(k)
             elif failed:  # dropped by a Filter (the usual case) or failed
                 outputs.append((k, index, [], run.step_failures()))
-        if entries and isinstance(self.windows, BatchTimeWindows) and not all(
+        if entries and not isinstance(self.windows, BatchCountWindows) and not all(
                 -TIME_BOUND < ts < TIME_BOUND for _, _, ts in entries):
             entries, at = self._out_of_range(entries, at)
         numbered = self.windows.seen
