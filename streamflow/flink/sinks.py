@@ -89,7 +89,7 @@ class TunnelShipper:
     """One subtask's share of the Kafka sink: a :class:`~connectors.tunnel.sink.TunnelSink` of its own device.
     Used by the runner's ``ShipRows`` operator (kept free of PyFlink here)."""
 
-    def __init__(self, keys: dict[str, bytes], topic: str, bootstrap: str | None, spool_dir: str):
+    def __init__(self, keys: dict[str, bytes], topic: str, bootstrap: str, spool_dir: str):
         self.keys = keys
         self.devices = sorted(keys, key=lambda device: int(device.rsplit("-", 1)[1]))
         self.topic = topic
