@@ -228,6 +228,7 @@ def file_splits(path: str | os.PathLike[str], n: int) -> list[tuple[str, int, in
         ...     _ = f.write(b"a\\nbb\\r\\nc\\rd\\n\\ne")
         >>> [split[1:] for split in file_splits(f.name, 3)]
         [(0, 6, 1, 2), (6, 10, 3, 2), (10, 12, 5, 2)]
+        >>> os.unlink(f.name)
     """
     name = str(Path(path).resolve())
     size = os.path.getsize(name)
