@@ -31,7 +31,14 @@ from collections.abc import Callable
 from typing import Any
 
 from connectors.tunnel.cloud import DeadLetter, open_message
-from connectors.tunnel.kafka import CLIENT_TIMEOUTS, DEFAULT_TOPIC, Retry, bootstrap_servers, ensure_topic
+from connectors.tunnel.kafka import (
+    CLIENT_TIMEOUTS,
+    DEFAULT_TOPIC,
+    Retry,
+    TunnelUnavailable,
+    bootstrap_servers,
+    ensure_topic,
+)
 from connectors.tunnel.keys import KeyRegistry
 from connectors.tunnel.registry import Registry
 from streamflow.deploy.manifest import check_task_name, version_key
@@ -72,8 +79,12 @@ class TunnelReportReader:
     """Reads ``deploy_reports`` rows off the tunnel's topic and hands them to ``report`` (see the module docstring)."""
 
     def __init__(self, report: Report, registry: KeyRegistry, *, topic: str = DEFAULT_TOPIC,
-                 bootstrap: str | None = None, group_id: str = "streamflow-deploy-reports", partitions: int = 4):
+                 bootstrap: str | None = None, group_id: str = "streamflow-deploy-reports", partitions: int = 4,
+                 retry_for_s: float | None = None):
         self.report = report
+        #: how long a broker that went away is retried before the reader gives up (the server's /readyz then says
+        #: so; the reports wait on the topic for the next reader); None: ``settings().consumer_retry_s``
+        self.retry_for_s = retry_for_s
         self.registry = registry
         self.topic = topic
         self.bootstrap = bootstrap_servers(bootstrap)
@@ -131,15 +142,24 @@ class TunnelReportReader:
         self._thread.start()
 
     def _run(self) -> None:
-        retry = Retry(f"deploy reports from {self.topic} on {self.bootstrap}", give_up_after_s=None)
+        from streamflow.settings import settings
+
+        give_up = self.retry_for_s if self.retry_for_s is not None else settings().consumer_retry_s
+        retry = Retry(f"deploy reports from {self.topic} on {self.bootstrap}", give_up_after_s=give_up)
         while not self._stop.is_set():
             try:
                 self.poll_once()
                 retry.succeeded()
             except Exception as exc:  # noqa: BLE001 - the broker went away: back off, reconnect
                 self._close()
-                delay = retry.failed(exc)
-                log.warning("deploy report reader: %s; retrying in %.1f s", exc, delay)
+                try:
+                    delay = retry.failed(exc)
+                except TunnelUnavailable as gave_up:
+                    log.error("deploy report reader stopped: %s; the reports wait on the topic for the next reader "
+                              "(restart the server once the broker is back; /readyz says not ready meanwhile)",
+                              gave_up)
+                    return
+                log.warning("deploy report reader: %s; retrying in %.1f s (for up to %g s)", exc, delay, give_up)
                 self._stop.wait(delay)
 
     def stop(self) -> None:

@@ -68,3 +68,21 @@ def test_reports_over_the_tunnel_roll_a_bad_release_back(tmp_path, kafka_bootstr
                                                                 ("phone-3", 0)]
     assert server.store._query("SELECT DISTINCT via FROM reports") == [("tunnel",)]
     server.store.close()
+
+
+def test_a_report_reader_whose_broker_stays_away_gives_up_and_says_so(tmp_path, caplog):
+    """Bounded, as the first hour asks: a broker that does not come back within ``retry_for_s`` stops the reader
+    with an ERROR naming what to do (the server's /readyz then reports it not running)."""
+    import socket
+
+    from streamflow.deploy.tunnel_reports import TunnelReportReader
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    reader = TunnelReportReader(lambda *args: None, KeyRegistry(tmp_path / "keys.json"), bootstrap=f"127.0.0.1:{port}",
+                                retry_for_s=1.0)
+    reader.start()
+    reader._thread.join(20)
+    assert not reader._thread.is_alive()
+    assert any(r.levelname == "ERROR" and "deploy report reader stopped" in r.getMessage() for r in caplog.records)
