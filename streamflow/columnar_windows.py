@@ -143,10 +143,7 @@ class BatchTimeWindows:
         pair_item, pair_key, pair_start, pair_on_time = (a[order] for a in (pair_item, pair_key, pair_start,
                                                                              pair_on_time))
         n_pairs = len(pair_item)
-        group_first = np.ones(n_pairs, dtype=bool)
-        group_first[1:] = (pair_key[1:] != pair_key[:-1]) | (pair_start[1:] != pair_start[:-1])
-        group = np.cumsum(group_first) - 1
-        group_start = np.flatnonzero(group_first)
+        group, group_start = _runs(pair_key, pair_start)
         end_item = first + m  # past the items there are so far
         arrival = group * (end_item + 1) + pair_item  # sorted: groups in order, items in order within each
 
@@ -176,9 +173,7 @@ class BatchTimeWindows:
         now = running[-1] - self.bound - 1
         keep = pair_start + (size - 1 + lateness) > now
         self._pairs = (pair_item[keep], pair_key[keep], pair_start[keep], pair_on_time[keep])
-        kept = set(self._pairs[0].tolist())
-        for number in [n for n in held if n not in kept]:
-            del held[number]
+        self._held = {n: held[n] for n in self._pairs[0].tolist()}
         self.seen, self._clock = end_item, int(running[-1])
         return out
 
@@ -188,10 +183,7 @@ class BatchTimeWindows:
         pair_item, pair_key, pair_start, pair_on_time = self._pairs
         if not len(pair_item):
             return []
-        group_first = np.ones(len(pair_item), dtype=bool)
-        group_first[1:] = (pair_key[1:] != pair_key[:-1]) | (pair_start[1:] != pair_start[:-1])
-        group = np.cumsum(group_first) - 1
-        group_start = np.flatnonzero(group_first)
+        group, group_start = _runs(pair_key, pair_start)
         fire_time = pair_start[group_start] + (self.size - 1)
         watermark = self._clock - self.bound - 1
         fires = np.flatnonzero(pair_on_time[group_start] & (fire_time > watermark))
@@ -220,13 +212,13 @@ class BatchTimeWindows:
         ends = np.zeros(len(group_start), dtype=np.int64)
         ends[fire_end[0]] = fire_end[1]
         on_time = fired_kind == 0
-        begin = np.where(on_time, group_start[np.where(on_time, fired_place, 0)],
-                         group_start[group[np.where(on_time, 0, fired_place)]] if len(group) else 0)
-        end = np.where(on_time, ends[np.where(on_time, fired_place, 0)], fired_place + 1)
-        key_item = np.where(on_time, pair_item[begin] if len(pair_item) else 0, position[firing])
+        firing_group = np.where(on_time, fired_place, group[fired_place])  # a late firing's place is its pair
+        begin = group_start[firing_group]
+        end = np.where(on_time, ends[firing_group], fired_place + 1)
+        key_item = np.where(on_time, pair_item[begin], position[firing])
         results = self._results(begin, end, pair_item, group)
         held, key_name, size = self._held, self.key_name, self.size
-        starts = (pair_start[begin] if len(pair_start) else begin).tolist()
+        starts = pair_start[begin].tolist()
         firings = zip(starts, key_item.tolist(), results, strict=True)
         out: list[tuple[int, str, Any]] = []
         for k, w, n in zip(kind.tolist(), place.tolist(), position.tolist(), strict=True):
@@ -320,10 +312,8 @@ class BatchCountWindows(BatchTimeWindows):
                                            len(self._recent)), key_code])
         order = np.lexsort((number, code))  # by key, then arrival
         number, code = number[order], code[order]
-        starts_at = np.ones(len(number), dtype=bool)
-        starts_at[1:] = code[1:] != code[:-1]
-        block_start = np.flatnonzero(starts_at)
-        position_in_key = np.arange(len(number)) - block_start[np.cumsum(starts_at) - 1]
+        key_block, block_start = _runs(code)
+        position_in_key = np.arange(len(number)) - block_start[key_block]
         carried = np.bincount(code, weights=number < first, minlength=len(codes)).astype(np.int64)
         # the key's count after each of its items: earlier blocks' count, less what is carried, plus the position
         count = counts[code] - carried[code] + position_in_key + 1
@@ -339,12 +329,10 @@ class BatchCountWindows(BatchTimeWindows):
             out.append((n, FAILED, (key, None, result)) if isinstance(result, Exception)
                        else (n, "emit", {key_name: key, **result}))
         # carry each key's last size - 1 items
-        from_end = (block_start[np.cumsum(starts_at) - 1] + np.bincount(code, minlength=len(codes))[code] - 1
+        from_end = (block_start[key_block] + np.bincount(code, minlength=len(codes))[code] - 1
                     - np.arange(len(number)))
         self._recent = np.sort(number[from_end < self.size - 1])
-        kept = set(self._recent.tolist())
-        for n in [n for n in held if n not in kept]:
-            del held[n]
+        self._held = {n: held[n] for n in self._recent.tolist()}
         self._counts = counts + np.bincount(key_code, minlength=len(codes))
         self.seen = first + m
         return out
@@ -354,6 +342,13 @@ class BatchCountWindows(BatchTimeWindows):
         self._held.clear()
         self._recent = self._recent[:0]
         return []
+
+
+def _runs(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For sorted ``columns``: each row's run of equal values (numbered from 0) and where each run starts."""
+    first = np.ones(len(columns[0]), dtype=bool)
+    first[1:] = np.logical_or.reduce([column[1:] != column[:-1] for column in columns])
+    return np.cumsum(first) - 1, np.flatnonzero(first)
 
 
 def _fold_each(fold: Any, items: list[Any], begin: np.ndarray, end: np.ndarray) -> list[dict[str, Any] | Exception]:
