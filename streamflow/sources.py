@@ -408,8 +408,9 @@ class TaobaoBehaviorSource(LineSource):
 
     def fast_blocks(self, reader: SourceReader, step: Callable[[int, str], list[Event | Rejected]], size: int
                     ) -> FastBlocks | None:
-        """Clean lines (:data:`_CLEAN_RAW_LINE`, ASCII) in one loop that inlines the guard's check and
-        :func:`item_page_events`; any other line through ``step``. Without a TTL and with the default guard."""
+        """Clean lines (those :data:`_CLEAN_RAW_LINE` matches that are printable ASCII without spaces, with an unsigned
+        timestamp) in one loop that inlines the guard's check and :func:`item_page_events`; any other line through
+        ``step``. Without a TTL and with the default guard."""
         guard = reader.guard
         if self.state_ttl_s is not None or type(guard) is not TimestampGuard or guard._last.written is not None:
             return None
@@ -500,20 +501,31 @@ def _taobao_blocks(source: TaobaoBehaviorSource, reader: SourceReader, step: Cal
     name, gap, guard, pages = source.name, source.inactivity_gap_s, reader.guard, reader.states.data
     last_ts, min_ts, max_ts = guard._last.data, guard.min_ts, guard.max_ts
     top = guard._clock / 1000  # the largest accepted time (the guard keeps it in ms)
-    clean, new = _CLEAN_RAW_LINE, object.__new__
+    behaviors, new = TAOBAO_BEHAVIORS, object.__new__
     out: list[Event | Rejected] = []
     add = out.append
     line_no = reader.line
     for line_no, line in lines:
-        match = clean(line)
-        if match is None or not line.isascii():
+        # A clean line (what _CLEAN_RAW_LINE matches, narrowed to printable ASCII without spaces and a timestamp
+        # without a sign), checked with str methods: a regex match cost twice as much. Any other line takes `step`.
+        fields = None
+        if line.isascii():
+            raw = line.rstrip("\r\n")
+            fields = raw.split(",")
+            if len(fields) == 5:
+                user, item, category, behavior, ts_text = fields
+                if not (user and item and category and behavior in behaviors and ts_text.isdigit()
+                        and len(ts_text) <= 15 and raw.isprintable() and " " not in raw):
+                    fields = None
+            else:
+                fields = None
+        if fields is None:
             records = step(line_no, line)
             top, max_ts = guard._clock / 1000, guard.max_ts
             if not records:
                 continue
             out += records
         else:
-            user, item, category, behavior, ts_text = match.groups()
             ts = float(ts_text)
             previous = last_ts.get(user)
             reason = None
