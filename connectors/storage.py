@@ -182,6 +182,8 @@ def resolve_db_path(path: str | os.PathLike[str] | None = None) -> Path:
 
 
 _NO_FIELDS = (None,)
+#: With a background writer, the WAL size (MiB) at which a COMMIT checkpoints it into the file (see __init__).
+BACKGROUND_CHECKPOINT_MB = 4
 
 
 class RowBuffer:
@@ -456,6 +458,10 @@ class CollectiveStorage:
         # The NumPy batches hold one Python type per object column (_numpy_columns checks it), so DuckDB
         # need not sample 1,000 values of each to infer it, at every flush.
         self._con.execute("SET pandas_analyze_sample = 1")
+        if background:
+            # The writer thread's COMMITs checkpoint the WAL into the file once it holds this much (DuckDB's
+            # default is 16 MiB), so the checkpoint is mostly done beside the run, not all at close().
+            self._con.execute(f"SET checkpoint_threshold = '{BACKGROUND_CHECKPOINT_MB}MB'")
         self._buffers: dict[str, RowBuffer] = {}
         self._oldest: float | None = None
         self._lock = threading.RLock()
