@@ -20,10 +20,12 @@ missing prerequisite (an extra, a JVM, a Kafka broker or a Flink cluster that do
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import re
 import sys
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,9 +99,23 @@ class RunOptions:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code.
+
+    A plain ``streamflow run`` command line (:func:`_plain_run`) calls :func:`run` without Typer, whose command
+    building and per-option validation (Pydantic) cost ~0.15 s of every run's start-up; anything else, help and
+    usage errors included, goes through Typer."""
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        code = app(args=list(sys.argv[1:] if argv is None else argv), prog_name="streamflow", standalone_mode=False)
+        plain = _plain_run(args)
+        if plain is None:
+            code = app(args=args, prog_name="streamflow", standalone_mode=False)
+        else:
+            try:
+                _options()
+                code = run(**plain)
+            except (EOFError, KeyboardInterrupt) as exc:  # as Click's main does
+                print(file=sys.stderr)
+                raise typer.Abort() from exc
     except (JobLoadError, FileNotFoundError, FileExistsError, ValueError, BundleError, MissingPrerequisite) as exc:
         return _error(_message(exc), 2)
     except (SpoolLocked, TunnelUnavailable) as exc:  # the spool is another process's, the broker stayed away
@@ -113,6 +129,85 @@ def main(argv: Sequence[str] | None = None) -> int:
         show()
         return int(getattr(exc, "exit_code", 2))
     return code if isinstance(code, int) else 0
+
+
+def _run_parameters() -> dict[str, tuple[str, Any, Any]]:
+    """:func:`run`'s parameters as Typer reads them from its signature: ``{option: (parameter, type, default)}``,
+    the job argument under ``""``; the type ``None`` where Typer checks more than the type (``min=``, ...)."""
+    hints = typing.get_type_hints(run, include_extras=True)
+    parameters: dict[str, tuple[str, Any, Any]] = {}
+    for name, parameter in inspect.signature(run).parameters.items():
+        kind, info = typing.get_args(hints[name])[:2]
+        declared = info.default if isinstance(info.default, str) and info.default.startswith("-") else None
+        option = "" if isinstance(info, typer.models.ArgumentInfo) else declared or "--" + name.replace("_", "-")
+        if any(getattr(info, field, None) is not None for field in ("min", "max", "parser", "callback", "envvar")):
+            kind = None
+        parameters[option] = (name, kind, parameter.default)
+    return parameters
+
+
+_INTEGER_TEXT = re.compile(r"-?(0|[1-9][0-9]{0,17})").fullmatch
+_FLOAT_TEXT = re.compile(r"-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,17})?").fullmatch
+
+
+def _plain_value(kind: Any, text: str) -> tuple[bool, Any]:
+    """``(True, value)`` if Typer gives ``text``, an option of type ``kind``, as ``value`` beyond doubt (text, a
+    choice, plain digits), else ``(False, None)``."""
+    args = getattr(kind, "__args__", None)
+    if args is not None and type(None) in args:  # Optional[X]: X
+        rest = [arg for arg in args if arg is not type(None)]
+        if len(rest) != 1:
+            return False, None
+        kind = rest[0]
+    if getattr(kind, "__origin__", None) is Literal:
+        choices = typing.get_args(kind)
+        return (True, text) if text in choices and all(type(c) is str for c in choices) else (False, None)
+    if kind is str:
+        return True, text
+    if kind is int and _INTEGER_TEXT(text):
+        return True, int(text)
+    if kind is float and _FLOAT_TEXT(text):
+        return True, float(text)
+    return False, None
+
+
+def _plain_run(args: list[str]) -> dict[str, Any] | None:
+    """:func:`run`'s keyword arguments for ``args`` if they are a plain ``run`` command line: the job and known
+    options as ``--name VALUE`` or ``--name=VALUE``, each once, no value starting with ``-``, flags (``--replace``)
+    bare, values :func:`_plain_value` reads; every other parameter its default. ``None`` for anything else: Typer
+    parses it (and gives its help or usage error). ``tests/test_cli.py`` checks both give the same arguments."""
+    if not args or args[0] != "run":
+        return None
+    parameters = _run_parameters()
+    given: dict[str, Any] = {}
+    rest = iter(args[1:])
+    for arg in rest:
+        if not arg.startswith("-"):
+            option, text = "", arg
+        else:
+            option, equals, text = arg.partition("=")
+            if option == "" or option not in parameters:
+                return None
+            if parameters[option][1] is bool:
+                if equals or parameters[option][0] in given:
+                    return None
+                given[parameters[option][0]] = True
+                continue
+            if not equals:
+                text = next(rest, "-")
+                if text.startswith("-"):
+                    return None
+        name, kind, _ = parameters[option]
+        plain, value = _plain_value(kind, text)
+        if not plain or name in given:
+            return None
+        given[name] = value
+    for name, _, default in parameters.values():
+        if name not in given:
+            if default is inspect.Parameter.empty:
+                return None  # a required parameter is missing: Typer says so
+            given[name] = default
+    return given
 
 
 def _error(message: str, code: int) -> int:

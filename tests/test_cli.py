@@ -75,6 +75,49 @@ def number(label: str, text: str) -> int:
 # --------------------------------------------------------------------------------------------------
 # streamflow run
 
+PLAIN_RUNS = [
+    ["run", "j.py", "--events", "e.csv"],
+    ["run", "--events=e.csv", "j.py", "--db", "x.duckdb", "--show", "0", "--mode", "streaming", "--replace"],
+    ["run", "j.py", "--events", "e.jsonl", "--format", "jsonl", "--workers", "4", "--quarantine-after=-3",
+     "--pace-ms", "2.5", "--state-ttl", "3600", "--max-users", "10", "--checkpoint-interval", "0.5",
+     "--runner", "flink", "--parallelism", "2", "--sink", "duckdb:o.duckdb", "--checkpoint-dir", "d",
+     "--cluster", "h:8081", "--tunnel", "kafka", "--device-id", "dev", "--key-registry", "k.json", "--topic", "t",
+     "--compression", "zstd", "--spool", "s", "--tunnel-wait", "0"],
+]
+TYPER_RUNS = [  # what the plain parse leaves to Typer: help, usage errors, values it checks itself
+    ["run", "--help"], ["-v", "run", "j.py", "--events", "e.csv"], ["run", "j.py"], ["run", "j.py", "k.py"],
+    ["run", "j.py", "--events", "e.csv", "--events", "f.csv"], ["run", "j.py", "--events", "e.csv", "--mode", "fast"],
+    ["run", "j.py", "--events", "e.csv", "--workers", "2.0"], ["run", "j.py", "--events", "e.csv", "--show", "007"],
+    ["run", "j.py", "--events", "e.csv", "--metrics-port", "9"], ["run", "j.py", "--events", "e.csv", "--nope", "1"],
+    ["run", "j.py", "--events", "e.csv", "--db"], ["run", "j.py", "--events", "-"], ["describe", "j.py"],
+    ["run", "j.py", "--events", "e.csv", "--replace=1"], ["run", "j.py", "--events", "e.csv", "--pace-ms", "1e3"],
+]
+
+
+@pytest.mark.parametrize("argv", PLAIN_RUNS + TYPER_RUNS)
+def test_plain_run_command_lines_parse_as_typer_parses_them(argv, monkeypatch):
+    """`main` parses a plain `run` command line itself (no Typer: its start-up cost); the arguments `run` gets are
+    Typer's, and anything else is left to Typer."""
+    import streamflow.cli as cli
+
+    plain = cli._plain_run(argv)
+    assert (plain is not None) == (argv in PLAIN_RUNS)
+    if plain is None:
+        return
+    seen = []
+    monkeypatch.setattr(cli, "_run", lambda job, options, tunnel_options: seen.append((options, tunnel_options)) or 0)
+    monkeypatch.setattr(cli, "load_job", lambda path: path)
+    monkeypatch.setattr(cli, "_plain_run", lambda args: None)  # through Typer
+    typer_code = cli.main(argv)
+    monkeypatch.undo()
+    monkeypatch.setattr(cli, "_run", lambda job, options, tunnel_options: seen.append((options, tunnel_options)) or 0)
+    monkeypatch.setattr(cli, "load_job", lambda path: path)
+    plain_code = cli.main(argv)
+    assert typer_code == plain_code == 0
+    assert len(seen) == 2 and seen[0] == seen[1]
+    assert plain == {**plain, "job": "j.py"}
+
+
 
 def test_run_writes_rows_and_prints_the_summary(small_csv, tmp_path, capsys):
     db = tmp_path / "out" / "features.duckdb"
