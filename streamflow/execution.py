@@ -277,8 +277,11 @@ class TriggerTasks(KeyedProcessFunction):
                 open_pages[event.user_id] = page = [event]
                 hit = steps.get(kind)
             elif kind == PAGE_EXIT:
-                opened = open_pages.pop(event.user_id, None)
-                page = [*opened, event] if opened and opened[0].page_id == event.page_id else [event]
+                page = open_pages.pop(event.user_id, None)  # popped: no other holder, so appended in place
+                if page and page[0].page_id == event.page_id:
+                    page.append(event)
+                else:
+                    page = [event]
                 hit = exit_steps.get(event.page_id)
             else:
                 page = open_pages.get(event.user_id)
