@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.training.calibrate import NodeCost
 from engine.training.program import Program, StepPlan, plan_program
-from engine.training.stream import Stream, fold_of, needed, parked_inputs
+from engine.training.stream import Stream, carried_grads, fold_of, needed, parked_inputs
 
 HEADROOM = 0.1  # of the budget, for what the calibration does not see (allocator rounding, small temporaries)
 BACKWARD_FACTOR = 3.0  # a node's forward and backward take about this many times its forward
@@ -155,6 +155,39 @@ def park_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int, 
     return best
 
 
+def carry_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int, update_bytes: int) -> StepPlan:
+    """Speed a fitting streamed plan up by carrying segments' BatchNorm output gradients (whole
+    batch, during the segment's backward only): no backward pass runs again through what a later
+    pass did. The segments that save the most calibrated time first, each while the plan still fits."""
+    stream = plan.stream
+    if stream is None:
+        return plan
+    carried: set[int] = set(stream.carried)
+    best, best_t = plan, estimated_seconds(prog, plan)
+    options = []
+    for a, b in stream.segments:
+        if a in carried or not carried_grads(prog.cal.nodes, prog.segment(a, b), prog.consumers, prog.output):
+            continue
+        trial = Stream.at(stream.end, stream.chunk, stream.borders, stream.parked, (a,))
+        saved = estimated_seconds(prog, plan) - estimated_seconds(
+            prog, plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, arena=False, stream=trial))
+        if saved > 0:
+            options.append((saved, a))
+    for _, a in sorted(options, reverse=True):
+        trial = Stream.at(stream.end, stream.chunk, stream.borders, stream.parked, tuple(carried | {a}))
+        candidate = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, arena=False,
+                                 stream=trial)
+        if int(live_profile(candidate.buffers, 2 * len(prog.cal.nodes) + 1).max()) + candidate.pinned_bytes > budget:
+            continue
+        full = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, stream=trial)
+        if full.total_bytes <= budget:
+            t = estimated_seconds(prog, full)
+            if t < best_t:
+                carried.add(a)
+                best, best_t = full, t
+    return best
+
+
 def fit_recompute(prog: Program, batch: int, budget: int, micro_batches: int, state_bytes: int,
                   update_bytes: int, stream: Stream | None = None) -> StepPlan:
     """The plan at ``batch`` with the fewest recomputations and segment merges (chosen greedily)
@@ -283,6 +316,24 @@ def estimated_seconds(prog: Program, plan: StepPlan) -> float:
         f = {i: fwd(i, st.chunk, calls) for i in range(a, b)}
         whole = sum(f.values())
         kept = parked_inputs(nodes, seg) if a in st.parked else []
+        carried = carried_grads(nodes, seg, prog.consumers, prog.output) if a in st.carried else []
+        if carried:  # forward as below; backward, each node's once, from passes over their own stretch
+            lite = {i for i in range(a, b) if nodes[i].op == "Conv" and nodes[i].outputs[0] in kept}
+            avail = {*seg.inputs, *kept}
+            refill = sum(f[i] for i in needed(nodes, a, b, kept, set(seg.inputs))) if kept else 0.0
+            if kept:
+                total += whole
+            else:
+                fold = fold_of(prog, seg, plan.batch)
+                total += sum((1 if fold and j == fold[0] else 2) * sum(f[i] for i in seg.needs[j]) for j in seg.bns)
+                total += sum(f[i] for i in range(fold[0], b)) if fold else whole
+            total += refill + (BACKWARD_FACTOR - 1) * (whole + sum(f[j] for j in seg.bns))
+            bounds = [a, *seg.bns, b]
+            for p in range(len(seg.bns) + 1):
+                lo, hi = bounds[p], (b if p == len(seg.bns) else bounds[p + 1] + 1)
+                reads = {t for i in range(lo, hi) for t in nodes[i].inputs}
+                total += sum(f[i] for i in [*needed(nodes, a, lo, reads, avail), *range(lo, hi)] if i not in lite)
+            continue
         if kept:  # each node once forward, once more to refill the kept tensors, then passes after them
             lite = {i for i in range(a, b) if nodes[i].op == "Conv" and nodes[i].outputs[0] in kept}
             refill = sum(f[i] for i in needed(nodes, a, b, kept, set(seg.inputs)))
@@ -347,12 +398,14 @@ def fit_streamed(prog: Program, batch: int, budget: int, state_bytes: int, updat
         for k in dict.fromkeys(hi + (last - hi) * j // tries for j in range(1, tries)):
             if k not in found:
                 found[k] = attempt(cuts[k])
-        parked = [park_segments(prog, p, budget, state_bytes, update_bytes) for p in found.values() if p is not None]
+        parked = [carry_segments(prog, park_segments(prog, p, budget, state_bytes, update_bytes), budget, state_bytes,
+                                 update_bytes) for p in found.values() if p is not None]
         if not parked:
             continue
         plan = min(parked, key=lambda p: estimated_seconds(prog, p))
-        split = park_segments(prog, split_segments(prog, plan, budget, state_bytes, update_bytes), budget,
-                              state_bytes, update_bytes)  # each chunk's best, sped up
+        split = carry_segments(prog, park_segments(prog, split_segments(prog, plan, budget, state_bytes, update_bytes),
+                                                   budget, state_bytes, update_bytes), budget, state_bytes,
+                               update_bytes)  # each chunk's best, sped up
         for p in (plan, split):
             t = estimated_seconds(prog, p)
             if best is None or t < best[0]:

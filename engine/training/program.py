@@ -33,7 +33,16 @@ from engine.ops import conv_attrs
 from engine.planner import ArenaPlan, Buffer
 from engine.training.calibrate import Calibration, NodeCost, calibrate
 from engine.training.pool import compare, plan_pool
-from engine.training.stream import Segment, Stream, StreamRun, consumers_of, parked_inputs, segment, working_sets
+from engine.training.stream import (
+    Segment,
+    Stream,
+    StreamRun,
+    carried_grads,
+    consumers_of,
+    parked_inputs,
+    segment,
+    working_sets,
+)
 
 
 class Span(NamedTuple):
@@ -72,6 +81,7 @@ class StepPlan:
         return {"batch": self.batch, "micro_batches": self.micro_batches, "recomputed_nodes": len(self.dropped),
                 "streamed_nodes": s.end if s else 0, "stream_chunk": s.chunk if s else 0,
                 "stream_segments": len(s.segments) if s else 0, "stream_parked_segments": len(s.parked) if s else 0,
+                "stream_carried_segments": len(s.carried) if s else 0,
                 "arena_bytes": self.arena.size, "pinned_bytes": self.pinned_bytes, "total_bytes": self.total_bytes,
                 **cmp}
 
@@ -84,8 +94,9 @@ class StepPlan:
             s = self.stream
             rows.append(f"streamed: the first {s.end} node(s) in chunks of {s.chunk} row(s), {len(s.segments)} "
                         f"segment(s) (BatchNorm statistics of the whole batch; * keeps its BatchNorms' inputs "
-                        f"during its passes): "
+                        f"during its passes, ^ their output gradients during its backward): "
                         + ", ".join(f"{self.names[a]}..{self.names[b - 1]}{'*' if a in s.parked else ''}"
+                                    f"{'^' if a in s.carried else ''}"
                                     for a, b in s.segments))
         rows.append(f"{'buffer':<48} {'offset':>12} {'bytes':>12} {'steps':>12}")
         for b in sorted(self.buffers, key=lambda b: (self.arena.offsets[b.name], b.start)):
@@ -464,6 +475,9 @@ def plan_program(prog: Program, batch: int, dropped: frozenset[int], micro_batch
             for t in parked_inputs(nodes, prog.segment(a, b_)):
                 add(f"{t}#kept-forward", out_b[producer[t]], a, b_ - 1)
                 add(f"{t}#kept-backward", out_b[producer[t]], 2 * n - b_ + 1, 2 * n - a)
+        if a in stream.carried:  # its BatchNorms' output gradients, whole batch, during its backward
+            for t in carried_grads(nodes, prog.segment(a, b_), consumers, prog.output):
+                add(f"{t}#carried-grad", out_b[producer[t]], 2 * n - b_ + 1, 2 * n - a)
     add("loss#scratch", NodeCost.at(cal.loss_scratch, m), n, n)
     grad_bytes = 0
     updates: dict[int, list[str]] = {}

@@ -25,6 +25,13 @@ own passes only: forward, each node runs once (the statistics read the kept tens
 one pass refills them, then each pass recomputes only what follows them (a Conv whose output is
 kept, or read by no later node of the segment, only sets up its backward). They are not held in
 between, where a step's peak usually is (the whole-batch layers' backward).
+
+A carried segment (``Stream.carried``) keeps, during its backward passes, the gradient of each
+BatchNorm's output for the whole batch: the pass that gathers BatchNorm ``jk``'s sums stores the
+gradient arriving at it, and the next pass starts there (``jk``'s input gradient, then down to
+``j(k-1)``), so no pass back-propagates again through what a later one did: each node's backward
+runs once per chunk (a BatchNorm's twice), each weight gradient is summed over the chunks in the
+same order as before (bitwise the same step).
 """
 
 from __future__ import annotations
@@ -43,20 +50,24 @@ class Stream:
     """Nodes ``[0, end)`` run in chunks of ``chunk`` rows, segment by segment (``segments`` cover
     ``[0, end)`` in order). The segments starting at ``parked`` keep their BatchNorms' inputs for
     the whole batch while their own passes run (forward, then again backward), see
-    :func:`parked_inputs`."""
+    :func:`parked_inputs`; those starting at ``carried`` keep their BatchNorms' output gradients for
+    the whole batch during their backward passes, see :func:`carried_grads`."""
 
     end: int
     chunk: int
     segments: tuple[tuple[int, int], ...]
     parked: tuple[int, ...] = ()
+    carried: tuple[int, ...] = ()
 
     @staticmethod
-    def at(end: int, chunk: int, borders: list[int] | tuple[int, ...], parked: tuple[int, ...] = ()) -> Stream:
+    def at(end: int, chunk: int, borders: list[int] | tuple[int, ...], parked: tuple[int, ...] = (),
+           carried: tuple[int, ...] = ()) -> Stream:
         """The stream of ``[0, end)`` cut at ``borders`` (positions strictly inside)."""
         cuts = [0, *sorted(q for q in set(borders) if 0 < q < end), end]
         segments = tuple(zip(cuts[:-1], cuts[1:], strict=True))
         starts = {a for a, _ in segments}
-        return Stream(end, chunk, segments, tuple(sorted(a for a in set(parked) if a in starts)))
+        return Stream(end, chunk, segments, tuple(sorted(a for a in set(parked) if a in starts)),
+                      tuple(sorted(a for a in set(carried) if a in starts)))
 
     @property
     def borders(self) -> tuple[int, ...]:
@@ -114,6 +125,25 @@ def parked_inputs(nodes, seg: Segment) -> list[str]:
     follows them (a Conv whose output is kept only sets up its backward)."""
     made = {nodes[i].outputs[0] for i in range(seg.a, seg.b)}
     return list(dict.fromkeys(nodes[j].inputs[0] for j in seg.bns if nodes[j].inputs[0] in made))
+
+
+def carried_grads(nodes, seg: Segment, consumers: dict[str, list[int]], output: str) -> list[str]:
+    """The outputs of ``seg``'s BatchNorms, whose gradients a carried segment keeps for the whole
+    batch during its backward passes, so that each pass back-propagates only from one BatchNorm down
+    to the one before it (every node's backward runs once per chunk; a BatchNorm's twice: its sums,
+    then its input gradient); [] when the segment does not allow it: some tensor other than a
+    BatchNorm's output crosses it (a skip inside the segment), or an output of the segment comes
+    from before its last BatchNorm."""
+    carried = []
+    for p, j in enumerate(seg.bns):
+        out = nodes[j].outputs[0]
+        crossing = {t for t in seg.inputs if any(j < u < seg.b for u in consumers.get(t, ()))}
+        crossing |= {nodes[i].outputs[0] for i in range(seg.a, j + 1) if nodes[i].outputs[0] == output
+                     or any(u > j for u in consumers.get(nodes[i].outputs[0], ()))}
+        if crossing != {out} or (p < len(seg.bns) - 1 and out in seg.outputs):
+            return []
+        carried.append(out)
+    return carried
 
 
 def needed(nodes, a: int, b: int, targets, available) -> list[int]:
@@ -263,8 +293,11 @@ class StreamRun:
                         final: bool) -> None:
         grads = {t: grads_full[t][lo:hi] for t in seg.outputs if t in grads_full}
         self.prog.backward_nodes(range(seg.b - 1, stop - 1, -1), ctx, grads)
-        if not final:
-            return
+        if final:
+            self._input_grads(seg, grads, grads_full, lo, hi)
+
+    def _input_grads(self, seg: Segment, grads: dict, grads_full: dict, lo: int, hi: int) -> None:
+        """Add one chunk's gradients of the segment's inputs to the whole batch's."""
         for t in seg.inputs:
             g = grads.pop(t, None)
             if g is None or t == self.prog.input:
@@ -345,7 +378,11 @@ class StreamRun:
             read = {t for i in range(seg.a, seg.b) for t in nodes[i].inputs}
             unread = frozenset(i for i in range(seg.a, seg.b)  # convs only the next segments read
                                if nodes[i].op == "Conv" and nodes[i].outputs[0] not in read)
-            for j in reversed(seg.bns):
+            carried = carried_grads(nodes, seg, self.consumers, self.prog.output) \
+                if seg.a in self.stream.carried else []
+            if carried:
+                self._backward_carried(seg, env, grads, kept, avail, unread, carried)
+            for j in reversed(seg.bns if not carried else ()):
                 st = self.stats[j]
                 st.begin_collect()
                 frozen = [self.prog.model.params[p] for p in params]
@@ -361,8 +398,8 @@ class StreamRun:
                     for p in frozen:
                         p.requires_grad = True
                 st.end_collect()
-            order = pass_order(seg.a)
-            for lo, hi in self.spans:
+            order = pass_order(seg.a) if not carried else []
+            for lo, hi in self.spans if order else ():
                 _, ctx = self._forward_chunk(seg, env, lo, hi, order, seg.a, kept=kept, unread=unread)
                 self._backward_chunk(seg, ctx, grads, lo, hi, seg.a, final=True)
                 del ctx
@@ -375,3 +412,40 @@ class StreamRun:
             for t in [t for t in env if t in ends and ends[t] <= done]:
                 del env[t]
             self.update(seg.a, seg.b)
+
+    def _backward_carried(self, seg: Segment, env: dict, grads: dict, kept: dict, avail: set,
+                          unread: frozenset[int], carried: list[str]) -> None:
+        """A carried segment's backward: pass ``p`` (from the last BatchNorm ``j(p)`` down) runs the
+        nodes after ``j(p)`` up to and including ``j(p+1)``, starting from the whole-batch gradient
+        of ``j(p+1)``'s output the pass before stored (the segment's outputs' gradients, first),
+        stores the gradient arriving at ``j(p)``'s output and gathers ``j(p)``'s sums; the last pass
+        runs the nodes before the first BatchNorm and writes the inputs' gradients."""
+        nodes, bns = self.nodes, seg.bns
+        infos, _ = self.prog._infos(self.batch)
+        above: np.ndarray | None = None  # the stored gradient of out(bns[p]) (read by pass p)
+        for p in range(len(bns), -1, -1):
+            lo_p = bns[p - 1] if p else seg.a
+            hi_p = seg.b if p == len(bns) else bns[p] + 1
+            reads = {t for i in range(lo_p, hi_p) for t in nodes[i].inputs}
+            order = [*needed(nodes, seg.a, lo_p, reads, avail), *range(lo_p, hi_p)]
+            below = None
+            if p:
+                self.stats[bns[p - 1]].begin_collect()
+                below = np.empty(infos[carried[p - 1]].shape, np.float32)
+            for lo, hi in self.spans:
+                _, ctx = self._forward_chunk(seg, env, lo, hi, order, lo_p, kept=kept, unread=unread)
+                if above is None:
+                    g = {t: grads[t][lo:hi] for t in seg.outputs if t in grads}
+                else:
+                    g = {carried[p]: above[lo:hi]}
+                if p:
+                    self.prog.backward_nodes(range(hi_p - 1, lo_p, -1), ctx, g)
+                    below[lo:hi] = g[carried[p - 1]]
+                    self.prog.backward_nodes((lo_p,), ctx, g)  # gathers the BatchNorm's sums only
+                else:
+                    self.prog.backward_nodes(range(hi_p - 1, lo_p - 1, -1), ctx, g)
+                    self._input_grads(seg, g, grads, lo, hi)
+                del ctx, g
+            if p:
+                self.stats[bns[p - 1]].end_collect()
+            above = below

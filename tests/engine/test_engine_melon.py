@@ -137,29 +137,36 @@ def test_budget_picks_micro_batches_without_batchnorm_and_refuses_them_with_batc
         BudgetedTrainer(bn, SGD(bn.parameters(), lr=0.1), micro_batches=2).step(x, labels)
 
 
-STREAMS = [(3, 6, (), ()), (3, 7, (1, 2), ()), (8, 3, (3,), ()), (11, 5, (3,), ()), (16, 20, (), ()),
-           (16, 3, (3, 9, 12), ()), (16, 1, tuple(range(1, 16)), ()),
+STREAMS = [(3, 6, (), (), ()), (3, 7, (1, 2), (), ()), (8, 3, (3,), (), ()), (11, 5, (3,), (), ()),
+           (16, 20, (), (), ()), (16, 3, (3, 9, 12), (), ()), (16, 1, tuple(range(1, 16)), (), ()),
            # parked segments: their BatchNorms' inputs kept for the whole batch during their own passes
-           (16, 3, (3, 9, 12), (0, 3, 9, 12)), (11, 5, (3,), (3,)), (16, 20, (), (0,)), (16, 7, (9,), (0,))]
+           (16, 3, (3, 9, 12), (0, 3, 9, 12), ()), (11, 5, (3,), (3,), ()), (16, 20, (), (0,), ()),
+           (16, 7, (9,), (0,), ()),
+           # carried segments: their BatchNorms' output gradients kept for the whole batch during their backward
+           (3, 6, (), (), (0,)), (8, 3, (3,), (), (0, 3)), (8, 3, (3,), (3,), (0, 3)), (16, 3, (3, 9, 12), (), (0, 9)),
+           (16, 3, (3, 9, 12), (0, 3, 9, 12), (0, 3, 9, 12)), (16, 1, tuple(range(1, 16)), (), tuple(range(16)))]
 
 
 @pytest.mark.parametrize("make_opt", [lambda p: SGD(p, lr=0.1, momentum=0.9), lambda p: Adam(p, lr=0.01)],
                          ids=["sgd", "adam"])
-@pytest.mark.parametrize(("end", "chunk", "borders", "parked"), STREAMS)
-def test_streamed_batchnorm_step_equals_the_whole_batch(make_opt, end, chunk, borders, parked):
+@pytest.mark.parametrize(("end", "chunk", "borders", "parked", "carried"), STREAMS)
+def test_streamed_batchnorm_step_equals_the_whole_batch(make_opt, end, chunk, borders, parked, carried):
     """Chunks of rows through BatchNorms with the whole batch's statistics: the same losses,
     updates and running statistics as today's trainer on the whole batch (one chunk of a row, too;
-    parked segments too)."""
+    parked and carried segments too)."""
     graph = bn_resnet()
     x, labels = data(batch=20)
     ref, ref_losses = reference_steps(graph, x, labels, 3, make_opt)
     model = GraphModel(graph)
     opt = make_opt(model.parameters())
     prog = Program(model, "cross_entropy", (1, 8, 8))
-    plan = prog.plan(20, stream=Stream.at(end, chunk, borders, parked), optimizer_state_bytes=opt.state_bytes())
+    plan = prog.plan(20, stream=Stream.at(end, chunk, borders, parked, carried),
+                     optimizer_state_bytes=opt.state_bytes())
     assert len(plan.stream.segments) == len(borders) + 1 and plan.stream.parked == parked
     if parked:
         assert any(b.name.endswith("#kept-backward") for b in plan.buffers)
+    if carried:
+        assert any(b.name.endswith("#carried-grad") for b in plan.buffers)
     losses = [prog.run(plan, x, labels, opt) for _ in range(3)]
     np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
     assert max_param_diff(ref, model) <= 1e-5
@@ -223,7 +230,8 @@ def test_streamed_mobilenetv2_gradients_equal_todays_trainer(tmp_path):
     model = GraphModel(graph)
     opt = SGD(model.parameters(), lr=1.0)  # its update is the gradient (the program frees gradients once applied)
     prog = Program(model, "cross_entropy", (3, 48, 48))
-    for stream in [(16, 3, (8,)), (25, 3, (8, 16)), (25, 3, (8, 16), (0, 8, 16))]:
+    for stream in [(16, 3, (8,)), (25, 3, (8, 16)), (25, 3, (8, 16), (0, 8, 16)), (25, 3, (8, 16), (), (0, 8, 16)),
+                   (25, 3, (8, 16), (0, 8, 16), (0, 8, 16))]:
         before = {k: p.data.copy() for k, p in model.params.items()}
         prog.run(prog.plan(8, stream=Stream.at(*stream)), x, labels, opt)
         for k, p in model.params.items():
