@@ -20,9 +20,7 @@ import os
 import shutil
 import socket
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 #: The modules each extra brings that the commands check for (the extras are in pyproject.toml).
@@ -97,6 +95,8 @@ def require_cluster(cluster: str, timeout_s: float = CLUSTER_PROBE_TIMEOUT_S) ->
     host, _, port = cluster.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"--cluster must be HOST:PORT, got {cluster!r}")
+    import urllib.request  # here: ~10 ms of every command's start-up otherwise
+
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/overview", timeout=timeout_s) as response:
             overview = json.loads(response.read().decode())
