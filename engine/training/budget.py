@@ -123,6 +123,41 @@ def split_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int,
     return full if full.total_bytes <= budget else plan
 
 
+def _add_while_fits(prog: Program, plan: StepPlan, keys: list[int], stream_of, budget: int, state_bytes: int,
+                    update_bytes: int, faster: bool = False) -> StepPlan:
+    """Greedy over ``keys`` (best first): add each whose stream (``stream_of(chosen)``) keeps the
+    live bytes within ``budget`` (and, ``faster``, lowers the estimated time). The placement is
+    checked once at the end; only when it does not fit, again key by key (each placed)."""
+    n = len(prog.cal.nodes)
+    for exact in (False, True):
+        chosen: set[int] = set()
+        best, best_t = plan, estimated_seconds(prog, plan) if faster else 0.0
+        for k in keys:
+            trial = stream_of(chosen | {k})
+            candidate = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, arena=False,
+                                     stream=trial)
+            if int(live_profile(candidate.buffers, 2 * n + 1).max()) + candidate.pinned_bytes > budget:
+                continue
+            t = estimated_seconds(prog, candidate) if faster else 0.0
+            if faster and t >= best_t:
+                continue
+            if exact:
+                candidate = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, stream=trial)
+                if candidate.total_bytes > budget:  # the placement, not only the live bytes, must fit
+                    continue
+                best = candidate
+            chosen.add(k)
+            best_t = t
+        if not chosen:
+            return plan
+        if exact:
+            return best
+        full = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, stream=stream_of(chosen))
+        if full.total_bytes <= budget:
+            return full
+    return plan
+
+
 def park_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int, update_bytes: int) -> StepPlan:
     """Speed a fitting streamed plan up by parking segments (their BatchNorms' inputs kept for the
     whole batch during the segment's own passes, forward and backward, so that the passes do not
@@ -138,54 +173,33 @@ def park_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int, 
         a, b = seg
         return len(prog.segment(a, b).bns) * sum(_seconds(prog, i, plan.batch) for i in range(a, b))
 
-    parked: set[int] = set()
-    best = plan
-    for a, b in sorted(stream.segments, key=saved, reverse=True):
-        if not parked_inputs(nodes, prog.segment(a, b)):
-            continue
-        trial = Stream.at(stream.end, stream.chunk, stream.borders, tuple(parked | {a}))
-        candidate = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, arena=False,
-                                 stream=trial)
-        if int(live_profile(candidate.buffers, 2 * len(nodes) + 1).max()) + candidate.pinned_bytes > budget:
-            continue
-        full = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, stream=trial)
-        if full.total_bytes <= budget:  # the placement, not only the live bytes, must fit
-            parked.add(a)
-            best = full
-    return best
+    keys = [a for a, b in sorted(stream.segments, key=saved, reverse=True) if parked_inputs(nodes, prog.segment(a, b))]
+    return _add_while_fits(prog, plan, keys, lambda chosen: Stream.at(
+        stream.end, stream.chunk, stream.borders, tuple(chosen), stream.carried), budget, state_bytes, update_bytes)
 
 
 def carry_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int, update_bytes: int) -> StepPlan:
     """Speed a fitting streamed plan up by carrying segments' BatchNorm output gradients (whole
     batch, during the segment's backward only): no backward pass runs again through what a later
-    pass did. The segments that save the most calibrated time first, each while the plan still fits."""
+    pass did. The segments that save the most calibrated time first, each while the plan still fits
+    and gets faster."""
     stream = plan.stream
     if stream is None:
         return plan
-    carried: set[int] = set(stream.carried)
-    best, best_t = plan, estimated_seconds(prog, plan)
+    base = estimated_seconds(prog, plan)
     options = []
     for a, b in stream.segments:
-        if a in carried or not carried_grads(prog.cal.nodes, prog.segment(a, b), prog.consumers, prog.output):
+        if a in stream.carried or not carried_grads(prog.cal.nodes, prog.segment(a, b), prog.consumers, prog.output):
             continue
-        trial = Stream.at(stream.end, stream.chunk, stream.borders, stream.parked, (a,))
-        saved = estimated_seconds(prog, plan) - estimated_seconds(
+        trial = Stream.at(stream.end, stream.chunk, stream.borders, stream.parked, (*stream.carried, a))
+        saved = base - estimated_seconds(
             prog, plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, arena=False, stream=trial))
         if saved > 0:
             options.append((saved, a))
-    for _, a in sorted(options, reverse=True):
-        trial = Stream.at(stream.end, stream.chunk, stream.borders, stream.parked, tuple(carried | {a}))
-        candidate = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, arena=False,
-                                 stream=trial)
-        if int(live_profile(candidate.buffers, 2 * len(prog.cal.nodes) + 1).max()) + candidate.pinned_bytes > budget:
-            continue
-        full = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, stream=trial)
-        if full.total_bytes <= budget:
-            t = estimated_seconds(prog, full)
-            if t < best_t:
-                carried.add(a)
-                best, best_t = full, t
-    return best
+    keys = [a for _, a in sorted(options, reverse=True)]
+    return _add_while_fits(prog, plan, keys, lambda chosen: Stream.at(
+        stream.end, stream.chunk, stream.borders, stream.parked, (*stream.carried, *chosen)), budget, state_bytes,
+        update_bytes, faster=True)
 
 
 def fit_recompute(prog: Program, batch: int, budget: int, micro_batches: int, state_bytes: int,
