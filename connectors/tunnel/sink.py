@@ -24,6 +24,9 @@ Guarantees:
   acknowledged more than ``receipt_timeout_s`` ago are not covered, sends the newest of them again as a probe
   (stored past what is missing it makes a receipt show the rest missing; dropped as a repeat it makes the cloud
   publish its receipt again), one probe per wait, the wait doubling up to 60 s while no receipt brings progress.
+  When the broker answers again after the sender failed (it restarted, and may have lost what it acknowledged
+  last), the receipt thread reads the receipts again from the start, probes at once with the newest batch
+  acknowledged before the outage and polls often for a few seconds: a loss is resent within about a second.
   A receipt that says ``announce`` (the cloud parked envelopes it cannot open: the broker lost the one that
   announced their schema) makes the sender announce every registration again at once, in zero-row envelopes
   (:meth:`~.codebook.Codebook.announcements`), then again after 1 s, doubling to 60 s while the receipts still ask.
@@ -93,6 +96,9 @@ Refused = Callable[[str, list[dict[str, Any]], str], None]
 #: ~5 %); and how often it looks for batches whose receipt is overdue
 RECEIPT_POLL_S = 0.2
 RECEIPT_POLL_IDLE_S = 0.5
+#: and for a short while after the broker answered again following an outage (when a receipt shows what it lost)
+RECEIPT_POLL_RECOVERING_S = 0.02
+_RECOVERING_S = 3.0
 _RECEIPT_BUSY_S = 2.0
 _TIMEOUT_CHECK_S = 0.25
 #: the longest wait between two probes (the wait doubles while no receipt brings progress)
@@ -183,6 +189,10 @@ class TunnelSink:
         self._stop_receipts = threading.Event()
         self._acked = threading.Event()  # set when the broker acknowledged a batch (wakes the receipt thread)
         self._acked_at = 0.0  # monotonic time of the last acknowledgement
+        # set by the sender when the broker answers again after failures: what it acknowledged before may be lost
+        self._broker_back = threading.Event()
+        self._failing_since = 0.0  # time.time() of the first of the sender's current run of failures
+        self._recovering_until = 0.0  # monotonic time until which receipts are polled often (after an outage)
         self._receipts_looked_up = float("-inf")
         self.codebook = Codebook(device, key, self.spool, dictionary_rows=dictionary_rows,
                                  announce_every_s=announce_every_s)
@@ -390,9 +400,13 @@ class TunnelSink:
                         continue
                     entry = oldest[0]
                     self._deliver(entry)
+                if retry.failures:
+                    self._broker_back.set()
                 retry.succeeded()
             except Exception as exc:  # noqa: BLE001 - any failure: keep the batch, back off, retry in order
                 self.stats.send_failures += 1
+                if not retry.failures:
+                    self._failing_since = time.time()
                 if entry is None:
                     self._announce_due = True
                 self._drop_producer()  # the retry gets a fresh producer (see _drop_producer)
@@ -465,6 +479,8 @@ class TunnelSink:
                     self._acked.wait(1.0)  # costs nothing while idle (polling would: ~5 % of a core)
                     self._acked.clear()
                     continue
+                if self._broker_back.is_set() and consumer.assignment():
+                    self._after_outage(consumer)
                 if consumer.assignment() or self._assign_receipts(consumer):
                     self._read_receipts(consumer)
                 if time.monotonic() - self._timeouts_checked >= _TIMEOUT_CHECK_S:
@@ -476,8 +492,10 @@ class TunnelSink:
                 _close_quietly(consumer)
                 consumer = None
                 self._stop_receipts.wait(1.0)
-            busy = time.monotonic() - self._acked_at < _RECEIPT_BUSY_S
-            self._stop_receipts.wait(RECEIPT_POLL_S if busy else RECEIPT_POLL_IDLE_S)
+            now = time.monotonic()
+            wait = (RECEIPT_POLL_RECOVERING_S if now < self._recovering_until
+                    else RECEIPT_POLL_S if now - self._acked_at < _RECEIPT_BUSY_S else RECEIPT_POLL_IDLE_S)
+            self._stop_receipts.wait(wait)
         _close_quietly(consumer)
 
     def _receipt_consumer(self) -> Any:
@@ -539,6 +557,26 @@ class TunnelSink:
                 self._announce_at = now + self._announce_wait
                 self._announce_wait = min(MAX_RECEIPT_TIMEOUT_S, 2 * self._announce_wait)
             self._wake.notify_all()
+
+    def _after_outage(self, consumer: Any) -> None:
+        """The broker answers again after failing: read the receipts from the start, and probe at once.
+
+        A broker that restarted may have lost what it acknowledged last (receipts and batches alike) and handed their
+        offsets to new records: a receipt consumer whose position lies past the lost ones skips the new receipts
+        until the log grows past it, and a loss at the tail of what this device sent shows in no receipt until a
+        later batch of it is stored. So the receipts are read again from the start of the partition (compacted:
+        little to read), and the newest batch acknowledged before the outage that no receipt covers is sent again:
+        stored past a hole it makes the next receipt show the hole; dropped as a repeat it makes the cloud publish
+        its receipt again.
+        """
+        self._broker_back.clear()
+        self._recovering_until = time.monotonic() + _RECOVERING_S
+        for tp in consumer.assignment():
+            consumer.seek_to_beginning(tp)
+        before = [a for a in self.spool.acked() if a.acked_at < self._failing_since]
+        if self._receipts_seen and before:
+            self._resend(before[-1:], "the broker answers again after an outage and may have lost what it "
+                                      "acknowledged last")
 
     def _resend_overdue(self) -> bool:
         """Send again the newest acknowledged batch no receipt covered within ``receipt_timeout_s`` (a probe; see
