@@ -132,12 +132,16 @@ def carried_grads(nodes, seg: Segment, consumers: dict[str, list[int]], output: 
     batch during its backward passes, so that each pass back-propagates only from one BatchNorm down
     to the one before it (every node's backward runs once per chunk; a BatchNorm's twice: its sums,
     then its input gradient); [] when the segment does not allow it: some tensor other than a
-    BatchNorm's output crosses it (a skip inside the segment), or an output of the segment comes
-    from before its last BatchNorm."""
+    BatchNorm's output crosses it (a skip inside the segment, or an input also read after the
+    segment: its gradient would be summed in another order), or an output of the segment comes from
+    before its last BatchNorm. An input read only inside the segment may cross (a residual block's
+    input read by its Add): each pass adds its part of that gradient to the whole batch's, which
+    sums the parts in the same order as one pass would."""
     carried = []
+    later = {t for t in seg.inputs if t == output or any(u >= seg.b for u in consumers.get(t, ()))}
     for p, j in enumerate(seg.bns):
         out = nodes[j].outputs[0]
-        crossing = {t for t in seg.inputs if any(j < u < seg.b for u in consumers.get(t, ()))}
+        crossing = {t for t in later if any(j < u < seg.b for u in consumers.get(t, ()))}
         crossing |= {nodes[i].outputs[0] for i in range(seg.a, j + 1) if nodes[i].outputs[0] == output
                      or any(u > j for u in consumers.get(nodes[i].outputs[0], ()))}
         if crossing != {out} or (p < len(seg.bns) - 1 and out in seg.outputs):
@@ -444,7 +448,7 @@ class StreamRun:
                     self.prog.backward_nodes((lo_p,), ctx, g)  # gathers the BatchNorm's sums only
                 else:
                     self.prog.backward_nodes(range(hi_p - 1, lo_p - 1, -1), ctx, g)
-                    self._input_grads(seg, g, grads, lo, hi)
+                self._input_grads(seg, g, grads, lo, hi)  # (the inputs read by this pass's nodes)
                 del ctx, g
             if p:
                 self.stats[bns[p - 1]].end_collect()

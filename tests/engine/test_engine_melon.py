@@ -144,7 +144,9 @@ STREAMS = [(3, 6, (), (), ()), (3, 7, (1, 2), (), ()), (8, 3, (3,), (), ()), (11
            (16, 7, (9,), (0,), ()),
            # carried segments: their BatchNorms' output gradients kept for the whole batch during their backward
            (3, 6, (), (), (0,)), (8, 3, (3,), (), (0, 3)), (8, 3, (3,), (3,), (0, 3)), (16, 3, (3, 9, 12), (), (0, 9)),
-           (16, 3, (3, 9, 12), (0, 3, 9, 12), (0, 3, 9, 12)), (16, 1, tuple(range(1, 16)), (), tuple(range(16)))]
+           (16, 3, (3, 9, 12), (0, 3, 9, 12), (0, 3, 9, 12)), (16, 1, tuple(range(1, 16)), (), tuple(range(16))),
+           # ... a residual block's (its input's gradient summed over the passes) and three BatchNorms'
+           (16, 3, (3, 9, 12), (), (3,)), (12, 4, (3,), (3,), (3,)), (12, 7, (3,), (), (3,))]
 
 
 @pytest.mark.parametrize("make_opt", [lambda p: SGD(p, lr=0.1, momentum=0.9), lambda p: Adam(p, lr=0.01)],
