@@ -82,3 +82,36 @@ def test_a_reopened_store_knows_its_gaps_and_its_lost_numbers(tmp_path):
         filled = store.apply([Batch("phone-1", "ipv", 5, _rows(5, 2))])
         assert [(g.start, g.outcome) for g in filled.gaps] == [(5, "filled")] and store.ledger.mark("phone-1") == 9
         assert store.query("SELECT from_seq, outcome FROM tunnel.gaps ORDER BY 1") == [(2, "lost"), (5, "filled")]
+
+
+def test_an_idle_consumer_writes_the_wal_into_the_file_and_a_stream_does_not(tmp_path, kafka_bootstrap):
+    """DuckDB's checkpoint stalls the commit that runs it (tenths of a second): the consumer runs it when idle."""
+    import numpy as np
+
+    from connectors.tunnel import cloud
+
+    registry, topic = KeyRegistry(tmp_path / "keys.json"), f"ckpt.{uuid.uuid4().hex[:12]}"
+    key = registry.add("phone-1")
+    ensure_topic(kafka_bootstrap, topic, partitions=1)
+    db = tmp_path / "cloud.duckdb"
+    consumer = CloudConsumer(db, registry, topic=topic, bootstrap=kafka_bootstrap, group_id=f"g-{uuid.uuid4().hex}",
+                             partitions=1)
+    wal = tmp_path / "cloud.duckdb.wal"
+    vectors = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(400 * 768, dtype=np.float32)), 768)
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, **CLIENT_TIMEOUTS)
+    try:
+        for first in range(0, 400, 50):
+            rows = pa.table({"user_id": [f"u{i}" for i in range(first, first + 50)], "vec": vectors[first:first + 50]})
+            producer.send(topic, value=encode("phone-1", "vec", first, rows, key), partition=0)
+        producer.flush(timeout=10)
+        _poll_until(consumer, lambda s: s.stored >= 400)
+        assert wal.stat().st_size > cloud.IDLE_CHECKPOINT_BYTES  # no checkpoint while records flow
+        consumer.poll_once(0.1)
+        assert wal.stat().st_size > cloud.IDLE_CHECKPOINT_BYTES  # nor right after the last of them
+        time.sleep(cloud.IDLE_AFTER_S)
+        consumer.poll_once(0.1)  # idle now
+        assert not wal.exists() or wal.stat().st_size < cloud.IDLE_CHECKPOINT_BYTES
+        assert consumer.store.query("SELECT count(*), max(seq) FROM vec") == [(400, 399)]
+    finally:
+        producer.close()
+        consumer.close()
