@@ -39,8 +39,24 @@ compared) on the local MiniCluster: ``events_per_s_p1``, ``events_per_s_p2``, ``
 seconds per event of this process and the JVM (``bench/results/flink_scaling.json``). Not yet the issue's
 figures on the standalone cluster with two TaskManagers.
 
+``state_bytes_per_user``: the keyed state the IPV job keeps per user on the Flink runner (``run_flink`` with
+checkpoints, parallelism 1), measured from Flink's own checkpoints (the runner's default heap state backend: full
+checkpoints). One input of levels (full: 2, 6 and 12 copies of the sample; quick: 1 and 2), copy ``r`` with every
+user id offset by ``r`` times (the largest user id + 1), 114 distinct users a copy, each left with the state its
+last line leaves (an open item page); after each level's copies a filler of one more user whose lines alternate
+two items at the sample's last timestamp (one event a page: its state keeps its size), long enough for a few
+checkpoints (every 100 ms) to complete with every user so far in state. A thread reads each completed checkpoint's
+size while the job runs (every file of its ``chk-N`` directory, ``_metadata`` included: small state is inlined
+there; Flink keeps only the latest); a level's size is the stretch of checkpoints within 64 bytes of each other
+during its filler. Bytes per user: the least-squares slope of size against users, so the fixed part (operator
+state, the source's position, metadata) cancels (``state_points``: users, bytes, checkpoints in the stretch).
+``device_state_bytes_per_user``: the same slope for the device runner's checkpoint (the ``state`` blob of its
+checkpoint: every keyed runtime, the guard, the source's position with its per-user open pages) over the same
+input, its first checkpoint in each filler (asked for after every block).
+
 ``--quick`` replays the sample once (~21k events, fewer than the full run's >= 100k) in one round;
-the JVM launch (~4-6 s) plus the first job (~15-20 s on this 2-core machine) are a fixed ~25 s of it.
+the JVM launch (~4-6 s) plus the first job (~15-20 s on this 2-core machine) are a fixed ~25 s of it, the
+state job ~15 s.
 """
 
 from __future__ import annotations
@@ -49,6 +65,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -288,6 +305,147 @@ def tree_cpu_s(extra: list[int] = ()) -> float:  # type: ignore[assignment]
     return sum(cpu.get(pid, 0.0) for pid in ours)
 
 
+#: Copies of the sample (114 users each) in state at each level of the state job, by --quick; filler lines per level.
+STATE_COPIES = {False: (2, 6, 12), True: (1, 2)}
+STATE_FILLER = {False: 15_000, True: 8_000}
+CHECKPOINT_INTERVAL_MS = 100
+PLATEAU_BYTES = 64
+
+
+def users_input(lines: list[str], levels: tuple[int, ...], path: Path, filler: int) -> list[tuple[int, int]]:
+    """Copies of the sample, copy ``r`` with user ids offset by ``r`` times (the largest + 1), up to ``levels[0]``
+    copies, then ``filler`` lines of one more user alternating two items at the sample's last timestamp, then the
+    copies up to ``levels[1]``, a filler, and so on: (distinct users of the copies, last line number of the
+    level's copies) per level."""
+    fields = [line.split(",") for line in lines]
+    step = max(int(f[0]) for f in fields) + 1
+    last_ts = max(int(f[4]) for f in fields)
+    filler_user = levels[-1] * step
+    users: set[int] = set()
+    marks, line, done = [], 0, 0
+    with open(path, "w", encoding="utf-8") as out:
+        for copies in levels:
+            for r in range(done, copies):
+                for f in fields:
+                    user = int(f[0]) + r * step
+                    users.add(user)
+                    out.write(f"{user},{','.join(f[1:])}\n")
+                line += len(fields)
+            done = copies
+            marks.append((len(users), line))
+            for i in range(filler):
+                out.write(f"{filler_user},{1 + i % 2},1,pv,{last_ts}\n")
+            line += filler
+    return marks
+
+
+def _completed_sizes(directory: Path, seen: dict[int, int], stop: threading.Event) -> None:
+    """Until ``stop``: the size in bytes of every completed checkpoint under ``directory`` (by number), read
+    while it exists (Flink keeps only the latest)."""
+    while not stop.is_set():
+        for chk in directory.glob("*/chk-*"):
+            number = int(chk.name.split("-")[1])
+            if number in seen or not (chk / "_metadata").is_file():
+                continue
+            try:
+                seen[number] = sum(f.stat().st_size for f in chk.rglob("*") if f.is_file())
+            except OSError:  # replaced by the next one while we read it
+                continue
+        stop.wait(0.02)
+
+
+def plateaus(sizes: list[int], count: int) -> list[tuple[int, int]]:
+    """(size, length) of the ``count`` longest stretches of consecutive sizes within :data:`PLATEAU_BYTES` of the
+    stretch's first (the fillers: a filler's one user changes a few bytes of the state, a new user ~300), in the
+    order they came; sizes must grow from one to the next."""
+    runs: list[tuple[int, int, int]] = []  # (start, size, length)
+    for i, size in enumerate(sizes):
+        if runs and abs(runs[-1][1] - size) <= PLATEAU_BYTES:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, size, 1))
+    longest = sorted(sorted(runs, key=lambda run: -run[2])[:count])
+    if len(longest) < count or any(run[2] < 2 for run in longest) or \
+            any(b[1] <= a[1] for a, b in zip(longest, longest[1:], strict=False)):
+        raise RuntimeError(f"no {count} growing stretches of like checkpoints in {sizes}: fillers too short?")
+    return [(size, length) for _, size, length in longest]
+
+
+def slope(points: list[tuple[int, int]]) -> float:
+    """Least-squares slope of bytes against users."""
+    n = len(points)
+    mx = sum(u for u, _ in points) / n
+    my = sum(b for _, b in points) / n
+    return sum((u - mx) * (b - my) for u, b in points) / sum((u - mx) ** 2 for u, _ in points)
+
+
+def flink_state_bytes(job: Any, csv_path: Path, tmp: Path, levels: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """(size, checkpoints) of the IPV job's checkpoints at each level (every user of its copies in state, during
+    its filler), and every completed checkpoint's size seen."""
+    from streamflow.flink.runner import run_flink
+
+    directory = tmp / "checkpoints"
+    seen: dict[int, int] = {}
+    stop = threading.Event()
+    watcher = threading.Thread(target=_completed_sizes, args=(directory, seen, stop), daemon=True)
+    watcher.start()
+    try:
+        run_flink(job, csv_path, db=tmp / "state.duckdb", checkpoint_dir=directory,
+                  checkpoint_interval_ms=CHECKPOINT_INTERVAL_MS)
+    finally:
+        stop.set()
+        watcher.join()
+        shutil.rmtree(directory, ignore_errors=True)
+    sizes = [seen[n] for n in sorted(seen)]
+    return plateaus(sizes, levels), sizes
+
+
+def device_state_bytes(job: Any, csv_path: Path, tmp: Path, after_lines: list[int]) -> list[int]:
+    """Bytes of the device runner's checkpoint state (its ``state`` blob: keyed runtimes, guard, the source's
+    position with its per-user open pages) at its first checkpoint after each of ``after_lines`` (in a filler:
+    every user of the copies before it in state); checkpoints are asked for after every block, only those taken."""
+    db = tmp / "device_state.duckdb"
+    storage = CollectiveStorage(db)
+    runner = DeviceRunner(job, storage, checkpoint_interval_s=1e-9)
+    checkpoint, taken = runner.checkpoint, []
+
+    def at_marks(position: Any, complete: bool = False) -> None:
+        if not complete and len(taken) < len(after_lines) and position.line > after_lines[len(taken)]:
+            checkpoint(position)
+            taken.append(storage.query("SELECT octet_length(state) FROM streamflow_checkpoints")[0][0])
+
+    runner.checkpoint = at_marks  # type: ignore[method-assign]
+    try:
+        runner.run(TaobaoBehaviorSource(csv_path))
+    finally:
+        runner.close()
+        storage.close()
+        db.unlink(missing_ok=True)
+    if len(taken) < len(after_lines):
+        raise RuntimeError(f"the device runner took {len(taken)} checkpoints, not {len(after_lines)}")
+    return taken
+
+
+def state_per_user(job: Any, lines: list[str], tmp: Path, quick: bool) -> dict[str, Any]:
+    """``state_bytes_per_user`` and its points (see the module docstring); a JVM must be up."""
+    csv_path = tmp / "users.csv"
+    marks = users_input(lines, STATE_COPIES[quick], csv_path, STATE_FILLER[quick])
+    started = time.perf_counter()
+    levels, sizes = flink_state_bytes(job, csv_path, tmp, len(marks))
+    log(f"  state job {time.perf_counter() - started:.1f} s, checkpoint sizes {sizes}")
+    points = [(users, size, length) for (users, _), (size, length) in zip(marks, levels, strict=True)]
+    device = device_state_bytes(job, csv_path, tmp, [line + 1 for _, line in marks])
+    device_points = [(users, size) for (users, _), size in zip(marks, device, strict=True)]
+    csv_path.unlink()
+    return {
+        "state_bytes_per_user": round(slope([(u, b) for u, b, _ in points]), 1),
+        "state_points": [list(p) for p in points],
+        "state_backend": "hashmap (heap), full checkpoints",
+        "device_state_bytes_per_user": round(slope(device_points), 1),
+        "device_state_points": [list(p) for p in device_points],
+    }
+
+
 def scaling(args: Any) -> None:
     """``--scaling``: the IPV job by ``run_flink`` at parallelism 1 and 2 on the local MiniCluster (file split
     across two readers at 2), rows compared; events/s over ``execute()``, CPU seconds of the process tree per event.
@@ -425,6 +583,9 @@ def main(argv: list[str] | None = None) -> None:
             log(f"  round {r}: streamflow {events / sf_s[-1]:,.0f} ev/s ({sf_s[-1]:.2f} s execute, "
                 f"{sf_wall[-1]:.2f} s run_flink), handwritten {events / hw_s[-1]:,.0f} ev/s ({hw_s[-1]:.2f} s), "
                 f"device {events / dev_s[-1]:,.0f} ev/s ({dev_s[-1]:.2f} s); {rows:,} IPV rows identical")
+        state = state_per_user(job, lines, tmp, quick)
+        log(f"state per user: {state['state_bytes_per_user']:,} B on Flink (heap), "
+            f"{state['device_state_bytes_per_user']:,} B on the device")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -450,6 +611,7 @@ def main(argv: list[str] | None = None) -> None:
         "csv_rows": len(lines) * replays,
         "ipv_rows": rows,
         "rows_match": True,
+        **state,
         "replays": replays,
         "rounds": args.rounds,
         "total_s": round(time.perf_counter() - started_all, 1),
