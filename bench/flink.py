@@ -45,7 +45,7 @@ checkpoints). One input of levels (full: 2, 6 and 12 copies of the sample; quick
 user id offset by ``r`` times (the largest user id + 1), 114 distinct users a copy, each left with the state its
 last line leaves (an open item page); after each level's copies a filler of one more user whose lines alternate
 two items at the sample's last timestamp (one event a page: its state keeps its size), long enough for a few
-checkpoints (every 100 ms) to complete with every user so far in state. A thread reads each completed checkpoint's
+checkpoints (every 50 ms) to complete with every user so far in state. A thread reads each completed checkpoint's
 size while the job runs (every file of its ``chk-N`` directory, ``_metadata`` included: small state is inlined
 there; Flink keeps only the latest); a level's size is the stretch of checkpoints within 64 bytes of each other
 during its filler. Bytes per user: the least-squares slope of size against users, so the fixed part (operator
@@ -307,8 +307,8 @@ def tree_cpu_s(extra: list[int] = ()) -> float:  # type: ignore[assignment]
 
 #: Copies of the sample (114 users each) in state at each level of the state job, by --quick; filler lines per level.
 STATE_COPIES = {False: (2, 6, 12), True: (1, 2)}
-STATE_FILLER = {False: 15_000, True: 8_000}
-CHECKPOINT_INTERVAL_MS = 100
+STATE_FILLER = {False: 15_000, True: 6_000}
+CHECKPOINT_INTERVAL_MS = 50
 PLATEAU_BYTES = 64
 
 
