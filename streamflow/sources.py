@@ -37,8 +37,6 @@ DEFAULT_INACTIVITY_GAP_S = 1800.0
 _INTEGER = re.compile(r"-?[0-9]{1,15}")
 # A line TaobaoBehaviorSource.parse accepts without stripping anything (its fast path).
 _CLEAN_LINE = re.compile(r"([^,\s]+),([^,\s]+),([^,\s]+),(pv|fav|cart|buy),(-?[0-9]{1,15})").fullmatch
-# The same, on a line as read: rstrip("\r\n") is the trailing [\r\n]* (the last field ends in a digit).
-_CLEAN_RAW_LINE = re.compile(r"([^,\s]+),([^,\s]+),([^,\s]+),(pv|fav|cart|buy),(-?[0-9]{1,15})[\r\n]*").fullmatch
 _IDENTITY_BYTES = 1 << 20
 #: A format's own read loop (:meth:`LineSource.fast_blocks`): ``(line number, line)`` pairs in, lists of records
 #: out, the last records (fewer than a block) returned.
@@ -408,9 +406,9 @@ class TaobaoBehaviorSource(LineSource):
 
     def fast_blocks(self, reader: SourceReader, step: Callable[[int, str], list[Event | Rejected]], size: int
                     ) -> FastBlocks | None:
-        """Clean lines (those :data:`_CLEAN_RAW_LINE` matches that are printable ASCII without spaces, with an unsigned
-        timestamp) in one loop that inlines the guard's check and :func:`item_page_events`; any other line through
-        ``step``. Without a TTL and with the default guard."""
+        """Clean lines (those :data:`_CLEAN_LINE` matches once the line break is stripped, narrowed to printable ASCII
+        without spaces and an unsigned timestamp) in one loop that inlines the guard's check and
+        :func:`item_page_events`; any other line through ``step``. Without a TTL and with the default guard."""
         guard = reader.guard
         if self.state_ttl_s is not None or type(guard) is not TimestampGuard or guard._last.written is not None:
             return None
@@ -506,8 +504,9 @@ def _taobao_blocks(source: TaobaoBehaviorSource, reader: SourceReader, step: Cal
     add = out.append
     line_no = reader.line
     for line_no, line in lines:
-        # A clean line (what _CLEAN_RAW_LINE matches, narrowed to printable ASCII without spaces and a timestamp
-        # without a sign), checked with str methods: a regex match cost twice as much. Any other line takes `step`.
+        # A clean line (what _CLEAN_LINE matches once the line break is stripped, narrowed to printable ASCII without
+        # spaces and a timestamp without a sign), checked with str methods: a regex match cost twice as much. Any
+        # other line takes `step`.
         fields = None
         if line.isascii():
             raw = line.rstrip("\r\n")

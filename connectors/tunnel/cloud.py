@@ -127,12 +127,12 @@ _STORE_ERRORS = (duckdb.Error, pa.ArrowException, ValueError, TypeError)
 #: upsert is idempotent (the highest seq wins), so applying a row twice changes nothing
 _CATCH_UP_SLACK = timedelta(minutes=1)
 PARKED = "unknown_schema"
-#: DuckDB checkpoints (writes its WAL into the file) when the WAL passes ``wal_autocheckpoint``, inside the commit
-#: that passed it: measured, 0.2-0.4 s at its default 16 MB, and 50-290 ms at 1-2 MB (a cost that barely shrinks
-#: with the WAL), a stall for every row arriving meanwhile. The consumer checkpoints when a poll finds nothing
-#: and no record came for IDLE_AFTER_S (idle) and the WAL holds more than IDLE_CHECKPOINT_BYTES; DuckDB's own
-#: checkpoint waits until WAL_CAP_BYTES, for a stream that never pauses (its stall is then longer and rarer, about
-#: the same share of the time; a restart replays at most that much WAL).
+#: DuckDB checkpoints (writes its WAL into the file) when the WAL passes ``checkpoint_threshold``, inside the commit
+#: that passed it: measured, 0.2-0.8 s at its default 16 MB (growing with the table), and 50-290 ms at 1-2 MB (a
+#: cost that barely shrinks with the WAL), a stall for every row arriving meanwhile. The consumer checkpoints when a
+#: poll finds nothing and no record came for IDLE_AFTER_S (idle) and the WAL holds more than IDLE_CHECKPOINT_BYTES;
+#: DuckDB's own checkpoint waits until WAL_CAP_BYTES, for a stream that never pauses (its stall is then longer and
+#: rarer, about the same share of the time; a restart replays at most that much WAL).
 IDLE_CHECKPOINT_BYTES = 1 << 20
 WAL_CAP_BYTES = 64 << 20
 
@@ -243,7 +243,7 @@ class CloudStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.online_key = tuple(online_key)
         self._con = duckdb.connect(str(self.path))
-        self._con.execute(f"SET wal_autocheckpoint = '{WAL_CAP_BYTES}B'")
+        self._con.execute(f"SET checkpoint_threshold = '{WAL_CAP_BYTES}B'")
         self._wal = Path(f"{self.path}.wal")
         self._tables = Tables(self._con)
         self._tables.create()
