@@ -352,7 +352,7 @@ class ColdSession(InferenceSession):
         cached = False
         if tb > 0:
             key = self._weights_key(ctx, kernel)
-            cached = self._cache_checked[key] = self.store.path(key).exists()
+            cached = self._cache_checked[key] = self.store.exists(key)
         on_disk = sum(int(np.asarray(ctx.consts[t]).nbytes) for t in ctx.node.inputs if t in self._pending)
         # the mapped graph file is read ahead whole: a layer's originals are read even if it uses a cached copy
         extra, use_cache = self.calibration.first_run_choice(kernel, on_disk, tb, cached, accel.loaded() is not None,
@@ -365,7 +365,7 @@ class ColdSession(InferenceSession):
         its plan chose (:meth:`_first_run_extra`), later whenever they are there."""
         if cold and not self._cold_cache_use.get((step.node.name, step.kernel.name), True):
             return False
-        return self.store.path(self._weights_key(step.ctx, step.kernel)).exists()
+        return self.store.exists(self._weights_key(step.ctx, step.kernel))
 
     def _transforms(self, step: StepPlan) -> bool:
         """Whether preparing ``step`` on the first run computes a weight transform (not a view, not cached)."""
@@ -387,7 +387,7 @@ class ColdSession(InferenceSession):
             return "cache"
         read = "read+" if self._read_weights(step) else ""
         prepare_step(step)
-        if not self.store.path(key).exists():
+        if not self.store.exists(key):
             with contextlib.suppress(OSError):  # a read-only cache only costs the next cold start this transform
                 self.store.put(key, {n: np.asarray(v) for n, v in step.params.items()},
                                meta={"node": step.node.name, "kernel": step.kernel.name})
@@ -459,7 +459,7 @@ class ColdSession(InferenceSession):
                 plans = json.loads(hit[0]["plan"].tobytes())
                 entry = plans.get(shape_key)
                 if entry is not None and entry["basis"] == json.loads(json.dumps(self._plan_basis())) and all(
-                        self.store.path(k).exists() == found for k, found in entry["checked"].items()):
+                        self.store.exists(k) == found for k, found in entry["checked"].items()):
                     snapshot = hit[0].get(_snapshot_name(shape_key))
                     plan = self._load_plan(snapshot) if snapshot is not None else None
                     if plan is not None and plan.choices != entry["plan"]["kernels"]:
