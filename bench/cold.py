@@ -22,11 +22,15 @@ trial the page cache of the model file and of every engine-cache file is dropped
   model; the better of the two is the anchor ``<model>_ort_cold_ms``;
 - ``cold_stages``: as ``cold``, each stage of the cold path wrapped to add up its CPU time
   (:data:`STAGES`, plus ``execute``: the first run's kernels, page faults included; ``other``: the
-  rest), reported as ``<model>_cold_stages_cpu_ms`` (medians; the wrappers cost a little CPU too);
+  rest), reported as ``<model>_cold_stages_cpu_ms`` (medians; the wrappers cost a little CPU too),
+  and its wall time, ``<model>_cold_stages_wall_ms`` (wall minus CPU: waits for the disk or for a
+  core), with ``first_kernel`` (when the first kernel started) and the trial's total
+  (``<model>_cold_stages_total_ms``): the per-stage timeline of a cold start;
 - ``read_floor``: what the disk alone costs ``cold``: a fresh process reads exactly the files the
   previous ``cold`` trial of the round opened (recorded with an audit hook: the model's cached graph,
   its stamp, the calibration, the compiled loops), page cache dropped the same way, all of them
-  asked for at once (``WILLNEED``) then read whole. Nothing else.
+  asked for at once (``WILLNEED``, one device readahead window at a time: the kernel reads at most
+  one window per call) then read whole. Nothing else.
 
 Besides times, each ``cold`` trial reports the bytes it made the kernel fetch from the disk
 (``read_bytes`` of ``/proc/self/io`` over the timed region: ``<model>_cold_read_mb``) and the CPU
@@ -106,10 +110,11 @@ def record_opened_files() -> list[str]:
     return opened
 
 
-def read_files(paths: list[str]) -> int:
+def read_files(paths: list[str], window) -> int:
     """Bring these files whole from the disk into memory, the way the cold path reads its graph: each
-    mapped, all asked for at once (``MADV_WILLNEED``: the disk queue is full), then one byte of every
-    page touched (nothing copied). Returns the bytes mapped."""
+    mapped, all asked for at once (``MADV_WILLNEED``: the disk queue is full; one call per readahead
+    window, ``window(fd)`` bytes, the kernel's cap per call), then one byte of every page touched
+    (nothing copied). Returns the bytes mapped."""
     import mmap
 
     import numpy as np
@@ -118,9 +123,11 @@ def read_files(paths: list[str]) -> int:
     for p in paths:
         with open(p, "rb") as f:
             if os.fstat(f.fileno()).st_size:
-                maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-    for m in maps:
-        m.madvise(mmap.MADV_WILLNEED)
+                maps.append((mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), window(f.fileno())))
+    for m, step in maps:
+        for off in range(0, len(m), step):
+            m.madvise(mmap.MADV_WILLNEED, off, min(step, len(m) - off))
+    maps = [m for m, _ in maps]
     total = 0
     for m in maps:
         pages = np.frombuffer(m, np.uint8)[:: mmap.PAGESIZE]
@@ -143,24 +150,30 @@ STAGES = (("prefetch", "engine.coldstart.store", "EntryStore.prefetch"),
           ("bind", "engine.session", "BoundPlan.bind_step"))
 
 
-def instrument_stages() -> dict[str, float]:
+def instrument_stages(wall: dict[str, float] | None = None) -> dict[str, float]:
     """Wrap the cold path's stages (:data:`STAGES`) to add up each one's CPU time (ms) in the returned
-    dict; the first execution's kernels are timed by wrapping each bound closure (``execute``)."""
+    dict (and its wall time in ``wall``, with ``first_kernel``: when the first kernel started, ms since
+    ``wall["t0"]``, a perf_counter the caller sets); the first execution's kernels are timed by
+    wrapping each bound closure (``execute``)."""
     import functools
     import importlib
 
     import engine.session as es
 
     cpu: dict[str, float] = {}
+    wall = {} if wall is None else wall
 
     def timed(label, f):
         @functools.wraps(f)
         def g(*a, **k):
-            c = time.thread_time()
+            c, t = time.thread_time(), time.perf_counter()
+            if label == "execute" and "first_kernel" not in wall and "t0" in wall:
+                wall["first_kernel"] = (t - wall["t0"]) * 1e3
             try:
                 return f(*a, **k)
             finally:
                 cpu[label] = cpu.get(label, 0.0) + (time.thread_time() - c) * 1e3
+                wall[label] = wall.get(label, 0.0) + (time.perf_counter() - t) * 1e3
         return g
 
     for label, module, attr in STAGES:
@@ -184,10 +197,12 @@ def child(variant: str, model: str, cache: str, files: str = "") -> dict:
     opened = record_opened_files() if variant == "cold" else []
     started = time.perf_counter()
     if variant == "read_floor":
+        from engine.coldstart.store import willneed_window
+
         paths = json.loads(Path(files).read_text())
         imported, cpu_before = time.perf_counter(), time.process_time()
         io_before = disk_read_bytes()
-        out["bytes"] = read_files(paths)
+        out["bytes"] = read_files(paths, willneed_window)
         y = np.zeros(1)
         done, cpu_done, io_done = time.perf_counter(), time.process_time(), disk_read_bytes()
     elif variant.startswith("ort"):
@@ -209,8 +224,10 @@ def child(variant: str, model: str, cache: str, files: str = "") -> dict:
         from engine.coldstart.session import ColdSession
         from engine.session import InferenceSession
 
-        stages = instrument_stages() if variant == "cold_stages" else None
+        stage_wall: dict[str, float] = {}
+        stages = instrument_stages(stage_wall) if variant == "cold_stages" else None
         imported, cpu_before = time.perf_counter(), time.process_time()
+        stage_wall["t0"] = imported
         io_before = disk_read_bytes()
         sess = (InferenceSession(model) if variant == "current"  # no background work but in "switch"
                 else ColdSession(model, cache_dir=cache, warm_switch=variant == "switch",
@@ -220,6 +237,9 @@ def child(variant: str, model: str, cache: str, files: str = "") -> dict:
         if stages is not None:
             stages["other"] = (cpu_done - cpu_before) * 1e3 - sum(stages.values())
             out["stages"] = stages
+            stage_wall.pop("t0")
+            stage_wall["other"] = (done - imported) * 1e3 - sum(v for k, v in stage_wall.items() if k != "first_kernel")
+            out["stages_wall"] = stage_wall
         if hasattr(sess, "wait_verified"):  # the integrity check after the first output, off its path
             sess.wait_verified()
             out.update(sealed=sess.sealed, verify_cpu_ms=(time.process_time() - cpu_done) * 1e3)
@@ -331,6 +351,9 @@ def bench_model(name: str, model: Path, rounds: int, work: Path, variants: list[
         runs = got["cold_stages"]
         optional[f"{name}_cold_stages_cpu_ms"] = {k: round(median(t["stages"].get(k, 0.0) for t in runs), 2)
                                                    for k in runs[0]["stages"]}
+        optional[f"{name}_cold_stages_wall_ms"] = {k: round(median(t["stages_wall"].get(k, 0.0) for t in runs), 2)
+                                                    for k in runs[0]["stages_wall"]}
+        optional[f"{name}_cold_stages_total_ms"] = median(t["first_ms"] for t in runs)
     if "switch" in got:
         optional.update({f"{name}_switch_max_run_ms": median(t["during_max_ms"] for t in got["switch"]),
                          f"{name}_switch_runs": median(t["during_runs"] for t in got["switch"]),
