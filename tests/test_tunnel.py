@@ -253,6 +253,26 @@ def test_a_deferred_online_upsert_runs_once_its_lag_passed(tmp_path):
         assert store._con.execute("SELECT count(*) FROM ipv_online").fetchone() == (2,)
 
 
+def test_the_online_thread_upserts_on_its_own_and_gives_the_online_table_an_upsert_per_transaction_gives(tmp_path):
+    batches = _mixed_batches()
+    with CloudStore(tmp_path / "now.duckdb") as now, \
+            CloudStore(tmp_path / "later.duckdb", online_lag_s=0.05, online_thread=True) as later:
+        for i in range(0, len(batches), 3):
+            now.apply(batches[i:i + 3])
+            later.apply(batches[i:i + 3])
+            later.flush_online(due_only=True)  # the thread's job: returns at once
+            if i == 30:
+                later.checkpoint_if_idle()  # waits for an upsert in flight (CHECKPOINT wants no other transaction)
+        deadline = time.monotonic() + 10
+        while later._con.execute(ONLINE).fetchall() != now.query(ONLINE) and time.monotonic() < deadline:
+            time.sleep(0.02)  # no query() here: that would flush on this thread
+        assert later._con.execute(ONLINE).fetchall() == now.query(ONLINE) and len(now.query(ONLINE)) == 6
+        assert later._online_worker is not None and later._online_worker.is_alive()
+        later.apply([Batch("phone-1", "ipv", 500, pa.table({"user_id": ["u9"], "item_id": [1]}))])
+    with CloudStore(tmp_path / "later.duckdb") as reopened:  # close() flushed what waited
+        assert reopened._con.execute("SELECT seq FROM ipv_online WHERE user_id = 'u9'").fetchall() == [(500,)]
+
+
 @pytest.mark.parametrize("flushed_once", [False, True])
 def test_rows_a_crash_kept_from_the_online_table_are_upserted_when_the_store_opens_again(tmp_path, flushed_once):
     batches = _mixed_batches()

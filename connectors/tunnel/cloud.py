@@ -223,16 +223,29 @@ class CloudStore:
     :meth:`query` and :meth:`close` flush first. Each deferred upsert records the newest ``ingested_at`` it
     applied (``tunnel.online_marks``); a store opened after a crash upserts the rows stored since (less
     :data:`_CATCH_UP_SLACK`) before anything else.
+
+    ``online_thread`` (with ``online_lag_s`` above 0; the consumer's choice): the deferred upserts run on a
+    thread of their own, on a DuckDB connection of their own (a cursor of the store's), once ``online_lag_s``
+    passed, so no transaction storing rows waits for one (:meth:`flush_online` with ``due_only`` then leaves
+    it to that thread). The two write different tables (``<table>`` and ``tunnel.*`` here, ``<table>_online``
+    and ``tunnel.online_marks`` there); DuckDB lets both transactions run at once and commits them in turn.
+    Measured in ``bench.tunnel``'s 3 KB latency phase: an upsert took 12 ms of CPU (35 ms wall at load ~4)
+    every ~0.1 s, which every row arriving meanwhile waited for.
     """
 
     def __init__(self, path: str | os.PathLike[str], online_key: Sequence[str] = ("user_id",),
                  schemas: Mapping[str, Collection[str]] | None = None, online_lag_s: float = 0.0,
-                 gap_wait_s: float = DEFAULT_GAP_WAIT_S):
+                 gap_wait_s: float = DEFAULT_GAP_WAIT_S, online_thread: bool = False):
         if online_lag_s < 0:
             raise ValueError(f"online_lag_s must be >= 0, got {online_lag_s}")
         self.online_lag_s = online_lag_s
         self._pending_online: dict[str, list[pa.Table]] = {}  # table → rows stored, not yet upserted online
         self._pending_since: float | None = None
+        self._pending_lock = threading.Lock()  # the two above (the online thread takes them)
+        self._online_lock = threading.RLock()  # held by a deferred upsert (on the online thread or not)
+        self._online_worker: threading.Thread | None = None
+        self._online_wake = threading.Event()
+        self._online_stop = threading.Event()
         self.online_errors = 0  # deferred upserts the online table refused (logged; the offline rows stand)
         self.path = Path(path)
         #: table → declared columns (names, or a mapping column → DuckDB type); None: any table and columns with
@@ -261,7 +274,12 @@ class CloudStore:
         self._lock = threading.Lock()
         self._parked_devices: set[str] = set()  # devices with envelopes parked as unknown_schema (see receipt)
         self._find_parked_devices()
+        self._online_con = self._con
         self._catch_up_online()
+        if online_thread and online_lag_s > 0:
+            self._online_con = self._con.cursor()
+            self._online_worker = threading.Thread(target=self._online_loop, name="cloud-online", daemon=True)
+            self._online_worker.start()
 
     def apply(self, batches: Sequence[Batch], dead: Sequence[DeadLetter] = (),
               offsets: dict[tuple[str, int], int] | None = None,
@@ -423,11 +441,13 @@ class CloudStore:
             raise
         self._parked_devices.update(d.device for d in result.dead_letters if d.reason == PARKED and d.device)
         result.gaps = self._account([(b.device, b.first_seq, b.last_seq + 1) for b in fresh] + refused, now)
-        if self.online_lag_s > 0:
-            for table, rows in stored:  # only rows whose transaction committed
-                self._pending_online.setdefault(table, []).append(rows)
+        if self.online_lag_s > 0 and stored:
+            with self._pending_lock:
+                for table, rows in stored:  # only rows whose transaction committed
+                    self._pending_online.setdefault(table, []).append(rows)
                 if self._pending_since is None:
                     self._pending_since = time.monotonic()
+            self._online_wake.set()
         return result
 
     def _classify(self, batches: Sequence[Batch], now: datetime) -> tuple[list[Batch], list[Batch], list[DeadLetter]]:
@@ -670,7 +690,7 @@ class CloudStore:
                 return False
         except FileNotFoundError:
             return False
-        with self._lock:
+        with self._lock, self._online_lock:  # no deferred upsert in flight: CHECKPOINT wants no other transaction
             self._flush_online()
             self._con.execute("CHECKPOINT")
         return True
@@ -683,14 +703,43 @@ class CloudStore:
 
     def flush_online(self, due_only: bool = False) -> None:
         """Upsert the rows stored since the last time into the online tables (see the class docstring);
-        ``due_only``: only once ``online_lag_s`` passed since the first of them was stored."""
-        if self._pending_since is None or (due_only and self.online_due_in() > 0):
+        ``due_only``: only once ``online_lag_s`` passed since the first of them was stored (with ``online_thread``,
+        that is the thread's job: nothing to do here)."""
+        if self._pending_since is None or (due_only and (self._online_worker is not None or self.online_due_in() > 0)):
             return
         with self._lock:
             self._flush_online()
 
+    def _online_loop(self) -> None:
+        """The online thread: a deferred upsert once ``online_lag_s`` passed since the first row waiting for it."""
+        while not self._online_stop.is_set():
+            due = self.online_due_in()
+            if due == float("inf"):
+                self._online_wake.wait()
+                self._online_wake.clear()
+                continue
+            if due > 0:
+                self._online_stop.wait(due)
+                continue
+            try:
+                self._flush_online()
+            except Exception:  # noqa: BLE001 - the thread must go on; the offline rows stand, a reopen catches up
+                log.exception("cloud: deferred online upsert failed")
+
+    def _stop_online_worker(self) -> None:
+        if self._online_worker is not None:
+            self._online_stop.set()
+            self._online_wake.set()
+            self._online_worker.join()
+            self._online_worker = None
+
     def _flush_online(self) -> None:
-        pending, self._pending_online, self._pending_since = self._pending_online, {}, None
+        with self._online_lock:
+            with self._pending_lock:
+                pending, self._pending_online, self._pending_since = self._pending_online, {}, None
+            self._flush_pending(pending)
+
+    def _flush_pending(self, pending: dict[str, list[pa.Table]]) -> None:
         for table, parts in pending.items():
             try:
                 full = parts[0] if len(parts) == 1 else pa.concat_tables(parts, promote_options="default")
@@ -707,18 +756,19 @@ class CloudStore:
                     self._online_refused(table, part, exc)
 
     def _online_transaction(self, table: str, full: pa.Table) -> None:
-        con = self._con
+        con = self._online_con
+        online = f"{table}_online"
         con.execute("BEGIN")
         try:
             with registered(con, "_sf_rows", full):
-                self._upsert_online(f"{table}_online", full)
+                self._upsert_online(online, full, con)
             con.execute(self._tables.insert("online_marks"),
                         [table, pc.max(full.column("ingested_at")).as_py()])
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")
-            self._columns.clear()  # a rolled-back CREATE/ALTER: re-read the tables next time
-            self._online_keys.clear()
+            self._columns.pop(online, None)  # a rolled-back CREATE/ALTER: re-read the table next time
+            self._online_keys.pop(online, None)
             raise
 
     def _online_refused(self, table: str, rows: pa.Table, exc: Exception) -> None:
@@ -753,9 +803,10 @@ class CloudStore:
                      ", ".join(sorted(self._pending_online)))
             self._flush_online()
 
-    def _upsert_online(self, online: str, full: pa.Table) -> None:
-        """The newest row (highest seq) per key wins; rows with a NULL key stay offline only."""
-        con = self._con
+    def _upsert_online(self, online: str, full: pa.Table, con: duckdb.DuckDBPyConnection | None = None) -> None:
+        """The newest row (highest seq) per key wins; rows with a NULL key stay offline only. ``con``: the
+        connection whose ``_sf_rows`` holds ``full`` (the store's by default)."""
+        con = con or self._con
         key = self._online_keys.get(online)
         if key is None:
             exists = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_catalog = "
@@ -801,8 +852,11 @@ class CloudStore:
             return self._con.execute(sql, params or []).fetchall()
 
     def close(self) -> None:
+        self._stop_online_worker()
         with self._lock:
             self._flush_online()
+            if self._online_con is not self._con:
+                self._online_con.close()
             self._con.close()
 
     def __enter__(self) -> CloudStore:
@@ -944,7 +998,7 @@ class CloudConsumer:
         self.group_id = group_id
         self.registry = registry
         self.store = CloudStore(db, online_key=online_key, schemas=schemas, online_lag_s=online_lag_s,
-                                gap_wait_s=gap_wait_s)
+                                gap_wait_s=gap_wait_s, online_thread=True)
         self.stats = CloudStats()
         self.max_records = max_records
         self.partitions = partitions
@@ -1025,7 +1079,7 @@ class CloudConsumer:
         if expired.gaps:
             self.stats.count(0, expired)
             self._note_receipts(g.device for g in expired.gaps)
-        records = self._poll(min(timeout_s, self.store.online_due_in()))  # an idle wait keeps the lag too
+        records = self._poll(timeout_s)  # the store's online thread keeps the online tables' lag
         if not records:
             self.store.flush_online(due_only=True)
             self._publish_receipts()
