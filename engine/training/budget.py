@@ -16,7 +16,17 @@ import numpy as np
 
 from engine.training.calibrate import NodeCost
 from engine.training.program import Program, StepPlan, plan_program
-from engine.training.stream import Stream, carried_grads, fold_of, needed, parked_inputs
+from engine.training.stream import (
+    Stream,
+    backward_passes,
+    carriable,
+    carried_grads,
+    carried_of,
+    fold_of,
+    kept_of,
+    needed,
+    parked_inputs,
+)
 
 HEADROOM = 0.1  # of the budget, for what the calibration does not see (allocator rounding, small temporaries)
 BACKWARD_FACTOR = 3.0  # a node's forward and backward take about this many times its forward
@@ -202,6 +212,59 @@ def carry_segments(prog: Program, plan: StepPlan, budget: int, state_bytes: int,
         update_bytes, faster=True)
 
 
+def _with(stream: Stream, **changes) -> Stream:
+    fields = {"parked": stream.parked, "carried": stream.carried, "parked_bns": stream.parked_bns,
+              "carried_bns": stream.carried_bns, **changes}
+    return Stream.at(stream.end, stream.chunk, stream.borders, **fields)
+
+
+def _add_faster(prog: Program, plan: StepPlan, options: list[int], field: str, budget: int, state_bytes: int,
+                update_bytes: int) -> StepPlan:
+    """Greedy over single BatchNorms ``options`` added to the stream's ``field``: the one saving the
+    most calibrated time first, each while the plan still fits and gets faster."""
+    stream = plan.stream
+    assert stream is not None
+    base = estimated_seconds(prog, plan)
+    scored = []
+    for j in options:
+        trial = _with(stream, **{field: (*getattr(stream, field), j)})
+        saved = base - estimated_seconds(
+            prog, plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, arena=False, stream=trial))
+        if saved > 0:
+            scored.append((saved, j))
+    keys = [j for _, j in sorted(scored, reverse=True)]
+    return _add_while_fits(prog, plan, keys,
+                           lambda chosen: _with(stream, **{field: (*getattr(stream, field), *chosen)}),
+                           budget, state_bytes, update_bytes, faster=True)
+
+
+def single_batchnorms(prog: Program, plan: StepPlan, budget: int, state_bytes: int, update_bytes: int) -> StepPlan:
+    """Speed a fitting streamed plan up where whole segments could not be parked or carried (a
+    segment's largest BatchNorm tensor does not fit): single BatchNorms' inputs parked (kept for
+    the whole batch during their segment's passes), then single BatchNorms' output gradients
+    carried (during its backward, so that the passes below start there), each while the plan
+    still fits and gets faster by the calibration."""
+    stream = plan.stream
+    if stream is None:
+        return plan
+    nodes = prog.cal.nodes
+    options = []
+    for a, b in stream.segments:
+        seg = prog.segment(a, b)
+        made = {nodes[i].outputs[0] for i in range(a, b)}
+        if a not in stream.parked:
+            options += [j for j in seg.bns if nodes[j].inputs[0] in made]
+    plan = _add_faster(prog, plan, options, "parked_bns", budget, state_bytes, update_bytes)
+    stream, options = plan.stream, []
+    for a, b in stream.segments:
+        seg = prog.segment(a, b)
+        if not carried_of(nodes, seg, prog.consumers, prog.output, stream) or len(
+                carried_of(nodes, seg, prog.consumers, prog.output, stream)) < len(seg.bns):
+            options += [j for j in carriable(nodes, seg, prog.consumers, prog.output) if j not in stream.carried_bns
+                        and not (a in stream.carried and carried_grads(nodes, seg, prog.consumers, prog.output))]
+    return _add_faster(prog, plan, options, "carried_bns", budget, state_bytes, update_bytes)
+
+
 def fit_recompute(prog: Program, batch: int, budget: int, micro_batches: int, state_bytes: int,
                   update_bytes: int, stream: Stream | None = None) -> StepPlan:
     """The plan at ``batch`` with the fewest recomputations and segment merges (chosen greedily)
@@ -329,39 +392,29 @@ def estimated_seconds(prog: Program, plan: StepPlan) -> float:
         seg = prog.segment(a, b)
         f = {i: fwd(i, st.chunk, calls) for i in range(a, b)}
         whole = sum(f.values())
-        kept = parked_inputs(nodes, seg) if a in st.parked else []
-        carried = carried_grads(nodes, seg, prog.consumers, prog.output) if a in st.carried else []
-        if carried:  # forward as below; backward, each node's once, from passes over their own stretch
-            lite = {i for i in range(a, b) if nodes[i].op == "Conv" and nodes[i].outputs[0] in kept}
-            avail = {*seg.inputs, *kept}
-            refill = sum(f[i] for i in needed(nodes, a, b, kept, set(seg.inputs))) if kept else 0.0
-            if kept:
-                total += whole
-            else:
-                fold = fold_of(prog, seg, plan.batch)
-                total += sum((1 if fold and j == fold[0] else 2) * sum(f[i] for i in seg.needs[j]) for j in seg.bns)
-                total += sum(f[i] for i in range(fold[0], b)) if fold else whole
-            total += refill + (BACKWARD_FACTOR - 1) * (whole + sum(f[j] for j in seg.bns))
-            bounds = [a, *seg.bns, b]
-            for p in range(len(seg.bns) + 1):
-                lo, hi = bounds[p], (b if p == len(seg.bns) else bounds[p + 1] + 1)
-                reads = {t for i in range(lo, hi) for t in nodes[i].inputs}
-                total += sum(f[i] for i in [*needed(nodes, a, lo, reads, avail), *range(lo, hi)] if i not in lite)
-            continue
-        if kept:  # each node once forward, once more to refill the kept tensors, then passes after them
-            lite = {i for i in range(a, b) if nodes[i].op == "Conv" and nodes[i].outputs[0] in kept}
-            refill = sum(f[i] for i in needed(nodes, a, b, kept, set(seg.inputs)))
-            passes = [j for j in seg.bns] + [a]
-            total += whole + refill + sum(
-                sum(f[i] for i in range(j, b) if i not in lite) + (BACKWARD_FACTOR - 1) * sum(f[i] for i in range(j, b))
-                for j in passes)
-            continue
-        fold = fold_of(prog, seg, plan.batch)
-        last = sum(f[i] for i in range(fold[0], b)) if fold else whole  # the pass writing the outputs
-        stats = sum((1 if fold and j == fold[0] else 2) * sum(f[i] for i in seg.needs[j]) for j in seg.bns)
-        total += stats + last  # forward passes (a BatchNorm's sum, then its squares, unless parked)
-        total += (len(seg.bns) + 1) * whole + (BACKWARD_FACTOR - 1) * (
-            whole + sum(f[i] for j in seg.bns for i in range(j, b)))  # backward passes
+        kept = kept_of(nodes, seg, st)
+        if kept:  # forward: a BatchNorm's statistics read its kept input, or run the nodes to it twice
+            have: set[str] = set()
+            for j in seg.bns:
+                x = nodes[j].inputs[0]
+                cost = sum(f[i] for i in needed(nodes, a, j, [x], {*seg.inputs, *have}))
+                total += cost if x in kept else 2 * cost
+                have |= {x} & set(kept)
+            total += sum(f[i] for i in needed(nodes, a, b, seg.outputs, {*seg.inputs, *have}))
+            total += sum(f[i] for i in needed(nodes, a, b, kept, set(seg.inputs)))  # the backward's refill
+        else:
+            fold = fold_of(prog, seg, plan.batch)
+            total += sum((1 if fold and j == fold[0] else 2) * sum(f[i] for i in seg.needs[j]) for j in seg.bns)
+            total += sum(f[i] for i in range(fold[0], b)) if fold else whole  # the pass writing the outputs
+        # backward: each pass recomputes its nodes (a Conv whose output is kept, or read by no later node of
+        # the segment, only sets up its backward) and back-propagates through its stretch
+        read = {t for i in range(a, b) for t in nodes[i].inputs}
+        lite = {i for i in range(a, b) if nodes[i].op == "Conv" and (nodes[i].outputs[0] in kept
+                                                                     or nodes[i].outputs[0] not in read)}
+        carried = carried_of(nodes, seg, prog.consumers, prog.output, st)
+        for order, top, _, stop, _ in backward_passes(nodes, seg, carried, {*seg.inputs, *kept}):
+            total += sum(f[i] for i in order if i not in lite) + (BACKWARD_FACTOR - 1) * sum(
+                f[i] for i in range(stop, top + 1))
     return total
 
 
@@ -426,7 +479,7 @@ def fit_streamed(prog: Program, batch: int, budget: int, state_bytes: int, updat
                 best = (t, p)
     if best is None:
         raise BudgetError(f"batch {batch} does not fit {budget} bytes streamed", min(smallest, default=0))
-    return best[1]
+    return single_batchnorms(prog, best[1], budget, state_bytes, update_bytes)
 
 
 def fit(prog: Program, batch: int, budget: int | None, state_bytes: int, update_bytes: int,

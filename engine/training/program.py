@@ -37,9 +37,9 @@ from engine.training.stream import (
     Segment,
     Stream,
     StreamRun,
-    carried_grads,
+    carried_of,
     consumers_of,
-    parked_inputs,
+    kept_of,
     segment,
     working_sets,
 )
@@ -82,6 +82,8 @@ class StepPlan:
                 "streamed_nodes": s.end if s else 0, "stream_chunk": s.chunk if s else 0,
                 "stream_segments": len(s.segments) if s else 0, "stream_parked_segments": len(s.parked) if s else 0,
                 "stream_carried_segments": len(s.carried) if s else 0,
+                "stream_parked_batchnorms": len(s.parked_bns) if s else 0,
+                "stream_carried_batchnorms": len(s.carried_bns) if s else 0,
                 "arena_bytes": self.arena.size, "pinned_bytes": self.pinned_bytes, "total_bytes": self.total_bytes,
                 **cmp}
 
@@ -471,13 +473,12 @@ def plan_program(prog: Program, batch: int, dropped: frozenset[int], micro_batch
         label = nodes[a].name or nodes[a].outputs[0]
         add(f"{label}#segment-forward", fwd, a, b_ - 1)
         add(f"{label}#segment-backward", bwd, 2 * n - b_ + 1, 2 * n - a)
-        if a in stream.parked:  # its BatchNorms' inputs, whole batch, during its own passes only
-            for t in parked_inputs(nodes, prog.segment(a, b_)):
-                add(f"{t}#kept-forward", out_b[producer[t]], a, b_ - 1)
-                add(f"{t}#kept-backward", out_b[producer[t]], 2 * n - b_ + 1, 2 * n - a)
-        if a in stream.carried:  # its BatchNorms' output gradients, whole batch, during its backward
-            for t in carried_grads(nodes, prog.segment(a, b_), consumers, prog.output):
-                add(f"{t}#carried-grad", out_b[producer[t]], 2 * n - b_ + 1, 2 * n - a)
+        seg = prog.segment(a, b_)
+        for t in kept_of(nodes, seg, stream):  # BatchNorms' inputs, whole batch, during its own passes only
+            add(f"{t}#kept-forward", out_b[producer[t]], a, b_ - 1)
+            add(f"{t}#kept-backward", out_b[producer[t]], 2 * n - b_ + 1, 2 * n - a)
+        for j in carried_of(nodes, seg, consumers, prog.output, stream):  # output gradients, during its backward
+            add(f"{nodes[j].outputs[0]}#carried-grad", out_b[j], 2 * n - b_ + 1, 2 * n - a)
     add("loss#scratch", NodeCost.at(cal.loss_scratch, m), n, n)
     grad_bytes = 0
     updates: dict[int, list[str]] = {}

@@ -32,6 +32,12 @@ gradient arriving at it, and the next pass starts there (``jk``'s input gradient
 ``j(k-1)``), so no pass back-propagates again through what a later one did: each node's backward
 runs once per chunk (a BatchNorm's twice), each weight gradient is summed over the chunks in the
 same order as before (bitwise the same step).
+
+Where a whole segment cannot be parked or carried (its largest BatchNorm tensor does not fit the
+budget, e.g. a MobileNetV2 block's expansion at full resolution), single BatchNorms can be
+(``Stream.parked_bns``, ``Stream.carried_bns``): the carried ones cut the segment's backward into
+stretches (see :func:`backward_passes`); within a stretch each other BatchNorm gets its own pass,
+as in a segment carrying nothing.
 """
 
 from __future__ import annotations
@@ -58,16 +64,21 @@ class Stream:
     segments: tuple[tuple[int, int], ...]
     parked: tuple[int, ...] = ()
     carried: tuple[int, ...] = ()
+    parked_bns: tuple[int, ...] = ()  # single BatchNorms (node indices) whose input is kept as a parked one
+    carried_bns: tuple[int, ...] = ()  # single BatchNorms whose output gradient is carried
 
     @staticmethod
     def at(end: int, chunk: int, borders: list[int] | tuple[int, ...], parked: tuple[int, ...] = (),
-           carried: tuple[int, ...] = ()) -> Stream:
+           carried: tuple[int, ...] = (), parked_bns: tuple[int, ...] = (),
+           carried_bns: tuple[int, ...] = ()) -> Stream:
         """The stream of ``[0, end)`` cut at ``borders`` (positions strictly inside)."""
         cuts = [0, *sorted(q for q in set(borders) if 0 < q < end), end]
         segments = tuple(zip(cuts[:-1], cuts[1:], strict=True))
         starts = {a for a, _ in segments}
         return Stream(end, chunk, segments, tuple(sorted(a for a in set(parked) if a in starts)),
-                      tuple(sorted(a for a in set(carried) if a in starts)))
+                      tuple(sorted(a for a in set(carried) if a in starts)),
+                      tuple(sorted(j for j in set(parked_bns) if 0 <= j < end)),
+                      tuple(sorted(j for j in set(carried_bns) if 0 <= j < end)))
 
     @property
     def borders(self) -> tuple[int, ...]:
@@ -137,17 +148,74 @@ def carried_grads(nodes, seg: Segment, consumers: dict[str, list[int]], output: 
     before its last BatchNorm. An input read only inside the segment may cross (a residual block's
     input read by its Add): each pass adds its part of that gradient to the whole batch's, which
     sums the parts in the same order as one pass would."""
-    carried = []
+    ok = carriable(nodes, seg, consumers, output)
+    return [nodes[j].outputs[0] for j in seg.bns] if len(ok) == len(seg.bns) else []
+
+
+def carriable(nodes, seg: Segment, consumers: dict[str, list[int]], output: str) -> list[int]:
+    """The BatchNorms of ``seg`` whose output gradient may be carried on its own (see
+    :func:`carried_grads`): their output is the only tensor that crosses them."""
+    ok = []
     later = {t for t in seg.inputs if t == output or any(u >= seg.b for u in consumers.get(t, ()))}
     for p, j in enumerate(seg.bns):
         out = nodes[j].outputs[0]
         crossing = {t for t in later if any(j < u < seg.b for u in consumers.get(t, ()))}
         crossing |= {nodes[i].outputs[0] for i in range(seg.a, j + 1) if nodes[i].outputs[0] == output
                      or any(u > j for u in consumers.get(nodes[i].outputs[0], ()))}
-        if crossing != {out} or (p < len(seg.bns) - 1 and out in seg.outputs):
-            return []
-        carried.append(out)
-    return carried
+        if crossing == {out} and not (p < len(seg.bns) - 1 and out in seg.outputs):
+            ok.append(j)
+    return ok
+
+
+def kept_of(nodes, seg: Segment, stream: Stream) -> list[str]:
+    """The BatchNorm inputs ``seg`` keeps for the whole batch during its own passes: all of them
+    when it is parked, else those of its BatchNorms in ``stream.parked_bns``."""
+    if seg.a in stream.parked:
+        return parked_inputs(nodes, seg)
+    made = {nodes[i].outputs[0] for i in range(seg.a, seg.b)}
+    return list(dict.fromkeys(nodes[j].inputs[0] for j in seg.bns
+                              if j in stream.parked_bns and nodes[j].inputs[0] in made))
+
+
+def carried_of(nodes, seg: Segment, consumers: dict[str, list[int]], output: str, stream: Stream) -> list[int]:
+    """The BatchNorms of ``seg`` whose output gradients its backward carries: all of them when it is
+    carried (and allows it), else those in ``stream.carried_bns`` that allow it."""
+    if seg.a in stream.carried and carried_grads(nodes, seg, consumers, output):
+        return list(seg.bns)
+    picked = [j for j in seg.bns if j in stream.carried_bns]
+    if not picked:
+        return []
+    ok = set(carriable(nodes, seg, consumers, output))
+    return [j for j in picked if j in ok]
+
+
+def backward_passes(nodes, seg: Segment, carried: list[int], avail: set[str]) -> list[tuple]:
+    """The passes of ``seg``'s backward, in order: ``(order, top, start, stop, kind)``: each runs
+    the nodes ``order`` forward (keeping contexts from ``stop`` on), then back-propagates from
+    ``top`` down to ``stop``, starting from the segment outputs' gradients (``start`` None) or the
+    carried gradient of BatchNorm ``start``'s output. The carried BatchNorms cut the backward into
+    stretches; within one, each other BatchNorm (top down) gets a pass gathering its sums
+    (``"collect"``: frozen parameters, nothing written), then a last pass goes down to the carried
+    BatchNorm below (``"carry"``: gathering its sums, storing the gradient at its output) or to the
+    segment's start (``"final"``: writing the inputs' gradients); every node's weight gradient comes
+    from that last pass. Without carried BatchNorms: a pass per BatchNorm, then one over the whole
+    segment; with all of them carried: each node's backward once (a BatchNorm's twice)."""
+    passes = []
+    tops = sorted(carried, reverse=True)
+    for start, low in zip([None, *tops], [*tops, None], strict=True):
+        top = seg.b - 1 if start is None else start
+        reads_to = top + 1
+
+        def order(stop: int, reads_to: int = reads_to) -> list[int]:
+            reads = {t for i in range(stop, reads_to) for t in nodes[i].inputs}
+            return [*needed(nodes, seg.a, stop, reads, avail), *range(stop, reads_to)]
+
+        inner = [j for j in seg.bns if j not in carried and (low is None or j > low) and (start is None or j < start)]
+        for j in sorted(inner, reverse=True):
+            passes.append((order(j), top, start, j, "collect"))
+        stop = seg.a if low is None else low
+        passes.append((order(stop), top, start, stop, "final" if low is None else "carry"))
+    return passes
 
 
 def needed(nodes, a: int, b: int, targets, available) -> list[int]:
@@ -293,13 +361,6 @@ class StreamRun:
                     del env[s]
         return env, ctx
 
-    def _backward_chunk(self, seg: Segment, ctx: dict, grads_full: dict, lo: int, hi: int, stop: int,
-                        final: bool) -> None:
-        grads = {t: grads_full[t][lo:hi] for t in seg.outputs if t in grads_full}
-        self.prog.backward_nodes(range(seg.b - 1, stop - 1, -1), ctx, grads)
-        if final:
-            self._input_grads(seg, grads, grads_full, lo, hi)
-
     def _input_grads(self, seg: Segment, grads: dict, grads_full: dict, lo: int, hi: int) -> None:
         """Add one chunk's gradients of the segment's inputs to the whole batch's."""
         for t in seg.inputs:
@@ -311,11 +372,12 @@ class StreamRun:
             grads_full[t][lo:hi] += g
 
     def _kept_buffers(self, seg: Segment) -> dict[str, np.ndarray]:
-        """Whole-batch buffers of a parked segment's BatchNorm inputs (none if it is not parked)."""
-        if seg.a not in self.stream.parked:
+        """Whole-batch buffers of the BatchNorm inputs a segment keeps (see :func:`kept_of`)."""
+        kept = kept_of(self.nodes, seg, self.stream)
+        if not kept:
             return {}
         infos, _ = self.prog._infos(self.batch)
-        return {t: np.empty(infos[t].shape, np.float32) for t in parked_inputs(self.nodes, seg)}
+        return {t: np.empty(infos[t].shape, np.float32) for t in kept}
 
     # -- the prefix --------------------------------------------------------------------------------
     def forward(self, env: dict) -> None:
@@ -371,42 +433,12 @@ class StreamRun:
                 for lo, hi in self.spans:
                     self._forward_chunk(seg, env, lo, hi, order, None, store=kept)
             avail = {*seg.inputs, *kept}
-
-            def pass_order(stop: int, seg: Segment = seg, avail: set = avail) -> list[int]:
-                """Nodes ``[stop, b)`` (whose contexts a backward pass to ``stop`` needs) and what
-                they read that is neither an input nor kept."""
-                reads = {t for i in range(stop, seg.b) for t in nodes[i].inputs}
-                return [*needed(nodes, seg.a, stop, reads, avail), *range(stop, seg.b)]
-
             params = {t for i in range(seg.a, seg.b) for t in nodes[i].inputs if t in self.prog.model.params}
             read = {t for i in range(seg.a, seg.b) for t in nodes[i].inputs}
             unread = frozenset(i for i in range(seg.a, seg.b)  # convs only the next segments read
                                if nodes[i].op == "Conv" and nodes[i].outputs[0] not in read)
-            carried = carried_grads(nodes, seg, self.consumers, self.prog.output) \
-                if seg.a in self.stream.carried else []
-            if carried:
-                self._backward_carried(seg, env, grads, kept, avail, unread, carried)
-            for j in reversed(seg.bns if not carried else ()):
-                st = self.stats[j]
-                st.begin_collect()
-                frozen = [self.prog.model.params[p] for p in params]
-                for p in frozen:
-                    p.requires_grad = False
-                try:
-                    order = pass_order(j)
-                    for lo, hi in self.spans:
-                        _, ctx = self._forward_chunk(seg, env, lo, hi, order, j, kept=kept, unread=unread)
-                        self._backward_chunk(seg, ctx, grads, lo, hi, j, final=False)
-                        del ctx
-                finally:
-                    for p in frozen:
-                        p.requires_grad = True
-                st.end_collect()
-            order = pass_order(seg.a) if not carried else []
-            for lo, hi in self.spans if order else ():
-                _, ctx = self._forward_chunk(seg, env, lo, hi, order, seg.a, kept=kept, unread=unread)
-                self._backward_chunk(seg, ctx, grads, lo, hi, seg.a, final=True)
-                del ctx
+            carried = carried_of(nodes, seg, self.consumers, self.prog.output, self.stream)
+            self._backward_passes(seg, env, grads, kept, backward_passes(nodes, seg, carried, avail), unread, params)
             del kept
             for j in seg.bns:
                 self.prog.batchnorm_grads(nodes[j], self.stats[j])
@@ -417,39 +449,44 @@ class StreamRun:
                 del env[t]
             self.update(seg.a, seg.b)
 
-    def _backward_carried(self, seg: Segment, env: dict, grads: dict, kept: dict, avail: set,
-                          unread: frozenset[int], carried: list[str]) -> None:
-        """A carried segment's backward: pass ``p`` (from the last BatchNorm ``j(p)`` down) runs the
-        nodes after ``j(p)`` up to and including ``j(p+1)``, starting from the whole-batch gradient
-        of ``j(p+1)``'s output the pass before stored (the segment's outputs' gradients, first),
-        stores the gradient arriving at ``j(p)``'s output and gathers ``j(p)``'s sums; the last pass
-        runs the nodes before the first BatchNorm and writes the inputs' gradients."""
-        nodes, bns = self.nodes, seg.bns
+    def _backward_passes(self, seg: Segment, env: dict, grads: dict, kept: dict, passes: list[tuple],
+                         unread: frozenset[int], params: set[str]) -> None:
+        """Run ``passes`` (:func:`backward_passes`) over the chunks: a pass from a carried BatchNorm
+        starts from the whole-batch gradient of its output the pass down to it stored; a pass
+        gathering a BatchNorm's sums runs with the segment's parameters frozen and writes nothing."""
+        nodes = self.nodes
         infos, _ = self.prog._infos(self.batch)
-        above: np.ndarray | None = None  # the stored gradient of out(bns[p]) (read by pass p)
-        for p in range(len(bns), -1, -1):
-            lo_p = bns[p - 1] if p else seg.a
-            hi_p = seg.b if p == len(bns) else bns[p] + 1
-            reads = {t for i in range(lo_p, hi_p) for t in nodes[i].inputs}
-            order = [*needed(nodes, seg.a, lo_p, reads, avail), *range(lo_p, hi_p)]
-            below = None
-            if p:
-                self.stats[bns[p - 1]].begin_collect()
-                below = np.empty(infos[carried[p - 1]].shape, np.float32)
-            for lo, hi in self.spans:
-                _, ctx = self._forward_chunk(seg, env, lo, hi, order, lo_p, kept=kept, unread=unread)
-                if above is None:
-                    g = {t: grads[t][lo:hi] for t in seg.outputs if t in grads}
-                else:
-                    g = {carried[p]: above[lo:hi]}
-                if p:
-                    self.prog.backward_nodes(range(hi_p - 1, lo_p, -1), ctx, g)
-                    below[lo:hi] = g[carried[p - 1]]
-                    self.prog.backward_nodes((lo_p,), ctx, g)  # gathers the BatchNorm's sums only
-                else:
-                    self.prog.backward_nodes(range(hi_p - 1, lo_p - 1, -1), ctx, g)
-                self._input_grads(seg, g, grads, lo, hi)  # (the inputs read by this pass's nodes)
-                del ctx, g
-            if p:
-                self.stats[bns[p - 1]].end_collect()
-            above = below
+        stored: dict[int, np.ndarray] = {}  # carried BatchNorm -> the gradient of its output, whole batch
+        for order, top, start, stop, kind in passes:
+            st = self.stats.get(stop) if kind != "final" else None
+            if st is not None:
+                st.begin_collect()
+            below = np.empty(infos[nodes[stop].outputs[0]].shape, np.float32) if kind == "carry" else None
+            frozen = [self.prog.model.params[p] for p in params] if kind == "collect" else []
+            for p in frozen:
+                p.requires_grad = False
+            try:
+                for lo, hi in self.spans:
+                    _, ctx = self._forward_chunk(seg, env, lo, hi, order, stop, kept=kept, unread=unread)
+                    if start is None:
+                        g = {t: grads[t][lo:hi] for t in seg.outputs if t in grads}
+                    else:
+                        g = {nodes[start].outputs[0]: stored[start][lo:hi]}
+                    if kind == "carry":
+                        self.prog.backward_nodes(range(top, stop, -1), ctx, g)
+                        below[lo:hi] = g[nodes[stop].outputs[0]]
+                        self.prog.backward_nodes((stop,), ctx, g)  # gathers the BatchNorm's sums only
+                    else:
+                        self.prog.backward_nodes(range(top, stop - 1, -1), ctx, g)
+                    if kind != "collect":
+                        self._input_grads(seg, g, grads, lo, hi)  # (the inputs read by this pass's nodes)
+                    del ctx, g
+            finally:
+                for p in frozen:
+                    p.requires_grad = True
+            if st is not None:
+                st.end_collect()
+            if start is not None and kind != "collect":
+                del stored[start]
+            if below is not None:
+                stored[stop] = below

@@ -176,6 +176,33 @@ def test_streamed_batchnorm_step_equals_the_whole_batch(make_opt, end, chunk, bo
         np.testing.assert_allclose(model.buffers[k], ref.buffers[k], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(("end", "chunk", "borders", "parked_bns", "carried_bns"), [
+    (16, 3, (), (4,), (1,)), (16, 3, (), (1, 7), (11,)), (16, 7, (), (4, 11), (1, 11)),
+    (16, 7, (9,), (4,), (1,)), (12, 4, (3,), (7,), (4,)), (12, 4, (3,), (), (7,)), (12, 1, (3,), (4, 7), (4, 11)),
+    (16, 1, (3, 9, 12), (4,), (7,))])
+def test_single_batchnorms_parked_and_carried_equal_the_whole_batch(end, chunk, borders, parked_bns, carried_bns):
+    """Some of a segment's BatchNorms keep their input for the whole batch during its passes, or
+    carry their output gradient during its backward (not all of them, as a parked or carried segment
+    does): the same losses, updates and running statistics as today's trainer on the whole batch."""
+    graph = bn_resnet()
+    x, labels = data(batch=20)
+    make_opt = lambda p: SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    ref, ref_losses = reference_steps(graph, x, labels, 3, make_opt)
+    model = GraphModel(graph)
+    opt = make_opt(model.parameters())
+    prog = Program(model, "cross_entropy", (1, 8, 8))
+    plan = prog.plan(20, stream=Stream.at(end, chunk, borders, parked_bns=parked_bns, carried_bns=carried_bns),
+                     optimizer_state_bytes=opt.state_bytes())
+    assert any(b.name.endswith("#carried-grad") for b in plan.buffers)
+    if parked_bns:
+        assert any(b.name.endswith("#kept-backward") for b in plan.buffers)
+    losses = [prog.run(plan, x, labels, opt) for _ in range(3)]
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
+    assert max_param_diff(ref, model) <= 1e-5
+    for k in ref.buffers:
+        np.testing.assert_allclose(model.buffers[k], ref.buffers[k], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("chunks", [(3, 3, 2), (1,) * 8, (5, 3), (8,)])
 def test_batch_statistics_gathered_in_chunks_equal_batchnorm_bitwise(chunks):
     """BatchStats sums each chunk's rows into the running float32 sums in row order, as numpy
