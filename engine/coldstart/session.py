@@ -207,7 +207,7 @@ class ColdSession(InferenceSession):
                             # the graph last (its first 8 MB would queue before the rest), its header first
                             *([(linked, HEADER_PREFETCH), linked] if linked_digest else []))
         if linked_digest:  # the graph past its first readahead window, from a thread (each piece waits for the kernel)
-            _background(functools.partial(self.store.readahead, linked))
+            self.store.readahead_behind(linked)
         self.model_digest = (graph_digest(model) if isinstance(model, Graph)
                              else linked_digest or file_digest(model, self.store))
         graph = self._optimized_graph(model)

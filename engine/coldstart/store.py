@@ -20,6 +20,7 @@ eviction removes the oldest mtimes first.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import json
 import os
@@ -47,15 +48,13 @@ def willneed_window(fd: int) -> int:
     elsewhere); 128 KB when the device says nothing. Read from sysfs once per device."""
     dev = os.fstat(fd).st_dev
     if dev not in _WINDOWS:
-        kb = []
-        with contextlib.suppress(OSError, ValueError):
-            kb.append(int(Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text()))
-        for queue in ("queue", "../queue"):  # a disk, or the disk of a partition
-            with contextlib.suppress(OSError, ValueError):
-                kb.append(int(Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/{queue}/max_sectors_kb")
-                              .read_text()))
-                break
-        _WINDOWS[dev] = max([128, *kb]) << 10
+        kb = [128]
+        ident = f"{os.major(dev)}:{os.minor(dev)}"
+        for sysfs in (f"/sys/class/bdi/{ident}/read_ahead_kb", f"/sys/dev/block/{ident}/queue/max_sectors_kb",
+                      f"/sys/dev/block/{ident}/../queue/max_sectors_kb"):  # a disk, or the disk of a partition
+            with contextlib.suppress(OSError, ValueError), open(sysfs, "rb") as f:
+                kb.append(int(f.read()))
+        _WINDOWS[dev] = max(kb) << 10
     return _WINDOWS[dev]
 _KEY = re.compile(r"^[A-Za-z0-9_.=-]{1,200}$")
 
@@ -186,6 +185,23 @@ class EntryStore:
             return 0
         finally:
             os.close(fd)
+
+    @classmethod
+    def readahead_behind(cls, path: Path) -> bool:
+        """:meth:`readahead` of ``path`` on a new thread if it is longer than one readahead window
+        (a file within it was asked for whole by :meth:`prefetch`: no thread then). Returns whether
+        a thread was started."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            if os.fstat(fd).st_size <= willneed_window(fd):
+                return False
+        finally:
+            os.close(fd)
+        _thread.start_new_thread(cls.readahead, (path,))  # not Thread.start: it waits for the thread to run
+        return True
 
     def file(self, key: str, suffix: str, touch: bool = True) -> Path | None:
         """The path of a whole file kept by :meth:`put_file` (marked recently used unless ``touch`` is

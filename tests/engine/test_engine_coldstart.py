@@ -757,6 +757,10 @@ def test_readahead_asks_for_a_file_past_the_first_readahead_window(tmp_path):
     assert EntryStore.readahead(path) == size - window  # the rest
     assert EntryStore.readahead(path, start=size) == 0
     assert EntryStore.readahead(tmp_path / "missing") == 0
+    assert EntryStore.readahead_behind(path)  # a thread for a file past one window
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"x" * 1000)
+    assert not EntryStore.readahead_behind(small) and not EntryStore.readahead_behind(tmp_path / "missing")
     deadline = time.monotonic() + 20
     while resident() < 1.0 and time.monotonic() < deadline:  # the reads complete in the background
         time.sleep(0.01)
