@@ -67,6 +67,11 @@ def module_path(cache_dir: str | os.PathLike) -> Path:
     return Path(cache_dir) / _key() / (MODULE + _suffix())
 
 
+def lock_path(cache_dir: str | os.PathLike) -> Path:
+    """The file that says a build of this machine's module into ``cache_dir`` is under way."""
+    return Path(cache_dir) / f".{_key()}.building"
+
+
 def files(cache_dir: str | os.PathLike) -> list[Path]:
     """The files :func:`load` reads (to prefetch them): the module and its checksum entry."""
     from engine.coldstart.store import EntryStore
@@ -171,7 +176,7 @@ def build(cache_dir: str | os.PathLike) -> Path:
 def copy_built(src_dir: str | os.PathLike, dest_dir: str | os.PathLike) -> None:
     """Copy this machine's compiled module (and its checksum entry) from one cache to another,
     building it in ``src_dir`` first if missing (e.g. seed a test's or a benchmark's fresh cache)."""
-    lock = Path(src_dir) / f".{_key()}.building"
+    lock = lock_path(src_dir)
     deadline = time.time() + STALE_LOCK_S
     while load(src_dir) is None and lock.exists() and time.time() < deadline:
         time.sleep(0.5)  # a background build of the same module is under way: wait for it, never race it
@@ -186,7 +191,7 @@ def copy_built(src_dir: str | os.PathLike, dest_dir: str | os.PathLike) -> None:
 
 def build_in_background(cache_dir: str | os.PathLike) -> subprocess.Popen | None:
     """Start :func:`build` in a niced child process unless a build is already running; returns it."""
-    lock = Path(cache_dir) / f".{_key()}.building"
+    lock = lock_path(cache_dir)
     with contextlib.suppress(OSError):
         if time.time() - lock.stat().st_mtime > STALE_LOCK_S:  # a build that died: try again
             lock.unlink()
