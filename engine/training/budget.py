@@ -12,6 +12,8 @@ segment's BatchNorms each cost more passes over it). If nothing more helps,
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from engine.training.calibrate import NodeCost
@@ -238,15 +240,62 @@ def _add_faster(prog: Program, plan: StepPlan, options: list[int], field: str, b
                            budget, state_bytes, update_bytes, faster=True)
 
 
+SUBSET_OPTIONS = 6  # a segment's parking and carrying choices are searched in full up to this many options
+
+
+def _segment_choices(prog: Program, plan: StepPlan, budget: int, state_bytes: int, update_bytes: int) -> Stream:
+    """Segment by segment (those not parked and carried whole), every subset of its BatchNorms'
+    inputs parked and of its BatchNorms' output gradients carried (up to ``SUBSET_OPTIONS``
+    options): the fastest by the calibration whose live bytes fit, the others as chosen so far."""
+    stream = plan.stream
+    assert stream is not None
+    nodes, n = prog.cal.nodes, len(prog.cal.nodes)
+    best_t = estimated_seconds(prog, plan)
+    for a, b in stream.segments:
+        seg = prog.segment(a, b)
+        if a in stream.parked and a in stream.carried and carried_grads(nodes, seg, prog.consumers, prog.output):
+            continue
+        made = {nodes[i].outputs[0] for i in range(a, b)}
+        parkable = [j for j in seg.bns if nodes[j].inputs[0] in made]
+        carry_ok = carriable(nodes, seg, prog.consumers, prog.output)
+        if not parkable and not carry_ok or len(parkable) + len(carry_ok) > SUBSET_OPTIONS:
+            continue
+        parked = tuple(x for x in stream.parked if x != a)
+        carried = tuple(x for x in stream.carried if x != a)
+        pbns = tuple(j for j in stream.parked_bns if not a <= j < b)
+        cbns = tuple(j for j in stream.carried_bns if not a <= j < b)
+        chosen = None
+        for pick in itertools.product(*[(False, True)] * (len(parkable) + len(carry_ok))):
+            ps = [j for j, on in zip(parkable, pick[:len(parkable)], strict=True) if on]
+            cs = [j for j, on in zip(carry_ok, pick[len(parkable):], strict=True) if on]
+            trial = Stream.at(stream.end, stream.chunk, stream.borders, parked, carried, (*pbns, *ps), (*cbns, *cs))
+            candidate = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, arena=False,
+                                     stream=trial)
+            if int(live_profile(candidate.buffers, 2 * n + 1).max()) + candidate.pinned_bytes > budget:
+                continue
+            t = estimated_seconds(prog, candidate)
+            if t < best_t * (1 - 1e-9):
+                best_t, chosen = t, trial
+        if chosen is not None:
+            stream = chosen
+    return stream
+
+
 def single_batchnorms(prog: Program, plan: StepPlan, budget: int, state_bytes: int, update_bytes: int) -> StepPlan:
     """Speed a fitting streamed plan up where whole segments could not be parked or carried (a
     segment's largest BatchNorm tensor does not fit): single BatchNorms' inputs parked (kept for
-    the whole batch during their segment's passes), then single BatchNorms' output gradients
-    carried (during its backward, so that the passes below start there), each while the plan
-    still fits and gets faster by the calibration."""
+    the whole batch during their segment's passes) and single BatchNorms' output gradients carried
+    (during its backward, so that the passes below start there), chosen per segment among all
+    subsets (:func:`_segment_choices`) when the placed plan fits; else greedily, parked then
+    carried, each while the plan still fits and gets faster by the calibration."""
     stream = plan.stream
     if stream is None:
         return plan
+    searched = _segment_choices(prog, plan, budget, state_bytes, update_bytes)
+    if searched != stream:
+        full = plan_program(prog, plan.batch, plan.dropped, 1, state_bytes, update_bytes, stream=searched)
+        if full.total_bytes <= budget:
+            return full
     nodes = prog.cal.nodes
     options = []
     for a, b in stream.segments:
@@ -258,10 +307,8 @@ def single_batchnorms(prog: Program, plan: StepPlan, budget: int, state_bytes: i
     stream, options = plan.stream, []
     for a, b in stream.segments:
         seg = prog.segment(a, b)
-        if not carried_of(nodes, seg, prog.consumers, prog.output, stream) or len(
-                carried_of(nodes, seg, prog.consumers, prog.output, stream)) < len(seg.bns):
-            options += [j for j in carriable(nodes, seg, prog.consumers, prog.output) if j not in stream.carried_bns
-                        and not (a in stream.carried and carried_grads(nodes, seg, prog.consumers, prog.output))]
+        if not (a in stream.carried and carried_grads(nodes, seg, prog.consumers, prog.output)):
+            options += [j for j in carriable(nodes, seg, prog.consumers, prog.output) if j not in stream.carried_bns]
     return _add_faster(prog, plan, options, "carried_bns", budget, state_bytes, update_bytes)
 
 

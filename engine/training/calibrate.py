@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     from engine.training.program import Program
 
 CALIBRATION_BATCHES = (2, 4)
+# forward times are fitted on larger batches (the chunks a streamed step runs are ~8-20 rows) and the
+# least of several interleaved rounds: on a loaded machine one round at 2 and 4 rows moved the
+# fitted slopes, and with them the plans chosen, by several times
+TIMING_BATCHES = (4, 16)
+TIMING_ROUNDS = 5
 
 
 @dataclass
@@ -74,7 +79,8 @@ def _saved_arrays(out: Tensor) -> list[np.ndarray]:
 
 def calibrate(prog: Program) -> Calibration:
     """Run the program unplanned on two small batches, measuring per node the output and saved
-    context bytes, the transient scratch (tracemalloc) and the forward time (perf_counter)."""
+    context bytes and the transient scratch (tracemalloc), and its forward on two more (the forward
+    time, perf_counter: ``TIMING_BATCHES``, the least of ``TIMING_ROUNDS`` rounds)."""
     rng = np.random.default_rng(0)
     samples: list[dict] = []
     nodes: list[Node] = []
@@ -85,9 +91,8 @@ def calibrate(prog: Program) -> Calibration:
         out_shape = prog._infos(batch)[0][prog.output].shape
         target = (rng.integers(0, out_shape[-1], batch) if prog.loss == "cross_entropy"
                   else rng.standard_normal(out_shape).astype(np.float32))
-        times = _time_forward(prog, nodes, x)
         # one-off allocations (a lazy import, a JIT compile) land in some trace: keep each node's least
-        first, second = _trace(prog, nodes, x, target, times), _trace(prog, nodes, x, target, times)
+        first, second = _trace(prog, nodes, x, target), _trace(prog, nodes, x, target)
         for a, b in zip(first["nodes"], second["nodes"], strict=True):
             a["fscratch"], a["bscratch"] = min(a["fscratch"], b["fscratch"]), min(a["bscratch"], b["bscratch"])
         first["loss"] = min(first["loss"], second["loss"])
@@ -100,10 +105,14 @@ def calibrate(prog: Program) -> Calibration:
         s = max(0.0, (v2 - v1) / (b2 - b1))  # never shrinking with the batch (timer noise can say so)
         return max(0.0, v1 - s * b1), s
 
+    t1, t2 = _time_forward(prog, nodes, [rng.standard_normal((m, *prog.sample_shape)).astype(np.float32)
+                                          for m in TIMING_BATCHES])
+    slopes = [max(0.0, (v2 - v1) / (TIMING_BATCHES[1] - TIMING_BATCHES[0])) for v1, v2 in zip(t1, t2, strict=True)]
     costs = []
     for i in range(len(nodes)):
         a, b = samples[0]["nodes"][i], samples[1]["nodes"][i]
-        costs.append(NodeCost(*(fit(a[k], b[k]) for k in ("out", "context", "fscratch", "bscratch", "time")),
+        timed = (max(0.0, t1[i] - slopes[i] * TIMING_BATCHES[0]), slopes[i])
+        costs.append(NodeCost(*(fit(a[k], b[k]) for k in ("out", "context", "fscratch", "bscratch")), timed,
                               keeps_inputs=a["keeps_inputs"] | b["keeps_inputs"],
                               keeps_output=a["keeps_output"] or b["keeps_output"]))
     users: dict[str, list[int]] = {}
@@ -115,19 +124,30 @@ def calibrate(prog: Program) -> Calibration:
                        {k: p.data.nbytes for k, p in prog.model.params.items()}, users)
 
 
-def _time_forward(prog: Program, nodes: list[Node], x: np.ndarray) -> list[float]:
-    best = [float("inf")] * len(nodes)
-    for _ in range(2):
-        env = {prog.input: x}
-        for i, node in enumerate(nodes):
-            t0 = time.perf_counter()
-            out, _ = prog.forward_node(node, env, len(x), replay=True)
-            best[i] = min(best[i], time.perf_counter() - t0)
-            env[node.outputs[0]] = out.data
+def _time_forward(prog: Program, nodes: list[Node], xs: list[np.ndarray]) -> list[list[float]]:
+    """Each node's forward time on each of ``xs`` (the least of ``TIMING_ROUNDS`` rounds, the
+    batches in turns); each output is freed after its last reader."""
+    last: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        for t in node.inputs:
+            last[t] = i
+    best = [[float("inf")] * len(nodes) for _ in xs]
+    for _ in range(TIMING_ROUNDS):
+        for k, x in enumerate(xs):
+            env = {prog.input: x}
+            for i, node in enumerate(nodes):
+                t0 = time.perf_counter()
+                out, _ = prog.forward_node(node, env, len(x), replay=True)
+                best[k][i] = min(best[k][i], time.perf_counter() - t0)
+                env[node.outputs[0]] = out.data
+                del out
+                for t in set(node.inputs):
+                    if last.get(t) == i and t != prog.input:
+                        env.pop(t, None)
     return best
 
 
-def _trace(prog: Program, nodes: list[Node], x: np.ndarray, target: np.ndarray, times: list[float]) -> dict:
+def _trace(prog: Program, nodes: list[Node], x: np.ndarray, target: np.ndarray) -> dict:
     for p in prog.model.params.values():  # as after zero_grad: no accumulation into earlier gradients
         p.grad = None
     weights = [p.data for p in prog.model.params.values()]
@@ -137,7 +157,7 @@ def _trace(prog: Program, nodes: list[Node], x: np.ndarray, target: np.ndarray, 
     if not was_tracing:
         tracemalloc.start()
     try:
-        for i, node in enumerate(nodes):
+        for node in nodes:
             tracemalloc.reset_peak()
             out, leaves = prog.forward_node(node, env, len(x), replay=True)
             cur, peak = tracemalloc.get_traced_memory()
@@ -154,7 +174,7 @@ def _trace(prog: Program, nodes: list[Node], x: np.ndarray, target: np.ndarray, 
                     r = _root(a)
                     private[id(r)] = r.nbytes if isinstance(r, np.ndarray) else a.nbytes
             per_node.append({"out": out.data.nbytes, "context": sum(private.values()), "fscratch": max(0, peak - cur),
-                             "time": times[i], "keeps_inputs": frozenset(keeps), "keeps_output": keeps_out})
+                             "keeps_inputs": frozenset(keeps), "keeps_output": keeps_out})
             ctx.append((out, leaves))
         tracemalloc.reset_peak()
         _, g = prog.loss_grad(env[prog.output], target, 1.0)
