@@ -29,8 +29,7 @@ trial the page cache of the model file and of every engine-cache file is dropped
 - ``read_floor``: what the disk alone costs ``cold``: a fresh process reads exactly the files the
   previous ``cold`` trial of the round opened (recorded with an audit hook: the model's cached graph,
   its stamp, the calibration, the compiled loops), page cache dropped the same way, all of them
-  asked for at once (``WILLNEED``, one device readahead window at a time: the kernel reads at most
-  one window per call) then read whole. Nothing else.
+  asked for at once (``WILLNEED``) then read whole. Nothing else.
 
 Besides times, each ``cold`` trial reports the bytes it made the kernel fetch from the disk
 (``read_bytes`` of ``/proc/self/io`` over the timed region: ``<model>_cold_read_mb``) and the CPU
@@ -110,11 +109,12 @@ def record_opened_files() -> list[str]:
     return opened
 
 
-def read_files(paths: list[str], window) -> int:
+def read_files(paths: list[str]) -> int:
     """Bring these files whole from the disk into memory, the way the cold path reads its graph: each
-    mapped, all asked for at once (``MADV_WILLNEED``: the disk queue is full; one call per readahead
-    window, ``window(fd)`` bytes, the kernel's cap per call), then one byte of every page touched
-    (nothing copied). Returns the bytes mapped."""
+    mapped, all asked for at once (``MADV_WILLNEED``: the disk queue is full; the kernel brings in a
+    file's first readahead window for it), then one byte of every page touched in file order (nothing
+    copied; past the first window each touch that misses reads a window around it, as the cold path's
+    populating thread does). Returns the bytes mapped."""
     import mmap
 
     import numpy as np
@@ -123,11 +123,9 @@ def read_files(paths: list[str], window) -> int:
     for p in paths:
         with open(p, "rb") as f:
             if os.fstat(f.fileno()).st_size:
-                maps.append((mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), window(f.fileno())))
-    for m, step in maps:
-        for off in range(0, len(m), step):
-            m.madvise(mmap.MADV_WILLNEED, off, min(step, len(m) - off))
-    maps = [m for m, _ in maps]
+                maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    for m in maps:
+        m.madvise(mmap.MADV_WILLNEED)
     total = 0
     for m in maps:
         pages = np.frombuffer(m, np.uint8)[:: mmap.PAGESIZE]
@@ -197,12 +195,10 @@ def child(variant: str, model: str, cache: str, files: str = "") -> dict:
     opened = record_opened_files() if variant == "cold" else []
     started = time.perf_counter()
     if variant == "read_floor":
-        from engine.coldstart.store import willneed_window
-
         paths = json.loads(Path(files).read_text())
         imported, cpu_before = time.perf_counter(), time.process_time()
         io_before = disk_read_bytes()
-        out["bytes"] = read_files(paths, willneed_window)
+        out["bytes"] = read_files(paths)
         y = np.zeros(1)
         done, cpu_done, io_done = time.perf_counter(), time.process_time(), disk_read_bytes()
     elif variant.startswith("ort"):

@@ -206,8 +206,6 @@ class ColdSession(InferenceSession):
                             *([self.store.path(self._plan_key(linked_digest))] if linked_digest else []),
                             # the graph last (its first 8 MB would queue before the rest), its header first
                             *([(linked, HEADER_PREFETCH), linked] if linked_digest else []))
-        if linked_digest:  # the graph past its first readahead window, from a thread (each piece waits for the kernel)
-            self.store.readahead_behind(linked)
         self.model_digest = (graph_digest(model) if isinstance(model, Graph)
                              else linked_digest or file_digest(model, self.store))
         graph = self._optimized_graph(model)
@@ -276,6 +274,7 @@ class ColdSession(InferenceSession):
         loader = WeightLoader(path, drop_cache=False)
         header = loader.header
         weights = loader.map_all()
+        loader.populate_behind()  # prefetch's WILLNEED brought in the first readahead window: the rest
         self._weights = weights
         self._seal_key = f"seal-{loader.seal_name()}"
         if self.store.link(self._seal_key) == path:  # verified whole before, unchanged since: no checks now

@@ -20,7 +20,6 @@ eviction removes the oldest mtimes first.
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import json
 import os
@@ -38,24 +37,6 @@ ALIGN = 64
 SUFFIX = ".sfc"
 FILE_SUFFIXES = (SUFFIX, ".sfe")  # entries, and whole files kept by put_file (engine model files)
 LINK_SUFFIX = ".sfl"  # links to a file of the store, resolved without reading the disk
-_WINDOWS: dict[int, int] = {}  # device -> bytes one WILLNEED reads at most (willneed_window)
-
-
-def willneed_window(fd: int) -> int:
-    """The most one ``WILLNEED`` (``posix_fadvise``/``madvise``) on this file makes the kernel read: its
-    device's readahead window or largest request, whichever is larger (Linux caps the advice there:
-    ``max(read_ahead_kb, max_sectors_kb)``, 8 MB on the VM measured, 128 KB-1.25 MB by default
-    elsewhere); 128 KB when the device says nothing. Read from sysfs once per device."""
-    dev = os.fstat(fd).st_dev
-    if dev not in _WINDOWS:
-        kb = [128]
-        ident = f"{os.major(dev)}:{os.minor(dev)}"
-        for sysfs in (f"/sys/class/bdi/{ident}/read_ahead_kb", f"/sys/dev/block/{ident}/queue/max_sectors_kb",
-                      f"/sys/dev/block/{ident}/../queue/max_sectors_kb"):  # a disk, or the disk of a partition
-            with contextlib.suppress(OSError, ValueError), open(sysfs, "rb") as f:
-                kb.append(int(f.read()))
-        _WINDOWS[dev] = max(kb) << 10
-    return _WINDOWS[dev]
 _KEY = re.compile(r"^[A-Za-z0-9_.=-]{1,200}$")
 
 
@@ -161,47 +142,6 @@ class EntryStore:
                     os.posix_fadvise(fd, 0, n, os.POSIX_FADV_WILLNEED)
                 finally:
                     os.close(fd)
-
-    @staticmethod
-    def readahead(path: Path, start: int | None = None) -> int:
-        """Ask the kernel to read ``path`` from ``start`` (default: past the first readahead window,
-        which :meth:`prefetch` asked for) to its end in the background, one :func:`willneed_window`
-        at a time in file order. :meth:`prefetch` (one ``WILLNEED`` per file) gets a big file's first
-        window only: the rest was read when first touched, each page fault past the window waiting
-        for a synchronous read around it. Each call blocks while the kernel allocates and queues its
-        pages (~0.5-2 ms per 4 MB): meant for a background thread. Returns the bytes asked for (0 if
-        the file cannot be opened)."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return 0
-        try:
-            size, window = os.fstat(fd).st_size, willneed_window(fd)
-            start = window if start is None else start
-            for off in range(start, size, window):
-                os.posix_fadvise(fd, off, min(window, size - off), os.POSIX_FADV_WILLNEED)
-            return max(0, size - start)
-        except (OSError, AttributeError):
-            return 0
-        finally:
-            os.close(fd)
-
-    @classmethod
-    def readahead_behind(cls, path: Path) -> bool:
-        """:meth:`readahead` of ``path`` on a new thread if it is longer than one readahead window
-        (a file within it was asked for whole by :meth:`prefetch`: no thread then). Returns whether
-        a thread was started."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return False
-        try:
-            if os.fstat(fd).st_size <= willneed_window(fd):
-                return False
-        finally:
-            os.close(fd)
-        _thread.start_new_thread(cls.readahead, (path,))  # not Thread.start: it waits for the thread to run
-        return True
 
     def file(self, key: str, suffix: str, touch: bool = True) -> Path | None:
         """The path of a whole file kept by :meth:`put_file` (marked recently used unless ``touch`` is

@@ -39,6 +39,7 @@ written before checksums existed are checked for size only.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import errno
 import hashlib
@@ -66,6 +67,61 @@ def seal_name(path: str | os.PathLike, st: os.stat_result | None = None) -> str:
     st = st or os.stat(path)
     parts = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     return hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
+
+
+_WINDOWS: dict[int, int] = {}  # device -> bytes one WILLNEED reads at most (willneed_window)
+
+
+def willneed_window(fd: int) -> int:
+    """The most one ``WILLNEED`` (``posix_fadvise``/``madvise``) on this file makes the kernel read: its
+    device's readahead window or largest request, whichever is larger (Linux caps the advice there:
+    ``max(read_ahead_kb, max_sectors_kb)``, 8 MB on the VM measured, 128 KB-1.25 MB by default
+    elsewhere); 128 KB when the device says nothing. Read from sysfs once per device."""
+    dev = os.fstat(fd).st_dev
+    if dev not in _WINDOWS:
+        kb = [128]
+        ident = f"{os.major(dev)}:{os.minor(dev)}"
+        for sysfs in (f"/sys/class/bdi/{ident}/read_ahead_kb", f"/sys/dev/block/{ident}/queue/max_sectors_kb",
+                      f"/sys/dev/block/{ident}/../queue/max_sectors_kb"):  # a disk, or the disk of a partition
+            with contextlib.suppress(OSError, ValueError), open(sysfs, "rb") as f:
+                kb.append(int(f.read()))
+        _WINDOWS[dev] = max(kb) << 10
+    return _WINDOWS[dev]
+
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
+_libc = None
+
+
+def populate_behind(base: int, length: int) -> threading.Event | None:
+    """Fault ``length`` bytes of a file mapping at address ``base`` (page-aligned) in on a new thread
+    (``madvise(MADV_POPULATE_READ)`` through ctypes: one call, the GIL released for all of it): the
+    kernel reads the pages through its page-fault read-around, as first touches would (large folios,
+    a readahead window at a time), and maps them for this process, so the caller's own first touches
+    neither wait for the disk nor fault. Returns an event set when done, or None where libc cannot be
+    loaded. On kernels before 5.14 the call fails and nothing is read ahead (the caller's touches
+    read the pages as before)."""
+    global _libc
+    if length <= 0:
+        return None
+    try:
+        if _libc is None:
+            import ctypes
+
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    except (OSError, AttributeError):
+        return None
+    done = threading.Event()
+
+    def body() -> None:
+        try:
+            _libc.madvise(base, length, _MADV_POPULATE_READ)
+        finally:
+            done.set()
+
+    _thread.start_new_thread(body, ())  # not Thread.start: it waits until the new thread runs
+    return done
 
 
 def direct_len(n: int) -> int:
@@ -151,6 +207,18 @@ class WeightLoader:
             self._map.madvise(mmap.MADV_WILLNEED)
         return {b.name: np.frombuffer(self._map, b.dtype, count=math.prod(b.shape),
                                       offset=b.offset).reshape(b.shape) for b in self.blocks.values()}
+
+    def populate_behind(self, start: int | None = None) -> threading.Event | None:
+        """:func:`populate_behind` of the mapping (:meth:`map_all`) from byte ``start`` (rounded down to
+        a page; default: past the first :func:`willneed_window`, which one ``WILLNEED`` of the whole
+        file brings in, the kernel capping the advice there) to the end, so the rest arrives ahead of
+        the layers that use it. None when there is nothing past ``start``."""
+        start = willneed_window(self._fd) if start is None else start
+        if self._map is None or start >= self._size:
+            return None
+        start -= start % mmap.PAGESIZE
+        base = np.frombuffer(self._map, np.uint8, count=1).ctypes.data
+        return populate_behind(base + start, self._size - start)
 
     def seal_name(self, now: bool = False) -> str:
         """:func:`seal_name` of this file as it was when opened (``now``: as it is now): a seal kept
