@@ -139,6 +139,20 @@ def test_line_ends_blank_lines_and_a_last_line_without_newline_read_alike(tmp_pa
     assert len(rows["ipv"]) == 400 and "dead_letter" not in rows
 
 
+def test_a_line_that_is_not_utf8_is_a_dead_letter_on_flink_as_on_the_device(tmp_path):
+    """Flink's text line format would read bad bytes as U+FFFD and parse the rest of the line; lines go to Python
+    as their bytes, so the line is rejected as on the device and a valid non-ASCII line keeps its characters."""
+    lines = SAMPLE.read_text(encoding="utf-8").splitlines()[:200]
+    lines[50] = lines[50].replace(",pv,", ",p\udcffv,", 1)  # a lone 0xff byte (written back by surrogateescape)
+    lines[51] = lines[51].rsplit(",", 1)[0] + ",1511é00000"  # UTF-8, but not a timestamp
+    events = tmp_path / "bad_bytes.csv"
+    events.write_bytes(("\n".join(lines) + "\n").encode("utf-8", "surrogateescape"))
+    rows = assert_same_on_runners(load_job(ROOT / "jobs" / "ipv.py"), events)
+    reasons = sorted(row["reason"] for row in rows["dead_letter"])
+    assert len(reasons) == 2 and reasons[0].startswith("invalid UTF-8"), reasons
+    assert any("1511é00000" in row["raw"] for row in rows["dead_letter"])
+
+
 def test_a_run_held_back_at_the_end_of_the_input_fails_the_job_loudly(tmp_path, monkeypatch):
     """Should the file have fewer lines than counted before the job (it changed in between), the last run
     would be held back: the job fails naming the lines, it does not end with rows missing."""

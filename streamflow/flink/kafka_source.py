@@ -79,11 +79,11 @@ def kafka_source(topic: str, bootstrap: str | None = None, group_id: str | None 
 
 
 def kafka_lines(env: StreamExecutionEnvironment, topic: str, bootstrap: str | None = None,
-                group_id: str | None = None) -> DataStream:
-    """One text line per record value, read by one reader (parallelism 1): with one partition, in offset
-    order, like the lines of a file; with several, partitions interleave."""
+                group_id: str | None = None, charset: str = "UTF-8") -> DataStream:
+    """One text line per record value (decoded from ``charset``), read by one reader (parallelism 1): with one
+    partition, in offset order, like the lines of a file; with several, partitions interleave."""
     add_kafka_jars(env)
-    return env.from_source(kafka_source(topic, bootstrap, group_id, SimpleStringSchema()),
+    return env.from_source(kafka_source(topic, bootstrap, group_id, SimpleStringSchema(charset)),
                            WatermarkStrategy.no_watermarks(), f"kafka {topic}").set_parallelism(1)
 
 

@@ -115,6 +115,8 @@ _STATS = "__stats__"
 _ROWS = "__rows__"
 #: The end-of-input timer of a user when runs carry line numbers as event time (Long.MAX_VALUE: the final watermark).
 _END_OF_INPUT = 2**63 - 1
+#: How the Java sources hand a line's bytes to Python: one character per byte, so none is replaced on the way.
+LINE_CHARSET = "ISO-8859-1"
 #: Bytes a split reader decodes at a time (then up to the end of the line it is in).
 _SLAB_BYTES = 1 << 22
 #: About how many bytes of the file one split holds: readers take splits in turn (reader i the splits i, i + N,
@@ -185,10 +187,15 @@ class ParseLines(ProcessFunction):
         self._run: list[tuple[int, str, Any]] = []
 
     def process_element(self, line: str, ctx: ProcessFunction.Context) -> list[tuple[str, list[Any]]]:
+        """``line``: a line's bytes as Latin-1 characters (how :func:`_event_lines` reads), so that it is decoded
+        here as the device decodes it: UTF-8, a line that is not UTF-8 a dead letter (Java would have put
+        U+FFFD in place of its bad bytes and parsed the rest)."""
         self.line_no = line_no = self.line_no + 1
         if self.pace_s:
             time.sleep(self.pace_s)  # paced replay: see run_flink(pace_ms=...)
-        return self.take(line_no, line, self.source.parse(line))
+        if not line.isascii():
+            line = line.encode("latin-1").decode("utf-8", "surrogateescape")
+        return self.take(line_no, *_read(self.source, line))
 
     def take(self, line_no: int, line: str, parsed: Any) -> list[tuple[str, list[Any]]]:
         """Line ``line_no`` (``parsed``: the format's record, or a reason for a reject) into the current run;
@@ -874,18 +881,19 @@ def _open_events(events: str | os.PathLike[str], fmt: str | None) -> LineSource:
 
 
 def _event_lines(env: StreamExecutionEnvironment, events: str | os.PathLike[str]) -> DataStream:
-    """The raw lines of ``events``, read by one reader (``ParseLines`` numbers them in that order)."""
+    """The raw lines of ``events``, read by one reader (``ParseLines`` numbers them in that order), each line's
+    bytes as Latin-1 characters: every byte sequence reads, and ``ParseLines`` decodes it as the device does."""
     topic = kafka_topic(events)
     if topic is not None:
-        return kafka_lines(env, topic)
-    return env.from_source(
-        FileSource.for_record_stream_format(StreamFormat.text_line_format(), str(Path(events).resolve())).build(),
-        WatermarkStrategy.no_watermarks(), "events").set_parallelism(1)
+        return kafka_lines(env, topic, charset=LINE_CHARSET)
+    text_lines = StreamFormat.text_line_format(LINE_CHARSET)
+    return env.from_source(FileSource.for_record_stream_format(text_lines, str(Path(events).resolve())).build(),
+                           WatermarkStrategy.no_watermarks(), "events").set_parallelism(1)
 
 
 def _line_count(path: str | os.PathLike[str]) -> int | None:
     """How many lines Flink's file source gives for ``path``, read as its text line format reads them
-    (``BufferedReader.readLine`` over UTF-8: ``\\n``, ``\\r\\n`` and a lone ``\\r`` end a line), or ``None``
+    (``BufferedReader.readLine``: ``\\n``, ``\\r\\n`` and a lone ``\\r`` end a line), or ``None``
     when it cannot be told here (a file the source decompresses, a file this process cannot read)."""
     jvm = get_gateway().jvm
     name = str(Path(path).resolve())
@@ -894,7 +902,7 @@ def _line_count(path: str | os.PathLike[str]) -> int | None:
                 .getDecompressorForFileName(name) is not None:
             return None
         io = jvm.java.io
-        reader = io.BufferedReader(io.InputStreamReader(io.FileInputStream(name), "UTF-8"))
+        reader = io.BufferedReader(io.InputStreamReader(io.FileInputStream(name), LINE_CHARSET))
         try:
             return int(reader.lines().count())
         finally:
