@@ -60,13 +60,17 @@ run: $(CORE)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
+# Two pytest workers (xdist) where there are two cores: the suite mostly waits on brokers, JVMs and servers. A file
+# stays on one worker (its module fixtures start once); tests/conftest.py hands out the files with slow tests first.
+PYTEST_WORKERS ?= $(shell [ "$$(nproc)" -ge 2 ] && echo "-n 2 --dist loadfile --no-loadscope-reorder")
+
 # The tests get a broker of their own (a free port, a fresh data dir), stopped whatever pytest's outcome.
 test: lint java chromium flink-kafka-jars
 	@dir=$$(mktemp -d); port=$$($(PY) -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'); \
 	$(VENV)/bin/noida-db up --data-dir $$dir --only kafka --kafka-port $$port --host 127.0.0.1 >/dev/null 2>&1 \
 	  || { echo "could not start the test broker (noida-db)"; exit 1; }; \
 	echo "test broker: noida-db on 127.0.0.1:$$port"; \
-	STREAMFLOW_KAFKA_BOOTSTRAP=127.0.0.1:$$port $(PY) -m pytest -q; rc=$$?; \
+	STREAMFLOW_KAFKA_BOOTSTRAP=127.0.0.1:$$port $(PY) -m pytest -q $(PYTEST_WORKERS); rc=$$?; \
 	$(VENV)/bin/noida-db down --data-dir $$dir >/dev/null 2>&1; rm -rf $$dir; \
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
 

@@ -19,19 +19,35 @@ if os.environ.get("CI"):
 
 
 _warmers: list[tuple[subprocess.Popen, Path | None]] = []
+ENGINE_TESTS = Path(__file__).resolve().parent / "engine"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        _start_warmers()  # xdist's controller: its workers' engine tests come last and load what this compiles
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The engine's tests last, and the numba loops they run compiled in the background meanwhile (the JIT
-    cache, and the ahead-of-time module the cold path loads): ~1.5 min of CPU on a fresh checkout, taken on the
-    core the suite leaves idle while it waits on brokers and JVMs. Only when other tests run first."""
-    engine = Path(__file__).resolve().parent / "engine"
-    items.sort(key=lambda item: item.path.is_relative_to(engine))
-    if (hasattr(config, "workerinput") or not items or items[0].path.is_relative_to(engine)
-            or not items[-1].path.is_relative_to(engine) or importlib.util.find_spec("numba") is None):
-        return  # an xdist worker (its controller starts them), nothing to overlap with, or nothing to compile
-    _warmers.append((subprocess.Popen([sys.executable, str(engine / "warm_kernels.py")], stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(10)), None))
+    """The engine's tests last. Under xdist (``make test``: two workers, a file at a time) the files holding a
+    ``slow`` test first, so that no long file starts last and ends alone."""
+    items.sort(key=lambda item: item.path.is_relative_to(ENGINE_TESTS))
+    if hasattr(config, "workerinput"):
+        slow = {item.path for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: item.path not in slow)
+    elif not getattr(config.option, "numprocesses", None) and items and items[-1].path.is_relative_to(ENGINE_TESTS) \
+            and not items[0].path.is_relative_to(ENGINE_TESTS):
+        _start_warmers()  # one process, other tests before the engine's: compile while they run
+
+
+def _start_warmers() -> None:
+    """Compile the engine's numba loops (the JIT cache, and the ahead-of-time module the cold path loads) in
+    niced child processes: ~1.5 min of CPU on a fresh checkout, taken on the core the suite leaves idle while it
+    waits on brokers and JVMs, instead of by the first engine test (or by every xdist worker at once)."""
+    if importlib.util.find_spec("numba") is None:
+        return
+    _warmers.append((subprocess.Popen([sys.executable, str(ENGINE_TESTS / "warm_kernels.py")],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      preexec_fn=lambda: os.nice(10)), None))
     from engine.coldstart.store import default_dir
     from engine.kernels import aot
 

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 FLINK_TEST_FILES = ("tests/test_flink_cluster.py", "tests/test_flink_kafka.py", "tests/test_flink_parity.py")
 
 
+@pytest.mark.slow
 def test_collection_without_pyflink_skips_flink_tests(tmp_path):
     # A pyflink package that fails to import shadows the installed one: as if the extra were missing
     # (or broken).

@@ -48,6 +48,7 @@ def _completed_checkpoints(checkpoints: Path) -> list[Path]:
     return sorted(done, key=lambda path: int(path.name.split("-")[1]))
 
 
+@pytest.mark.slow
 def test_a_killed_flink_run_restores_from_its_checkpoint(tmp_path):
     events = tmp_path / "events.csv"
     events.write_text("\n".join(SAMPLE.read_text().splitlines()[:1500]) + "\n")

@@ -21,6 +21,8 @@ if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
 
 from streamflow.flink import cluster as flink_cluster  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a standalone cluster: two JVMs started and stopped
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

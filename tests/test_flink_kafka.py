@@ -98,6 +98,7 @@ def ipv_rows(users: list[str], dwell: list[float]) -> pa.Table:
     return pa.table({"user_id": users, "dwell_s": dwell})
 
 
+@pytest.mark.slow
 def test_flink_features_job_stores_each_row_once_and_dead_letters_bad_messages(kafka_bootstrap, cached_jars,
                                                                                tmp_path):
     topic = unique("features")
