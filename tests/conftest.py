@@ -76,9 +76,12 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
 
 @pytest.fixture(scope="session")
 def kafka_bootstrap(tmp_path_factory):
-    """``host:port`` of a running Kafka-protocol broker: ``make test``'s, or one started for this session."""
+    """``host:port`` of a running Kafka-protocol broker: ``make test``'s, or one started for this session.
+
+    Each xdist worker past the first starts its own: the tests name fixed topics (the serving worker's requests and
+    dead letters, say), and two workers' tests on one broker would read each other's records."""
     bootstrap = os.environ.get("STREAMFLOW_KAFKA_BOOTSTRAP")
-    if bootstrap:
+    if bootstrap and os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0":
         yield bootstrap
         return
     broker = LocalBroker(tmp_path_factory.mktemp("broker")).up()
