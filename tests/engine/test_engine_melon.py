@@ -90,6 +90,15 @@ def max_param_diff(a: GraphModel, b: GraphModel) -> float:
 
 @pytest.mark.parametrize("make_opt", [lambda p: SGD(p, lr=0.1, momentum=0.9), lambda p: Adam(p, lr=0.01)],
                          ids=["sgd", "adam"])
+def assert_three_steps_equal(prog, plan, x, labels, opt, ref, ref_losses) -> None:
+    """Three steps of ``plan`` give the reference's losses, parameters and running statistics (within 1e-5)."""
+    losses = [prog.run(plan, x, labels, opt) for _ in range(3)]
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
+    assert max_param_diff(ref, prog.model) <= 1e-5
+    for k in ref.buffers:
+        np.testing.assert_allclose(prog.model.buffers[k], ref.buffers[k], atol=1e-5, rtol=0)
+
+
 def test_program_equals_todays_trainer_unbudgeted_and_under_a_tight_budget(make_opt):
     graph = mlp_cnn(batchnorm=True)
     x, labels = data(batch=128)
@@ -169,11 +178,7 @@ def test_streamed_batchnorm_step_equals_the_whole_batch(make_opt, end, chunk, bo
         assert any(b.name.endswith("#kept-backward") for b in plan.buffers)
     if carried:
         assert any(b.name.endswith("#carried-grad") for b in plan.buffers)
-    losses = [prog.run(plan, x, labels, opt) for _ in range(3)]
-    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
-    assert max_param_diff(ref, model) <= 1e-5
-    for k in ref.buffers:
-        np.testing.assert_allclose(model.buffers[k], ref.buffers[k], atol=1e-5, rtol=0)
+    assert_three_steps_equal(prog, plan, x, labels, opt, ref, ref_losses)
 
 
 @pytest.mark.parametrize(("end", "chunk", "borders", "parked_bns", "carried_bns"), [
@@ -196,11 +201,7 @@ def test_single_batchnorms_parked_and_carried_equal_the_whole_batch(end, chunk, 
     assert any(b.name.endswith("#carried-grad") for b in plan.buffers)
     if parked_bns:
         assert any(b.name.endswith("#kept-backward") for b in plan.buffers)
-    losses = [prog.run(plan, x, labels, opt) for _ in range(3)]
-    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
-    assert max_param_diff(ref, model) <= 1e-5
-    for k in ref.buffers:
-        np.testing.assert_allclose(model.buffers[k], ref.buffers[k], atol=1e-5, rtol=0)
+    assert_three_steps_equal(prog, plan, x, labels, opt, ref, ref_losses)
 
 
 @pytest.mark.parametrize("chunks", [(3, 3, 2), (1,) * 8, (5, 3), (8,)])
