@@ -63,15 +63,13 @@ def test_the_readme_names_every_verb_of_the_command_line():
 def _thin_copy(root: Path) -> Path:
     """The tracked files of this checkout in ``root``, with a ``.venv`` that uses this checkout's packages."""
     files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
-    for name in filter(None, files.decode().split("\0")):
+    # and numba's compiled loops: its cache is keyed by the source's size and mtime, which copy2 keeps, so the
+    # copy's model jobs load what this checkout compiled instead of compiling for half a minute again
+    compiled = [str(path.relative_to(REPO)) for path in REPO.glob("engine/**/__pycache__/*.nb[ic]")]
+    for name in [*filter(None, files.decode().split("\0")), *compiled]:
         if (REPO / name).is_file():
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, root / name)
-    # numba's compiled loops too: its cache is keyed by the source's size and mtime, which copy2 keeps, so the
-    # copy's model jobs load what this checkout compiled instead of compiling for half a minute again
-    for cached in REPO.glob("engine/**/__pycache__/*.nb[ic]"):
-        (root / cached.relative_to(REPO)).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(cached, root / cached.relative_to(REPO))
     venv = root / ".venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = Path(sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)}))

@@ -36,17 +36,14 @@ for the old weights is used; old entries age out of the LRU store.
 
 from __future__ import annotations
 
-import _thread
-import atexit
 import contextlib
-import functools
 import hashlib
 import io
 import json
 import os
 import pickle
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +56,7 @@ from engine.format import graph_from_structure, graph_structure, save_model
 from engine.ir import Graph, GraphError
 from engine.kernels import Kernel, NodeCtx, accel, aot
 from engine.layout import to_nchwc
-from engine.memory.loader import ModelFileError, WeightLoader
+from engine.memory.loader import ModelFileError, WeightLoader, background
 from engine.passes import optimize
 from engine.plan import ExecutionPlan, RecordedPlan, StepPlan, compile_plan, prepare_step, record_plan
 from engine.session import BoundPlan, InferenceSession, load_graph
@@ -134,29 +131,6 @@ def in_use_order(graph: Graph) -> dict[str, np.ndarray]:
 def _snapshot_name(shape_key: str) -> str:
     """The array of the plan entry holding the snapshot of the plan for these input shapes."""
     return f"snapshot-{_blake(shape_key)}"
-
-
-def _background(fn: Callable[[], None], finish_at_exit: bool = False) -> threading.Event:
-    """Run ``fn`` on a new thread and return at once an event set when it is done (``finish_at_exit``:
-    the process waits for it at exit, up to a minute). Not ``threading.Thread.start``, which waits
-    until the new thread runs: on a busy machine that new thread may then hold the GIL for a switch
-    interval (5 ms) before the caller, whose output is ready, gets it back (measured: a median 5.4 ms
-    per start at load 5)."""
-    done = threading.Event()
-    at_exit = functools.partial(done.wait, 60)
-    if finish_at_exit:
-        atexit.register(at_exit)
-
-    def body() -> None:
-        try:
-            fn()
-        finally:
-            done.set()
-            if finish_at_exit:
-                atexit.unregister(at_exit)
-
-    _thread.start_new_thread(body, ())
-    return done
 
 
 class ColdSession(InferenceSession):
@@ -414,9 +388,9 @@ class ColdSession(InferenceSession):
             outputs, bound = self._cold_run(feeds, shapes)
         self._bound.setdefault(key, bound)
         if self._loader is not None and self._verified is None:
-            self._verified = _background(self._check_integrity, finish_at_exit=True)  # sealed before exit
+            self._verified = background(self._check_integrity, finish_at_exit=True)  # sealed before exit
         if self.warm_switch:
-            _background(lambda: self._switch(shapes, key))
+            background(lambda: self._switch(shapes, key))
         else:
             self._warm_ready.set()
         return outputs

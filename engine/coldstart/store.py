@@ -52,6 +52,13 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _file_name(key: str) -> str:
+    """The file of entry ``key``; a key that could name another path is refused."""
+    if not _KEY.match(key):
+        raise ValueError(f"cache key {key!r} must match {_KEY.pattern}")
+    return key + SUFFIX
+
+
 class EntryStore:
     """Checksummed, atomically written, LRU-limited entries in one directory (see module doc).
 
@@ -65,16 +72,12 @@ class EntryStore:
         self.stats = {"hits": 0, "misses": 0, "corrupt": 0, "writes": 0, "evicted": 0}
 
     def path(self, key: str) -> Path:
-        if not _KEY.match(key):
-            raise ValueError(f"cache key {key!r} must match {_KEY.pattern}")
-        return self.root / (key + SUFFIX)
+        return self.root / _file_name(key)
 
     def exists(self, key: str) -> bool:
         """Whether the entry ``key`` is there (one ``stat``; no ``Path`` objects: a cold plan checks
         dozens of keys before its first kernel, ~30 us each through :meth:`path`)."""
-        if not _KEY.match(key):
-            raise ValueError(f"cache key {key!r} must match {_KEY.pattern}")
-        return os.path.exists(os.path.join(self.root, key + SUFFIX))
+        return os.path.exists(os.path.join(self.root, _file_name(key)))
 
     def get(self, key: str) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
         """(arrays, meta) of a valid entry, or None (missing, or corrupt: then it is deleted)."""
