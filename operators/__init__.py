@@ -21,7 +21,7 @@ from operators.aggregations import (
     Min,
     Sum,
 )
-from operators.base import Group, Operator, get_field, run_pipeline
+from operators.base import ElementStep, Group, Operator, get_field, run_pipeline
 from operators.filter import Filter
 from operators.keyby import KeyBy
 from operators.map import Map
@@ -37,7 +37,8 @@ from operators.serve import Serve
 from operators.window import CountWindow, SessionWindow, TimeWindow, window_starts
 
 __all__ = [
-    "Aggregate", "Aggregation", "Count", "CountBy", "CountDistinct", "CountWindow", "Distinct", "Filter", "First",
+    "Aggregate", "Aggregation", "Count", "CountBy", "CountDistinct", "CountWindow", "Distinct", "ElementStep", "Filter",
+    "First",
     "Group", "Infer", "KeyBy", "KeyedProcessFunction", "Last", "LastN", "ListStateDescriptor", "Map",
     "MapStateDescriptor", "Max", "MemoryBudget", "Min", "Operator", "Process", "Serve", "SessionWindow", "Sum",
     "TimeWindow", "Train", "ValueStateDescriptor", "get_field", "run_pipeline", "window_starts",

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from operators.aggregations import Aggregation, Count, CountBy, First, Last, Max, Min, Sum
-from operators.base import EVENT_ATTRIBUTES, Group, Operator, _not_a_row, generated
+from operators.base import EVENT_ATTRIBUTES, ElementStep, Group, Operator, _not_a_row, generated
 
 
 class Aggregate(Operator):
@@ -42,9 +42,10 @@ class Aggregate(Operator):
         """``items -> row``: :meth:`fold` of a new row as one generated function (see :func:`_generated_fold`)."""
         return _generated_fold(self)
 
-    def fold_rows(self, steps: list[tuple[bool, Callable[[Any], Any]]]) -> Callable[[list[Any]], list[Any]]:
-        """``items -> rows``: the one row of :attr:`fold_one` through ``steps`` (:attr:`Operator.row_step` of the
-        Filter and Map operators after it), as one generated function (see :func:`_generated_fold`)."""
+    def fold_rows(self, steps: Sequence[ElementStep]) -> Callable[[list[Any]], list[Any]]:
+        """``items -> rows``: the one row of :attr:`fold_one` through ``steps`` (the
+        :attr:`~operators.base.Operator.element_step` of the Filter and Map operators after it), as one generated
+        function (see :func:`_generated_fold`)."""
         return _generated_fold(self, steps)
 
     def fold(self, items: list[Any], row: dict[str, Any]) -> dict[str, Any]:
@@ -114,15 +115,15 @@ def _fold_lines(aggregate: Aggregate, namespace: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _generated_fold(aggregate: Aggregate, steps: list[tuple[bool, Callable[[Any], Any]]] | None = None
+def _generated_fold(aggregate: Aggregate, steps: Sequence[ElementStep] | None = None
                     ) -> Callable[[list[Any]], Any]:
     """``items -> row``, what ``aggregate.fold(items, {})`` gives (the same values, the same exception with
     the same note), as one generated function: the builtin aggregations inline with the readers they
     have now (a field read off an event, ``_event_field``, as plain attribute or ``contents`` access), the
     others through their own ``fold``. It saves a call or two per aggregation per firing.
 
-    With ``steps`` (``(True, fn)`` maps, ``(False, pred)`` keeps, as :attr:`Operator.row_step`), ``items ->
-    rows`` instead: the row through those steps, ``[row]`` or ``[]`` if a step dropped it (what
+    With ``steps`` (:class:`~operators.base.ElementStep`: maps and filters), ``items -> rows`` instead: the
+    row through those steps, ``[row]`` or ``[]`` if a step dropped it (what
     :func:`~operators.base.compile_pipeline` gives for the Aggregate and those steps), in the same function.
 
     Example:
@@ -130,7 +131,8 @@ def _generated_fold(aggregate: Aggregate, steps: list[tuple[bool, Callable[[Any]
         >>> fold = Aggregate(a=First("x"), b=Last("x"), n=Count()).fold_one
         >>> fold([{"x": 1}, {"x": 2}]), fold([])
         ({'a': 1, 'b': 2, 'n': 2}, {'a': None, 'b': None, 'n': 0})
-        >>> _generated_fold(Aggregate(n=Count()), [(True, lambda r: {"m": r["n"] + 1}), (False, bool)])([1, 2])
+        >>> _generated_fold(Aggregate(n=Count()), [ElementStep("map", lambda r: {"m": r["n"] + 1}),
+        ...                                        ElementStep("filter", bool)])([1, 2])
         [{'m': 3}]
     """
     names = list(aggregate.aggregations)
@@ -148,9 +150,9 @@ def _generated_fold(aggregate: Aggregate, steps: list[tuple[bool, Callable[[Any]
     if steps is None:
         lines.append("    return row")
     else:
-        for i, (maps, fn) in enumerate(steps):
-            namespace[f"s{i}"] = fn
-            lines += [f"    row = s{i}(row)"] if maps else [f"    if not s{i}(row):", "        return []"]
+        for i, step in enumerate(steps):
+            namespace[f"s{i}"] = step.fn
+            lines += [f"    row = s{i}(row)"] if step.maps else [f"    if not s{i}(row):", "        return []"]
         lines += ["    if type(row) is not dict and not isinstance(row, Mapping):", "        not_a_row(row)",
                   "    return [row]"]
     return generated("fold", lines, namespace)

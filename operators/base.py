@@ -9,12 +9,80 @@ to groups, so operators compose in any order and none knows which runner execute
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any
+from typing import Any, Literal
 
 Group = tuple[dict[str, Any], list[Any]]
 #: A field is named (an event attribute, a key of ``Event.contents`` or of a row) or computed.
 FieldSpec = str | Callable[[Any], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ElementStep:
+    """An element-wise operator lowered once: the one plan every runner reads for a :class:`~operators.Map`
+    (``kind="map"``: an item becomes ``fn(item)``) or a :class:`~operators.Filter` (``kind="filter"``: an item
+    stays when ``fn(item)`` is true).
+
+    Nothing else interprets a Map or a Filter: a trigger task's compiled pipeline (:func:`compile_pipeline`,
+    ``Aggregate.fold_rows``), a stream task's generated steps before and after its keyed step
+    (``streamflow.windowing``, which the Flink runner's operators call too), the columnar runner
+    (``streamflow.columnar.run_row_steps``) and :meth:`over` (the groups of :func:`run_pipeline`) all take these.
+
+    Example:
+        >>> from operators import Filter, Map
+        >>> Map(abs).element_step.over([-1, 2]), Filter(bool).element_step.over([0, 3])
+        ([1, 2], [3])
+        >>> element_steps([Filter(bool), Map(abs)]) == (ElementStep("filter", bool), ElementStep("map", abs))
+        True
+    """
+
+    kind: Literal["map", "filter"]
+    fn: Callable[[Any], Any]
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("map", "filter"):
+            raise ValueError(f"an element step is a 'map' or a 'filter', got {self.kind!r}")
+        if not callable(self.fn):
+            raise TypeError(f"{self.label} needs a function of the item, got {self.fn!r}")
+
+    @property
+    def maps(self) -> bool:
+        """True for a map, False for a filter."""
+        return self.kind == "map"
+
+    @property
+    def label(self) -> str:
+        """The operator's name in messages: ``Map`` or ``Filter``."""
+        return "Map" if self.kind == "map" else "Filter"
+
+    def over(self, items: list[Any]) -> list[Any]:
+        """The step over a list of items: each mapped, or those the predicate keeps, in order."""
+        fn = self.fn
+        if self.kind == "map":
+            return [fn(item) for item in items]
+        return [item for item in items if fn(item)]
+
+
+def element_steps(operators: Iterable[Operator]) -> tuple[ElementStep, ...]:
+    """The :class:`ElementStep` of each operator, or ``TypeError`` naming one that is not element-wise.
+
+    Example:
+        >>> from operators import Aggregate, Count, Map
+        >>> [step.kind for step in element_steps([Map(abs)])]
+        ['map']
+        >>> element_steps([Aggregate(n=Count())])
+        Traceback (most recent call last):
+        ...
+        TypeError: Aggregate(aggregations={'n': Count()}) is not an element-wise step (Filter or Map)
+    """
+    steps = []
+    for op in operators:
+        step = getattr(op, "element_step", None)
+        if step is None:
+            raise TypeError(f"{op!r} is not an element-wise step (Filter or Map)")
+        steps.append(step)
+    return tuple(steps)
 
 
 class Operator:
@@ -31,13 +99,35 @@ class Operator:
     apply_one: Callable[[list[Any]], list[Any]] | None = None
     #: ``fold_one(items) -> row``: an operator that makes one row of the one keyless group (Aggregate).
     fold_one: Callable[[list[Any]], Any] | None = None
-    #: ``(True, fn)``: the operator maps each item to ``fn(item)``; ``(False, pred)``: keeps it if
-    #: ``pred(item)``; ``None``: neither (see :func:`compile_pipeline`).
-    row_step: tuple[bool, Callable[[Any], Any]] | None = None
+    #: The operator lowered to its :class:`ElementStep` when it maps or filters items one by one (Map,
+    #: Filter: :class:`ElementOperator`), what every runner reads of it; ``None`` for the others.
+    element_step: ElementStep | None = None
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({fields})"
+
+
+class ElementOperator(Operator):
+    """An operator that maps or filters items one by one (Map, Filter), lowered once, when it is made, to its
+    :attr:`element_step`; what it does to groups is that step's.
+
+    Example:
+        >>> from operators import Filter
+        >>> Filter(lambda n: n > 1).apply([({"k": 1}, [1, 2])])
+        [({'k': 1}, [2])]
+    """
+
+    element_step: ElementStep
+
+    def apply(self, groups: list[Group]) -> list[Group]:
+        over = self.element_step.over
+        return [(key, over(items)) for key, items in groups]
+
+    @property
+    def apply_one(self) -> Callable[[list[Any]], list[Any]]:  # type: ignore[override]
+        """What :meth:`apply` makes of the one keyless group's items: the step over them."""
+        return self.element_step.over
 
 
 def get_field(item: Any, name: str) -> Any:
@@ -111,8 +201,8 @@ def compile_pipeline(operators: Sequence[Operator]) -> Callable[[list[Any]], lis
     """
     ops = list(operators)
     if ops and getattr(ops[0], "fold_one", None) is not None and all(
-            getattr(op, "row_step", None) is not None for op in ops[1:]):
-        steps = [op.row_step for op in ops[1:]]
+            getattr(op, "element_step", None) is not None for op in ops[1:]):
+        steps = element_steps(ops[1:])
         fold_rows = getattr(ops[0], "fold_rows", None)  # the fold and the steps as one function (Aggregate)
         return fold_rows(steps) if fold_rows is not None else _one_row(ops[0].fold_one, steps)
     steps = [op.apply_one for op in ops]
@@ -131,11 +221,11 @@ def compile_pipeline(operators: Sequence[Operator]) -> Callable[[list[Any]], lis
     return run
 
 
-def _one_row(fold: Callable[[list[Any]], Any], steps: list[tuple[bool, Callable[[Any], Any]]]
+def _one_row(fold: Callable[[list[Any]], Any], steps: Sequence[ElementStep]
              ) -> Callable[[list[Any]], list[dict[str, Any]]]:
-    """An aggregation (one row from the items) then row steps: ``(True, fn)`` maps, ``(False, pred)`` keeps."""
-    if len(steps) == 1 and steps[0][0]:
-        fn = steps[0][1]
+    """An aggregation (one row from the items) then element steps (maps and filters)."""
+    if len(steps) == 1 and steps[0].maps:
+        fn = steps[0].fn
 
         def fold_map(items: list[Any]) -> list[dict[str, Any]]:
             row = fn(fold(items if type(items) is list else list(items)))
@@ -145,9 +235,11 @@ def _one_row(fold: Callable[[list[Any]], Any], steps: list[tuple[bool, Callable[
 
         return fold_map
 
+    plan = [(step.maps, step.fn) for step in steps]
+
     def run(items: list[Any]) -> list[dict[str, Any]]:
         row = fold(items if type(items) is list else list(items))
-        for maps, fn in steps:
+        for maps, fn in plan:
             if maps:
                 row = fn(row)
             elif not fn(row):

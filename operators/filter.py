@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from operators.base import Group, Operator
+from operators.base import ElementOperator, ElementStep
 
 
-class Filter(Operator):
+class Filter(ElementOperator):
     """Keep the items for which ``predicate(item)`` is true, within every group.
+
+    It is lowered once to its :attr:`element_step` (``ElementStep("filter", predicate)``), which every
+    runner executes.
 
     Example:
         >>> from operators import run_pipeline
@@ -21,15 +24,7 @@ class Filter(Operator):
         if not callable(predicate):
             raise TypeError(f"Filter needs a function of the item, got {predicate!r}")
         self.predicate = predicate
+        self.element_step = ElementStep("filter", predicate)
 
-    @property
-    def row_step(self) -> tuple[bool, Callable[[Any], Any]]:  # type: ignore[override]
-        return (False, self.predicate)
-
-    def apply(self, groups: list[Group]) -> list[Group]:
-        pred = self.predicate
-        return [(key, [item for item in items if pred(item)]) for key, items in groups]
-
-    def apply_one(self, items: list[Any]) -> list[Any]:
-        pred = self.predicate
-        return [item for item in items if pred(item)]
+    def __repr__(self) -> str:
+        return f"Filter(predicate={self.predicate!r})"

@@ -5,14 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from operators.base import Group, Operator
+from operators.base import ElementOperator, ElementStep
 
 
-class Map(Operator):
+class Map(ElementOperator):
     """Replace every item by ``fn(item)``, within every group.
 
     Map after an aggregation reshapes feature rows (derive, rename, drop fields); Map on events
-    turns them into rows.
+    turns them into rows. It is lowered once to its :attr:`element_step` (``ElementStep("map", fn)``),
+    which every runner executes.
 
     Example:
         >>> from operators import run_pipeline
@@ -24,15 +25,7 @@ class Map(Operator):
         if not callable(fn):
             raise TypeError(f"Map needs a function of the item, got {fn!r}")
         self.fn = fn
+        self.element_step = ElementStep("map", fn)
 
-    @property
-    def row_step(self) -> tuple[bool, Callable[[Any], Any]]:  # type: ignore[override]
-        return (True, self.fn)
-
-    def apply(self, groups: list[Group]) -> list[Group]:
-        fn = self.fn
-        return [(key, [fn(item) for item in items]) for key, items in groups]
-
-    def apply_one(self, items: list[Any]) -> list[Any]:
-        fn = self.fn
-        return [fn(item) for item in items]
+    def __repr__(self) -> str:
+        return f"Map(fn={self.fn!r})"

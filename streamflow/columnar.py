@@ -18,10 +18,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from operators.base import ElementStep
 
 #: Magnitudes up to which int64 and float64 arithmetic give what Python's int and float give.
 _EXACT = 2.0 ** 53
@@ -309,17 +311,26 @@ def constant(value: Any, size: int) -> Column:
     raise NotColumnar(f"a constant {type(value).__name__} output")
 
 
-def run_row_steps(steps: list[tuple[bool, Callable[[Any], Any]]], columns: dict[str, Any], size: int
+def run_row_steps(steps: Sequence[ElementStep], columns: dict[str, Any], size: int
                   ) -> tuple[dict[str, Column | TextColumn], np.ndarray | None]:
-    """Run a pipeline's row steps (``(True, fn)`` maps, ``(False, pred)`` keeps, see
-    :func:`operators.base.compile_pipeline`) over ``columns`` of ``size`` rows.
+    """Run a pipeline's element steps (its Map and Filter operators lowered, :class:`~operators.base.ElementStep`,
+    as every runner takes them) over ``columns`` of ``size`` rows: each step's function is called once, with a
+    row of columns.
 
     Returns the output columns and the indices of the rows kept (``None``: all), or raises
     :class:`NotColumnar`. Every output value is a :class:`Column` (constants broadcast).
+
+    Example:
+        >>> from operators import Filter, Map
+        >>> steps = [Filter(lambda r: r["n"] > 1).element_step, Map(lambda r: {"m": r["n"] * 2}).element_step]
+        >>> out, kept = run_row_steps(steps, {"n": Column(np.array([1, 2, 3]))}, 3)
+        >>> out["m"].values.tolist(), kept.tolist()
+        ([4, 6], [1, 2])
     """
     kept: np.ndarray | None = None
-    for maps, fn in steps:
-        if maps:
+    for step in steps:
+        fn = step.fn
+        if step.maps:
             out = fn(ColumnRow(columns))
             if not isinstance(out, Mapping):
                 raise NotColumnar(f"the Map returned {type(out).__name__}, not a dict")

@@ -49,10 +49,10 @@ from operator import itemgetter
 from typing import Any
 
 from connectors.storage import check_table_name, to_json
-from operators import Aggregate, Count, CountWindow, Filter, KeyBy, Map, Operator, Process, SessionWindow, TimeWindow
+from operators import Aggregate, Count, CountWindow, KeyBy, Operator, Process, SessionWindow, TimeWindow
 from operators.aggregate import Accumulators
 from operators.aggregations import Aggregation, checked_field
-from operators.base import EVENT_ATTRIBUTES, GENERATED_CODE, field_reader, generated
+from operators.base import EVENT_ATTRIBUTES, GENERATED_CODE, ElementStep, element_steps, field_reader, generated
 from operators.process import LATE, KeyedProcessFunction, ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from operators.window import to_millis, window_starts_ms
 from streamflow.events import Event
@@ -66,14 +66,23 @@ WINDOWS = (TimeWindow, SessionWindow, CountWindow)
 
 @dataclass
 class StreamPlan:
-    """A stream task's pipeline cut into the parts a runner wires up."""
+    """A stream task's pipeline cut into the parts a runner wires up, its Filter and Map operators lowered
+    to their :class:`~operators.base.ElementStep` (what the device's generated steps, batch mode and the
+    Flink runner's operators all run).
 
-    before_key: list[Filter | Map]
+    Example:
+        >>> from operators import Count, Filter
+        >>> plan = StreamPlan.of("n", [Filter(bool), KeyBy("user"), CountWindow(2), Aggregate(n=Count())])
+        >>> plan.before_key, plan.after_window
+        ((ElementStep(kind='filter', fn=<class 'bool'>),), ())
+    """
+
+    before_key: tuple[ElementStep, ...]
     key_by: KeyBy
-    before_window: list[Filter | Map]
+    before_window: tuple[ElementStep, ...]
     window: TimeWindow | SessionWindow | CountWindow | Process
     aggregate: Aggregate | None
-    after_window: list[Filter | Map]
+    after_window: tuple[ElementStep, ...]
 
     @classmethod
     def of(cls, task_name: str, pipeline: Sequence[Operator]) -> StreamPlan:
@@ -94,10 +103,11 @@ class StreamPlan:
                                  f"the pipeline must be {shape}")
             aggregate, after = ops[w + 1], w + 2
         for op in ops[:k] + ops[k + 1:w] + ops[after:]:
-            if not isinstance(op, (Filter, Map)):
+            if getattr(op, "element_step", None) is None:  # not a Filter or Map
                 raise ValueError(f"stream task {task_name!r}: {op!r} cannot run outside a window; "
                                  f"the pipeline must be {shape}")
-        return cls(ops[:k], ops[k], ops[k + 1:w], ops[w], aggregate, ops[after:])
+        return cls(element_steps(ops[:k]), ops[k], element_steps(ops[k + 1:w]), ops[w], aggregate,
+                   element_steps(ops[after:]))
 
     @property
     def out_of_orderness(self) -> float:
@@ -123,31 +133,33 @@ class StreamPlan:
         return CountWindows(window, self.aggregate, key_name)
 
 
-def elementwise(ops: Sequence[Filter | Map]) -> Callable[[Any], Any]:
-    """Filter/Map operators as one function: ``item`` through them, or ``None`` if a Filter drops it.
+def elementwise(steps: Sequence[ElementStep]) -> Callable[[Any], Any]:
+    """Element steps (Filter and Map lowered, :class:`~operators.base.ElementStep`) as one function: ``item``
+    through them, or ``None`` if a filter drops it.
 
-    Generated once per chain (each step a direct call, no loop over operators and no type test per item);
-    its frames count as the runner's, so a failure's traceback starts in the user's function.
+    Generated once per chain (each step a direct call, no loop over steps and no test per item); its frames
+    count as the runner's, so a failure's traceback starts in the user's function.
 
     Example:
-        >>> steps = elementwise([Filter(lambda x: x > 0), Map(lambda x: x * 10)])
+        >>> from operators import Filter, Map
+        >>> steps = elementwise(element_steps([Filter(lambda x: x > 0), Map(lambda x: x * 10)]))
         >>> steps(2), steps(-1)
         (20, None)
     """
     namespace: dict[str, Any] = {}
-    lines = ["def steps(item):", *_step_lines(ops, "s", namespace, "    ", ["return None"]), "    return item"]
+    lines = ["def steps(item):", *_step_lines(steps, "s", namespace, "    ", ["return None"]), "    return item"]
     return generated("steps", lines, namespace)
 
 
-def _step_lines(ops: Sequence[Filter | Map], prefix: str, namespace: dict[str, Any], indent: str,
+def _step_lines(steps: Sequence[ElementStep], prefix: str, namespace: dict[str, Any], indent: str,
                 dropped: list[str]) -> list[str]:
-    """Source lines taking ``item`` through ``ops`` (their functions go into ``namespace`` as ``prefix{i}``);
-    a Filter that drops it runs the ``dropped`` lines."""
+    """Source lines taking ``item`` through ``steps`` (their functions go into ``namespace`` as ``prefix{i}``);
+    a filter that drops it runs the ``dropped`` lines."""
     lines = []
-    for i, op in enumerate(ops):
-        maps, fn = op.row_step
+    for i, step in enumerate(steps):
+        fn = step.fn
         namespace[f"{prefix}{i}"] = fn
-        if maps:
+        if step.maps:
             lines.append(f"{indent}item = {prefix}{i}(item)")
         else:
             lines += [f"{indent}if not {prefix}{i}(item):", *(f"{indent}    {line}" for line in dropped)]
@@ -630,10 +642,10 @@ class StreamInput:
                                      "NO_KEY": _NO_KEY}
         skip = ["streak.failures = 0", "return None"]
 
-        def chain(ops: Sequence[Filter | Map], prefix: str) -> list[str]:  # dropped by a Filter or a Map's None
-            if not ops:
+        def chain(steps: Sequence[ElementStep], prefix: str) -> list[str]:  # dropped by a Filter or a Map's None
+            if not steps:
                 return []
-            return [*_step_lines(ops, prefix, namespace, "        ", skip), "        if item is None:",
+            return [*_step_lines(steps, prefix, namespace, "        ", skip), "        if item is None:",
                     *(f"            {line}" for line in skip)]
 
         lines = ["def step(event):", "    if streak.quarantined:", "        return None",
@@ -746,7 +758,7 @@ class StreamOutput:
     table can have is a failure too), failures and :data:`QUARANTINED` as they are.
 
     Example:
-        >>> from operators import Count
+        >>> from operators import Count, Map
         >>> plan = StreamPlan.of("r", [KeyBy("user"), TimeWindow(10), Aggregate(n=Count()), Map(lambda r: 1 / 0)])
         >>> [(table, row["window_start"], row["error"]) for table, row in StreamOutput("r", "r", plan).records(
         ...     "emit", {"user": "u", "window_start": 0.0, "window_end": 10.0, "n": 1})]

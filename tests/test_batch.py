@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from connectors import CollectiveStorage
 from operators import Aggregate, Count, CountBy, Filter, First, Last, Map, Max, Min
+from operators.base import ElementStep
 from streamflow import Job, Task, load_job
 from streamflow.columnar import Column, ColumnRow, NotColumnar, run_row_steps
 from streamflow.runners import DeviceRunner
@@ -223,7 +224,7 @@ def test_column_arithmetic_is_python_arithmetic_or_refused(pairs: list, op: str)
         expected = None
     row = {"a": Column(np.array(a)), "b": Column(np.array(b))}
     try:
-        out, _ = run_row_steps([(True, fn)], row, len(pairs))
+        out, _ = run_row_steps([ElementStep("map", fn)], row, len(pairs))
     except NotColumnar:
         return  # refused: the rows run one by one
     assert expected is not None, f"{op} over {pairs} should have been refused"

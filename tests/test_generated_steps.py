@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from connectors.storage import to_json
 from operators import Aggregate, Count, CountDistinct, Filter, KeyBy, Map, Max, Min, Sum, TimeWindow
+from operators.base import element_steps
 from operators.window import to_millis
 from streamflow.events import Event
 from streamflow.job import Task
@@ -73,14 +74,15 @@ def _chain(ops, item):
     return item
 
 
-def _interpreted(plan: StreamPlan, item):
-    """What StreamInput.step computes, operator by operator: (key, item, ts_ms) or None; raises as a step does."""
-    item = _chain(plan.before_key, item)
+def _interpreted(plan: StreamPlan, before_key, before_window, item):
+    """What StreamInput.step computes, operator by operator (``before_key`` and ``before_window``: the Filter and Map
+    operators the plan lowered): (key, item, ts_ms) or None; raises as a step does."""
+    item = _chain(before_key, item)
     if item is None:
         return None
     key = plan.key_by.key(item) if callable(plan.key_by.key) else item[plan.key_by.key]
     hash(key)
-    item = _chain(plan.before_window, item)
+    item = _chain(before_window, item)
     if item is None:
         return None
     ts_ms = to_millis(item[plan.ts] if isinstance(plan.ts, str) else plan.ts(item))
@@ -102,7 +104,7 @@ def test_the_generated_step_is_the_operators_one_by_one(before_key, key, before_
     steps = StreamInput("t", plan, quarantine_after=1_000)
     for item in items:
         try:
-            expected = _interpreted(plan, copy.deepcopy(item))
+            expected = _interpreted(plan, before_key, before_window, copy.deepcopy(item))
         except Exception as exc:
             expected = f"{type(exc).__name__}: {exc}"
         got = steps.step(copy.deepcopy(item))
@@ -122,7 +124,7 @@ def _same_nan(a, b) -> bool:
 
 @given(st.lists(st.sampled_from(STEPS), max_size=4), st.lists(dicts, max_size=6))
 def test_an_elementwise_chain_is_its_operators_in_turn(ops, items) -> None:
-    chain = elementwise(ops)
+    chain = elementwise(element_steps(ops))
     for item in items:
         try:
             expected = _chain(ops, item)

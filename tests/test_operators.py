@@ -14,6 +14,7 @@ from operators import (
     CountBy,
     CountDistinct,
     Distinct,
+    ElementStep,
     Filter,
     First,
     KeyBy,
@@ -492,5 +493,6 @@ def test_the_generated_fold_reading_events_inline_gives_what_fold_gives(aggs, it
     _read_events_directly([inline])
     expected = _outcome(lambda x: plain.fold(x, {}), items)
     assert _outcome(inline.fold_one, items) == expected
-    rows = _outcome(inline.fold_rows([(True, lambda r: {"n": len(r)}), (False, lambda r: r["n"] > 0)]), items)
+    rows = _outcome(inline.fold_rows([ElementStep("map", lambda r: {"n": len(r)}),
+                                      ElementStep("filter", lambda r: r["n"] > 0)]), items)
     assert rows == (expected if isinstance(expected, tuple) else [{"n": len(expected)}])

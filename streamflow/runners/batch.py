@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from operators import Aggregate, Count, CountBy, First, Last, Max, Min
+from operators.base import element_steps
 from streamflow.columnar import (
     Column,
     CountsColumn,
@@ -121,7 +122,7 @@ def _pipeline_refusal(pipeline: list[Any]) -> str | None:
         if not (kind in (First, Last, Count) or (kind in (Min, Max) and field == "ts")
                 or (kind is CountBy and field == "event_id")):
             return f"{name}={aggregation!r} has no column form here"
-    if any(getattr(op, "row_step", None) is None for op in pipeline[1:]):
+    if any(getattr(op, "element_step", None) is None for op in pipeline[1:]):
         return "a step after Aggregate is not a Map or Filter"
     return None
 
@@ -263,7 +264,7 @@ def task_rows(runner: DeviceRunner, name: str, visits: PageVisits) -> tuple[dict
     """Task ``name``'s rows over every page, as NumPy columns, and the pages they come from; or :class:`NotColumnar`."""
     pipeline = runner.execution._pipelines[name]
     columns = aggregate_columns(pipeline[0], visits)
-    out, kept = run_row_steps([op.row_step for op in pipeline[1:]], columns, len(visits))
+    out, kept = run_row_steps(element_steps(pipeline[1:]), columns, len(visits))
     pages = np.arange(len(visits)) if kept is None else kept
     head = {"user_id": select_rows(visits.users, pages), "trigger_ts": Column(visits.exit_ts[pages])}
     return {name: to_numpy(column) for name, column in {**head, **out}.items()}, pages
