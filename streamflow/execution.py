@@ -112,6 +112,16 @@ class TaskExecution:
                 for resize in self.on_resize:
                     resize(self.max_events, self.max_pages)
 
+    def pipeline(self, name: str) -> tuple[Operator, ...]:
+        """Task ``name``'s own copy of its pipeline, the operators its compiled run was made from.
+
+        Example:
+            >>> from operators import Aggregate, Count
+            >>> TaskExecution([Task("favs", ["fav"], [Aggregate(n=Count())])]).pipeline("favs")
+            (Aggregate(aggregations={'n': Count()}),)
+        """
+        return tuple(self._pipelines[name])
+
     def inputs(self, name: str, event: Event, sequence: UserSequence) -> list[Any]:
         """What task ``name``, fired by ``event``, runs over (see ``Task.input``)."""
         task = self.tasks[name]

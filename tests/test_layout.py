@@ -48,3 +48,45 @@ def test_the_device_side_of_deployment_never_imports_the_release_server():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def _runner_imports() -> dict[str, set[str]]:
+    """Each module of ``streamflow/runners/`` and the modules of that package it imports anywhere in its code
+    (``if TYPE_CHECKING:`` blocks and function bodies included; docstrings' examples are not code)."""
+    import ast
+
+    folder = ROOT / "streamflow" / "runners"
+    names = {path.stem for path in folder.glob("*.py")} - {"__init__"}
+    graph: dict[str, set[str]] = {}
+    for name in names:
+        found: set[str] = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            for module in modules:
+                if module == "streamflow.runners":  # the package's __init__ imports the device runner
+                    found.add("device")
+                elif module.startswith("streamflow.runners.") and module.split(".")[2] in names:
+                    found.add(module.split(".")[2])
+        graph[name] = found - {name}
+    return graph
+
+
+def test_the_batch_modes_and_the_device_runner_import_one_way():
+    """device.py imports the batch modes and the plan it hands them (runners/plan.py); the batch modes import the
+    plan, never the device runner, so no module of the runners imports itself back through another."""
+    graph = _runner_imports()
+    assert {"batch", "batch_streams", "plan"} <= graph["device"]
+    for name in ("batch", "batch_streams", "plan"):
+        assert "device" not in graph[name], f"runners/{name}.py imports runners/device.py"
+
+    def reaches(start: str, goal: str, seen: frozenset[str] = frozenset()) -> bool:
+        return any(step == goal or (step not in seen and reaches(step, goal, seen | {step}))
+                   for step in graph.get(start, ()))
+
+    cycles = sorted(name for name in graph if reaches(name, name))
+    assert cycles == [], f"runners modules in an import cycle: {cycles}"

@@ -56,12 +56,11 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from operators import Aggregate, Count, CountBy, First, Last, Max, Min
-from operators.base import element_steps
 from streamflow.columnar import (
     Column,
     CountsColumn,
@@ -73,10 +72,8 @@ from streamflow.columnar import (
     to_numpy,
 )
 from streamflow.events import PAGE_ENTER, PAGE_EXIT, Rejected, TimestampGuard
+from streamflow.runners.plan import BatchHost, RunPlan, TriggerTaskPlan
 from streamflow.sources import ITEM_PAGE, LineSource, PlainLines, TaobaoBehaviorSource, item_page_events
-
-if TYPE_CHECKING:
-    from streamflow.runners.device import DeviceRunner
 
 try:
     _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6")
@@ -89,31 +86,34 @@ EVENT_FIELDS = ("user_id", "event_id", "page_id", "ts", "item_id", "category_id"
 SAMPLE_FIRINGS = 16
 
 
-def refusal(runner: DeviceRunner, source: Any) -> str | None:
-    """Why batch mode cannot run ``runner``'s job over ``source`` (before reading it), or ``None``."""
+def refusal(plan: RunPlan, source: Any) -> str | None:
+    """Why batch mode cannot run the job of ``plan`` (:meth:`DeviceRunner.plan()
+    <streamflow.runners.device.DeviceRunner.plan>`) over ``source`` (before reading it), or ``None``."""
     if not isinstance(source, TaobaoBehaviorSource):
         return f"the input is not a Taobao CSV file but {type(source).__name__}"
-    settings = {"checkpoints": runner.checkpoint_interval_s, "a state TTL": runner.state_ttl_s or source.state_ttl_s,
-                "a cap on users": runner.max_users, "the tunnel": runner.tunnel,
-                "latency recording": runner.latencies_s is not None, "stream tasks": runner._streams,
-                "a safe-point hook or task swap": runner._hooks or runner._swaps,
-                "a timestamp guard of its own": not runner._own_guard or source.guard is not None}
+    settings = {"checkpoints": plan.checkpoint_interval_s, "a state TTL": plan.state_ttl_s or source.state_ttl_s,
+                "a cap on users": plan.max_users, "the tunnel": plan.tunnel,
+                "latency recording": plan.record_latency, "stream tasks": plan.streams,
+                "a safe-point hook or task swap": plan.swaps_or_hooks,
+                "a timestamp guard of its own": not plan.default_guard or source.guard is not None}
     for what, on in settings.items():
         if on:
             return f"the run has {what}"
-    for name, task in runner.execution.tasks.items():
+    for name, trigger in plan.triggers.items():
+        task = trigger.task
         if task.input != "page" or tuple(task.trigger) != (ITEM_PAGE,):
             return f"task {name} does not fire on the item page's exit over the page"
-        why = _pipeline_refusal(runner.execution._pipelines[name])
+        why = _pipeline_refusal(trigger)
         if why is not None:
             return f"task {name}: {why}"
     return None
 
 
-def _pipeline_refusal(pipeline: list[Any]) -> str | None:
-    if not pipeline or type(pipeline[0]) is not Aggregate:
+def _pipeline_refusal(trigger: TriggerTaskPlan) -> str | None:
+    aggregate = trigger.aggregate
+    if aggregate is None:
         return "its pipeline does not start with Aggregate"
-    for name, aggregation in pipeline[0].aggregations.items():
+    for name, aggregation in aggregate.aggregations.items():
         kind, field = type(aggregation), aggregation.field
         if aggregation.where is not None:
             return f"{name}={aggregation!r} has a where= condition"
@@ -122,7 +122,7 @@ def _pipeline_refusal(pipeline: list[Any]) -> str | None:
         if not (kind in (First, Last, Count) or (kind in (Min, Max) and field == "ts")
                 or (kind is CountBy and field == "event_id")):
             return f"{name}={aggregation!r} has no column form here"
-    if any(getattr(op, "element_step", None) is None for op in pipeline[1:]):
+    if trigger.steps is None:
         return "a step after Aggregate is not a Map or Filter"
     return None
 
@@ -260,17 +260,20 @@ def aggregate_columns(aggregate: Aggregate, visits: PageVisits) -> dict[str, Any
     return columns
 
 
-def task_rows(runner: DeviceRunner, name: str, visits: PageVisits) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Task ``name``'s rows over every page, as NumPy columns, and the pages they come from; or :class:`NotColumnar`."""
-    pipeline = runner.execution._pipelines[name]
-    columns = aggregate_columns(pipeline[0], visits)
-    out, kept = run_row_steps(element_steps(pipeline[1:]), columns, len(visits))
+def task_rows(trigger: TriggerTaskPlan, visits: PageVisits) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The task's rows over every page, as NumPy columns, and the pages they come from; or :class:`NotColumnar`.
+    Its aggregation becomes columns, its element steps (its Map and Filter, lowered) run over them."""
+    aggregate, steps = trigger.aggregate, trigger.steps
+    if aggregate is None or steps is None:  # refusal() has said so already
+        raise NotColumnar(f"task {trigger.task.name}'s pipeline is not an Aggregate and element steps")
+    columns = aggregate_columns(aggregate, visits)
+    out, kept = run_row_steps(steps, columns, len(visits))
     pages = np.arange(len(visits)) if kept is None else kept
     head = {"user_id": select_rows(visits.users, pages), "trigger_ts": Column(visits.exit_ts[pages])}
     return {name: to_numpy(column) for name, column in {**head, **out}.items()}, pages
 
 
-def streaming_rows(runner: DeviceRunner, source: TaobaoBehaviorSource, name: str, visits: PageVisits,
+def streaming_rows(plan: RunPlan, source: TaobaoBehaviorSource, name: str, visits: PageVisits,
                    page: int) -> list[dict[str, Any]] | Exception:
     """What the streaming run makes of page ``page`` for task ``name``: the source's per-line events, the task."""
     lines = visits.lines
@@ -288,17 +291,17 @@ def streaming_rows(runner: DeviceRunner, source: TaobaoBehaviorSource, name: str
         exit_event = item_page_events(state, *line(visits.next_line[page]), source.inactivity_gap_s)[1][0]
     else:
         exit_event = source.end_events(user, state)[0]
-    return runner.execution.run_task(name, exit_event, [*events, exit_event])
+    return plan.run_task(name, exit_event, [*events, exit_event])
 
 
-def sample_difference(runner: DeviceRunner, source: TaobaoBehaviorSource, name: str, visits: PageVisits,
+def sample_difference(plan: RunPlan, source: TaobaoBehaviorSource, name: str, visits: PageVisits,
                       rows: dict[str, np.ndarray], pages: np.ndarray) -> str | None:
     """How a sample of task ``name``'s batch rows differ from the streaming run's, or ``None``."""
     sample = np.unique(np.linspace(0, len(visits) - 1, min(SAMPLE_FIRINGS, len(visits))).astype(np.int64))
     position = np.full(len(visits), -1)
     position[pages] = np.arange(len(pages))  # the row of each page that has one
     for page in sample.tolist():
-        expected = streaming_rows(runner, source, name, visits, page)
+        expected = streaming_rows(plan, source, name, visits, page)
         row = int(position[page])
         got = [{key: column[row] if column.dtype.kind == "O" else column[row].item()
                 for key, column in rows.items()}] if row >= 0 else []
@@ -318,10 +321,11 @@ def _release_free_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-def run_batch(runner: DeviceRunner, source: LineSource) -> str | None:
+def run_batch(runner: BatchHost, source: LineSource) -> str | None:
     """Run ``runner``'s job over ``source`` in batch mode; ``None`` when it ran (rows written, summary
     counted), else why not (then nothing was written or counted)."""
-    why = refusal(runner, source)
+    plan = runner.plan()
+    why = refusal(plan, source)
     if why is not None:
         return why
     lines = source.plain_lines()
@@ -337,7 +341,7 @@ def run_batch(runner: DeviceRunner, source: LineSource) -> str | None:
     columns = lines.columns()
     if isinstance(columns, str):
         return f"the input has {columns}"
-    accepted, refused = guarded_lines(lines, columns["user_id"], runner.guard, source.name)
+    accepted, refused = guarded_lines(lines, columns["user_id"], plan.guard, source.name)
     rejected = sorted(rejected + refused, key=lambda record: record.line)
     columns = lines.columns(accepted) if refused else columns
     del lines
@@ -346,14 +350,14 @@ def run_batch(runner: DeviceRunner, source: LineSource) -> str | None:
     visits = page_visits(columns, source.inactivity_gap_s)
     del columns  # the visits hold what the rows need: memory for DuckDB's insert, which comes next
     outputs = {}
-    for name in runner.execution.tasks:
+    for name, trigger in plan.triggers.items():
         try:
-            rows, pages = task_rows(runner, name, visits)
+            rows, pages = task_rows(trigger, visits)
         except NotColumnar as exc:
             return f"task {name}'s steps do not run over columns ({exc})"
         except Exception as exc:  # the streaming run raises it again, per row, where it belongs
             return f"task {name}'s steps raised {type(exc).__name__} over columns"
-        difference = sample_difference(runner, source, name, visits, rows, pages)
+        difference = sample_difference(plan, source, name, visits, rows, pages)
         if difference is not None:
             return f"a sample row differs: {difference}"
         outputs[name] = rows
@@ -369,6 +373,6 @@ def run_batch(runner: DeviceRunner, source: LineSource) -> str | None:
         stats.fired += pages_seen
         stats.rows += len(rows["trigger_ts"])
         if len(rows["trigger_ts"]):  # as streaming: no row, no table
-            runner.storage.write_table(runner.execution.tasks[name].sink, rows)
+            runner.storage.write_table(plan.triggers[name].task.sink, rows)
     summary.runtime_mode = "batch"
     return None

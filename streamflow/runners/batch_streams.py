@@ -42,18 +42,16 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from operators import CountWindow, TimeWindow
 from streamflow.columnar_windows import FAILED, TIME_BOUND, BatchCountWindows, BatchTimeWindows
 from streamflow.columnar_windows import refusal as window_refusal
 from streamflow.events import Event
+from streamflow.runners.plan import BatchHost, RunPlan
 from streamflow.sources import LineSource
 from streamflow.summary import TASK_ERRORS_TABLE
 from streamflow.windowing import StreamTaskRun, stream_error_row
-
-if TYPE_CHECKING:
-    from streamflow.runners.device import DeviceRunner
 
 log = logging.getLogger("streamflow.runners")
 
@@ -62,20 +60,21 @@ COLUMNAR = "columnar windows"
 Outputs = tuple[int, int, list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]
 
 
-def refusal(runner: DeviceRunner, records: Any = ()) -> str | None:
-    """Why this batch mode cannot run ``runner``'s job over ``records``, or ``None``."""
-    if runner.execution.tasks or not runner._streams:
+def refusal(plan: RunPlan, records: Any = ()) -> str | None:
+    """Why this batch mode cannot run the job of ``plan`` (:meth:`DeviceRunner.plan()
+    <streamflow.runners.device.DeviceRunner.plan>`) over ``records``, or ``None``."""
+    if plan.triggers or not plan.streams:
         return "the job is not made of stream tasks only"
     if not isinstance(records, (LineSource, list, tuple)):
         return f"the input is not a file or a list (a {type(records).__name__} may never end)"
-    settings = {"checkpoints": runner.checkpoint_interval_s, "a state TTL": runner.state_ttl_s,
-                "a cap on users": runner.max_users, "the tunnel": runner.tunnel,
-                "latency recording": runner.latencies_s is not None,
-                "a safe-point hook or task swap": runner._hooks or runner._swaps}
+    settings = {"checkpoints": plan.checkpoint_interval_s, "a state TTL": plan.state_ttl_s,
+                "a cap on users": plan.max_users, "the tunnel": plan.tunnel,
+                "latency recording": plan.record_latency,
+                "a safe-point hook or task swap": plan.swaps_or_hooks}
     for what, on in settings.items():
         if on:
             return f"the run has {what}"
-    reasons = {name: keyed_refusal(run) for name, run in runner._streams.items()}
+    reasons = {name: keyed_refusal(run) for name, run in plan.streams.items()}
     if all(reasons.values()):
         return "no stream task has a keyed step batch mode computes at once (" + "; ".join(
             f"{name}: {why}" for name, why in reasons.items()) + ")"
@@ -194,15 +193,16 @@ def _position(outputs: Outputs) -> tuple[int, int]:
     return outputs[0], outputs[1]
 
 
-def run_stream_batch(runner: DeviceRunner, records: Iterable[Any],
+def run_stream_batch(runner: BatchHost, records: Iterable[Any],
                      progress: Callable[[Iterable[Any]], Iterator[Any]] | None = None) -> str | None:
     """Run ``runner``'s job of stream tasks over ``records`` in batch mode; ``None`` when it ran (rows written,
     summary counted), else why not (nothing read, written or counted)."""
-    why = refusal(runner, records)
+    plan = runner.plan()
+    why = refusal(plan, records)
     if why is not None:
         return why
-    runs = list(runner._streams.values())
-    tasks = [_BatchTask(run, i, runner._stream_failed, len(runs) == 1) for i, run in enumerate(runs)]
+    runs = list(plan.streams.values())
+    tasks = [_BatchTask(run, i, runner.stream_failed, len(runs) == 1) for i, run in enumerate(runs)]
     position = 0
     chunk: list[Event] = []
 
@@ -218,19 +218,19 @@ def run_stream_batch(runner: DeviceRunner, records: Iterable[Any],
         _write(runner, tasks)
 
     for block in runner.blocks(records, progress):
-        chunk += runner._accepted(block)
+        chunk += runner.accepted(block)
         if len(chunk) >= CHUNK_EVENTS:
             through(final=False)
     through(final=True)
     for task in tasks:
         runner.summary.task_stats[task.run.name].mode = task.mode
     runner.summary.runtime_mode = "batch"
-    log.info("job %s ran in batch mode: %s", runner.job.name,
+    log.info("job %s ran in batch mode: %s", plan.job,
              "; ".join(f"{task.run.name} {task.mode}" for task in tasks))
     return None
 
 
-def _write(runner: DeviceRunner, tasks: list[_BatchTask]) -> None:
+def _write(runner: BatchHost, tasks: list[_BatchTask]) -> None:
     """The tasks' outputs so far, by position (tasks in order within one), counted and written once per table."""
     by_table: dict[str, list[dict[str, Any]]] = {}
     for _, index, rows, sides in heapq.merge(*(task.outputs for task in tasks), key=_position):
@@ -243,7 +243,7 @@ def _write(runner: DeviceRunner, tasks: list[_BatchTask]) -> None:
     for task in tasks:
         task.outputs = []
     for table, rows in by_table.items():
-        runner._write(table, rows)
+        runner.write(table, rows)
 
 
 __all__ = ["CHUNK_EVENTS", "COLUMNAR", "keyed_refusal", "refusal", "run_stream_batch"]

@@ -76,6 +76,7 @@ from streamflow.job import Job, Task
 from streamflow.keyed import KeyedRuntime, rows_by_output
 from streamflow.runners.batch import run_batch
 from streamflow.runners.batch_streams import run_stream_batch
+from streamflow.runners.plan import RunPlan, TriggerTaskPlan
 from streamflow.sources import LineSource, SourcePosition, SourceReader
 from streamflow.summary import TASK_ERRORS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamTaskRun, stream_error_row
@@ -332,6 +333,28 @@ class DeviceRunner:
             self.summary.refused_rows = dict(self.storage.refused)
         return self.summary
 
+    def plan(self) -> RunPlan:
+        """The run as a batch mode takes it (:class:`~streamflow.runners.plan.RunPlan`): the trigger tasks with
+        their own pipelines, the stream tasks' steps, the guard and what only streaming honours.
+
+        Example:
+            >>> import os, tempfile
+            >>> from operators import Aggregate, Count
+            >>> from connectors import CollectiveStorage
+            >>> store = CollectiveStorage(os.path.join(tempfile.mkdtemp(), "f.duckdb"))
+            >>> plan = DeviceRunner(Job("demo", [Task("favs", ["fav"], [Aggregate(n=Count())])]), store).plan()
+            >>> list(plan.triggers), list(plan.streams), plan.swaps_or_hooks
+            (['favs'], [], False)
+        """
+        execution = self.execution
+        return RunPlan(
+            job=self.job.name,
+            triggers={name: TriggerTaskPlan(task, execution.pipeline(name)) for name, task in execution.tasks.items()},
+            streams=dict(self._streams), guard=self.guard, default_guard=self._own_guard,
+            checkpoint_interval_s=self.checkpoint_interval_s, state_ttl_s=self.state_ttl_s, max_users=self.max_users,
+            tunnel=self.tunnel is not None, record_latency=self.latencies_s is not None,
+            swaps_or_hooks=bool(self._hooks or self._swaps), run_task=execution.run_task)
+
     def _run_batch(self, source: Iterable[Event | Rejected] | LineSource,
                    progress: Callable[[Iterable[Any]], Iterator[Any]] | None = None) -> bool:
         """Run in batch mode if the job and input allow it (see :mod:`streamflow.runners.batch`, and
@@ -458,7 +481,7 @@ class DeviceRunner:
         """Store a rejected record in the dead-letter table and count it."""
         self.summary.rejected[record.reason.split(":", 1)[0]] += 1
         log.debug("rejected %s", record.describe())
-        self._write(DEAD_LETTER_TABLE, [
+        self.write(DEAD_LETTER_TABLE, [
             {"source": record.source, "line": record.line, "reason": record.reason, "raw": record.raw}
         ])
 
@@ -494,13 +517,13 @@ class DeviceRunner:
                 self._held = None
                 if held:
                     for table, rows in held.items():
-                        self._write(table, rows)
+                        self.write(table, rows)
             return
-        events = self._accepted(records)
+        events = self.accepted(records)
         outputs = self.triggers.process_block(events, _user_of, _ts_of)
         if outputs:
             for table, rows in rows_by_output(outputs).items():
-                self._write(table, rows)
+                self.write(table, rows)
             if self.latencies_s is not None:
                 self.latencies_s.extend([time.perf_counter() - self._block_started] * len(outputs))
         if self.latencies_s is not None:
@@ -509,14 +532,14 @@ class DeviceRunner:
     def _stream_block(self, records: list[Event | Rejected]) -> None:
         """The block through the job's one stream task in one call; its rows and side rows are written once
         per table, in their order (:meth:`process` for each event writes the same rows)."""
-        events = self._accepted(records)
+        events = self.accepted(records)
         (stream,) = self._streams.values()
         rows, sides, failed = stream.process_block(events)
         self._write_stream(stream, rows, sides)
         for event, exc in failed:
-            self._stream_failed(stream, event, exc)
+            self.stream_failed(stream, event, exc)
 
-    def _accepted(self, records: list[Event | Rejected]) -> list[Event]:
+    def accepted(self, records: list[Event | Rejected]) -> list[Event]:
         """The block's events the guard accepts, counted in; the rejected records and events are dead letters."""
         check = None if self._prechecked else self.guard.check
         events = [record for record in records if type(record) is Event] if check is None else None
@@ -556,14 +579,14 @@ class DeviceRunner:
             try:
                 self._write_stream(stream, *stream.process(event))
             except Exception as exc:  # a backstop: each step's failure is caught where it happens
-                self._stream_failed(stream, event, exc)
+                self.stream_failed(stream, event, exc)
         if not self.execution.tasks:
             return  # a job of stream tasks only: no user sequences or trie state to keep
         outputs = self.triggers.process(event.user_id, event, round(event.ts * 1000))
         if not outputs:
             return
         for table, row in outputs:
-            self._write(table, [row])
+            self.write(table, [row])
         if self.latencies_s is not None:
             self.latencies_s.append(time.perf_counter() - started)
 
@@ -573,9 +596,9 @@ class DeviceRunner:
             try:
                 self._write_stream(stream, *stream.finish())
             except Exception as exc:  # a backstop, as in process()
-                self._stream_failed(stream, None, exc)
+                self.stream_failed(stream, None, exc)
         for table, row in self.triggers.finish():
-            self._write(table, [row])
+            self.write(table, [row])
 
     def _count(self) -> None:
         summary = self.summary
@@ -590,10 +613,10 @@ class DeviceRunner:
                       sides: list[tuple[str, dict[str, Any]]]) -> None:
         self.count_stream(stream, len(rows), sides)
         if rows:
-            self._write(stream.sink, rows)
+            self.write(stream.sink, rows)
         if sides:
             for table, table_rows in rows_by_output(sides).items():
-                self._write(table, table_rows)
+                self.write(table, table_rows)
 
     def count_stream(self, stream: StreamTaskRun, rows: int, sides: list[tuple[str, dict[str, Any]]]) -> None:
         """Count ``rows`` feature rows and the task's failures among ``sides`` in the summary (as Flink's writer)."""
@@ -607,14 +630,17 @@ class DeviceRunner:
             stats.consecutive_errors = stream.consecutive_errors
             stats.quarantined = stats.quarantined or stream.quarantined
 
-    def _stream_failed(self, stream: StreamTaskRun, event: Event | None, exc: Exception) -> None:
+    def stream_failed(self, stream: StreamTaskRun, event: Event | None, exc: Exception) -> None:
+        """Count and store a stream task's failure past its steps' own handling (``event``: the event it was on)."""
         self.summary.task_stats[stream.name].errors += 1
         log.warning("stream task %s failed%s: %s", stream.name,
                     "" if event is None else f" on {event.event_id} of user {event.user_id}", exc)
         row = task_error_row(stream.name, event, exc) if event is not None else stream_error_row(stream.name, exc)
-        self._write(TASK_ERRORS_TABLE, [row])
+        self.write(TASK_ERRORS_TABLE, [row])
 
-    def _write(self, table: str, rows: list[dict[str, Any]]) -> None:
+    def write(self, table: str, rows: list[dict[str, Any]]) -> None:
+        """Write ``rows`` to ``table`` (and ship them through the tunnel when the table is a task's that ships);
+        held for the block's end while a block holds its rows."""
         held = self._held
         if held is not None:
             if table in held:
