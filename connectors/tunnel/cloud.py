@@ -1216,7 +1216,7 @@ class CloudConsumer:
 
         Idle time counts from the last record polled (or from when the consumer got its partitions),
         never from the start, so a slow start or a broker outage does not end the run early. While the
-        broker fails, the consumer reconnects with exponential backoff (0.1 s doubling to 5 s) and raises
+        broker fails, the consumer reconnects with exponential backoff (0.1 s doubling to 1 s) and raises
         :class:`~connectors.tunnel.kafka.TunnelUnavailable` once it failed for ``retry_for_s`` on end
         (None: retry forever). A poll of a broker gone away returns nothing rather than failing, so while
         nothing arrives the broker is probed every :data:`IDLE_PROBE_S` seconds, a failed probe counting as a

@@ -69,7 +69,8 @@ class Retry:
     """Bounded exponential backoff with a give-up budget, for a loop that talks to the broker.
 
     :meth:`failed` returns how long to wait before the next attempt (``first_s``, doubling, at most
-    ``max_s``) and raises :class:`TunnelUnavailable` once failures have lasted ``give_up_after_s``
+    ``max_s``: 1 s, as Kafka's own clients cap theirs, ``reconnect.backoff.max.ms``, so a broker back after an
+    outage is noticed within a second, not up to 5 s later as with the earlier cap) and raises :class:`TunnelUnavailable` once failures have lasted ``give_up_after_s``
     without a success in between (``None``: never give up); :meth:`succeeded` resets both.
 
     Example:
@@ -84,7 +85,7 @@ class Retry:
         connectors.tunnel.kafka.TunnelUnavailable: sending: failed 1 times over 0 s, giving up; last error: refused
     """
 
-    def __init__(self, what: str, first_s: float = 0.1, max_s: float = 5.0, give_up_after_s: float | None = 300.0):
+    def __init__(self, what: str, first_s: float = 0.1, max_s: float = 1.0, give_up_after_s: float | None = 300.0):
         self.what = what
         self.first_s = first_s
         self.max_s = max_s

@@ -37,7 +37,7 @@ Guarantees:
   memory only: that is the durability window, as in the storage's. Sealing never waits on the
   broker: a sealer thread of its own seals by age while the sender waits for an acknowledgement.
 - **Gives up loudly.** The sender retries a failed batch with exponential backoff (0.1 s doubling
-  to 5 s); after ``retry_for_s`` of failures without a success it stops, logs an ERROR and
+  to 1 s); after ``retry_for_s`` of failures without a success it stops, logs an ERROR and
   :meth:`TunnelSink.write` raises :class:`~connectors.tunnel.kafka.TunnelUnavailable`. What was
   sealed stays in the spool for the next run.
 - **Bounded.** The spool holds at most ``spool_max_bytes``; rows that would pass it are refused,
