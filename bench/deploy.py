@@ -55,8 +55,8 @@ import numpy as np
 
 from bench.common import finish, log, median, parse_args, percentile
 from streamflow.deploy.device_auth import AUTH_HEADER, sign_request
-from streamflow.deploy.release import PublishedBundle, ReleaseManager, ReleasePlan
-from streamflow.deploy.state import ReleaseStore
+from streamflow.deploy.release.stages import PublishedBundle, ReleaseManager, ReleasePlan
+from streamflow.deploy.release.state import ReleaseStore
 
 TASK = "ipv"
 WINDOW_S = 60.0  # requests are drawn one virtual minute at a time (Poisson: memoryless, so exact)
@@ -204,7 +204,7 @@ def _device_key(d: int) -> bytes:
 
 def _serve(directory: str, port: int, n: int, ready: Any) -> None:
     from connectors.tunnel.keys import KeyRegistry
-    from streamflow.deploy.server import DeployServer, run
+    from streamflow.deploy.release.server import DeployServer, run
 
     keys = Path(directory) / "keys.json"  # the fleet's keys: every request is signed and checked, as in production
     keys.write_text(json.dumps({"devices": {f"d{d:06d}": _device_key(d).hex() for d in range(n)}}))

@@ -40,9 +40,9 @@ from operators import CountWindow, Process
 from operators.process import LATE, _FunctionProcess
 from streamflow import tunnel_commands
 from streamflow.checkpoint import discard_checkpoint, has_checkpoint
-from streamflow.deploy.commands import bundle_app
 from streamflow.deploy.errors import BundleError
-from streamflow.deploy.release_commands import deploy_server, release_app
+from streamflow.deploy.release.bundle_commands import bundle_app
+from streamflow.deploy.release.commands import deploy_server, release_app
 from streamflow.flink.connector_jars import kafka_topic  # reads kafka://TOPIC without PyFlink
 from streamflow.job import Job, JobLoadError, Task, load_job
 from streamflow.prerequisites import MissingPrerequisite, require_broker, require_extra, require_flink, require_java

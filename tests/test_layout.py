@@ -41,37 +41,50 @@ def test_device_core_never_imports_flink(tmp_path):
 
 
 def test_the_device_side_of_deployment_never_imports_the_release_server():
-    """A device imports the updater and the HTTP client; aiohttp and the server stay in the cloud."""
-    code = ("import json, sys; import streamflow.deploy.updater, streamflow.deploy.client; "
-            "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('aiohttp', 'streamflow.deploy.server', "
-            "'streamflow.deploy.release', 'streamflow.deploy.state')))))")
+    """streamflow/deploy/device/ and the shared modules beside it import nothing of streamflow/deploy/release/ (the
+    server, staged release, policy, the publisher's tools), anywhere in their code; importing the device side loads
+    neither the release side nor aiohttp."""
+    deploy = ROOT / "streamflow" / "deploy"
+    device_side = [*deploy.glob("*.py"), *(deploy / "device").glob("*.py")]
+    assert len(device_side) > 8
+    for path in device_side:
+        reaching = sorted(m for m in _imported_modules(path) if m.startswith("streamflow.deploy.release"))
+        assert reaching == [], f"{path.relative_to(ROOT)} imports the release side: {reaching}"
+    modules = ", ".join(f"streamflow.deploy.{p.stem}" if p.parent == deploy else f"streamflow.deploy.device.{p.stem}"
+                        for p in device_side if p.stem != "__init__")
+    code = (f"import json, sys; import {modules}; print(json.dumps(sorted(m for m in sys.modules "
+            "if m.startswith(('aiohttp', 'streamflow.deploy.release')))))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
 
 
-def _runner_imports() -> dict[str, set[str]]:
-    """Each module of ``streamflow/runners/`` and the modules of that package it imports anywhere in its code
-    (``if TYPE_CHECKING:`` blocks and function bodies included; docstrings' examples are not code)."""
+def _imported_modules(path: Path) -> set[str]:
+    """The modules ``path`` imports anywhere in its code (``if TYPE_CHECKING:`` blocks and function bodies
+    included; docstrings' examples are not code), each ``from m import n`` as both ``m`` and ``m.n``."""
     import ast
 
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.update([node.module] + [f"{node.module}.{alias.name}" for alias in node.names])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def _runner_imports() -> dict[str, set[str]]:
+    """Each module of ``streamflow/runners/`` and the modules of that package it imports anywhere in its code."""
     folder = ROOT / "streamflow" / "runners"
     names = {path.stem for path in folder.glob("*.py")} - {"__init__"}
     graph: dict[str, set[str]] = {}
     for name in names:
         found: set[str] = set()
-        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-            elif isinstance(node, ast.Import):
-                modules = [alias.name for alias in node.names]
-            else:
-                continue
-            for module in modules:
-                if module == "streamflow.runners":  # the package's __init__ imports the device runner
-                    found.add("device")
-                elif module.startswith("streamflow.runners.") and module.split(".")[2] in names:
-                    found.add(module.split(".")[2])
+        for module in _imported_modules(folder / f"{name}.py"):
+            if module == "streamflow.runners":  # the package's __init__ imports the device runner
+                found.add("device")
+            elif module.startswith("streamflow.runners.") and module.split(".")[2] in names:
+                found.add(module.split(".")[2])
         graph[name] = found - {name}
     return graph
 

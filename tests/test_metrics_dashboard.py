@@ -58,7 +58,7 @@ def test_device_and_release_metrics_the_dashboard_queries_are_exposed(tmp_path):
     runner.close()
     storage.close()
     pytest.importorskip("aiohttp")
-    from streamflow.deploy.server import DeployServer
+    from streamflow.deploy.release.server import DeployServer
 
     server = DeployServer(tmp_path / "server")
     names |= exposed(server.metrics.registry)

@@ -69,9 +69,10 @@ class Retry:
     """Bounded exponential backoff with a give-up budget, for a loop that talks to the broker.
 
     :meth:`failed` returns how long to wait before the next attempt (``first_s``, doubling, at most
-    ``max_s``: 1 s, as Kafka's own clients cap theirs, ``reconnect.backoff.max.ms``, so a broker back after an
-    outage is noticed within a second, not up to 5 s later as with the earlier cap) and raises :class:`TunnelUnavailable` once failures have lasted ``give_up_after_s``
-    without a success in between (``None``: never give up); :meth:`succeeded` resets both.
+    ``max_s``) and raises :class:`TunnelUnavailable` once failures have lasted ``give_up_after_s``
+    without a success in between (``None``: never give up); :meth:`succeeded` resets both. ``max_s`` is
+    1 s by default, as Kafka's own clients cap theirs (``reconnect.backoff.max.ms``): a broker back after an
+    outage is found within a second.
 
     Example:
         >>> retry = Retry("sending to 127.0.0.1:9", first_s=0.1, max_s=0.3, give_up_after_s=60)

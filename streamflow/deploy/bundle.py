@@ -17,6 +17,7 @@ a reason code.
 Example (a bundle built from a git repository, then installed elsewhere and loaded):
 
     >>> import subprocess, tempfile, pathlib
+    >>> from streamflow.deploy.release.build import build_bundle
     >>> from streamflow.deploy.signing import generate_key, public_key_path, TrustedKeys
     >>> tmp = pathlib.Path(tempfile.mkdtemp())
     >>> repo = tmp / "repo"; repo.mkdir()
@@ -48,9 +49,8 @@ import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from streamflow.deploy.build import build_bundle
 from streamflow.deploy.errors import (
     BundleError,
     BundleTooLarge,
@@ -76,15 +76,23 @@ from streamflow.deploy.manifest import (
 from streamflow.deploy.signing import SIGNATURE_BYTES, TrustedKeys
 from streamflow.job import Job, JobLoadError, load_job
 
-if TYPE_CHECKING:
-    from streamflow.deploy.store import ContentCache
-
 __all__ = [
-    "BundleError", "FileEntry", "Limits", "Manifest", "build_bundle", "check_version", "directory_fetcher",
+    "BundleError", "FileEntry", "Limits", "Manifest", "check_version", "directory_fetcher",
     "install_bundle", "load_bundle_job", "load_installed", "read_signed", "verify_manifest",
 ]
 
 _module_ids = itertools.count(1)
+
+
+class FileCache(Protocol):
+    """Where installed files come from when their digest is known (a device's
+    :class:`~streamflow.deploy.device.store.ContentCache`)."""
+
+    def holds(self, sha256: str) -> bool: ...
+
+    def path(self, sha256: str) -> Path: ...
+
+    def put(self, sha256: str, data: bytes) -> None: ...
 
 
 def verify_manifest(manifest: bytes, signature: bytes, trusted: TrustedKeys) -> Manifest:
@@ -159,7 +167,7 @@ def check_version(new: Manifest, current: Manifest | None, *, rollback: bool = F
 
 def install_bundle(manifest: Manifest, fetch: Callable[[FileEntry], bytes], dest: Path, *,
                    max_bytes: int | None = None, max_files: int | None = None, limits: Limits | None = None,
-                   signature: bytes | None = None, cache: ContentCache | None = None) -> Path:
+                   signature: bytes | None = None, cache: FileCache | None = None) -> Path:
     """Fetch, check and write every file of a verified ``manifest`` into ``dest``; returns ``dest``.
 
     Limits (``max_bytes``/``max_files``, or ``limits``) are checked on the declared sizes before
@@ -297,7 +305,7 @@ def unload_bundle_job(job: Job) -> None:
 
 
 # -- files ----------------------------------------------------------------------------------------
-def _checked_files(manifest: Manifest, fetch: Callable[[FileEntry], bytes], cache: ContentCache | None
+def _checked_files(manifest: Manifest, fetch: Callable[[FileEntry], bytes], cache: FileCache | None
                    ) -> Iterator[tuple[str, bytes | Path]]:
     """Each file as checked bytes, or as the path of its checked copy in the cache (linked, not copied)."""
     for entry in manifest.files:

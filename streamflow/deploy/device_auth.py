@@ -10,7 +10,7 @@ So a report, a ``X-Streamflow-Tasks`` observation or an exclusive file can only 
 of a device whose key one holds. (Within the window a captured request can be replayed as it is: run
 the server behind TLS.)
 
-Standard library only: the device imports it through :mod:`streamflow.deploy.client`.
+Standard library only: the device imports it through :mod:`streamflow.deploy.device.client`.
 
 Example:
     >>> key = bytes(32)

@@ -1,6 +1,6 @@
 """The release server's metrics: ``GET /metrics``, ``/healthz`` and ``/readyz`` on the server's own port.
 
-Read at each scrape from the :class:`~streamflow.deploy.release.ReleaseManager`'s state (releases, their cohorts'
+Read at each scrape from the :class:`~streamflow.deploy.release.stages.ReleaseManager`'s state (releases, their cohorts'
 samples, the versions devices run) and the server's request counts (``DeployServer.stats``); only the decision's
 time is measured here, per request that carries the devices' tasks header.
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from connectors.tunnel.keys import KeyRegistry
-from streamflow.deploy.client import DeployClient
+from streamflow.deploy.device.client import DeployClient
 from streamflow.deploy.manifest import canonical_json
 from streamflow.deploy.signing import load_signing_key, sign
 

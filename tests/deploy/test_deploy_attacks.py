@@ -19,8 +19,6 @@ import pytest
 from deploy_helpers import counter_job, device_client
 
 from connectors.storage import CollectiveStorage
-from streamflow.deploy.admin import AdminClient, AdminError
-from streamflow.deploy.build import build_bundle
 from streamflow.deploy.bundle import (
     directory_fetcher,
     install_bundle,
@@ -29,15 +27,17 @@ from streamflow.deploy.bundle import (
     read_signed,
     verify_manifest,
 )
+from streamflow.deploy.device.directory import DirectoryClient
+from streamflow.deploy.device.updater import Updater
 from streamflow.deploy.device_auth import AUTH_HEADER, sign_request
-from streamflow.deploy.directory import DirectoryClient
 from streamflow.deploy.errors import DigestMismatch
 from streamflow.deploy.layout import FILES
-from streamflow.deploy.policy import cohort_point
-from streamflow.deploy.server import DeployServer, serve_in_thread
+from streamflow.deploy.release.admin import AdminClient, AdminError
+from streamflow.deploy.release.build import build_bundle
+from streamflow.deploy.release.policy import cohort_point
+from streamflow.deploy.release.server import DeployServer, serve_in_thread
+from streamflow.deploy.release.state import ReleaseStore
 from streamflow.deploy.signing import TrustedKeys, public_key_path
-from streamflow.deploy.state import ReleaseStore
-from streamflow.deploy.updater import Updater
 from streamflow.events import Event
 from streamflow.job import Job
 from streamflow.runners.device import DeviceRunner
@@ -136,9 +136,9 @@ import json, sys
 from pathlib import Path
 from connectors.storage import CollectiveStorage
 from streamflow.deploy.device_auth import AUTH_HEADER, sign_request
-from streamflow.deploy.directory import DirectoryClient
+from streamflow.deploy.device.directory import DirectoryClient
 from streamflow.deploy.signing import TrustedKeys
-from streamflow.deploy.updater import Updater
+from streamflow.deploy.device.updater import Updater
 from streamflow.job import Job
 from streamflow.runners.device import DeviceRunner
 

@@ -9,7 +9,6 @@ import subprocess
 import pytest
 from deploy_helpers import counter_job, git, resign
 
-from streamflow.deploy.build import GitError, build_bundle
 from streamflow.deploy.bundle import (
     check_version,
     directory_fetcher,
@@ -32,6 +31,7 @@ from streamflow.deploy.errors import (
 )
 from streamflow.deploy.layout import FILES, MANIFEST, SIGNATURE
 from streamflow.deploy.manifest import Limits, Manifest, canonical_json
+from streamflow.deploy.release.build import GitError, build_bundle
 from streamflow.deploy.signing import TrustedKeys, generate_key, key_id, load_signing_key, public_key_path
 
 

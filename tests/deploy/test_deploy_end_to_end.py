@@ -16,12 +16,12 @@ from deploy_helpers import counter_job, device_client
 
 from connectors.storage import CollectiveStorage
 from operators import Aggregate, Count, KeyBy, TimeWindow
-from streamflow.deploy.admin import AdminClient
-from streamflow.deploy.build import build_bundle
-from streamflow.deploy.policy import directive
-from streamflow.deploy.server import DeployServer, serve_in_thread
-from streamflow.deploy.simulation import ReplaySimulator
-from streamflow.deploy.updater import Updater
+from streamflow.deploy.device.updater import Updater
+from streamflow.deploy.protocol import directive
+from streamflow.deploy.release.admin import AdminClient
+from streamflow.deploy.release.build import build_bundle
+from streamflow.deploy.release.server import DeployServer, serve_in_thread
+from streamflow.deploy.release.simulation import ReplaySimulator
 from streamflow.events import Event
 from streamflow.job import Job, Task
 from streamflow.runners.device import DeviceRunner

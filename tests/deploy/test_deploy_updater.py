@@ -16,12 +16,12 @@ from deploy_helpers import counter_job, resign
 
 from connectors.storage import CollectiveStorage
 from operators import Aggregate, Count, KeyBy, TimeWindow
-from streamflow.deploy.build import build_bundle
-from streamflow.deploy.directory import DirectoryClient
+from streamflow.deploy.device.directory import DirectoryClient
+from streamflow.deploy.device.updater import Updater
 from streamflow.deploy.layout import FILES, MANIFEST, SIGNATURE
 from streamflow.deploy.manifest import Limits
+from streamflow.deploy.release.build import build_bundle
 from streamflow.deploy.signing import generate_key
-from streamflow.deploy.updater import Updater
 from streamflow.events import Event
 from streamflow.job import Job, Task
 from streamflow.runners.device import DeviceRunner

@@ -16,10 +16,10 @@ from PIL import Image
 
 from connectors.tunnel.keys import KeyRegistry
 from streamflow.cli import main
-from streamflow.deploy.build import build_bundle
-from streamflow.deploy.client import DeployClient
+from streamflow.deploy.device.client import DeployClient
+from streamflow.deploy.release.build import build_bundle
+from streamflow.deploy.release.status_page import COVERAGE_COLOUR, FAILURE_COLOUR
 from streamflow.deploy.signing import public_key_path
-from streamflow.deploy.status_page import COVERAGE_COLOUR, FAILURE_COLOUR
 
 ROOT = Path(__file__).resolve().parents[2]
 

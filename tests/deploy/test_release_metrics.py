@@ -13,9 +13,9 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from streamflow.deploy.admin import AdminClient  # noqa: E402
-from streamflow.deploy.build import build_bundle  # noqa: E402
-from streamflow.deploy.server import DeployServer, serve_in_thread  # noqa: E402
+from streamflow.deploy.release.admin import AdminClient  # noqa: E402
+from streamflow.deploy.release.build import build_bundle  # noqa: E402
+from streamflow.deploy.release.server import DeployServer, serve_in_thread  # noqa: E402
 
 
 @pytest.fixture

@@ -12,13 +12,13 @@ import urllib.request
 import pytest
 from deploy_helpers import counter_job, device_client
 
-from streamflow.deploy.admin import AdminClient, AdminError
-from streamflow.deploy.build import build_bundle
 from streamflow.deploy.bundle import read_signed, verify_manifest
-from streamflow.deploy.client import DeployClientError
+from streamflow.deploy.device.client import DeployClientError
 from streamflow.deploy.layout import FILES, MANIFEST
-from streamflow.deploy.policy import cohort_point
-from streamflow.deploy.server import DeployServer, serve_in_thread
+from streamflow.deploy.release.admin import AdminClient, AdminError
+from streamflow.deploy.release.build import build_bundle
+from streamflow.deploy.release.policy import cohort_point
+from streamflow.deploy.release.server import DeployServer, serve_in_thread
 from streamflow.deploy.signing import generate_key
 
 
@@ -259,7 +259,7 @@ def test_bad_protocol_input_is_refused_with_a_reason(running, built, server):
         assert response.status == 400 and reason in response.body.decode(), (body, response.body)
     assert server.stats["refused_reports"] == 4  # the two non-objects fail before the report checks
     with pytest.raises(DeployClientError, match="manifest must be /deploy/bundles/c/1/manifest.json"):
-        from streamflow.deploy.client import parse_directives
+        from streamflow.deploy.device.client import parse_directives
         parse_directives('[{"task":"c","version":"1","manifest":"http://evil/m","signature":"/s","action":"update"}]')
 
 
@@ -269,7 +269,7 @@ def test_state_survives_a_restart(tmp_path, built, trusted, clock):
     for tag in ("v1", "v2"):
         server.publish(*read_signed(built[tag]), {p.relative_to(built[tag] / FILES).as_posix(): p.read_bytes()
                                                   for p in (built[tag] / FILES).rglob("*") if p.is_file()})
-    from streamflow.deploy.release import ReleasePlan
+    from streamflow.deploy.release.stages import ReleasePlan
     server.manager.start("counter", "2", ReleasePlan(steps=(0.5, 1.0), simulate=False, min_samples=5))
     assert server.manager.decide_header(d1, "counter=1") is not None  # offered the release
     server.manager.report(d1, "counter", "2", ok=False, reason="boom")
@@ -315,8 +315,8 @@ def test_exclusive_files_go_only_to_devices_that_are_to_run_them(running, counte
 
 
 def test_a_small_fleet_is_not_held_by_min_samples(tmp_path, clock):
-    from streamflow.deploy.release import PublishedBundle, ReleaseManager, ReleasePlan
-    from streamflow.deploy.state import ReleaseStore
+    from streamflow.deploy.release.stages import PublishedBundle, ReleaseManager, ReleasePlan
+    from streamflow.deploy.release.state import ReleaseStore
 
     manager = ReleaseManager(ReleaseStore(tmp_path / "state"), clock=clock)
     for version, previous in (("1", None), ("2", "1")):

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from streamflow.deploy.build import build_bundle
 from streamflow.deploy.bundle import read_signed
 from streamflow.deploy.layout import FILES
-from streamflow.deploy.release import ReleasePlan
-from streamflow.deploy.server import DeployServer
-from streamflow.deploy.simulation import ReplaySimulator
+from streamflow.deploy.release.build import build_bundle
+from streamflow.deploy.release.server import DeployServer
+from streamflow.deploy.release.simulation import ReplaySimulator
+from streamflow.deploy.release.stages import ReleasePlan
 
 RAISING_JOB = '''
 from operators import Aggregate, Count, Map

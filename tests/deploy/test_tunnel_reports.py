@@ -8,10 +8,10 @@ import time
 
 from connectors.tunnel.keys import KeyRegistry
 from connectors.tunnel.sink import TunnelSink
-from streamflow.deploy.client import DeployClient
-from streamflow.deploy.release import PublishedBundle, ReleasePlan
-from streamflow.deploy.server import DeployServer, serve_in_thread
-from streamflow.deploy.tunnel_reports import REPORTS_TABLE, report_row
+from streamflow.deploy.device.client import DeployClient
+from streamflow.deploy.release.server import DeployServer, serve_in_thread
+from streamflow.deploy.release.stages import PublishedBundle, ReleasePlan
+from streamflow.deploy.protocol import REPORTS_TABLE, report_row
 
 
 def _wait(condition, timeout_s=60.0):
@@ -75,7 +75,7 @@ def test_a_report_reader_whose_broker_stays_away_gives_up_and_says_so(tmp_path, 
     with an ERROR naming what to do (the server's /readyz then reports it not running)."""
     import socket
 
-    from streamflow.deploy.tunnel_reports import TunnelReportReader
+    from streamflow.deploy.release.tunnel_reports import TunnelReportReader
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

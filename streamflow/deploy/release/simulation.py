@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from streamflow.deploy.bundle import install_bundle, load_bundle_job, load_installed, verify_manifest
+from streamflow.deploy.release.state import StoredBundle
 from streamflow.deploy.signing import TrustedKeys
-from streamflow.deploy.state import StoredBundle
 from streamflow.summary import TASK_ERRORS_TABLE
 from streamflow.testing import rows_diff, run_job
 

@@ -8,7 +8,7 @@ A release takes one published version of a task to the fleet:
 2. **beta**: only the plan's allow-list of devices (skipped when the list is empty).
 3. **gray**: sticky hash cohorts, step by step (default 1 % → 5 % → 20 % → 50 % → 100 %), then
    **complete**: a uniform release becomes the task's stable version; a targeted one stays as a layer
-   (see :mod:`streamflow.deploy.policy`).
+   (see :mod:`streamflow.deploy.release.policy`).
 
 A stage advances by command (:meth:`ReleaseManager.advance`) or on the plan's schedule
 (:meth:`ReleaseManager.tick`): after ``step_interval_s`` in the stage, once the stage's newest cohort
@@ -30,7 +30,7 @@ digest is blocked (never released again). A device whose failure was reported is
 
 Example (virtual clock; ``bundle`` is the manifest as :func:`publish` would have verified it):
     >>> import tempfile
-    >>> from streamflow.deploy.state import ReleaseStore
+    >>> from streamflow.deploy.release.state import ReleaseStore
     >>> now = [0.0]
     >>> manager = ReleaseManager(ReleaseStore(tempfile.mkdtemp()), clock=lambda: now[0])
     >>> for v, prev in (("1", None), ("2", "1")):
@@ -61,19 +61,18 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from streamflow.deploy.manifest import check_task_name
-from streamflow.deploy.policy import (
+from streamflow.deploy.protocol import parse_pairs, valid_version
+from streamflow.deploy.release.policy import (
     Layer,
     Policy,
     Target,
     TaskPolicy,
-    check_version,
     cohort_point,
-    parse_pairs,
     version_order,
 )
-from streamflow.deploy.state import ReleaseStore, StoredBundle
+from streamflow.deploy.release.state import ReleaseStore, StoredBundle
 
-log = logging.getLogger("streamflow.deploy.release")
+log = logging.getLogger("streamflow.deploy.release.stages")
 
 DEFAULT_STEPS = (0.01, 0.05, 0.20, 0.50, 1.0)
 
@@ -94,7 +93,7 @@ class PublishedBundle:
 
 
 class Simulator(Protocol):
-    """Replays recorded events through the stable and the new version; see :mod:`streamflow.deploy.simulation`."""
+    """Replays recorded events through the stable and the new version (:mod:`.simulation`)."""
 
     def __call__(self, old: StoredBundle | None, new: StoredBundle, fetch: Callable[[str], bytes]
                  ) -> Mapping[str, Any]:
@@ -114,7 +113,7 @@ class ReleasePlan:
         >>> ReleasePlan(steps=(0.1, 0.05, 1.0))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        streamflow.deploy.release.ReleaseError: gray steps must rise strictly within (0, 1] and end at 1.0, got ...
+        streamflow.deploy.release.stages.ReleaseError: gray steps must rise strictly within (0, 1] and end at ...
     """
 
     steps: tuple[float, ...] = DEFAULT_STEPS
@@ -301,9 +300,9 @@ class ReleaseManager:
     # -- publishing -------------------------------------------------------------------------------
     def add_bundle(self, bundle: PublishedBundle, manifest: bytes, signature: bytes,
                    files: Iterable[tuple[str, str, int, str]]) -> PublishedBundle:
-        """Record a bundle whose signature and files the caller verified (:func:`streamflow.deploy.server`)."""
+        """Record a bundle whose signature and files the caller verified (:func:`streamflow.deploy.release.server`)."""
         check_task_name(bundle.task)
-        check_version(bundle.version)
+        valid_version(bundle.version)
         with self._lock:
             if bundle.digest in self.blocked:
                 task, version, reason, _ = self.blocked[bundle.digest]

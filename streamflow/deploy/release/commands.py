@@ -38,7 +38,7 @@ TokenOption = Annotated[Path | None, typer.Option(help="the server's admin token
 
 def _admin(server: str | None, token_file: Path | None) -> Any:
     require_extra("deploy", what="streamflow release")  # admin requests are signed
-    from streamflow.deploy.admin import AdminClient
+    from streamflow.deploy.release.admin import AdminClient
 
     config = settings(deploy_server=server)
     path = token_file or config.deploy_dir / "admin.token"
@@ -51,7 +51,7 @@ def _admin(server: str | None, token_file: Path | None) -> Any:
 
 
 def _run(call: Any) -> int:
-    from streamflow.deploy.admin import AdminError
+    from streamflow.deploy.release.admin import AdminError
 
     try:
         result = call()
@@ -85,9 +85,9 @@ def deploy_server(
     require_extra("deploy-server", what="streamflow deploy-server")
     if tunnel_reports:
         require_broker("deploy-server --tunnel-reports")
-    from streamflow.deploy.server import DeployServer, run
+    from streamflow.deploy.release.server import DeployServer, run
+    from streamflow.deploy.release.simulation import ReplaySimulator
     from streamflow.deploy.signing import TrustedKeys
-    from streamflow.deploy.simulation import ReplaySimulator
 
     config = settings(deploy_dir=directory)
     trusted = TrustedKeys.from_files(trusted_key)

@@ -46,9 +46,9 @@ def build(
                          "API (repeatable; wins over --shared)")] = None,
 ) -> int:
     require_extra("deploy", what="bundle build")
-    from streamflow.deploy.build import build_bundle
     from streamflow.deploy.bundle import read_signed
     from streamflow.deploy.manifest import Manifest
+    from streamflow.deploy.release.build import build_bundle
 
     built = build_bundle(repo, tag, signing_key=key, out=out, shared=shared, exclusive=exclusive, task=task,
                          job=job)

@@ -1,7 +1,7 @@
 """Deploy reports over the Kafka tunnel: a device's success/failure rows in, the release manager's reports out.
 
 A device with a tunnel (:class:`~connectors.tunnel.sink.TunnelSink`) reports through it instead of
-HTTP (:class:`~streamflow.deploy.client.DeployClient` with ``tunnel=``): one row of the table
+HTTP (:class:`~streamflow.deploy.device.client.DeployClient` with ``tunnel=``): one row of the table
 ``deploy_reports`` (``task``, ``version``, ``ok``, ``reason``, ``reported_at``) per report, sealed and
 signed with the device's key like its feature rows, spooled durably while the broker is away.
 
@@ -25,9 +25,7 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 from connectors.tunnel.cloud import DeadLetter, open_message
@@ -41,39 +39,9 @@ from connectors.tunnel.kafka import (
 )
 from connectors.tunnel.keys import KeyRegistry
 from connectors.tunnel.registry import Registry
-from streamflow.deploy.manifest import check_task_name, version_key
+from streamflow.deploy.protocol import REPORTS_TABLE, Report, row_problem
 
-log = logging.getLogger("streamflow.deploy.tunnel_reports")
-
-REPORTS_TABLE = "deploy_reports"
-#: ``report(device, task, version, ok, reason)``: where verified reports go.
-Report = Callable[[str, str, str, bool, str], None]
-
-
-def report_row(task: str, version: str, ok: bool, reason: str | None = None) -> dict[str, Any]:
-    """The ``deploy_reports`` row a device writes to its tunnel.
-
-    Example:
-        >>> sorted(report_row("ipv", "3", False, "load_failed: ipv@3: ImportError"))
-        ['ok', 'reason', 'reported_at', 'task', 'version']
-    """
-    return {"task": task, "version": version, "ok": bool(ok), "reason": (reason or "")[:2000],
-            "reported_at": time.time()}
-
-
-def row_problem(row: dict[str, Any]) -> str | None:
-    """Why a ``deploy_reports`` row is not a report (None if it is one)."""
-    try:
-        check_task_name(row.get("task"))
-        version_key(row.get("version"))
-    except ValueError as exc:
-        return str(exc)
-    if not isinstance(row.get("ok"), bool):
-        return f"'ok' must be a boolean, got {row.get('ok')!r}"
-    if row.get("reason") is not None and not isinstance(row.get("reason"), str):
-        return f"'reason' must be a string, got {type(row.get('reason')).__name__}"
-    return None
-
+log = logging.getLogger("streamflow.deploy.release.tunnel_reports")
 
 class TunnelReportReader:
     """Reads ``deploy_reports`` rows off the tunnel's topic and hands them to ``report`` (see the module docstring)."""

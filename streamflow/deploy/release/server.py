@@ -6,7 +6,7 @@ the tunnel's key registry, ``devices``):
 
 - any request carrying ``X-Streamflow-Tasks: ipv=2,sessions=1`` and ``X-Streamflow-Device: <id>`` (optional
   ``X-Streamflow-Attrs: k=v,...``, ``X-Streamflow-User``) gets, in the same response, ``X-Streamflow-Deploy:
-  [<directive>, ...]`` when the device should change something (:mod:`streamflow.deploy.policy`); a
+  [<directive>, ...]`` when the device should change something (:mod:`streamflow.deploy.release.policy`); a
   malformed device header or a request not signed by that device gets ``X-Streamflow-Deploy-Error:
   <reason>`` instead (nothing of it is noted) and the request is served as usual. ``GET /app/...``
   stands for the app's own API here.
@@ -60,26 +60,26 @@ from aiohttp import web
 from connectors.private import create_private, private_dir, read_private, tighten
 from streamflow.deploy.device_auth import WINDOW_S, verify_request
 from streamflow.deploy.manifest import check_task_name
-from streamflow.deploy.policy import (
+from streamflow.deploy.protocol import (
     ATTRS_HEADER,
     DEPLOY_HEADER,
     DEVICE_HEADER,
     TASKS_HEADER,
     USER_HEADER,
-    Target,
-    check_version,
     parse_pairs,
+    valid_version,
 )
-from streamflow.deploy.release import PublishedBundle, ReleaseError, ReleaseManager, ReleasePlan, Simulator
-from streamflow.deploy.state import ReleaseStore
+from streamflow.deploy.release.policy import Target
+from streamflow.deploy.release.stages import PublishedBundle, ReleaseError, ReleaseManager, ReleasePlan, Simulator
+from streamflow.deploy.release.state import ReleaseStore
 from streamflow.metrics.deploy import DeployMetrics
 
 if TYPE_CHECKING:
     from connectors.tunnel.keys import KeyRegistry
+    from streamflow.deploy.release.tunnel_reports import TunnelReportReader
     from streamflow.deploy.signing import TrustedKeys
-    from streamflow.deploy.tunnel_reports import TunnelReportReader
 
-log = logging.getLogger("streamflow.deploy.server")
+log = logging.getLogger("streamflow.deploy.release.server")
 
 DEFAULT_PORT = 8470
 DEPLOY_ERROR_HEADER = "X-Streamflow-Deploy-Error"
@@ -121,9 +121,9 @@ class DeployServer:
 
     def read_tunnel_reports(self, registry: KeyRegistry | None = None, *, bootstrap: str | None = None,
                             topic: str | None = None) -> None:
-        """Also take device reports off the Kafka tunnel (:mod:`streamflow.deploy.tunnel_reports`) while serving
+        """Also take device reports off the Kafka tunnel (:mod:`streamflow.deploy.release.tunnel_reports`) while serving
         (verified with ``registry``, default the server's ``devices``)."""
-        from streamflow.deploy.tunnel_reports import TunnelReportReader
+        from streamflow.deploy.release.tunnel_reports import TunnelReportReader
 
         registry = registry or self.devices
         if registry is None:
@@ -312,7 +312,7 @@ class DeployServer:
             if body.get("device") != device:
                 raise ValueError(f"report for device {body.get('device')!r} signed by device {device!r}")
             task = check_task_name(body.get("task"))
-            version = check_version(body.get("version"))
+            version = valid_version(body.get("version"))
             ok = body.get("ok")
             if not isinstance(ok, bool):
                 raise ValueError(f"'ok' must be true or false, got {ok!r}")
@@ -337,7 +337,7 @@ class DeployServer:
         return web.json_response(self.manager.coverage(release_id))
 
     async def _status_page(self, request: web.Request) -> web.Response:
-        from streamflow.deploy.status_page import render
+        from streamflow.deploy.release.status_page import render
 
         status = self.manager.status()
         coverage = {r["release_id"]: self.manager.coverage(r["release_id"]) for r in status["releases"][:6]}
@@ -408,7 +408,7 @@ class DeployServer:
         body = await _json_body(request)
         try:
             task = check_task_name(body.get("task"))
-            version = check_version(str(body.get("version")))
+            version = valid_version(str(body.get("version")))
             plan = plan_from_json(body.get("plan") or {})
             release = await asyncio.to_thread(self.manager.start, task, version, plan)
         except ReleaseError as exc:
@@ -429,7 +429,7 @@ class DeployServer:
                 result = self.manager.rollback(task, str(body.get("reason") or "by command"),
                                                block=bool(body.get("block", False))).to_json()
             elif command == "pin":
-                version = check_version(str(body.get("version")))
+                version = valid_version(str(body.get("version")))
                 self.manager.set_stable(task, version)
                 result = {"task": task, "stable": version}
             else:

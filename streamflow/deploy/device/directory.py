@@ -1,6 +1,6 @@
 """Deploy from a bundles directory instead of over HTTP: side-loading, an offline fleet, a simulation.
 
-:class:`DirectoryClient` answers the :class:`~streamflow.deploy.updater.Updater`'s three questions
+:class:`DirectoryClient` answers the :class:`~streamflow.deploy.device.updater.Updater`'s three questions
 from a directory ``streamflow bundle build`` wrote (``<task>/<version>/manifest.json|manifest.sig|
 files/...``) — the same directory the release server serves — and keeps the device's reports (and
 appends them to a JSON-lines file, if given). It trusts nothing it reads: the updater verifies the

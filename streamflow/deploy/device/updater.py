@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from streamflow.deploy.bundle import check_version, load_bundle_job, verify_manifest
+from streamflow.deploy.device.store import BundleStore
 from streamflow.deploy.errors import (
     BundleError,
     DirectiveInvalid,
@@ -70,7 +71,6 @@ from streamflow.deploy.errors import (
 )
 from streamflow.deploy.manifest import FileEntry, Limits, Manifest, check_task_name, version_key
 from streamflow.deploy.signing import TrustedKeys
-from streamflow.deploy.store import BundleStore
 from streamflow.job import Job
 from streamflow.runners.device import DeviceRunner, TaskSwap
 
@@ -81,8 +81,8 @@ ACTIONS = ("update", "rollback")
 
 class BundleSource(Protocol):
     """Where the updater gets bundles from and reports to: the device's HTTP client
-    (``streamflow.deploy.client.DeployClient``) or a bundles directory
-    (:class:`~streamflow.deploy.directory.DirectoryClient`).
+    (``streamflow.deploy.device.client.DeployClient``) or a bundles directory
+    (:class:`~streamflow.deploy.device.directory.DirectoryClient`).
 
     ``tasks`` is what the device runs (task → version); the updater keeps it current, so that the
     client's next request carries it.
@@ -261,7 +261,7 @@ class Updater:
         """Apply the directives of one server response (None or empty: only :meth:`check`).
 
         ``source`` fetches the bundles instead of the client, e.g. a
-        :class:`~streamflow.deploy.directory.DirectoryClient` over the bundles an app ships with, to
+        :class:`~streamflow.deploy.device.directory.DirectoryClient` over the bundles an app ships with, to
         provision a device with its first versions (the server changes the versions of tasks a device
         runs; it does not add tasks). They are verified the same way; reports still go to the client.
         """

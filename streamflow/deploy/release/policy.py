@@ -43,13 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamflow.deploy.manifest import version_key
-
-#: Headers of the piggyback protocol.
-TASKS_HEADER = "X-Streamflow-Tasks"
-DEVICE_HEADER = "X-Streamflow-Device"
-ATTRS_HEADER = "X-Streamflow-Attrs"
-USER_HEADER = "X-Streamflow-User"
-DEPLOY_HEADER = "X-Streamflow-Deploy"
+from streamflow.deploy.protocol import directive, parse_pairs
 
 _RULE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_.-]{0,62})\s*(>=|<=|!=|=|>|<)\s*(.*?)\s*$")
 _TWO64 = float(1 << 64)
@@ -73,12 +67,6 @@ def version_order(version: str) -> tuple[int, ...] | None:
         return version_key(version)
     except ValueError:
         return None
-
-
-def check_version(value: str) -> str:
-    """``value`` if it is a version (:func:`~streamflow.deploy.manifest.version_key`), else ``ValueError``."""
-    version_key(value)
-    return value
 
 
 @dataclass(frozen=True)
@@ -197,13 +185,6 @@ class Layer:
                                         < self.fraction)
 
 
-def directive(task: str, version: str, action: str) -> dict[str, str]:
-    """What a device is told to do with one task (an element of ``X-Streamflow-Deploy``)."""
-    base = f"/deploy/bundles/{task}/{version}"
-    return {"task": task, "version": version, "manifest": f"{base}/manifest.json",
-            "signature": f"{base}/manifest.sig", "action": action}
-
-
 @dataclass(frozen=True)
 class TaskPolicy:
     """A task's stable version and its layers, newest first (see the module docstring)."""
@@ -268,35 +249,3 @@ class Policy:
         out = self.decide(device_id, parse_pairs(tasks_header), parse_pairs(attrs_header) if attrs_header else None,
                           user)
         return "[" + ",".join(out) + "]" if out else None
-
-
-def parse_pairs(header: str) -> dict[str, str]:
-    """``"ipv=2, sessions=1"`` → ``{"ipv": "2", "sessions": "1"}``; malformed items are skipped.
-
-    Example:
-        >>> parse_pairs("ipv=2,sessions=1,junk,=3")
-        {'ipv': '2', 'sessions': '1'}
-    """
-    if " " not in header:  # the usual, well-formed header: one split per item
-        try:
-            pairs = dict(item.split("=", 1) for item in header.split(","))
-        except ValueError:  # an item without "=": the careful path below
-            pass
-        else:
-            if "" not in pairs:
-                return pairs
-    pairs = {}
-    for item in header.split(","):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if sep and key:
-            pairs[key] = value.strip()
-    return pairs
-
-
-def format_pairs(pairs: Mapping[str, str]) -> str:
-    """The header form of ``pairs`` (the inverse of :func:`parse_pairs`)."""
-    for key, value in pairs.items():
-        if not key or any(c in f"{key}{value}" for c in ",=\r\n"):
-            raise ValueError(f"header pair {key!r}={value!r} may not hold ',', '=' or a line break")
-    return ",".join(f"{k}={v}" for k, v in pairs.items())

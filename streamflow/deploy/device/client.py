@@ -4,7 +4,7 @@ Standard library only (``http.client``, one kept-alive connection, thread-safe),
 stays light. Every :meth:`DeployClient.request` sends the device's task versions
 (``X-Streamflow-Tasks``), id, attributes and user, and returns the response with the directives the
 server piggybacked on it (``X-Streamflow-Deploy``). The directives are requests, not trust: the
-updater verifies whatever it downloads (:mod:`streamflow.deploy.updater`). Every request in the
+updater verifies whatever it downloads (:mod:`streamflow.deploy.device.updater`). Every request in the
 device's name (app requests, exclusive files, reports) is signed with the device's key
 (:mod:`streamflow.deploy.device_auth`); the server refuses those that are not.
 
@@ -31,15 +31,17 @@ from typing import TYPE_CHECKING, Any
 
 from streamflow.deploy.device_auth import AUTH_HEADER, sign_request
 from streamflow.deploy.manifest import MAX_MANIFEST_BYTES, check_task_name
-from streamflow.deploy.policy import (
+from streamflow.deploy.protocol import (
     ATTRS_HEADER,
     DEPLOY_HEADER,
     DEVICE_HEADER,
+    REPORTS_TABLE,
     TASKS_HEADER,
     USER_HEADER,
-    check_version,
     directive,
     format_pairs,
+    report_row,
+    valid_version,
 )
 
 if TYPE_CHECKING:
@@ -73,10 +75,10 @@ def parse_directives(value: str | None) -> list[dict[str, str]]:
         >>> parse_directives('[{"task":"ipv","version":"3","manifest":"/deploy/bundles/ipv/3/manifest.json",'
         ...                  '"signature":"/deploy/bundles/ipv/3/manifest.sig","action":"update"}]')[0]["action"]
         'update'
-        >>> parse_directives('[{"task":"ipv"}]')
+        >>> parse_directives('[{"task":"ipv"}]')  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        streamflow.deploy.client.DeployClientError: directive {"task": "ipv"} lacks version, manifest, signature, action
+        streamflow.deploy.device.client.DeployClientError: directive {"task": "ipv"} lacks version, manifest, ...
     """
     if not value:
         return []
@@ -97,7 +99,7 @@ def parse_directives(value: str | None) -> list[dict[str, str]]:
             raise DeployClientError(f"directive {json.dumps(item)}: unknown action {item['action']!r}")
         try:
             check_task_name(item["task"])
-            check_version(item["version"])
+            valid_version(item["version"])
         except ValueError as exc:
             raise DeployClientError(f"directive {json.dumps(item)}: {exc}") from None
         expected = directive(item["task"], item["version"], item["action"])
@@ -175,11 +177,9 @@ class DeployClient:
         """Tell the server ``task@version`` loaded and runs (``ok``) or failed, and why.
 
         With a ``tunnel``, the report is a ``deploy_reports`` row on it (signed, spooled while the broker
-        is away; :mod:`streamflow.deploy.tunnel_reports`); otherwise ``POST /deploy/api/report``.
+        is away; :mod:`streamflow.deploy.release.tunnel_reports`); otherwise ``POST /deploy/api/report``.
         """
         if self.tunnel is not None:
-            from streamflow.deploy.tunnel_reports import REPORTS_TABLE, report_row
-
             self.tunnel.write(REPORTS_TABLE, [report_row(task, version, ok, reason)])
             return
         body = json.dumps({"device": self.device_id, "task": task, "version": version, "ok": ok,

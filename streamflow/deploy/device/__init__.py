@@ -1,0 +1,1 @@
+"""The device side of deployment: installed task versions, directives in, tasks hot-swapped (see the package above)."""
