@@ -117,6 +117,7 @@ class BudgetPlan:
     load_s: float
     load_bps: float
     compute_scale: float = 1.0  # compute's slowdown against the calibration assumed when planning
+    held: int = 0  # bytes under the resident weights never touched: kept for objects growing with units and loads
 
     @property
     def sliced_steps(self) -> int:
@@ -133,7 +134,8 @@ class BudgetPlan:
     @property
     def load_top(self) -> int:
         """The top of the room loads share with activations (below resident and pinned weights)."""
-        return (self.budget // ALIGN * ALIGN - self.pinned_bytes) // LOAD_ALIGN * LOAD_ALIGN - self.resident_bytes
+        return ((self.budget // ALIGN * ALIGN - self.pinned_bytes) // LOAD_ALIGN * LOAD_ALIGN - self.resident_bytes
+                - self.held)
 
     def report(self) -> dict[str, float | int | bool]:
         return {"budget_bytes": self.budget, "plan_peak_bytes": self.peak_bytes(),
@@ -421,13 +423,19 @@ def _fill(order: list[list[str]], weight_bytes: dict[str, int], room: int) -> tu
     return chosen, used
 
 
+def _held(unit_bytes: int, units: list[Unit], loads: list[Load]) -> int:
+    """The bytes a plan of these units and loads keeps untouched for objects that grow with them."""
+    return _up_load(unit_bytes * (len(units) + len(loads))) if unit_bytes else 0
+
+
 def _resident_room(plan: ExecutionPlan, blocks_of: BlocksOf, weight_bytes: dict[str, int], streamed: set[str],
-                   top: int, order: list[list[str]]) -> int:
+                   top: int, order: list[list[str]], unit_bytes: int = 0) -> int:
     """The most bytes of resident weights (last-used first) that leave every unit room for its own
     loads at the finest slices (a no-preload plan then fits): a binary search on that check."""
     finest = _levels(plan, blocks_of, weight_bytes, streamed, set(), top)[-1]
     units, loads = build_units(plan, blocks_of, weight_bytes, finest, streamed)
     act_top = _activation_top(plan, _unit_ranges(plan, units), len(units))
+    top -= _held(unit_bytes, units, loads)
 
     def fits(room: int) -> bool:
         chosen, used = _fill(order, weight_bytes, room)
@@ -446,20 +454,23 @@ def _resident_room(plan: ExecutionPlan, blocks_of: BlocksOf, weight_bytes: dict[
 
 def _plan_one(plan: ExecutionPlan, blocks_of: BlocksOf, streamed: set[str], weight_bytes: dict[str, int],
               top: int, resident: set[str], modes: tuple[bool, ...], load_bps: float,
-              compute_scale: float) -> tuple[float, list[Unit], list[Load], list[int], bool, float] | None:
-    """The fastest expected (slicing level, preload or not) for this plan and resident set below ``top``."""
+              compute_scale: float, unit_bytes: int = 0
+              ) -> tuple[float, list[Unit], list[Load], list[int], bool, float, int] | None:
+    """The fastest expected (slicing level, preload or not) for this plan and resident set below ``top``,
+    less ``unit_bytes`` per unit and load left untouched (the last item: those bytes)."""
     levels = _levels(plan, blocks_of, weight_bytes, streamed, resident, top)
     for mode in modes:
         best = None
         for s in levels:
             units, loads = build_units(plan, blocks_of, weight_bytes, s, streamed, resident, compute_scale)
             act_top = _activation_top(plan, _unit_ranges(plan, units), len(units))
-            if max(act_top, default=0) > top or not place_loads(loads, act_top, top, mode):
+            held = _held(unit_bytes, units, loads)
+            if max(act_top, default=0) > top - held or not place_loads(loads, act_top, top - held, mode):
                 continue
             total = simulate(units, loads, load_bps)[0]
             if best is not None and total >= best[0] * 0.999:
                 break  # finer slices stopped paying off
-            best = (total, units, loads, act_top, mode, s)
+            best = (total, units, loads, act_top, mode, s, held)
         if best is not None:
             return best
     return None
@@ -468,7 +479,7 @@ def _plan_one(plan: ExecutionPlan, blocks_of: BlocksOf, streamed: set[str], weig
 def plan_budget(plans: list[ExecutionPlan], streamed: set[str], weight_bytes: dict[str, int],
                 pinned: dict[str, int], budget: int, load_bps: float, preload: bool = True,
                 blocks_of: BlocksOf | None = None, compute_scale: float = 1.0,
-                fallbacks: list[ExecutionPlan] = ()) -> BudgetPlan:
+                fallbacks: list[ExecutionPlan] = (), unit_bytes: int = 0) -> BudgetPlan:
     """The fastest expected plan of ``plans`` (e.g. fastest kernels, fewest streamed bytes) within
     ``budget``; ``fallbacks`` (e.g. least scratch) are planned only when none of those fits.
 
@@ -476,6 +487,8 @@ def plan_budget(plans: list[ExecutionPlan], streamed: set[str], weight_bytes: di
     while nothing fits), every slice size with preloading, then no preload (``preload=False``: only
     that, the load-on-demand baseline). :class:`BudgetError` with the smallest feasible budget if
     no plan fits. ``blocks_of(step)`` names the blocks a step reads (default: its streamed inputs).
+    ``unit_bytes``: per unit and load of a plan, bytes of the budget it leaves untouched (for the
+    caller's objects that grow with them: :attr:`BudgetPlan.held`), counted in the smallest too.
     """
     memo: dict[int, list[str]] = {}
     given = blocks_of or streamed_inputs(streamed)
@@ -497,7 +510,7 @@ def plan_budget(plans: list[ExecutionPlan], streamed: set[str], weight_bytes: di
         if best is not None and any(plan is f for f in fallbacks):
             break
         order = _resident_order(plan, blocks_of)
-        room = _resident_room(plan, blocks_of, weight_bytes, streamed, top, order) if preload else 0
+        room = _resident_room(plan, blocks_of, weight_bytes, streamed, top, order, unit_bytes) if preload else 0
         found = None
         # the most resident weights that leave room for the rest (also trying half as many, for more
         # preload room, doubled the planning time of a budget change for no gain measurable here)
@@ -505,28 +518,31 @@ def plan_budget(plans: list[ExecutionPlan], streamed: set[str], weight_bytes: di
         for attempt in range(4):  # fewer resident weights while nothing fits: halved twice, then none
             chosen, used = _fill(order, weight_bytes, r)
             got = _plan_one(plan, blocks_of, streamed, weight_bytes, top - used, set(chosen), modes, load_bps,
-                            compute_scale)
+                            compute_scale, unit_bytes)
             if got is not None or not chosen:
                 break
             r = used // 2 if attempt < 2 else 0
         if got is not None:
             found = (got, chosen, used)
         if found is not None:
-            (total, units, loads, act_top, mode, s), chosen, used = found
+            (total, units, loads, act_top, mode, s, held), chosen, used = found
             resident = {n: top - d for n, d in chosen.items()}
             comp = sum(u.expected_s for u in units)
             cand = BudgetPlan(budget, plan, units, loads, pinned_offsets, pinned_bytes, resident, used, act_top,
                               mode, s, float(total), float(comp), sum(ld.nbytes for ld in loads) / load_bps, load_bps,
-                              compute_scale)
+                              compute_scale, held)
             if best is None or cand.expected_s < best.expected_s:
                 best = cand
             continue
-        finest = _levels(plan, blocks_of, weight_bytes, streamed, set(), room=0)[-1]  # the finest slices there are
-        units, loads = build_units(plan, blocks_of, weight_bytes, finest, streamed)
-        act_top = _activation_top(plan, _unit_ranges(plan, units), len(units))
-        need = [act_top[j] + sum(_up_load(loads[i].nbytes) for i in u.loads) for j, u in enumerate(units)]
-        least = max(need, default=0) + pinned_bytes + LOAD_ALIGN
-        smallest = least if smallest is None else min(smallest, least)
+        # the least over slice sizes (the finest when units cost nothing; with unit_bytes, finer slices
+        # need less room for loads but hold more bytes for their units)
+        levels = _levels(plan, blocks_of, weight_bytes, streamed, set(), room=0)
+        for s in levels[-1:] if not unit_bytes else levels:
+            units, loads = build_units(plan, blocks_of, weight_bytes, s, streamed)
+            act_top = _activation_top(plan, _unit_ranges(plan, units), len(units))
+            need = [act_top[j] + sum(_up_load(loads[i].nbytes) for i in u.loads) for j, u in enumerate(units)]
+            least = max(need, default=0) + pinned_bytes + LOAD_ALIGN + _held(unit_bytes, units, loads)
+            smallest = least if smallest is None else min(smallest, least)
     if best is not None:
         return best
     raise BudgetError(f"no plan fits a budget of {budget} bytes ({budget / 2**20:.2f} MiB); the smallest "

