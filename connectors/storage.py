@@ -34,144 +34,39 @@ computes them again).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
-import re
-import reprlib
 import signal
-import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import duckdb
 import numpy as np
 
+from connectors.json_values import to_json
+from connectors.row_buffer import RowBuffer, column_names, row_encoding_errors
+from connectors.sql import (
+    KnownColumns,
+    batch_shape,
+    check_table_name,
+    ensure_columns,
+    quote_identifier,
+    quoted_list,
+    registered,
+)
+
 if TYPE_CHECKING:
     import pyarrow as pa
 
 DEAD_LETTER_TABLE = "dead_letter"
 log = logging.getLogger("streamflow.storage")
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-_ENCODING_ERRORS = (duckdb.Error, TypeError, ValueError, OverflowError, RecursionError)
-
-
-def row_encoding_errors() -> tuple[type[BaseException], ...]:
-    """What turning rows into Arrow and inserting them raises for a value the table cannot take.
-
-    pyarrow is imported only when a segment needs Arrow (it costs start-up time, and it imports pandas
-    when pandas is installed); before that, no ``ArrowException`` can have been raised.
-    """
-    pa = sys.modules.get("pyarrow")
-    return (pa.ArrowException, *_ENCODING_ERRORS) if pa is not None else _ENCODING_ERRORS
-
-
-def __getattr__(name: str) -> Any:
-    if name == "ROW_ENCODING_ERRORS":  # the constant, for modules that use Arrow anyway (the tunnel sink)
-        import pyarrow  # noqa: F401
-
-        return row_encoding_errors()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-_SAFE_REPR = reprlib.Repr()  # bounded depth and size: safe on cycles and deep nesting
-_SAFE_REPR.maxlevel, _SAFE_REPR.maxstring, _SAFE_REPR.maxother = 20, 2000, 2000
-_SAFE_REPR.maxlist = _SAFE_REPR.maxdict = _SAFE_REPR.maxtuple = _SAFE_REPR.maxset = 1000
-
-
-def to_json(value: Any, sort_keys: bool = False) -> str:
-    """``value`` as JSON text for a text column (dead letters, late events, task errors); never raises.
-
-    A value JSON has no type for is written as its ``str``; dict keys JSON cannot take (a tuple; mixed
-    types when sorting) become their ``str``; what still cannot be encoded (a cycle, nesting deeper
-    than the recursion limit) is kept as a JSON string of its (bounded) ``repr``.
-
-    Example:
-        >>> print(to_json({"n": 2**70, "tags": {"a"}, "pair": {(1, 2): "x"}}))
-        {"n": 1180591620717411303424, "tags": "{'a'}", "pair": {"(1, 2)": "x"}}
-    """
-    encode = _SORTED_JSON if sort_keys else _JSON
-    for prepare in (_same, _string_keys):
-        try:
-            return encode(prepare(value))
-        except JSON_ERRORS:
-            pass
-    return json.dumps(_SAFE_REPR.repr(value))
-
-
-def encode_json(value: Any, sort_keys: bool = False) -> str:
-    """``json.dumps(value, default=str, sort_keys=sort_keys)``, or one of :data:`JSON_ERRORS` (where
-    :func:`to_json` tries further); the encoder is built once.
-
-    Example:
-        >>> encode_json({"b": 1, "a": {2}}, sort_keys=True)
-        '{"a": "{2}", "b": 1}'
-    """
-    return (_SORTED_JSON if sort_keys else _JSON)(value)
-
-
-JSON_ERRORS = (TypeError, ValueError, RecursionError)
-
-
-def _encoder(sort_keys: bool) -> Callable[[Any], str]:
-    """``json.JSONEncoder(default=str, sort_keys=sort_keys).encode``, built once: ``JSONEncoder.encode``
-    builds its C encoder again at every call (~2.5 us of a late event's ~7). Without the C accelerator,
-    the encoder's own ``encode``. No circular-reference markers: a cycle ends in ``RecursionError``, which
-    :func:`to_json` handles."""
-    encoder = json.JSONEncoder(default=str, sort_keys=sort_keys)
-    make = json.encoder.c_make_encoder
-    if make is None:
-        return encoder.encode
-    chunks = make(None, str, json.encoder.encode_basestring_ascii, None, encoder.key_separator,
-                  encoder.item_separator, sort_keys, False, True)
-    return lambda value: "".join(chunks(value, 0))
-
-
-_JSON = _encoder(sort_keys=False)
-_SORTED_JSON = _encoder(sort_keys=True)
-
-
-def _same(value: Any) -> Any:
-    return value
-
-
-def _string_keys(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _string_keys(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_string_keys(v) for v in value]
-    return value
-
-
-def is_identifier(name: object) -> bool:
-    """True if ``name`` is a plain SQL identifier: letters, digits, underscores, not starting with a digit, ≤ 63."""
-    return isinstance(name, str) and _IDENTIFIER.fullmatch(name) is not None
-
-
-def check_table_name(name: str) -> str:
-    """``name`` if it is a plain SQL identifier (letters, digits, underscore), else ``ValueError``."""
-    if not is_identifier(name):
-        raise ValueError(f"table name {name!r} must be letters, digits and underscores, not starting with a digit")
-    return name
-
-
-def quote_identifier(name: str) -> str:
-    """``name`` as a quoted SQL identifier: in double quotes, each ``"`` in it doubled (safe for any string).
-
-    Example:
-        >>> quote_identifier('dwell_s'), quote_identifier('a"; DROP TABLE t; --')
-        ('"dwell_s"', '"a""; DROP TABLE t; --"')
-    """
-    return '"' + str(name).replace('"', '""') + '"'
-
-
-def quoted_list(names: Iterable[str]) -> str:
-    """``names`` quoted and comma-separated, for a column list."""
-    return ", ".join(quote_identifier(n) for n in names)
+#: With a background writer, the WAL size (MiB) at which a COMMIT checkpoints it into the file (see __init__).
+BACKGROUND_CHECKPOINT_MB = 4
 
 
 def resolve_db_path(path: str | os.PathLike[str] | None = None) -> Path:
@@ -179,254 +74,6 @@ def resolve_db_path(path: str | os.PathLike[str] | None = None) -> Path:
     from streamflow.settings import settings  # not at import: streamflow's package imports this module
 
     return settings(db=path).db
-
-
-_NO_FIELDS = (None,)
-#: With a background writer, the WAL size (MiB) at which a COMMIT checkpoints it into the file (see __init__).
-BACKGROUND_CHECKPOINT_MB = 4
-
-
-class RowBuffer:
-    """Rows of one table, kept as their values grouped by field names, ready to become Arrow.
-
-    Rows of a task usually share their fields, so a row costs its values appended to one flat list;
-    a row with other fields starts a new segment. Columns are slices of that list (``values[i::n]``),
-    which is much cheaper than transposing per-row tuples. Each segment becomes one Arrow table
-    (all-null columns left out: they read as NULL until a value types them).
-
-    Example:
-        >>> buf = RowBuffer()
-        >>> buf.extend([{"a": 1}, {"a": 2, "b": "x"}])
-        2
-        >>> [t.to_pylist() for t in buf.to_arrow()]
-        [[{'a': 1}], [{'a': 2, 'b': 'x'}]]
-    """
-
-    __slots__ = ("segments", "n", "_keys", "_values")
-
-    def __init__(self) -> None:
-        #: ``(field names, their values row after row)`` per segment
-        self.segments: list[tuple[tuple[str, ...], list[Any]]] = []
-        self.n = 0
-        self._keys: tuple[str, ...] | None = None  # the current segment's field names
-        self._values: list[Any] = []
-
-    def __len__(self) -> int:
-        return self.n
-
-    def extend(self, rows: Iterable[Mapping[str, Any]]) -> int:
-        """Add ``rows``; how many were added."""
-        before = self.n
-        keys, values = self._keys, self._values
-        add = values.extend
-        n = 0
-        for row in rows:
-            names = tuple(row)  # in order: the same fields in another order start a new segment
-            if names != keys:
-                self.n += n
-                n = 0
-                keys = self._keys = names
-                values = self._values = []
-                add = values.extend
-                self.segments.append((keys, values))
-            add(row.values() or _NO_FIELDS)  # a row without fields still counts: one placeholder
-            n += 1
-        self.n += n
-        return self.n - before
-
-    def columns(self) -> list[tuple[tuple[str, ...], list[list[Any]]]]:
-        """Each segment's field names and columns."""
-        out = []
-        for names, values in self.segments:
-            width = len(names)
-            out.append((names, [values[i::width] for i in range(width)] if width else []))
-        return out
-
-    def to_arrow(self) -> list[pa.Table]:
-        return [_arrow_table(names, columns) for names, columns in self.columns()]
-
-    def to_batches(self) -> list[pa.Table | dict[str, np.ndarray]]:
-        """One batch per segment for DuckDB to scan: NumPy columns when every column holds values of
-        one plain type (``str``, ``int``, ``float`` but NaN or ``bool``; no ``None``), else an Arrow table.
-
-        NumPy columns give DuckDB the same column types Arrow would (VARCHAR, BIGINT, DOUBLE,
-        BOOLEAN) without building Arrow arrays from Python objects, which makes pyarrow import
-        pandas (over a second of start-up) when pandas is installed.
-
-        Example:
-            >>> buf = RowBuffer()
-            >>> buf.extend([{"a": 1, "s": "x"}, {"a": 2, "s": "y"}, {"a": None}])
-            3
-            >>> [type(b).__name__ for b in buf.to_batches()]
-            ['dict', 'Table']
-        """
-        batches: list[pa.Table | dict[str, np.ndarray]] = []
-        for names, columns in self.columns():
-            arrays = _numpy_columns(names, columns)
-            batches.append(arrays if arrays is not None else _arrow_table(names, columns))
-        return batches
-
-    def rows(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for (names, columns), (_, values) in zip(self.columns(), self.segments, strict=True):
-            out.extend([dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)] if names
-                       else [{} for _ in values])
-        return out
-
-
-def _arrow_table(names: tuple[str, ...], columns: list[list[Any]]) -> pa.Table:
-    import pyarrow as pa
-
-    arrays = [_arrow_array(column) for column in columns]
-    return pa.table({n: a for n, a in zip(names, arrays, strict=True) if not pa.types.is_null(a.type)})
-
-
-def _arrow_array(column: list[Any]) -> pa.Array:
-    """``column`` as Arrow; NumPy vectors of one length and numeric dtype (an embedding, a model's output)
-    as a fixed-size list, which DuckDB stores as an ARRAY (``FLOAT[768]``).
-
-    Why not a plain list: DuckDB (2.0) appends to a variable-length LIST column at a cost that now and
-    then grows with the table (measured, one 768-float row per transaction: every ~105th commit took
-    8 ms after 100 rows, 35 ms after 2,000), while an ARRAY column's commits stay flat (p99 1 ms).
-
-    Example:
-        >>> _arrow_array([np.zeros(3, np.float32), np.ones(3, np.float32)]).type
-        FixedSizeListType(fixed_size_list<item: float>[3])
-        >>> _arrow_array([np.zeros(3), np.ones(2)]).type  # lengths differ: a list
-        ListType(list<item: double>)
-    """
-    import pyarrow as pa
-
-    first = column[0] if column else None
-    if type(first) is np.ndarray and first.ndim == 1 and first.size and first.dtype.kind in "biuf":
-        shape, dtype = first.shape, first.dtype
-        if all(type(v) is np.ndarray and v.shape == shape and v.dtype == dtype for v in column):
-            return pa.FixedSizeListArray.from_arrays(pa.array(np.concatenate(column)), shape[0])
-    return pa.array(column)
-
-
-_NUMPY_DTYPES: dict[type, Any] = {str: object, int: np.int64, float: np.float64, bool: np.bool_}
-
-
-def _numpy_columns(names: tuple[str, ...], columns: list[list[Any]]) -> dict[str, np.ndarray] | None:
-    """The segment as NumPy columns if each column holds one plain type (see RowBuffer.to_batches)."""
-    if not columns or not columns[0]:
-        return None
-    arrays = {}
-    for name, column in zip(names, columns, strict=True):
-        kinds = set(map(type, column))
-        dtype = _NUMPY_DTYPES.get(kinds.pop()) if len(kinds) == 1 else None
-        if dtype is None:
-            return None
-        try:
-            array = np.array(column, dtype=dtype)
-        except OverflowError:  # an int beyond int64: Arrow's error path names it
-            return None
-        if dtype is np.float64 and np.isnan(array).any():  # DuckDB's NumPy scan reads NaN as NULL, Arrow as NaN
-            return None
-        arrays[name] = array
-    return arrays
-
-
-def _column_names(batch: pa.Table | dict[str, np.ndarray]) -> list[str]:
-    return list(batch) if isinstance(batch, dict) else batch.column_names
-
-
-@contextmanager
-def registered(con: duckdb.DuckDBPyConnection, name: str, relation: Any) -> Iterator[str]:
-    """``relation`` (an Arrow table, NumPy columns) readable as ``name`` in SQL within the block.
-
-    A statement that fails inside a transaction aborts it, and DuckDB then refuses the unregister too:
-    that second error must not replace the first, which is the reason a dead letter gives.
-
-    Example:
-        >>> con = duckdb.connect()
-        >>> with registered(con, "_rows", {"a": np.arange(3)}):
-        ...     con.sql("SELECT sum(a) FROM _rows").fetchall()
-        [(3,)]
-    """
-    con.register(name, relation)
-    try:
-        yield name
-    except BaseException:
-        with suppress(duckdb.Error):
-            con.unregister(name)
-        raise
-    con.unregister(name)
-
-
-class KnownColumns(set):
-    """A table's column names as :func:`ensure_columns` last saw them, with their DuckDB types and the batch
-    shapes (:func:`batch_shape`) already checked against them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.types: dict[str, str] = {}
-        self.shapes: set[Any] = set()
-
-
-_NUMERIC = {"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT",
-            "UHUGEINT", "FLOAT", "DOUBLE"}
-
-
-def number_shape(column_type: str) -> str | None:
-    """The shape of a number, or of a list or array of numbers (``""`` for ``BIGINT`` or ``DECIMAL(9,2)``,
-    ``"[]"`` for ``DOUBLE[]``, ``"[768]"`` for ``FLOAT[768]``); ``None`` for any other type."""
-    shape = re.search(r"(\[\d*\])*$", column_type).group()
-    base = column_type[:len(column_type) - len(shape)]
-    return shape if base in _NUMERIC or base.startswith("DECIMAL(") else None
-
-
-def batch_shape(batch: pa.Table | dict[str, np.ndarray]) -> Any:
-    """What a batch's column types are decided by: its Arrow schema, or its NumPy columns' dtypes and shapes."""
-    if isinstance(batch, dict):
-        return tuple((name, array.dtype.str, array.shape[1:]) for name, array in batch.items())
-    return batch.schema
-
-
-def ensure_columns(con: duckdb.DuckDBPyConnection, table: str, relation: str, columns: Iterable[str],
-                   known: KnownColumns, shape: Any = None) -> None:
-    """Create ``table`` shaped like the registered ``relation``, add the ``columns`` it lacks, and widen a
-    numeric column the relation brings wider values for (a ``BIGINT`` column made by a first batch of
-    integers becomes ``DOUBLE`` when floats come: DuckDB's INSERT would otherwise cast 0.1 to 0, silently).
-
-    ``known`` caches the table's columns between calls (pass a new :class:`KnownColumns` the first time);
-    a batch of a ``shape`` (:func:`batch_shape`) checked before is not described again.
-
-    Example:
-        >>> con, known = duckdb.connect(), KnownColumns()
-        >>> for batch in ({"n": np.array([1])}, {"n": np.array([0.1])}):
-        ...     with registered(con, "_rows", batch):
-        ...         ensure_columns(con, "t", "_rows", ["n"], known, batch_shape(batch))
-        ...         _ = con.execute("INSERT INTO t SELECT * FROM _rows")
-        >>> con.sql("SELECT n FROM t").fetchall(), known.types
-        ([(1.0,), (0.1,)], {'n': 'DOUBLE'})
-    """
-    quoted_table, source = quote_identifier(table), quote_identifier(relation)
-    if not known:
-        con.execute(f"CREATE TABLE IF NOT EXISTS {quoted_table} AS SELECT * FROM {source} WHERE false")
-        known.types = dict(con.execute(f"SELECT column_name, column_type FROM (DESCRIBE {quoted_table})").fetchall())
-        known.update(known.types)
-    columns = list(columns)
-    if shape is not None and shape in known.shapes and known.issuperset(columns):
-        return
-    # the relation's own types (DuckDB quotes the field names inside nested types itself)
-    types = dict(con.execute(f"SELECT column_name, column_type FROM (DESCRIBE SELECT * FROM {source})").fetchall())
-    for name in columns:
-        new, old = types[name], known.types.get(name)
-        if old is None:
-            con.execute(f"ALTER TABLE {quoted_table} ADD COLUMN {quote_identifier(name)} {new}")
-            known.add(name)
-            known.types[name] = new
-        elif new != old and number_shape(new) is not None and number_shape(new) == number_shape(old):
-            wider = con.execute(f"SELECT typeof(x) FROM (SELECT NULL::{old} AS x UNION ALL SELECT NULL::{new})"
-                                ).fetchone()[0]
-            if wider != old:
-                con.execute(f"ALTER TABLE {quoted_table} ALTER COLUMN {quote_identifier(name)} SET DATA TYPE {wider}")
-                known.types[name] = wider
-                known.shapes.clear()  # a batch shaped as before now needs the cast it did not need then
-    if shape is not None:
-        known.shapes.add(shape)
 
 
 class CollectiveStorage:
@@ -683,7 +330,7 @@ class CollectiveStorage:
     def _insert_batches(self, table: str, batches: Iterable[pa.Table | dict[str, np.ndarray]]) -> None:
         for batch in batches:
             with registered(self._con, "_sf_batch", batch):
-                columns = _column_names(batch)
+                columns = column_names(batch)
                 ensure_columns(self._con, table, "_sf_batch", columns, self._columns.setdefault(table, KnownColumns()),
                                batch_shape(batch))
                 names = quoted_list(columns)

@@ -33,7 +33,8 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from connectors.storage import CollectiveStorage, flush_on_signals, quote_identifier
+from connectors.sql import quote_identifier
+from connectors.storage import CollectiveStorage, flush_on_signals
 from connectors.tunnel.kafka import TunnelUnavailable
 from connectors.tunnel.spool import SpoolLocked
 from operators import CountWindow, Process

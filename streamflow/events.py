@@ -26,7 +26,7 @@ from json.encoder import encode_basestring_ascii as _json_text
 from operator import attrgetter
 from typing import Any
 
-from connectors.storage import JSON_ERRORS, encode_json, to_json
+from connectors.json_values import JSON_ERRORS, encode_json, to_json
 from operators.base import EVENT_ATTRIBUTES
 from operators.process import ValueStateDescriptor
 from streamflow.keyed import KeyedStore

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from connectors.storage import to_json
+from connectors.json_values import to_json
 from operators import Aggregate, Operator
 from operators.base import compile_pipeline
 from operators.process import KeyedProcessFunction, ListStateDescriptor, ValueStateDescriptor

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, to_json
+from connectors.json_values import to_json
+from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
 from connectors.tunnel.kafka import COMPRESSION, DEFAULT_TOPIC, TunnelUnavailable, bootstrap_servers
 from connectors.tunnel.keys import KeyRegistry, check_device_id
 from streamflow.prerequisites import require_broker, require_extra, require_flink

@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
-from connectors.storage import check_table_name, to_json
+from connectors.json_values import to_json
+from connectors.sql import check_table_name
 from operators import Aggregate, Count, CountWindow, KeyBy, Operator, Process, SessionWindow, TimeWindow
 from operators.aggregate import Accumulators
 from operators.aggregations import Aggregation, checked_field

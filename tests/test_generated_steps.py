@@ -16,7 +16,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connectors.storage import to_json
+from connectors.json_values import to_json
 from operators import Aggregate, Count, CountDistinct, Filter, KeyBy, Map, Max, Min, Sum, TimeWindow
 from operators.base import element_steps
 from operators.window import to_millis

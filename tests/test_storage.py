@@ -12,7 +12,8 @@ import time
 import duckdb
 import pytest
 
-from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, check_table_name, resolve_db_path
+from connectors.sql import check_table_name
+from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, resolve_db_path
 
 
 def rows_in_file(path, table: str) -> int:
@@ -185,7 +186,7 @@ def test_column_names_are_quoted_so_a_name_with_sql_in_it_is_just_a_name(tmp_pat
 
 
 def test_quote_identifier_doubles_quotes():
-    from connectors.storage import quote_identifier
+    from connectors.sql import quote_identifier
 
     con = duckdb.connect()
     name = 'a"b""; DROP TABLE x; --'

@@ -173,7 +173,7 @@ def test_numpy_vectors_travel_as_fixed_size_arrays_and_a_vector_of_another_lengt
     ``connectors.storage._arrow_array`` for why not a LIST)."""
     import numpy as np
 
-    from connectors.storage import RowBuffer
+    from connectors.row_buffer import RowBuffer
 
     def envelope(first_seq: int, vectors: list) -> bytes:
         buffer = RowBuffer()

@@ -32,7 +32,7 @@ rather than waiting for a group rebalance (see :meth:`CloudConsumer._connect` fo
 messages also go, with their reason in the headers, to the dead-letter topic ``<topic>.dlq``; the
 consumer counts them and goes on.
 
-What may reach SQL: every name built into a statement is quoted (:func:`connectors.storage.quote_identifier`),
+What may reach SQL: every name built into a statement is quoted (:func:`connectors.sql.quote_identifier`),
 and a batch whose table or column names are not plain identifiers, or fall outside the declared
 ``schemas``, is dead-lettered as ``bad_schema`` before any SQL (:func:`schema_problem`).
 
@@ -75,7 +75,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from connectors.storage import (
+from connectors.json_values import to_json
+from connectors.sql import (
     KnownColumns,
     batch_shape,
     ensure_columns,
@@ -84,7 +85,6 @@ from connectors.storage import (
     quote_identifier,
     quoted_list,
     registered,
-    to_json,
 )
 from connectors.tunnel import strict
 from connectors.tunnel.budget import DEFAULT as DEFAULT_BUDGET
@@ -670,7 +670,7 @@ class CloudStore:
 
     def _targets(self, table: str, known: KnownColumns, batch_types: Mapping[str, str]) -> dict[str, str]:
         """Column → the type its values must fit: declared, else the table's (widened first when the batch brings
-        wider numbers and the column is not declared, as :func:`~connectors.storage.ensure_columns` will)."""
+        wider numbers and the column is not declared, as :func:`~connectors.sql.ensure_columns` will)."""
         declared = self._declared.get(table, {})
         targets = {}
         for column, source in batch_types.items():

@@ -27,7 +27,7 @@ import logging
 
 import duckdb
 
-from connectors.storage import quote_identifier, quoted_list
+from connectors.sql import quote_identifier, quoted_list
 
 log = logging.getLogger("streamflow.cloud")
 

@@ -69,7 +69,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from connectors.storage import ROW_ENCODING_ERRORS, RowBuffer, check_table_name, to_json
+from connectors.json_values import to_json
+from connectors.row_buffer import RowBuffer, row_encoding_errors
+from connectors.sql import check_table_name
 from connectors.tunnel.budget import MAX_ROWS_PER_ENVELOPE
 from connectors.tunnel.codebook import Codebook
 from connectors.tunnel.kafka import (
@@ -84,6 +86,9 @@ from connectors.tunnel.kafka import (
 from connectors.tunnel.keys import check_device_id
 from connectors.tunnel.receipts import Receipt, decode_receipt, receipts_topic
 from connectors.tunnel.spool import Acked, Spool, SpoolEntry, SpoolFull
+
+#: what encoding rows into Arrow and storing them raises for a value (pyarrow is imported above)
+ROW_ENCODING_ERRORS = row_encoding_errors()
 
 log = logging.getLogger("streamflow.tunnel")
 

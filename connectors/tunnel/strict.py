@@ -8,7 +8,7 @@ another type is looked at value by value (DuckDB's INSERT would cast them all si
   cast and the cast back unchanged (-32.7 into BIGINT, 2**53 + 1 into DOUBLE, 300 into TINYINT, 0.1 into
   FLOAT: refused);
 - a column of no declared type whose table type is narrower than the batch's (BIGINT, DOUBLE values coming) is
-  widened first, as the device's own storage widens it (``connectors.storage.ensure_columns``): integers then
+  widened first, as the device's own storage widens it (``connectors.sql.ensure_columns``): integers then
   go into DOUBLE, exactly up to 2**53;
 - other types (vectors, timestamps) only if DuckDB's common type of the two is the column's own (``FLOAT[4]``
   into ``DOUBLE[4]``): a widening that loses nothing;
@@ -38,7 +38,7 @@ from typing import Any
 
 import duckdb
 
-from connectors.storage import quote_identifier
+from connectors.sql import quote_identifier
 
 _INTEGERS = {"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT",
              "UHUGEINT"}

@@ -68,7 +68,9 @@ from itertools import islice
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, check_table_name, to_json
+from connectors.json_values import to_json
+from connectors.sql import check_table_name
+from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
 from streamflow.checkpoint import Checkpoint, CheckpointError, has_checkpoint, job_fingerprint, load_checkpoint
 from streamflow.events import Event, Rejected, TimestampGuard
 from streamflow.execution import TaskExecution, TriggerTasks, task_error_row
