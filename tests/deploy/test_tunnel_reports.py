@@ -9,9 +9,9 @@ import time
 from connectors.tunnel.keys import KeyRegistry
 from connectors.tunnel.sink import TunnelSink
 from streamflow.deploy.device.client import DeployClient
+from streamflow.deploy.protocol import REPORTS_TABLE, report_row
 from streamflow.deploy.release.server import DeployServer, serve_in_thread
 from streamflow.deploy.release.stages import PublishedBundle, ReleasePlan
-from streamflow.deploy.protocol import REPORTS_TABLE, report_row
 
 
 def _wait(condition, timeout_s=60.0):
