@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from streamflow.serve.fetch_pause import pausing_transport
 from streamflow.serve.messages import (
     MAX_DETAIL,
     MAX_TEXT_FIELD,
@@ -96,7 +97,7 @@ class ServeConfig:
     web_port: int | None = None  # None: no web server
     metrics_port: int | None = None  # Prometheus /metrics, /healthz, /readyz on faust's web server there; None: off
     warm_up: bool = True
-    empty_fetch_pause_ms: float = 2.0  # see pause_after_empty_fetches; 0: off
+    empty_fetch_pause_ms: float = 2.0  # see streamflow.serve.fetch_pause; 0: off
 
     @classmethod
     def from_settings(cls, **overrides: Any) -> ServeConfig:
@@ -168,38 +169,6 @@ def load_server(config: ServeConfig) -> Server:
                   KeyRegistry(config.key_registry))
 
 
-def pause_after_empty_fetches(pause_ms: float) -> bool:
-    """Make aiokafka's fetcher wait ``pause_ms`` after a fetch that brought nothing, before the next one.
-
-    A Kafka broker holds an empty fetch for ``fetch_max_wait_ms``; noida-db (the tests' and benchmarks'
-    broker) answers it at once, and aiokafka then fetches again in a tight loop: an idle worker took ~80%
-    of a core on this 2-core machine (measured), which the models and the device then lack. With a broker
-    that holds fetches this changes nothing. Returns whether the fetcher could be patched (a private
-    method of aiokafka's; if it moved, the worker runs unpatched and says so).
-    """
-    from aiokafka.consumer import fetcher
-
-    original = getattr(fetcher.Fetcher, "_proc_fetch_request", None)
-    if original is None:
-        log.warning("aiokafka's fetcher has no _proc_fetch_request; empty fetches are not paused")
-        return False
-    if getattr(original, "streamflow_paused", False):
-        return True
-
-    async def paused(self: Any, assignment: Any, node_id: Any, request: Any) -> Any:
-        got = await original(self, assignment, node_id, request)
-        if not got:
-            try:
-                await asyncio.sleep(pause_ms / 1000.0)
-            except asyncio.CancelledError:  # closing: the fetcher awaits its cancelled tasks, as the original
-                return False  # returns on cancellation
-        return got
-
-    paused.streamflow_paused = True  # type: ignore[attr-defined]
-    fetcher.Fetcher._proc_fetch_request = paused
-    return True
-
-
 def faust_broker(bootstrap: str) -> list[str]:
     """``host:port[,host:port]`` as faust's broker URLs."""
     return [f"kafka://{part.strip()}" for part in bootstrap.split(",") if part.strip()]
@@ -210,8 +179,6 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
     import faust
 
     server = server or load_server(config)
-    if config.empty_fetch_pause_ms > 0:
-        pause_after_empty_fetches(config.empty_fetch_pause_ms)
     if config.metrics_port is not None and config.web_port not in (None, config.metrics_port):
         raise ValueError("the metrics are served on faust's web server: give --web-port and --metrics-port the same "
                          "port, or only one of them")
@@ -223,6 +190,8 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
         config.app_id, broker=faust_broker(config.bootstrap), store="memory://", topic_partitions=1,
         datadir=Path(tempfile.gettempdir()) / f"streamflow-serve-{config.app_id}",
         producer_linger=0.0, consumer_auto_offset_reset="earliest", **web)
+    if config.empty_fetch_pause_ms > 0:  # before the first topic: it builds the app's transport
+        app.transport = pausing_transport(config.empty_fetch_pause_ms)(app.conf.broker_consumer, app)
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
     requests = app.topic(REQUEST_TOPIC, partitions=1, **raw)
     replies = app.topic(REPLY_TOPIC, partitions=REPLY_PARTITIONS, **raw)
