@@ -15,7 +15,14 @@ from engine.builder import GraphBuilder
 from engine.cost import Calibration
 from engine.kernels import NodeCtx, candidates
 from engine.memory.budget_plan import BudgetError
-from engine.memory.budgeted import RESERVE, VIEW_TRANSFORM_KERNELS, BudgetedSession, parse_bytes, transform_keeps_views
+from engine.memory.budgeted import (
+    RESERVE,
+    RESERVE_PER_UNIT,
+    VIEW_TRANSFORM_KERNELS,
+    BudgetedSession,
+    parse_bytes,
+    transform_keeps_views,
+)
 from engine.memory.loader import ModelFileError
 from engine.memory.streamable import placeholder, save_streamable
 from engine.session import InferenceSession
@@ -191,6 +198,24 @@ def test_budget_below_the_minimum_names_the_smallest_and_keeps_the_old_budget(cn
     assert sess.budget == 64 << 20
     sess.set_budget(err.value.smallest)
     sess.run(x)
+
+
+def test_each_plan_holds_bytes_per_unit_and_load_untouched_and_fits_with_them(cnn):
+    """The per-unit part of the reserve is the planner's: a plan keeps RESERVE_PER_UNIT per unit and
+    load of its arena untouched (finer slices pay for their objects), its peak stays under the rest,
+    and the smallest feasible budget named in an error counts them too (that budget then works)."""
+    _, path, x = cnn
+    sess = BudgetedSession(path, memory_budget="64MB", calibration=Calibration())
+    sess.run(x)
+    with pytest.raises(BudgetError) as err:
+        sess.set_budget(1000)
+    for budget in (err.value.smallest, int(1.5 * err.value.smallest)):
+        sess.set_budget(budget)
+        sess.run(x)
+        plan = sess.plan_for({"x": x.shape})
+        assert plan.held >= RESERVE_PER_UNIT * (len(plan.units) + len(plan.loads)) > 0
+        assert plan.peak_bytes() <= plan.budget - plan.held
+        assert sess.reserve(plan) == sess.reserve() + plan.held <= budget - plan.peak_bytes()
 
 
 def _flip(path, offset):
