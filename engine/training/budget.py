@@ -60,6 +60,21 @@ def _seconds(prog: Program, i: int, m: int) -> float:
     return max(f[0] + f[1] * m, 1e-6)
 
 
+def _backward_seconds(prog: Program, i: int, m: int, calls: int = 1) -> float:
+    """Node ``i``'s backward alone at batch ``m``, ``calls`` times: as calibrated, or (an older
+    calibration) ``BACKWARD_FACTOR - 1`` times its forward."""
+    c = prog.cal.costs[i]
+    f = c.backward_s
+    if f is None:
+        f = tuple((BACKWARD_FACTOR - 1) * v for v in c.forward_s)
+    return calls * max(f[0] + f[1] * m, 1e-6)
+
+
+def _step_seconds(prog: Program, i: int, m: int) -> float:
+    """Node ``i``'s forward and backward at batch ``m``."""
+    return _seconds(prog, i, m) + _backward_seconds(prog, i, m)
+
+
 def _merge_scores(prog: Program, batch: int, stream: Stream, at: int) -> list[tuple[float, int, int]]:
     """(score, bytes freed, border) of removing each border of ``stream`` whose tensors are live at
     step ``at``."""
@@ -79,8 +94,8 @@ def _merge_scores(prog: Program, batch: int, stream: Stream, at: int) -> list[tu
             freed += NodeCost.at(costs[i].out_bytes, batch)
         if freed <= 0:
             continue
-        t1 = sum(_seconds(prog, i, batch) for i in range(a, q)) * BACKWARD_FACTOR
-        t2 = sum(_seconds(prog, i, batch) for i in range(q, b)) * BACKWARD_FACTOR
+        t1 = sum(_step_seconds(prog, i, batch) for i in range(a, q))
+        t2 = sum(_step_seconds(prog, i, batch) for i in range(q, b))
         q1 = sum(nodes[i].op == "BatchNormalization" for i in range(a, q))
         q2 = sum(nodes[i].op == "BatchNormalization" for i in range(q, b))
         added = max((q2 * t1 + q1 * t2) * PASS_FACTOR, 1e-6)
@@ -92,8 +107,8 @@ def _split_gain(prog: Program, batch: int, stream: Stream, at: int) -> tuple[flo
     """(seconds saved per byte added, bytes added) of a new border at ``at`` inside its segment."""
     nodes = prog.cal.nodes
     a, b = next((a, b) for a, b in stream.segments if a < at < b)
-    t1 = sum(_seconds(prog, i, batch) for i in range(a, at)) * BACKWARD_FACTOR
-    t2 = sum(_seconds(prog, i, batch) for i in range(at, b)) * BACKWARD_FACTOR
+    t1 = sum(_step_seconds(prog, i, batch) for i in range(a, at))
+    t2 = sum(_step_seconds(prog, i, batch) for i in range(at, b))
     q1 = sum(nodes[i].op == "BatchNormalization" for i in range(a, at))
     q2 = sum(nodes[i].op == "BatchNormalization" for i in range(at, b))
     added = sum(NodeCost.at(prog.cal.costs[j].out_bytes, batch) for j in range(a, at)
@@ -431,7 +446,8 @@ def estimated_seconds(prog: Program, plan: StepPlan) -> float:
     total = 0.0
     for i in range(first, n):
         t = fwd(i, plan.micro_batch, plan.micro_batches)
-        total += t * BACKWARD_FACTOR + (t if i in plan.dropped else 0.0)
+        total += 2 * t if i in plan.dropped else t
+        total += _backward_seconds(prog, i, plan.micro_batch, plan.micro_batches)
     if st is None:
         return total
     calls = -(-plan.batch // st.chunk)
@@ -459,9 +475,9 @@ def estimated_seconds(prog: Program, plan: StepPlan) -> float:
         lite = {i for i in range(a, b) if nodes[i].op == "Conv" and (nodes[i].outputs[0] in kept
                                                                      or nodes[i].outputs[0] not in read)}
         carried = carried_of(nodes, seg, prog.consumers, prog.output, st)
+        bw = {i: _backward_seconds(prog, i, st.chunk, calls) for i in range(a, b)}
         for order, top, _, stop, _ in backward_passes(nodes, seg, carried, {*seg.inputs, *kept}):
-            total += sum(f[i] for i in order if i not in lite) + (BACKWARD_FACTOR - 1) * sum(
-                f[i] for i in range(stop, top + 1))
+            total += sum(f[i] for i in order if i not in lite) + sum(bw[i] for i in range(stop, top + 1))
     return total
 
 
@@ -480,8 +496,11 @@ def _fit_stream_at(prog: Program, batch: int, budget: int, state_bytes: int, upd
         return None, e.smallest
 
 
+SPLIT_TRIES = 3  # per chunk size, the fastest this many streamed plans (by the calibration) get their segments split
+
+
 def fit_streamed(prog: Program, batch: int, budget: int, state_bytes: int, update_bytes: int,
-                 tries: int = 4) -> StepPlan:
+                 tries: int = 8) -> StepPlan:
     """The fastest streamed plan found (by :func:`estimated_seconds`): for each chunk size, the
     shortest prefix that fits (binary search over the positions one tensor crosses) and a few
     longer ones (each starting from short segments, merged while too big), each with its segments
@@ -516,14 +535,16 @@ def fit_streamed(prog: Program, batch: int, budget: int, state_bytes: int, updat
                                  update_bytes) for p in found.values() if p is not None]
         if not parked:
             continue
-        plan = min(parked, key=lambda p: estimated_seconds(prog, p))
-        split = carry_segments(prog, park_segments(prog, split_segments(prog, plan, budget, state_bytes, update_bytes),
-                                                   budget, state_bytes, update_bytes), budget, state_bytes,
-                               update_bytes)  # each chunk's best, sped up
-        for p in (plan, split):
-            t = estimated_seconds(prog, p)
-            if best is None or t < best[0]:
-                best = (t, p)
+        ranked = sorted(parked, key=lambda p: estimated_seconds(prog, p))
+        for plan in ranked[:SPLIT_TRIES]:  # each chunk's best few, sped up (a split can reorder them)
+            split = carry_segments(prog, park_segments(prog, split_segments(prog, plan, budget, state_bytes,
+                                                                            update_bytes),
+                                                       budget, state_bytes, update_bytes), budget, state_bytes,
+                                   update_bytes)
+            for p in (plan, split):
+                t = estimated_seconds(prog, p)
+                if best is None or t < best[0]:
+                    best = (t, p)
     if best is None:
         raise BudgetError(f"batch {batch} does not fit {budget} bytes streamed", min(smallest, default=0))
     return single_batchnorms(prog, best[1], budget, state_bytes, update_bytes)

@@ -24,6 +24,7 @@ CALIBRATION_BATCHES = (2, 4)
 # fitted slopes, and with them the plans chosen, by several times
 TIMING_BATCHES = (4, 16)
 TIMING_ROUNDS = 5
+BACKWARD_ROUNDS = 3  # backward times: the least of this many rounds on the same batches
 
 
 @dataclass
@@ -37,6 +38,9 @@ class NodeCost:
     forward_s: tuple[float, float]
     keeps_inputs: frozenset[str]  # input activations its saved context references
     keeps_output: bool
+    # its backward alone (None: not measured, taken as a multiple of the forward): a depthwise conv's
+    # backward takes ~5-7x its forward, a BatchNorm's or a Clip's about its forward or less
+    backward_s: tuple[float, float] | None = None
 
     @staticmethod
     def at(pair: tuple[float, float], batch: int) -> int:
@@ -105,16 +109,19 @@ def calibrate(prog: Program) -> Calibration:
         s = max(0.0, (v2 - v1) / (b2 - b1))  # never shrinking with the batch (timer noise can say so)
         return max(0.0, v1 - s * b1), s
 
-    t1, t2 = _time_forward(prog, nodes, [rng.standard_normal((m, *prog.sample_shape)).astype(np.float32)
-                                          for m in TIMING_BATCHES])
+    xs = [rng.standard_normal((m, *prog.sample_shape)).astype(np.float32) for m in TIMING_BATCHES]
+    t1, t2 = _time_forward(prog, nodes, xs)
     slopes = [max(0.0, (v2 - v1) / (TIMING_BATCHES[1] - TIMING_BATCHES[0])) for v1, v2 in zip(t1, t2, strict=True)]
+    u1, u2 = _time_backward(prog, nodes, xs, rng)
+    back_slopes = [max(0.0, (v2 - v1) / (TIMING_BATCHES[1] - TIMING_BATCHES[0])) for v1, v2 in zip(u1, u2, strict=True)]
     costs = []
     for i in range(len(nodes)):
         a, b = samples[0]["nodes"][i], samples[1]["nodes"][i]
         timed = (max(0.0, t1[i] - slopes[i] * TIMING_BATCHES[0]), slopes[i])
+        back = (max(0.0, u1[i] - back_slopes[i] * TIMING_BATCHES[0]), back_slopes[i])
         costs.append(NodeCost(*(fit(a[k], b[k]) for k in ("out", "context", "fscratch", "bscratch")), timed,
                               keeps_inputs=a["keeps_inputs"] | b["keeps_inputs"],
-                              keeps_output=a["keeps_output"] or b["keeps_output"]))
+                              keeps_output=a["keeps_output"] or b["keeps_output"], backward_s=back))
     users: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
         for t in n.inputs:
@@ -144,6 +151,51 @@ def _time_forward(prog: Program, nodes: list[Node], xs: list[np.ndarray]) -> lis
                 for t in set(node.inputs):
                     if last.get(t) == i and t != prog.input:
                         env.pop(t, None)
+    return best
+
+
+def _time_backward(prog: Program, nodes: list[Node], xs: list[np.ndarray],
+                   rng: np.random.Generator) -> list[list[float]]:
+    """Each node's backward time on each of ``xs`` (the least of ``BACKWARD_ROUNDS`` rounds, the
+    batches in turns): a forward keeping every context, the loss, then each node's backward timed."""
+    best = [[float("inf")] * len(nodes) for _ in xs]
+    try:
+        for _ in range(BACKWARD_ROUNDS):
+            for k, x in enumerate(xs):
+                for p in prog.model.params.values():
+                    p.grad = None
+                env: dict[str, np.ndarray] = {prog.input: x}
+                ctx = []
+                for node in nodes:
+                    out, leaves = prog.forward_node(node, env, len(x), replay=True)
+                    env[node.outputs[0]] = out.data
+                    ctx.append((out, leaves))
+                logits = env[prog.output]
+                target = (rng.integers(0, logits.shape[-1], len(x)) if prog.loss == "cross_entropy"
+                          else rng.standard_normal(logits.shape).astype(np.float32))
+                _, g = prog.loss_grad(logits, target, 1.0)
+                del env
+                grads = {prog.output: g}
+                for i in range(len(nodes) - 1, -1, -1):
+                    out, leaves = ctx[i]
+                    ctx[i] = None
+                    gi = grads.pop(nodes[i].outputs[0], None)
+                    t0 = time.perf_counter()
+                    if gi is not None and out.tensor._node is not None:
+                        out.tensor.backward(gi)
+                        for name, leaf in leaves.items():
+                            if leaf.grad is not None:
+                                grads[name] = grads[name] + leaf.grad if name in grads else leaf.grad
+                    elif gi is not None:
+                        for name, leaf in leaves.items():
+                            if leaf is out.tensor:
+                                grads[name] = gi
+                    best[k][i] = min(best[k][i], time.perf_counter() - t0)
+                    del out, leaves, gi
+                del ctx, grads
+    finally:
+        for p in prog.model.params.values():
+            p.grad = None
     return best
 
 
