@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -341,6 +342,8 @@ class PlainLines:
     line_numbers: np.ndarray
     ts: np.ndarray
     others: list[tuple[int, str]]
+    #: Whether these are the file's last lines (:meth:`TaobaoBehaviorSource.plain_chunks`).
+    last: bool = True
 
     def text(self, i: int) -> str:
         """Plain line ``i`` as read."""
@@ -446,7 +449,49 @@ class TaobaoBehaviorSource(LineSource):
         """
         if self._lines is not None:
             return "lines in memory, not a file"
-        data = self.path.read_bytes()
+        return self.plain_chunk(self.path.read_bytes(), 0)
+
+    def plain_chunks(self, chunk_bytes: int) -> Iterator[PlainLines | str]:
+        """:meth:`plain_lines` a chunk of the file at a time: chunks of about ``chunk_bytes`` bytes (at least one
+        whole line each), cut after a line break, line numbers counted on from the chunks before. A chunk that
+        cannot be read so gives the reason instead (then nothing more is read).
+
+        Example:
+            >>> import os, tempfile
+            >>> path = os.path.join(tempfile.mkdtemp(), "b.csv")
+            >>> _ = open(path, "w").write("1,10,7,pv,1511848894\\n1,10,7,nap,1511848900\\n1,11,7,buy,1511848950")
+            >>> [(c.line_numbers.tolist(), c.others) for c in TaobaoBehaviorSource(path).plain_chunks(30)]
+            [([1], []), ([], [(2, '1,10,7,nap,1511848900')]), ([3], [])]
+        """
+        if self._lines is not None:
+            yield "lines in memory, not a file"
+            return
+        lines_before, rest = 0, b""
+        with open(self.path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            while True:
+                block = file.read(max(chunk_bytes, 1))
+                data = rest + block
+                if not data:
+                    return
+                cut = data.rfind(b"\n") + 1 if block else len(data)
+                if not cut:  # no whole line yet
+                    rest = data
+                    continue
+                data, rest = data[:cut], data[cut:]
+                chunk = self.plain_chunk(data, lines_before)
+                if isinstance(chunk, str):
+                    yield chunk
+                    return
+                chunk.last = not rest and file.tell() >= size
+                lines_before += data.count(b"\n") + (not data.endswith(b"\n"))
+                del data
+                yield chunk
+                if chunk.last:
+                    return
+
+    def plain_chunk(self, data: bytes, lines_before: int) -> PlainLines | str:
+        """:meth:`plain_lines` of ``data``, whole lines of the file after its first ``lines_before`` ones."""
         if b"\r" in data:
             data = data.replace(b"\r\n", b"\n")
             if b"\r" in data:
@@ -457,9 +502,9 @@ class TaobaoBehaviorSource(LineSource):
         fields, rows, ts = fields.select(plain), rows[plain], ts[plain]
         other = np.ones(len(line_starts), dtype=bool)
         other[rows] = False
-        others = [(i + 1, fields.data[line_starts[i]:line_ends[i]].decode("utf-8", "surrogateescape"))
+        others = [(lines_before + i + 1, fields.data[line_starts[i]:line_ends[i]].decode("utf-8", "surrogateescape"))
                   for i in np.flatnonzero(other).tolist()]
-        return PlainLines(fields, rows + 1, ts.astype(np.float64), others)
+        return PlainLines(fields, rows + 1 + lines_before, ts.astype(np.float64), others)
 
     @staticmethod
     def parse(raw: str) -> tuple[str, str, str, str, float] | str:
