@@ -358,9 +358,11 @@ class _Carried:
     def join(self, columns: dict[str, Any], final: bool) -> tuple[dict[str, Any], np.ndarray]:
         """The carried lines of the users in ``columns`` (every carried line when ``final``) before ``columns``'
         lines, and each user code's rank; the lines taken are no longer carried."""
-        users = columns["user_id"].dictionary.tolist()
-        ranks = self.ranks
-        chunk_ranks = np.fromiter((ranks.setdefault(user, len(ranks)) for user in users), np.int64, len(users))
+        users = columns["user_id"]
+        present, first_at = np.unique(users.codes, return_index=True)
+        names, ranks = users.dictionary, self.ranks
+        seen = present[np.argsort(first_at)].tolist()  # the users of these lines in the order they first appear
+        chunk_ranks = np.fromiter((ranks.setdefault(names[code], len(ranks)) for code in seen), np.int64, len(seen))
         take = np.ones(len(self.ts), dtype=bool) if final else np.isin(self.rank, chunk_ranks)
         joined: dict[str, Any] = {}
         for name in _TEXT_FIELDS:
@@ -368,7 +370,8 @@ class _Carried:
             self.text[name] = self.text[name][~take]
         joined["ts"] = np.concatenate([self.ts[take], columns["ts"]])
         self.ts, self.rank = self.ts[~take], self.rank[~take]
-        user_ranks = np.fromiter((ranks[user] for user in joined["user_id"].dictionary.tolist()), np.int64)
+        # (a user of the dictionary without a line here, only rejected ones, has no place yet: -1, never read)
+        user_ranks = np.fromiter((ranks.get(user, -1) for user in joined["user_id"].dictionary.tolist()), np.int64)
         return joined, user_ranks
 
     def keep_open(self, visits: PageVisits, ranks: np.ndarray) -> PageVisits:
@@ -434,10 +437,9 @@ def _run_chunk(plan: RunPlan, source: TaobaoBehaviorSource, lines: PlainLines, c
         return f"the input has {columns}"
     accepted, refused = guarded_lines(lines, columns["user_id"], plan.guard, source.name, carried.last_ts)
     rejected = sorted(rejected + refused, key=lambda record: record.line)
-    if refused:
-        columns = lines.columns(accepted) if accepted.any() else _no_columns()
-    if isinstance(columns, str):
-        return f"the input has {columns}"
+    if refused:  # the accepted lines' rows (dictionaries may keep text only refused lines had)
+        columns = {name: select_rows(column, accepted) if name in _TEXT_FIELDS else column[accepted]
+                   for name, column in columns.items()}
     joined, ranks = carried.join(columns, final)
     visits = page_visits(joined, source.inactivity_gap_s, ranks)
     del columns, joined
