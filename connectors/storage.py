@@ -64,20 +64,17 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 DEAD_LETTER_TABLE = "dead_letter"
+#: The DuckDB file a :class:`CollectiveStorage` given no path writes (in the working directory). The CLI passes
+#: ``streamflow.settings``' ``db`` (``--db``, then ``$STREAMFLOW_DB``, then this same name).
+DEFAULT_DB_PATH = Path("streamflow.duckdb")
 log = logging.getLogger("streamflow.storage")
 #: With a background writer, the WAL size (MiB) at which a COMMIT checkpoints it into the file (see __init__).
 BACKGROUND_CHECKPOINT_MB = 4
 
 
-def resolve_db_path(path: str | os.PathLike[str] | None = None) -> Path:
-    """Explicit path first, then ``STREAMFLOW_DB``, then ``./streamflow.duckdb`` (:mod:`streamflow.settings`)."""
-    from streamflow.settings import settings  # not at import: streamflow's package imports this module
-
-    return settings(db=path).db
-
-
 class CollectiveStorage:
-    """Buffered DuckDB tables for feature rows (see the module docstring for durability).
+    """Buffered DuckDB tables for feature rows (see the module docstring for durability), in the DuckDB file
+    ``path`` (default :data:`DEFAULT_DB_PATH`).
 
     Example:
         >>> import tempfile, os
@@ -92,7 +89,7 @@ class CollectiveStorage:
                  flush_interval_s: float = 5.0, background: bool = False):
         if flush_rows < 1:
             raise ValueError(f"flush_rows must be >= 1, got {flush_rows}")
-        self.path = resolve_db_path(path)
+        self.path = Path(path) if path else DEFAULT_DB_PATH
         if self.path.parent != Path(""):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.flush_rows = flush_rows

@@ -82,7 +82,7 @@ class RunOptions:
     events: str
     fmt: str | None
     runner: str
-    db: str | None
+    db: Path
     workers: int
     quarantine_after: int
     cluster: str | None
@@ -290,7 +290,8 @@ def run(
 ) -> int:
     if sink is not None and sink.startswith("duckdb:"):
         db = sink.partition(":")[2]  # the file the summary's sample rows are read from, too
-    options = RunOptions(events, fmt, settings(runner=runner).runner, db, workers, quarantine_after, cluster,
+    resolved = settings(runner=runner, db=db)
+    options = RunOptions(events, fmt, resolved.runner, resolved.db, workers, quarantine_after, cluster,
                          parallelism, pace_ms, state_ttl, max_users, replace, checkpoint_interval, checkpoint_dir,
                          show, mode, metrics_port, sink)
     if sink is not None and options.runner != "flink":

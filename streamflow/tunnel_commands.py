@@ -19,19 +19,25 @@ from typing import Any, Literal
 
 from connectors.json_values import to_json
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
-from connectors.tunnel.kafka import COMPRESSION, DEFAULT_TOPIC, TunnelUnavailable, bootstrap_servers
+from connectors.tunnel.kafka import COMPRESSION, DEFAULT_TOPIC, TunnelUnavailable
 from connectors.tunnel.keys import KeyRegistry, check_device_id
 from streamflow.prerequisites import require_broker, require_extra, require_flink
 from streamflow.settings import env_name, settings
 
 TUNNELS = ("none", "kafka")
 __all__ = ["COMPRESSION", "DEFAULT_TOPIC", "TUNNELS", "TunnelOptions", "check_tunnel", "close_tunnel", "consume",
-           "keys", "open_tunnel", "quiet_kafka_logs"]
+           "key_registry", "keys", "open_tunnel", "quiet_kafka_logs"]
 
 
 def default_device_id() -> str:
     """``$STREAMFLOW_DEVICE_ID``, else this machine's host name (made a valid device id)."""
     return settings().device_id or re.sub(r"[^A-Za-z0-9_.:@-]", "-", socket.gethostname())[:128]
+
+
+def key_registry(path: str | None = None) -> KeyRegistry:
+    """The device key registry at ``path``, else ``$STREAMFLOW_KEY_REGISTRY``, else the default
+    (:mod:`streamflow.settings`)."""
+    return KeyRegistry(settings(key_registry=path).key_registry)
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,7 @@ def check_tunnel(options: TunnelOptions, runner: str) -> None:
 
 def _device_key(options: TunnelOptions) -> tuple[str, bytes]:
     device = check_device_id(options.device_id or default_device_id())
-    registry = KeyRegistry(options.key_registry)
+    registry = key_registry(options.key_registry)
     key = registry.key_for(device)
     if key is None:
         raise ValueError(f"device {device!r} has no key in {registry.path}: "
@@ -92,7 +98,8 @@ def open_tunnel(options: TunnelOptions, runner: str, storage: CollectiveStorage)
                                            "raw": to_json(row)} for i, row in enumerate(rows)])
 
     spool = options.spool or f"{storage.path}.tunnel-spool"
-    return TunnelSink(device, key, spool, topic=options.topic, compression=options.compression, on_refused=refused)
+    return TunnelSink(device, key, spool, topic=options.topic, bootstrap=settings().kafka_bootstrap,
+                      compression=options.compression, on_refused=refused)
 
 
 def close_tunnel(tunnel: Any, wait_s: float) -> str:
@@ -115,9 +122,9 @@ def close_tunnel(tunnel: Any, wait_s: float) -> str:
     return line
 
 
-def keys(action: str, device: str | None, key_registry: str | None) -> int:
+def keys(action: str, device: str | None, registry_path: str | None) -> int:
     """``streamflow tunnel keys add DEVICE | list | remove DEVICE``."""
-    registry = KeyRegistry(key_registry)
+    registry = key_registry(registry_path)
     if action == "list":
         print("\n".join(registry.devices()) or f"no devices in {registry.path}")
     elif not device:
@@ -131,7 +138,7 @@ def keys(action: str, device: str | None, key_registry: str | None) -> int:
 
 
 def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: float | None, runner: str,
-            cluster: str | None, parallelism: int, key_registry: str | None, online_lag_s: float = 0.1,
+            cluster: str | None, parallelism: int, registry_path: str | None, online_lag_s: float = 0.1,
             schema: str | None = None, metrics_port: int | None = None) -> int:
     """``streamflow tunnel consume``: the features topic into a cloud DuckDB (``metrics_port``: Prometheus
     metrics, ``/healthz`` and ``/readyz`` on 127.0.0.1, :mod:`streamflow.metrics.cloud`)."""
@@ -142,25 +149,26 @@ def consume(db: str, topic: str, group: str, online_key: str, idle_timeout: floa
             raise ValueError("--metrics-port is the python consumer's; a Flink job reports through Flink's metrics")
         require_flink("tunnel consume --runner flink", cluster)
         require_broker("tunnel consume --runner flink")
-        return _consume_on_flink(db, topic, group, columns, cluster, parallelism, key_registry, schemas)
+        return _consume_on_flink(db, topic, group, columns, cluster, parallelism, registry_path, schemas)
     require_extra("kafka", what="tunnel consume")
     if metrics_port is not None:
         require_extra("metrics", what="tunnel consume --metrics-port")
     require_broker("tunnel consume")
     from connectors.tunnel.cloud import CloudConsumer
 
-    registry = KeyRegistry(key_registry)
+    resolved = settings()
+    registry = key_registry(registry_path)
     if not registry.devices():
         print(f"streamflow: warning: the key registry {registry.path} is empty; every batch will be dead-lettered",
               file=sys.stderr)
-    consumer = CloudConsumer(Path(db), registry, topic=topic, group_id=group, online_key=columns,
-                             online_lag_s=online_lag_s, schemas=schemas)
+    consumer = CloudConsumer(Path(db), registry, topic=topic, bootstrap=resolved.kafka_bootstrap, group_id=group,
+                             online_key=columns, online_lag_s=online_lag_s, schemas=schemas)
     # With --idle-timeout the run is meant to end: a broker away that long ends it too, rather than the
     # consumer_retry_s a long-running consumer rides out a broker restart with.
-    retry_s = settings().consumer_retry_s
+    retry_s = resolved.consumer_retry_s
     if idle_timeout is not None:
         retry_s = min(retry_s, idle_timeout)
-    print(f"consuming {topic} from {bootstrap_servers()} into {db} (group {group}; gives up after {retry_s:g} s "
+    print(f"consuming {topic} from {consumer.bootstrap} into {db} (group {group}; gives up after {retry_s:g} s "
           "without the broker)", file=sys.stderr)
     metrics = None
     if metrics_port is not None:

@@ -73,6 +73,16 @@ def _imported_modules(path: Path) -> set[str]:
     return found
 
 
+def test_the_connectors_import_nothing_of_the_framework():
+    """No module under connectors/ imports streamflow anywhere in its code (function bodies included): connectors
+    take their configuration as arguments, and the framework resolves the settings it hands them."""
+    modules = sorted((ROOT / "connectors").rglob("*.py"))
+    assert len(modules) > 20
+    for path in modules:
+        reaching = sorted(m for m in _imported_modules(path) if m == "streamflow" or m.startswith("streamflow."))
+        assert reaching == [], f"{path.relative_to(ROOT)} imports the framework: {reaching}"
+
+
 def _runner_imports() -> dict[str, set[str]]:
     """Each module of ``streamflow/runners/`` and the modules of that package it imports anywhere in its code."""
     folder = ROOT / "streamflow" / "runners"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from connectors.storage import resolve_db_path
-from connectors.tunnel.kafka import bootstrap_servers
-from connectors.tunnel.keys import KeyRegistry, resolve_registry_path
+from connectors.storage import DEFAULT_DB_PATH, CollectiveStorage
+from connectors.tunnel.kafka import DEFAULT_BOOTSTRAP
+from connectors.tunnel.keys import DEFAULT_REGISTRY_PATH, KeyRegistry
 from connectors.tunnel.spool import Spool
 from streamflow.cli import main
 from streamflow.settings import FIELDS, SettingsError, env_name, settings
@@ -38,13 +38,49 @@ def test_explicit_beats_the_environment_beats_the_default(monkeypatch, tmp_path)
     assert settings().db == Path("streamflow.duckdb")
 
 
-def test_the_parts_read_the_settings(monkeypatch, tmp_path):
+def test_the_settings_resolve_what_the_connectors_are_given(monkeypatch, tmp_path):
+    """The database, the broker and the key registry the framework hands the connectors: explicit, then the
+    environment, then the connectors' own defaults."""
+    s = settings()
+    assert (s.db, s.kafka_bootstrap, s.key_registry) == (DEFAULT_DB_PATH, DEFAULT_BOOTSTRAP, DEFAULT_REGISTRY_PATH)
     monkeypatch.setenv("STREAMFLOW_DB", str(tmp_path / "a.duckdb"))
     monkeypatch.setenv("STREAMFLOW_KAFKA_BOOTSTRAP", "broker-a:9092")
     monkeypatch.setenv("STREAMFLOW_KEY_REGISTRY", str(tmp_path / "keys.json"))
-    assert resolve_db_path() == tmp_path / "a.duckdb" and resolve_db_path("b.duckdb") == Path("b.duckdb")
-    assert bootstrap_servers() == "broker-a:9092" and bootstrap_servers("broker-b:1") == "broker-b:1"
-    assert resolve_registry_path() == tmp_path / "keys.json"
+    s = settings()
+    assert (s.db, s.kafka_bootstrap, s.key_registry) == (tmp_path / "a.duckdb", "broker-a:9092", tmp_path / "keys.json")
+    s = settings(db="b.duckdb", kafka_bootstrap="broker-b:1", key_registry="k.json")
+    assert (s.db, s.kafka_bootstrap, s.key_registry) == (Path("b.duckdb"), "broker-b:1", Path("k.json"))
+
+
+def test_a_connector_given_nothing_uses_its_plain_default_whatever_the_environment(monkeypatch, tmp_path):
+    """Connectors take their configuration as arguments: the STREAMFLOW_* variables are the framework's to read."""
+    from connectors.tunnel.cloud import CloudConsumer
+    from connectors.tunnel.sink import TunnelSink
+
+    monkeypatch.chdir(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    monkeypatch.setenv("STREAMFLOW_DB", str(elsewhere / "env.duckdb"))
+    monkeypatch.setenv("STREAMFLOW_KAFKA_BOOTSTRAP", "broker-a:9092")
+    monkeypatch.setenv("STREAMFLOW_KEY_REGISTRY", str(elsewhere / "keys.json"))
+    assert Path("streamflow.duckdb") == DEFAULT_DB_PATH and DEFAULT_BOOTSTRAP == "127.0.0.1:9092"
+    assert Path(".streamflow") / "keys.json" == DEFAULT_REGISTRY_PATH
+    with CollectiveStorage() as store:
+        store.write("t", [{"a": 1}])
+    assert store.path == DEFAULT_DB_PATH and (tmp_path / "streamflow.duckdb").is_file()
+    registry = KeyRegistry()
+    key = registry.add("phone-1")
+    assert registry.path == DEFAULT_REGISTRY_PATH and (tmp_path / ".streamflow" / "keys.json").is_file()
+    consumer = CloudConsumer(tmp_path / "cloud.duckdb", registry)  # connects only when it runs
+    try:
+        assert consumer.bootstrap == DEFAULT_BOOTSTRAP and consumer.receipts.bootstrap == DEFAULT_BOOTSTRAP
+    finally:
+        consumer.close()
+    sink = TunnelSink("phone-1", key, tmp_path / "spool", receipts=False)  # nothing written: nothing sent
+    try:
+        assert sink.bootstrap == DEFAULT_BOOTSTRAP
+    finally:
+        sink.close(timeout_s=0)
+    assert not elsewhere.exists()
 
 
 def test_a_bad_value_is_refused_naming_the_variable(monkeypatch):

@@ -8,12 +8,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import duckdb
 import pytest
 
 from connectors.sql import check_table_name
-from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, resolve_db_path
+from connectors.storage import DEAD_LETTER_TABLE, DEFAULT_DB_PATH, CollectiveStorage
 
 
 def rows_in_file(path, table: str) -> int:
@@ -164,12 +165,12 @@ def test_table_names_are_checked(tmp_path):
     store.close()
 
 
-def test_db_path_resolution(monkeypatch, tmp_path):
-    monkeypatch.delenv("STREAMFLOW_DB", raising=False)
-    assert str(resolve_db_path()) == "streamflow.duckdb"
-    monkeypatch.setenv("STREAMFLOW_DB", str(tmp_path / "env.duckdb"))
-    assert resolve_db_path() == tmp_path / "env.duckdb"
-    assert str(resolve_db_path("explicit.duckdb")) == "explicit.duckdb"
+def test_the_db_path_is_the_one_given_else_streamflow_duckdb(monkeypatch, tmp_path):
+    """``$STREAMFLOW_DB`` is the CLI's to read (streamflow.settings); the storage takes a path or its default."""
+    monkeypatch.chdir(tmp_path)
+    with CollectiveStorage("explicit.duckdb") as given, CollectiveStorage() as default:
+        assert given.path == Path("explicit.duckdb") and default.path == DEFAULT_DB_PATH == Path("streamflow.duckdb")
+    assert (tmp_path / "explicit.duckdb").is_file() and (tmp_path / "streamflow.duckdb").is_file()
 
 
 def test_column_names_are_quoted_so_a_name_with_sql_in_it_is_just_a_name(tmp_path):

@@ -93,9 +93,9 @@ from connectors.tunnel.cloud_tables import Tables
 from connectors.tunnel.envelope import Batch, EnvelopeError, Keys, Origin, decode
 from connectors.tunnel.kafka import (
     CLIENT_TIMEOUTS,
+    DEFAULT_BOOTSTRAP,
     DEFAULT_TOPIC,
     Retry,
-    bootstrap_servers,
     dead_letter_topic,
     ensure_topic,
     probe_broker,
@@ -961,8 +961,9 @@ def open_message(topic: str, partition: int, offset: int, value: bytes | None, k
 
 def publish_receipts(store: CloudStore, topic: str, keys: KeyRegistry, bootstrap: str | None = None) -> int:
     """Publish the receipt of every device ``store`` holds batches of to ``<topic>.receipts`` (what a reader that
-    runs and ends, the Flink job, does when it ended); how many were published."""
-    publisher = ReceiptPublisher(bootstrap_servers(bootstrap), topic, keys)
+    runs and ends, the Flink job, does when it ended) on the broker ``bootstrap`` (default
+    :data:`~connectors.tunnel.kafka.DEFAULT_BOOTSTRAP`); how many were published."""
+    publisher = ReceiptPublisher(bootstrap or DEFAULT_BOOTSTRAP, topic, keys)
     try:
         publisher.note(store.devices())
         published = publisher.publish_due(store.receipt, force=True)
@@ -979,6 +980,8 @@ class CloudConsumer:
 
         consumer = CloudConsumer("out/cloud.duckdb", KeyRegistry(".streamflow/keys.json"))
         consumer.run(idle_timeout_s=5)   # until nothing arrived for 5 s; run() alone runs until stop()
+
+    ``bootstrap``: the broker(s), ``host:port[,...]`` (default :data:`~connectors.tunnel.kafka.DEFAULT_BOOTSTRAP`).
 
     ``freeze_gc`` (default on): once connected, the consumer moves the objects alive then (modules, Kafka
     clients, DuckDB) out of the garbage collector's reach (``gc.freeze()``; :meth:`close` undoes it), so that
@@ -1000,7 +1003,7 @@ class CloudConsumer:
         self._frozen = False
         self.idle_poll_s = idle_poll_s
         self.dlq_topic = dead_letter_topic(topic)
-        self.bootstrap = bootstrap_servers(bootstrap)
+        self.bootstrap = bootstrap or DEFAULT_BOOTSTRAP
         self.group_id = group_id
         self.registry = registry
         self.store = CloudStore(db, online_key=online_key, schemas=schemas, online_lag_s=online_lag_s,

@@ -1,7 +1,9 @@
 """Where the tunnel's broker is, and the topics it uses.
 
-The code talks to any Kafka-protocol broker: ``STREAMFLOW_KAFKA_BOOTSTRAP`` (``host:port[,host:port]``)
-names it, ``127.0.0.1:9092`` otherwise (the docker compose broker, or ``make broker-up``'s noida-db).
+The code talks to any Kafka-protocol broker, named by the ``bootstrap`` its callers give
+(``host:port[,host:port]``); a client given none uses :data:`DEFAULT_BOOTSTRAP`, Kafka's own ``127.0.0.1:9092``
+(the docker compose broker, or ``make broker-up``'s noida-db). The CLI passes ``streamflow.settings``'
+``kafka_bootstrap`` (``$STREAMFLOW_KAFKA_BOOTSTRAP``, then the same default).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import time
 log = logging.getLogger("streamflow.tunnel")
 
 DEFAULT_TOPIC = "streamflow.features"
+#: The broker a tunnel client given no ``bootstrap`` talks to: Kafka's conventional local listener.
+DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 #: Kafka record-batch codecs the sink offers (``none`` is for measuring what compression saves).
 COMPRESSION = ("zstd", "gzip", "lz4", "none")
 #: kafka-python settings for every client: give up on an unreachable broker within seconds (the sink's
@@ -108,13 +112,6 @@ class Retry:
 
     def succeeded(self) -> None:
         self.failures = 0
-
-
-def bootstrap_servers(bootstrap: str | None = None) -> str:
-    """Explicit value first, then ``STREAMFLOW_KAFKA_BOOTSTRAP``, then ``127.0.0.1:9092``."""
-    from streamflow.settings import settings  # not at import: streamflow's package imports the connectors
-
-    return settings(kafka_bootstrap=bootstrap).kafka_bootstrap
 
 
 def dead_letter_topic(topic: str) -> str:

@@ -43,6 +43,9 @@ from pathlib import Path
 
 from connectors.private import private_dir, write_private
 
+#: The registry file a :class:`KeyRegistry` given no path reads (relative to the working directory). The CLI
+#: passes ``streamflow.settings``' ``key_registry`` (``$STREAMFLOW_KEY_REGISTRY``, then this same path).
+DEFAULT_REGISTRY_PATH = Path(".streamflow") / "keys.json"
 #: How often at most an unknown device makes the registry look at its file again.
 RELOAD_EVERY_S = 1.0
 MAC_BYTES = 32
@@ -79,18 +82,12 @@ def key_candidates(keys: KeyRegistry | Mapping[str, bytes], tag: bytes) -> list[
     return [(device, key) for device, key in keys.items() if device_tag(device) == tag]
 
 
-def resolve_registry_path(path: str | os.PathLike[str] | None = None) -> Path:
-    """Explicit path first, then ``STREAMFLOW_KEY_REGISTRY``, then ``./.streamflow/keys.json``."""
-    from streamflow.settings import settings  # not at import: streamflow's package imports the connectors
-
-    return settings(key_registry=path).key_registry
-
-
 class KeyRegistry:
-    """Device id → HMAC key, kept in a JSON file (read once; :meth:`reload` re-reads it)."""
+    """Device id → HMAC key, kept in the JSON file ``path`` (default :data:`DEFAULT_REGISTRY_PATH`; read once,
+    :meth:`reload` re-reads it)."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None):
-        self.path = resolve_registry_path(path)
+        self.path = Path(path) if path else DEFAULT_REGISTRY_PATH
         self._keys: dict[str, bytes] = {}
         self._tags: dict[bytes, list[str]] = {}
         self.reload()

@@ -77,10 +77,10 @@ from connectors.tunnel.codebook import Codebook
 from connectors.tunnel.kafka import (
     CLIENT_TIMEOUTS,
     COMPRESSION,
+    DEFAULT_BOOTSTRAP,
     DEFAULT_TOPIC,
     Retry,
     TunnelUnavailable,
-    bootstrap_servers,
     ensure_topic,
 )
 from connectors.tunnel.keys import check_device_id
@@ -144,6 +144,7 @@ def _record_time_ms(sealed_at: float) -> int | None:
 class TunnelSink:
     """Batches, signs, spools and sends feature rows of one device (see the module docstring).
 
+    ``bootstrap``: the broker(s), ``host:port[,...]`` (default :data:`~connectors.tunnel.kafka.DEFAULT_BOOTSTRAP`).
     ``on_refused(table, rows, reason)`` receives rows the sink will not send (default: appended as JSON
     lines to ``<spool>.refused.jsonl``); ``on_ack(entry)`` is called
     when the broker has a batch (at least once: a batch resent after a crash is reported again).
@@ -167,7 +168,7 @@ class TunnelSink:
             raise ValueError(f"batch_rows must be 1..{MAX_ROWS_PER_ENVELOPE} (the cloud's budget) and linger_s >= 0")
         self.device = check_device_id(device)
         self.topic = topic
-        self.bootstrap = bootstrap_servers(bootstrap)
+        self.bootstrap = bootstrap or DEFAULT_BOOTSTRAP
         self.compression = compression
         self.batch_rows = batch_rows
         self.linger_s = linger_s

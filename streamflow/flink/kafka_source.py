@@ -33,8 +33,8 @@ from pyflink.datastream import DataStream, StreamExecutionEnvironment
 from pyflink.datastream.connectors.kafka import KafkaOffsetsInitializer, KafkaSource
 from pyflink.java_gateway import get_gateway
 
-from connectors.tunnel.kafka import bootstrap_servers
 from streamflow.flink.connector_jars import kafka_jar_urls, kafka_topic
+from streamflow.settings import settings
 
 __all__ = ["add_kafka_jars", "kafka_lines", "kafka_records", "kafka_source", "kafka_topic"]
 
@@ -66,10 +66,11 @@ def kafka_source(topic: str, bootstrap: str | None = None, group_id: str | None 
 
     ``deserializer`` defaults to :class:`ByteArraySchema` (values as ``bytes`` in Python); pass
     ``SimpleStringSchema()`` for UTF-8 text. The group id only names the consumer (no offsets are
-    committed without checkpoints); default: a fresh ``streamflow-<uuid>``.
+    committed without checkpoints); default: a fresh ``streamflow-<uuid>``. ``bootstrap``: the broker (default:
+    the settings' ``kafka_bootstrap``, :mod:`streamflow.settings`), as for :func:`kafka_records`.
     """
     return (KafkaSource.builder()
-            .set_bootstrap_servers(bootstrap_servers(bootstrap))
+            .set_bootstrap_servers(settings(kafka_bootstrap=bootstrap).kafka_bootstrap)
             .set_topics(topic)
             .set_group_id(group_id or f"streamflow-{uuid.uuid4().hex[:12]}")
             .set_starting_offsets(KafkaOffsetsInitializer.earliest())
@@ -121,7 +122,7 @@ def kafka_records(env: StreamExecutionEnvironment, topic: str, bootstrap: str | 
         ) WITH (
             'connector' = 'kafka',
             'topic' = {quoted(topic)},
-            'properties.bootstrap.servers' = {quoted(bootstrap_servers(bootstrap))},
+            'properties.bootstrap.servers' = {quoted(settings(kafka_bootstrap=bootstrap).kafka_bootstrap)},
             'properties.group.id' = {quoted(group_id or f"streamflow-{uuid.uuid4().hex[:12]}")},
             {startup},
             'scan.bounded.mode' = 'latest-offset',

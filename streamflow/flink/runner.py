@@ -49,8 +49,7 @@ from typing import Any
 
 import cloudpickle
 
-from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage, resolve_db_path
-from connectors.tunnel.kafka import bootstrap_servers
+from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
 from operators import TimeWindow
 from operators.base import field_reader
 from operators.process import LATE
@@ -803,12 +802,13 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
     spec = parse_sink(sink)
     if spec is not None and spec.scheme == "duckdb":
         db = spec.target
-    db_path = resolve_db_path(db).resolve()
+    resolved = settings(db=db)
+    db_path = resolved.db.resolve()
     shipper = None
     if spec is not None and spec.scheme == "kafka":  # checked before a JVM starts
         # The broker resolved here: the JVM (and the Python it embeds) may be older than this process's environment.
-        shipper = TunnelShipper(device_keys(flink_devices(job.name, parallelism)), spec.target, bootstrap_servers(),
-                                str(db_path.with_name(db_path.name + ".tunnel-spool")))
+        shipper = TunnelShipper(device_keys(flink_devices(job.name, parallelism)), spec.target,
+                                resolved.kafka_bootstrap, str(db_path.with_name(db_path.name + ".tunnel-spool")))
     report = db_path.with_suffix(".flink-run.json")
     report.unlink(missing_ok=True)
     ship_job_modules(job)

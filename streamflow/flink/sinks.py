@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from connectors.tunnel.keys import KeyRegistry, resolve_registry_path
+from connectors.tunnel.keys import KeyRegistry
+from streamflow.settings import settings
 
 #: The schemes ``--sink`` takes.
 SCHEMES = ("duckdb", "kafka", "parquet")
@@ -75,7 +76,7 @@ def flink_devices(job_name: str, parallelism: int) -> list[str]:
 def device_keys(devices: list[str], registry: str | os.PathLike[str] | None = None) -> dict[str, bytes]:
     """Each device's key from the key registry (``$STREAMFLOW_KEY_REGISTRY``, default ``.streamflow/keys.json``);
     ``ValueError`` naming the command that adds the missing ones."""
-    keys = KeyRegistry(resolve_registry_path(registry))
+    keys = KeyRegistry(settings(key_registry=registry).key_registry)
     found = {device: keys.key_for(device) for device in devices}
     missing = [device for device, key in found.items() if key is None]
     if missing:

@@ -50,11 +50,11 @@ from pyflink.java_gateway import get_gateway
 
 from connectors.tunnel.cloud import CloudStats, CloudStore, DeadLetter, open_message, publish_receipts
 from connectors.tunnel.envelope import Batch
-from connectors.tunnel.kafka import bootstrap_servers
-from connectors.tunnel.keys import KeyRegistry, resolve_registry_path
+from connectors.tunnel.keys import KeyRegistry
 from connectors.tunnel.registry import Registration, Registry
 from streamflow.flink.kafka_source import kafka_records
 from streamflow.flink.runner import flink_environment
+from streamflow.settings import settings
 
 log = logging.getLogger("streamflow.flink.tunnel")
 
@@ -175,7 +175,8 @@ def run_flink_features(topic: str, db_path: str | os.PathLike[str],
     """
     started = time.perf_counter()
     db = Path(db_path).resolve()
-    registry = resolve_registry_path(registry_path).resolve()
+    resolved = settings(key_registry=registry_path, kafka_bootstrap=bootstrap)
+    registry = resolved.key_registry.resolve()
     if not registry.is_file():
         raise FileNotFoundError(f"key registry not found: {registry} (every message would be an unknown device)")
     if group_size < 1:
@@ -187,7 +188,7 @@ def run_flink_features(topic: str, db_path: str | os.PathLike[str],
         start_offsets = store.offsets(topic)
         known = [(d, r.kind, r.id, r.body) for d, r in store.registry.entries()]
     env = flink_environment(cluster, parallelism)
-    (kafka_records(env, topic, bootstrap_servers(bootstrap), group_id, start_offsets)
+    (kafka_records(env, topic, resolved.kafka_bootstrap, group_id, start_offsets)
      .flat_map(OpenEnvelopes(str(registry), known), output_type=_PICKLED)
      .process(TunnelWriter(str(db), str(report), online_key, group_size, str(registry), schemas),
               output_type=_PICKLED)
@@ -196,7 +197,7 @@ def run_flink_features(topic: str, db_path: str | os.PathLike[str],
     env.execute(f"streamflow tunnel {topic}")
     if receipts:
         with CloudStore(db, online_key=online_key, schemas=schemas) as store:
-            published = publish_receipts(store, topic, KeyRegistry(registry), bootstrap_servers(bootstrap))
+            published = publish_receipts(store, topic, KeyRegistry(registry), resolved.kafka_bootstrap)
         log.info("flink tunnel: the receipts of %d devices published", published)
     counts = json.loads(report.read_text(encoding="utf-8"))
     return FeaturesSummary(db_path=str(db), topic=topic, messages=counts["messages"], stored=counts["stored"],

@@ -158,6 +158,7 @@ def load_server(config: ServeConfig) -> Server:
     """Open the zoo and the served models (:class:`ZooError` for a missing one), warm them up."""
     from connectors.tunnel.keys import KeyRegistry
     from streamflow.serve.zoo import Zoo
+    from streamflow.settings import settings
 
     zoo = Zoo.load(config.zoo_path)
     models = [zoo.get(name) for name in config.models] if config.models else list(zoo.models)
@@ -166,7 +167,7 @@ def load_server(config: ServeConfig) -> Server:
     return Server(config, zoo, models, MDInference(config.temperature, config.alpha, config.explore,
                                                           rule=config.rule),  # type: ignore[arg-type]
                   random.Random(config.seed),
-                  KeyRegistry(config.key_registry))
+                  KeyRegistry(settings(key_registry=config.key_registry).key_registry))
 
 
 def faust_broker(bootstrap: str) -> list[str]:

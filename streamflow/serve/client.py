@@ -50,6 +50,7 @@ import numpy as np
 
 from streamflow.serve.child import Child
 from streamflow.serve.messages import Reply
+from streamflow.settings import settings
 
 if TYPE_CHECKING:
     from streamflow.serve.zoo import Zoo
@@ -138,7 +139,9 @@ class ServeClient:
         from streamflow.serve.zoo import Zoo
 
         self.device = check_device_id(device)
-        self.key = key if key is not None else KeyRegistry(key_registry).key_for(device)
+        if key is None:
+            key = KeyRegistry(settings(key_registry=key_registry).key_registry).key_for(device)
+        self.key = key
         if self.key is None:
             raise ValueError(f"device {device!r} has no key in the registry: `streamflow tunnel keys add {device}`")
         self.bootstrap = bootstrap
@@ -173,15 +176,14 @@ class ServeClient:
     def start(self, connect: bool = True) -> ServeClient:
         """Start the device model's process (it loads and warms up the local model) and, unless only policy
         ``local`` will be used (``connect=False``), the Kafka process (it connects to the broker)."""
-        from connectors.tunnel.kafka import bootstrap_servers
-
         self._device = Child("streamflow.serve.device", self._on_device).start(
             {"zoo": str(self.zoo.path), "model": self.local_model, "image_format": self.image_format,
              "quality": self.quality})
         if connect:
             try:
                 self._network = Child("streamflow.serve.network", self._on_network).start(
-                    {"device": self.device, "key": self.key, "bootstrap": bootstrap_servers(self.bootstrap),
+                    {"device": self.device, "key": self.key,
+                     "bootstrap": settings(kafka_bootstrap=self.bootstrap).kafka_bootstrap,
                      "image_format": self.image_format, "local_accuracy": self._accuracy[self.local_model]})
             except Exception:
                 self._device.close()

@@ -34,12 +34,12 @@ from connectors.tunnel.kafka import (
     DEFAULT_TOPIC,
     Retry,
     TunnelUnavailable,
-    bootstrap_servers,
     ensure_topic,
 )
 from connectors.tunnel.keys import KeyRegistry
 from connectors.tunnel.registry import Registry
 from streamflow.deploy.protocol import REPORTS_TABLE, Report, row_problem
+from streamflow.settings import settings
 
 log = logging.getLogger("streamflow.deploy.release.tunnel_reports")
 
@@ -55,7 +55,7 @@ class TunnelReportReader:
         self.retry_for_s = retry_for_s
         self.registry = registry
         self.topic = topic
-        self.bootstrap = bootstrap_servers(bootstrap)
+        self.bootstrap = settings(kafka_bootstrap=bootstrap).kafka_bootstrap  # None: $STREAMFLOW_KAFKA_BOOTSTRAP
         self.group_id = group_id
         self.partitions = partitions
         self.stats: Counter[str] = Counter()  # reports, refused (by reason), other tables' batches skipped
@@ -110,8 +110,6 @@ class TunnelReportReader:
         self._thread.start()
 
     def _run(self) -> None:
-        from streamflow.settings import settings
-
         give_up = self.retry_for_s if self.retry_for_s is not None else settings().consumer_retry_s
         retry = Retry(f"deploy reports from {self.topic} on {self.bootstrap}", give_up_after_s=give_up)
         while not self._stop.is_set():
