@@ -342,8 +342,11 @@ class PlainLines:
     line_numbers: np.ndarray
     ts: np.ndarray
     others: list[tuple[int, str]]
-    #: Whether these are the file's last lines (:meth:`TaobaoBehaviorSource.plain_chunks`).
+    #: Whether these are the file's last lines, the number of the line before them and of their last line
+    #: (:meth:`TaobaoBehaviorSource.plain_chunks`).
     last: bool = True
+    lines_before: int = 0
+    last_line: int = 0
 
     def text(self, i: int) -> str:
         """Plain line ``i`` as read."""
@@ -485,6 +488,7 @@ class TaobaoBehaviorSource(LineSource):
                     return
                 chunk.last = not rest and file.tell() >= size
                 lines_before += data.count(b"\n") + (not data.endswith(b"\n"))
+                chunk.last_line = lines_before
                 del data
                 yield chunk
                 if chunk.last:
@@ -504,7 +508,7 @@ class TaobaoBehaviorSource(LineSource):
         other[rows] = False
         others = [(lines_before + i + 1, fields.data[line_starts[i]:line_ends[i]].decode("utf-8", "surrogateescape"))
                   for i in np.flatnonzero(other).tolist()]
-        return PlainLines(fields, rows + 1 + lines_before, ts.astype(np.float64), others)
+        return PlainLines(fields, rows + 1 + lines_before, ts.astype(np.float64), others, lines_before=lines_before)
 
     @staticmethod
     def parse(raw: str) -> tuple[str, str, str, str, float] | str:

@@ -10,10 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connectors import CollectiveStorage
-from streamflow import Job
-from streamflow.runners import DeviceRunner, batch
-from streamflow.sources import TaobaoBehaviorSource
+from operators import Aggregate, Count, CountBy, Map
+from streamflow import Task
+from streamflow.runners import batch
 from tests.test_batch import _DIRTY, _USERS, COUNTS, IPV, REPO, T0, _clockless, _run
 
 #: chunk sizes in bytes: one line or less a chunk (a line longer than the chunk is read whole), a few lines
@@ -73,11 +72,42 @@ def test_a_file_without_a_last_line_break_or_any_good_line(tmp_path: Path, monke
     _compare(tmp_path, ["x,y", "", "7,10,30,nap,1511848900"], 5, monkeypatch)
 
 
-def test_a_later_chunk_batch_mode_cannot_compute_stops_the_run(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("bad", [
+    "7, 10,30,pv,{ts}",  # taken only after trimming it
+    "7,10,30\r,pv,{ts}",  # a lone carriage return
+    "7\u00e9,10,30,pv,{ts}",  # taken only after decoding it
+])
+@pytest.mark.parametrize("at", [1, 3, 6])
+def test_what_a_later_chunk_cannot_compute_streams_from_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               bad: str, at: int) -> None:
+    lines = [f"{u},{i},30,{b},{T0 + 100 * n}" for n, (u, i, b) in enumerate(
+        [("7", "10", "pv"), ("8", "10", "pv"), ("7", "10", "buy"), ("8", "11", "cart"), ("9", "10", "pv"),
+         ("7", "12", "pv"), ("8", "11", "pv"), ("9", "10", "fav")])]
+    lines.insert(at, bad.format(ts=T0 + 100 * at + 50))
+    _compare(tmp_path, lines, 30, monkeypatch)
+
+
+def test_a_step_a_later_chunk_cannot_compute_streams_from_there(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zero divisor only in a later chunk: that task raises per row when streaming (task errors)."""
+    task = Task("ratio", ["item"], [Aggregate(n=Count(), kinds=CountBy("event_id")),
+                                    Map(lambda row: {"per_pv": row["n"] / row["kinds"].get("pv", 0)})], input="page")
+    lines = [f"{u},{i},30,pv,{T0 + 100 * n}" for n, (u, i) in enumerate([("7", "10"), ("8", "10"), ("7", "10")])]
+    lines += [f"9,10,30,buy,{T0 + 1000}", f"9,11,30,pv,{T0 + 1100}", f"7,13,30,pv,{T0 + 1200}"]
     csv = tmp_path / "in.csv"
-    csv.write_text("7,10,30,pv,1511848800\n7, 10,30,pv,1511848900\n")  # the second is taken after trimming
-    monkeypatch.setattr(batch, "CHUNK_BYTES", 1)
-    runner = DeviceRunner(Job("j", [IPV]), CollectiveStorage(tmp_path / "b.duckdb"), runtime_mode="batch")
-    with pytest.raises(RuntimeError, match="taken only after trimming"):
-        runner.run(TaobaoBehaviorSource(csv))
+    csv.write_text("".join(line + "\n" for line in lines))
+    streamed, stream_tables = _run(csv, tmp_path / "s.duckdb", [task], "streaming")
+    monkeypatch.setattr(batch, "CHUNK_BYTES", 60)
+    batched, batch_tables = _run(csv, tmp_path / "b.duckdb", [task], "batch")
+    assert "task_errors" in stream_tables
+    assert _without_times(batch_tables) == _without_times(stream_tables)
+    assert (batched.events_in, batched.rows_written) == (streamed.events_in, streamed.rows_written)
+    assert {n: vars(s) for n, s in batched.task_stats.items()} == {n: vars(s) for n, s in streamed.task_stats.items()}
+
+
+def _without_times(tables: dict) -> dict:
+    """The tables without task errors' times and tracebacks' line numbers of the generated code."""
+    columns, rows = tables.get("task_errors", ((), ()))
+    names = [name for name, _ in columns]
+    keep = [k for k, name in enumerate(names) if name not in ("ts", "error_ts", "traceback", "failed_at")]
+    return {**tables, "task_errors": [tuple(row[k] for k in keep) for row in rows]}

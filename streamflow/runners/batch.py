@@ -34,7 +34,8 @@ Before a chunk's rows are written, the rows of a sample of its firings of every 
 the streaming way (the source's per-line mapping, the task's own compiled pipeline) and compared, value
 and type; a difference in the first chunk makes the run stream (nothing was written yet); in a later chunk,
 as whatever else batch mode cannot compute there (a line taken only after trimming it, a step a column
-cannot follow), it stops the run with ``RuntimeError``.
+cannot follow), the rest of the file streams from that chunk's first line, from the state the chunks
+before left (:meth:`_Carried.stream_rest`).
 
 Example:
     >>> import os, tempfile
@@ -59,12 +60,14 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from operators import Aggregate, Count, CountBy, First, Last, Max, Min
+from operators.process import ValueStateDescriptor
 from streamflow.columnar import (
     Column,
     CountsColumn,
@@ -76,8 +79,18 @@ from streamflow.columnar import (
     to_numpy,
 )
 from streamflow.events import PAGE_ENTER, PAGE_EXIT, Rejected, TimestampGuard
+from streamflow.keyed import KeyedStore
 from streamflow.runners.plan import BatchHost, RunPlan, TriggerTaskPlan
-from streamflow.sources import ITEM_PAGE, LineSource, PlainLines, TaobaoBehaviorSource, item_page_events
+from streamflow.sources import (
+    ITEM_PAGE,
+    LineSource,
+    PlainLines,
+    SourcePosition,
+    TaobaoBehaviorSource,
+    item_page_events,
+)
+
+log = logging.getLogger("streamflow.runners")
 
 try:
     _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6")
@@ -355,6 +368,37 @@ class _Carried:
         self.text: dict[str, np.ndarray] = dict.fromkeys(_TEXT_FIELDS, empty)
         self.ts, self.rank = np.empty(0), np.empty(0, dtype=np.int64)
 
+    def copy(self) -> _Carried:
+        """A copy that the next chunk's changes leave as it is."""
+        carried = _Carried()
+        carried.last_ts, carried.ranks = dict(self.last_ts), dict(self.ranks)
+        carried.text, carried.ts, carried.rank = dict(self.text), self.ts, self.rank  # arrays are replaced, not changed
+        return carried
+
+    def stream_rest(self, runner: BatchHost, source: TaobaoBehaviorSource, lines_before: int) -> None:
+        """Stream the file after line ``lines_before`` as the streaming run does, from the state these lines left:
+        the source's open pages (in the order users first appeared, as the streaming reader holds them) and the
+        guard's last timestamps; the open pages' events go through the runner first, so that each trigger task
+        holds them (nothing fires: a page fires on its exit). Those events are counted now, as batch mode counts
+        a page's events when it fires."""
+        pages = KeyedStore(ValueStateDescriptor("adapter"))
+        last = KeyedStore(ValueStateDescriptor("last_ts"))
+        last.data.update(self.last_ts)
+        order = np.argsort(self.rank, kind="stable")  # by user's place, each user's lines in order
+        users, items, categories, behaviors = (self.text[name][order].tolist() for name in _TEXT_FIELDS)
+        events: list[Any] = []
+        for user, item, category, behavior, ts in zip(users, items, categories, behaviors, self.ts[order].tolist(),
+                                                      strict=True):
+            page, more = item_page_events(pages.data.get(user), user, item, category, behavior, ts,
+                                          source.inactivity_gap_s)
+            pages.data[user] = page
+            events += more
+        clock = round(max(self.last_ts.values(), default=0.0) * 1000)
+        runner.process_block(events)
+        for block in runner.blocks(source.read(SourcePosition(lines_before, pages, (last, clock), [], clock))):
+            runner.process_block(block)
+        runner.finish()
+
     def join(self, columns: dict[str, Any], final: bool) -> tuple[dict[str, Any], np.ndarray]:
         """The carried lines of the users in ``columns`` (every carried line when ``final``) before ``columns``'
         lines, and each user code's rank; the lines taken are no longer carried."""
@@ -464,29 +508,34 @@ def _run_chunk(plan: RunPlan, source: TaobaoBehaviorSource, lines: PlainLines, c
 def run_batch(runner: BatchHost, source: LineSource, chunk_bytes: int | None = None) -> str | None:
     """Run ``runner``'s job over ``source`` in batch mode, ``chunk_bytes`` of the file at a time (default
     :data:`CHUNK_BYTES`); ``None`` when it ran (rows written, summary counted), else why not (then nothing was
-    written or counted). Each chunk's rows are written before the next is read; a chunk after the first that
-    batch mode cannot compute (a line taken only after trimming it, steps that do not run over its columns)
-    raises ``RuntimeError``, as the rows before it are written."""
+    written or counted). Each chunk's rows are written before the next is read; from a chunk after the first
+    that batch mode cannot compute (a line taken only after trimming it, steps that do not run over its
+    columns) the file streams on, from the state the chunks before left."""
     plan = runner.plan()
     why = refusal(plan, source)
     if why is not None:
         return why
     assert isinstance(source, TaobaoBehaviorSource)  # refusal() said so
-    carried, written = _Carried(), False
+    carried, written, lines_before, lines_after = _Carried(), False, 0, 0
     for lines in source.plain_chunks(chunk_bytes or CHUNK_BYTES):
-        if isinstance(lines, str):
+        before = carried.copy() if written else carried
+        if isinstance(lines, str):  # (after the lines of the chunk before)
             chunk: _Chunk | str = f"the input has {lines}"
         else:
+            lines_before, lines_after = lines.lines_before, lines.last_line
             chunk = _run_chunk(plan, source, lines, carried, final=lines.last)
             del lines
         if isinstance(chunk, str):
-            if written:
-                raise RuntimeError(f"batch mode stopped mid-file, rows of the lines before written: {chunk}")
-            return chunk
+            if not written:
+                return chunk
+            log.info("job %s streams from line %d: batch mode cannot compute the lines after it (%s)",
+                     plan.job, lines_before + 1, chunk)
+            before.stream_rest(runner, source, lines_before)
+            return None
         _write_chunk(runner, plan, *chunk)
         del chunk
-        written = True
-    runner.summary.runtime_mode = "batch"
+        written, lines_before = True, lines_after
+        runner.summary.runtime_mode = "batch"
     return None
 
 

@@ -99,7 +99,8 @@ class RunPlan:
 
 class BatchHost(Protocol):
     """What a batch mode calls on the runner it runs for (:class:`~streamflow.runners.device.DeviceRunner` is one):
-    the plan, the records in blocks, and where counts, dead letters and rows go."""
+    the plan, the records in blocks, where counts, dead letters and rows go, and the streaming run's own steps
+    (``process_block``, ``finish``: the rest of a file batch mode stops computing midway streams)."""
 
     summary: RunSummary
     storage: CollectiveStorage
@@ -113,6 +114,10 @@ class BatchHost(Protocol):
     def accepted(self, records: list[Event | Rejected]) -> list[Event]: ...
 
     def reject(self, record: Rejected) -> None: ...
+
+    def process_block(self, records: list[Event | Rejected]) -> None: ...
+
+    def finish(self) -> None: ...
 
     def write(self, table: str, rows: list[dict[str, Any]]) -> None: ...
 
