@@ -30,6 +30,8 @@ PLAIN_BYTES = bytes(range(0x21, 0x7F)) + b"\n"
 _HASH_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
 #: The widest field window read (text fields longer than this are refused).
 MAX_WIDTH = 64
+#: ``_LOW_BYTES[n]``: the mask of a little-endian word's first ``n`` bytes (0 to 8).
+_LOW_BYTES = np.array([(1 << (8 * n)) - 1 for n in range(9)], dtype=np.uint64)
 
 
 @dataclass
@@ -50,6 +52,13 @@ class Fields:
     def select(self, rows: np.ndarray) -> Fields:
         """The fields of the lines ``rows`` (a boolean mask or indices) only."""
         return Fields(self.data, self.buf, self.starts[rows], self.ends[rows])
+
+    def first_word(self, k: int) -> np.ndarray:
+        """The first 8 bytes of field ``k`` of each line as one little-endian ``uint64``, zeros past the field's
+        end: :meth:`window` ``(k, 8)`` as words, read as unaligned words of ``buf`` (no row of bytes per line)."""
+        starts = self.starts[:, k]
+        words = np.ndarray((len(self.buf) - 7,), dtype="<u8", buffer=self.buf, strides=(1,))
+        return words[starts] & _LOW_BYTES[np.minimum(self.ends[:, k] - starts, 8)]
 
     def window(self, k: int, width: int) -> np.ndarray:
         """The first ``width`` bytes (at most :data:`MAX_WIDTH`) of field ``k``, a row per line, zeros past
@@ -103,15 +112,16 @@ def text_codes(fields: Fields, k: int) -> TextColumn | str:
     width = int(fields.lengths(k).max())
     if width > MAX_WIDTH:
         return f"a field longer than {MAX_WIDTH} bytes"
-    words = fields.window(k, -(-width // 8) * 8).view("<u8")  # the field's bytes, 8 to a word
-    if words.shape[1] == 1:
-        key = words[:, 0]  # the bytes themselves: distinct fields, distinct keys
+    if width <= 8:
+        words = None
+        key = fields.first_word(k)  # the bytes themselves: distinct fields, distinct keys
     else:
+        words = fields.window(k, -(-width // 8) * 8).view("<u8")  # the field's bytes, 8 to a word
         key = words[:, 0].copy()
         for j in range(1, words.shape[1]):
             key = key * _HASH_MULTIPLIER + words[:, j]
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    if words.shape[1] > 1 and np.any(words != words[first[inverse]]):
+    if words is not None and np.any(words != words[first[inverse]]):
         return "two distinct fields with one hash"
     by_appearance = np.argsort(first)
     rank = np.empty_like(by_appearance)
@@ -159,4 +169,4 @@ def one_of(fields: Fields, k: int, values: Iterable[str]) -> np.ndarray:
         [True, False, True]
     """
     words = np.frombuffer(b"".join(value.encode("ascii").ljust(8, b"\0") for value in values), dtype="<u8")
-    return (fields.lengths(k) <= 8) & np.isin(fields.window(k, 8).view("<u8")[:, 0], words)
+    return (fields.lengths(k) <= 8) & np.isin(fields.first_word(k), words)
