@@ -66,6 +66,9 @@ class Settings:
         'flink'
     """
 
+    # db, kafka_bootstrap and key_registry default to what the connectors use when given nothing (DEFAULT_DB_PATH,
+    # DEFAULT_BOOTSTRAP, DEFAULT_REGISTRY_PATH; tests/test_settings.py checks they agree): the framework resolves
+    # them here and passes the values, the connectors never read the settings.
     db: Path = _setting(Path("streamflow.duckdb"), "DuckDB file for feature rows", Path)
     runner: Literal["device", "flink"] = _setting("device", "where `streamflow run` runs a job",
                                                   choices=("device", "flink"))
