@@ -28,7 +28,7 @@ from connectors.tunnel.sink import TunnelSink  # noqa: E402
 from connectors.tunnel.spool import Spool, SpoolLocked  # noqa: E402
 from tests.kafka_broker import free_port  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 

@@ -37,7 +37,7 @@ from connectors.tunnel.keys import KeyRegistry  # noqa: E402
 from connectors.tunnel.registry import Registry  # noqa: E402
 from connectors.tunnel.sink import TunnelSink  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: short timeouts everywhere: a fault test waits seconds, not the production defaults
 FAST = {"linger_s": 0.01, "send_timeout_s": 2.0}
 

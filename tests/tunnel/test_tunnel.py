@@ -25,7 +25,7 @@ from connectors.tunnel.sink import MAX_ENVELOPE_BYTES, TunnelSink
 from connectors.tunnel.spool import Spool, SpoolFull
 from streamflow.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEY = bytes(range(32))
 KEYS = {"phone-1": KEY, "phone-2": bytes(reversed(range(32)))}
 ROWS = pa.table({"user_id": ["u1", "u2", "u1"], "item_id": [7, 8, 9], "dwell_s": [1.5, None, 3.0]})
