@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FLINK_TEST_FILES = ("tests/test_flink_cluster.py", "tests/test_flink_kafka.py", "tests/test_flink_parity.py")
+FLINK_TEST_FILES = tuple(f"tests/flink/test_flink_{name}.py" for name in ("cluster", "kafka", "parity"))
 
 
 @pytest.mark.slow

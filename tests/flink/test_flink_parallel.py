@@ -23,7 +23,7 @@ from streamflow.runners.device import DeviceRunner  # noqa: E402
 from streamflow.sources import open_source  # noqa: E402
 from streamflow.testing import read_tables, rows_diff, summary_diff  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "jobs" / "data" / "taobao_user_behavior_10k.csv"
 IPV = ROOT / "jobs" / "ipv.py"
 

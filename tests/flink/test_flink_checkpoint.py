@@ -24,7 +24,7 @@ from streamflow.job import load_job  # noqa: E402
 from streamflow.runners.device import DeviceRunner  # noqa: E402
 from streamflow.sources import open_source  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "jobs" / "data" / "taobao_user_behavior_10k.csv"
 COLUMNS = "user_id, trigger_ts, item_id, enter_ts, dwell_s, n_reload, n_fav, n_cart, n_buy"
 DRIVER = """

@@ -33,7 +33,7 @@ from streamflow.job import load_job  # noqa: E402
 from streamflow.runners.device import DeviceRunner  # noqa: E402
 from streamflow.sources import TaobaoBehaviorSource  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "jobs" / "data" / "taobao_user_behavior_10k.csv"
 
 

@@ -23,7 +23,7 @@ from streamflow.flink import cluster as flink_cluster  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a standalone cluster: two JVMs started and stopped
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:

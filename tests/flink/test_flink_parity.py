@@ -23,7 +23,7 @@ from streamflow.job import Job, Task, load_job  # noqa: E402
 from streamflow.testing import assert_same_on_runners  # noqa: E402
 from tests.test_ipv_job import COLUMNS, reference_ipv  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "jobs" / "data" / "taobao_user_behavior_10k.csv"
 ACTIVITY = ROOT / "tests" / "data" / "activity.jsonl"
 
