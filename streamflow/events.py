@@ -217,14 +217,22 @@ class TimestampGuard:
     def restore(self, snapshot: tuple[KeyedStore, int]) -> None:
         """Continue from a :meth:`snapshot`."""
         self._last, self._clock = snapshot
+    def outside_reason(self, ts: float) -> str:
+        """Why ``ts``, outside the bounds, is rejected (the bounds as they are: :meth:`reason` reads the clock first).
+
+        Example:
+            >>> TimestampGuard().outside_reason(5.0)[:43]
+            'absurd timestamp: 5.0 is outside [946684800'
+        """
+        return f"absurd timestamp: {ts!r} is outside [{self.min_ts:.0f}, {self.max_ts:.0f}] (2000-01-01 .. now + skew)"
+
     def reason(self, user_id: str, ts: float, last_ts: float | None) -> str | None:
         """The same check against a user's last accepted ``last_ts`` kept by the caller (e.g. in
         a runner's keyed state)."""
         if ts > self.max_ts:
             self.max_ts = time.time() + self.max_future_skew_s
         if not (self.min_ts <= ts <= self.max_ts):  # also catches NaN
-            return (f"absurd timestamp: {ts!r} is outside [{self.min_ts:.0f}, {self.max_ts:.0f}] "
-                    "(2000-01-01 .. now + skew)")
+            return self.outside_reason(ts)
         if last_ts is not None and ts < last_ts:
             return f"timestamp goes backwards: {ts} < {last_ts}, the previous event of user {user_id}"
         return None

@@ -61,11 +61,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from connectors.storage import DEAD_LETTER_TABLE
 from operators import Aggregate, Count, CountBy, First, Last, Max, Min
 from operators.process import ValueStateDescriptor
 from streamflow.columnar import (
@@ -169,11 +171,40 @@ class PageVisits:
         return len(self.enter_ts)
 
 
+@dataclass
+class DeadLetters:
+    """Dead letters as columns, in line order: what :meth:`DeviceRunner.reject()
+    <streamflow.runners.device.DeviceRunner.reject>` stores of each :class:`~streamflow.events.Rejected`, without
+    an object per line (a backfill's bad lines may be many: every line past the guard's clock)."""
+
+    sources: list[str]
+    lines: list[int]
+    reasons: list[str]
+    raws: list[str]
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def merged(self, records: list[Rejected]) -> DeadLetters:
+        """These and ``records``, in line order."""
+        if not records:
+            return self
+        columns = (self.sources + [r.source for r in records], self.lines + [r.line for r in records],
+                   self.reasons + [r.reason for r in records], self.raws + [r.raw for r in records])
+        order = np.argsort(np.array(columns[1], dtype=np.int64), kind="stable").tolist()
+        return DeadLetters(*([column[i] for i in order] for column in columns))
+
+    def table(self) -> dict[str, np.ndarray]:
+        """The dead-letter table's columns."""
+        return {"source": np.array(self.sources, dtype=object), "line": np.array(self.lines, dtype=np.int64),
+                "reason": np.array(self.reasons, dtype=object), "raw": np.array(self.raws, dtype=object)}
+
+
 def guarded_lines(lines: PlainLines, users: TextColumn, guard: TimestampGuard, source: str,
-                  last: dict[str, float] | None = None) -> tuple[np.ndarray, list[Rejected]]:
+                  last: dict[str, float] | None = None) -> tuple[np.ndarray, DeadLetters]:
     """Which plain lines ``guard`` accepts, and the others as the streaming run rejects them (line by line,
     :meth:`~streamflow.events.TimestampGuard.check`): a timestamp outside its bounds, or earlier than the
-    user's previous accepted one. ``(accepted, rejected records in line order)``.
+    user's previous accepted one. ``(accepted, the others' dead letters in line order)``.
 
     A user's accepted timestamps never decrease, so the previous accepted one is the largest before it among
     the user's lines within bounds (a line that goes backwards is below it and changes nothing). ``last``:
@@ -181,12 +212,16 @@ def guarded_lines(lines: PlainLines, users: TextColumn, guard: TimestampGuard, s
     ts, names = lines.ts, users.dictionary
     accepted = (ts >= guard.min_ts) & (ts <= guard.max_ts)
     reasons: dict[int, str] = {}
-    for i in np.flatnonzero(~accepted).tolist():
-        reason = guard.reason(names[users.codes[i]], float(ts[i]), None)  # it reads the clock past max_ts
-        if reason is None:
-            accepted[i] = True
-        else:
-            reasons[i] = reason
+    outside = np.flatnonzero(~accepted)
+    if len(outside):
+        # The guard reads the clock once for the latest of them (a new upper bound, as the streaming run's check of
+        # that line would), then every line outside the bounds gets the reason its check gives (streaming reads the
+        # clock again at each: the bound in the text may differ by the seconds the run took).
+        guard.reason(names[users.codes[outside[0]]], float(ts[outside].max()), None)
+        accepted = (ts >= guard.min_ts) & (ts <= guard.max_ts)
+        outside = np.flatnonzero(~accepted)
+        why = guard.outside_reason
+        reasons.update(zip(outside.tolist(), map(why, ts[outside].tolist()), strict=True))
     within = np.flatnonzero(accepted)
     order = within[np.argsort(users.codes[within], kind="stable")]  # by user, each user's lines in file order
     user, stamps = users.codes[order], ts[order]
@@ -215,8 +250,12 @@ def guarded_lines(lines: PlainLines, users: TextColumn, guard: TimestampGuard, s
     for i, before in zip(order[backwards].tolist(), previous[backwards].tolist(), strict=True):
         reasons[i] = guard.reason(names[users.codes[i]], float(ts[i]), before)
         accepted[i] = False
-    numbers = lines.line_numbers
-    return accepted, [Rejected(source, int(numbers[i]), reasons[i], lines.text(i)) for i in sorted(reasons)]
+    refused = sorted(reasons)
+    at = np.array(refused, dtype=np.int64)
+    data, begin, end = lines.fields.data, lines.fields.starts[at, 0].tolist(), lines.fields.ends[at, -1].tolist()
+    return accepted, DeadLetters([source] * len(refused), lines.line_numbers[at].tolist(),
+                                 [reasons[i] for i in refused],
+                                 [data[b:e].decode("ascii") for b, e in zip(begin, end, strict=True)])
 
 
 def page_visits(columns: dict[str, Any], gap: float, ranks: np.ndarray | None = None) -> PageVisits:
@@ -462,7 +501,7 @@ def _no_columns() -> dict[str, Any]:
 
 
 #: One chunk's result: its dead letters (in line order), its pages that fired, and each task's rows of them.
-_Chunk = tuple[list[Rejected], PageVisits, dict[str, dict[str, np.ndarray]]]
+_Chunk = tuple[DeadLetters, PageVisits, dict[str, dict[str, np.ndarray]]]
 
 
 def _run_chunk(plan: RunPlan, source: TaobaoBehaviorSource, lines: PlainLines, carried: _Carried,
@@ -480,8 +519,8 @@ def _run_chunk(plan: RunPlan, source: TaobaoBehaviorSource, lines: PlainLines, c
     if isinstance(columns, str):
         return f"the input has {columns}"
     accepted, refused = guarded_lines(lines, columns["user_id"], plan.guard, source.name, carried.last_ts)
-    rejected = sorted(rejected + refused, key=lambda record: record.line)
-    if refused:  # the accepted lines' rows (dictionaries may keep text only refused lines had)
+    dead = refused.merged(rejected)
+    if len(refused):  # the accepted lines' rows (dictionaries may keep text only refused lines had)
         columns = {name: select_rows(column, accepted) if name in _TEXT_FIELDS else column[accepted]
                    for name, column in columns.items()}
     joined, ranks = carried.join(columns, final)
@@ -502,7 +541,7 @@ def _run_chunk(plan: RunPlan, source: TaobaoBehaviorSource, lines: PlainLines, c
             if difference is not None:
                 return f"a sample row differs: {difference}"
         outputs[name] = rows
-    return rejected, visits, outputs
+    return dead, visits, outputs
 
 
 def run_batch(runner: BatchHost, source: LineSource, chunk_bytes: int | None = None) -> str | None:
@@ -539,15 +578,16 @@ def run_batch(runner: BatchHost, source: LineSource, chunk_bytes: int | None = N
     return None
 
 
-def _write_chunk(runner: BatchHost, plan: RunPlan, rejected: list[Rejected], visits: PageVisits,
+def _write_chunk(runner: BatchHost, plan: RunPlan, rejected: DeadLetters, visits: PageVisits,
                  outputs: dict[str, dict[str, np.ndarray]]) -> None:
     """A chunk's dead letters and rows stored, and counted."""
     events, pages_seen = int(visits.n_events.sum()), len(visits)
     del visits
     _release_free_memory()
     summary = runner.summary
-    for record in rejected:
-        runner.reject(record)
+    if len(rejected):  # as runner.reject() of each, in one insert
+        summary.rejected.update(Counter(reason.split(":", 1)[0] for reason in rejected.reasons))
+        runner.storage.write_table(DEAD_LETTER_TABLE, rejected.table())
     summary.events_in += events
     for name, rows in outputs.items():
         stats = summary.task_stats[name]
