@@ -50,8 +50,8 @@ from bench.engine import interleaved_median_ms  # noqa: E402
 CHILD = textwrap.dedent("""
     import json, sys, threading, time
     import numpy as np
-    from engine.builder import GraphBuilder
     from engine.cost import Calibration
+    from engine.measure import warm_up_kernels
     from engine.session import InferenceSession
 
     def status():
@@ -60,16 +60,7 @@ CHILD = textwrap.dedent("""
 
     mode, path, budget, shape = sys.argv[1], sys.argv[2], int(sys.argv[3]), tuple(json.loads(sys.argv[4]))
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-    warm = GraphBuilder("warm")  # the engine's kernels loaded and compiled before the baseline
-    h = warm.input("x", (1, 3, 16, 16))
-    h = warm.relu(warm.conv(h, np.ones((8, 3, 3, 3), "float32"), np.ones(8, "float32"), pads=1))
-    h = warm.relu6(warm.conv(h, np.ones((8, 1, 3, 3), "float32"), np.ones(8, "float32"), pads=1, group=8))
-    h = warm.max_pool(warm.relu(warm.add(warm.conv(h, np.ones((8, 8, 1, 1), "float32"), np.ones(8, "float32")), h)),
-                      3, 2, 1)
-    h = warm.relu(warm.add(warm.conv(h, np.ones((8, 8, 3, 3), "float32"), np.ones(8, "float32"), pads=1), h))
-    warm.output(warm.linear(warm.flatten(warm.global_avg_pool(h)), np.ones((8, 4), "float32"),
-                            np.ones(4, "float32")))
-    InferenceSession(warm.build(), calibration=Calibration()).run(np.ones((1, 3, 16, 16), "float32"))
+    warm_up_kernels()  # the engine's kernels loaded and compiled before the baseline
     from engine.memory.budgeted import BudgetedSession  # the library's code, as the kernels above: not the session's
     key = "RssAnon" if mode == "budgeted" else "VmRSS"  # mmap'd weights are file-backed: count them
     base, peak, done = status()[key], [0], threading.Event()

