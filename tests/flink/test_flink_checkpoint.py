@@ -39,7 +39,9 @@ run_flink(load_job("jobs/ipv.py"), events, db=db, pace_ms=10, checkpoint_dir=che
 
 def _flink(events: Path, db: Path, checkpoints: Path, restore: Path | None = None) -> subprocess.Popen:
     argv = [sys.executable, "-c", DRIVER, str(events), str(db), str(checkpoints)] + ([str(restore)] if restore else [])
-    return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    # a session of its own: the kill takes the driver and its JVM (PyFlink's gateway, which runs the MiniCluster)
+    # together; killed alone, the driver leaves the JVM a moment to complete a checkpoint and delete the one found
+    return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -66,7 +68,7 @@ def test_a_killed_flink_run_restores_from_its_checkpoint(tmp_path):
             break
         time.sleep(0.2)
     assert first.poll() is None, f"the paced run ended before 3 checkpoints: {first.stderr.read()[-2000:]}"
-    first.send_signal(signal.SIGKILL)
+    os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=30)
     last = _completed_checkpoints(checkpoints)[-1]
 
