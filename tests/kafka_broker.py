@@ -80,3 +80,17 @@ class LocalBroker:
                 except OSError:
                     continue
         raise RuntimeError(f"no process of ours listens on {self.bootstrap}")
+
+
+def publish_lines(bootstrap: str, topic: str, lines: list[str]) -> None:
+    """Each of ``lines`` a record of ``topic`` (made with one partition), in order, acknowledged by the broker."""
+    from kafka import KafkaProducer
+
+    from connectors.tunnel.kafka import ensure_topic
+
+    ensure_topic(bootstrap, topic, partitions=1)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20)
+    for line in lines:
+        producer.send(topic, value=line.encode())
+    producer.flush()
+    producer.close()

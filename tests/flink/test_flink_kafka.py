@@ -32,6 +32,7 @@ from streamflow.flink.tunnel import run_flink_features  # noqa: E402
 from streamflow.job import load_job  # noqa: E402
 from streamflow.runners.device import DeviceRunner  # noqa: E402
 from streamflow.sources import TaobaoBehaviorSource  # noqa: E402
+from tests.kafka_broker import publish_lines  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "jobs" / "data" / "taobao_user_behavior_10k.csv"
@@ -213,12 +214,7 @@ def test_flink_runner_reads_raw_events_from_kafka_like_the_device_runner(kafka_b
     lines[100:100] = ["999477,1,2,pv", "999477,1,2,teleport,1511848894", ""]  # malformed, and a blank record
     lines.insert(2000, lines[1999].rsplit(",", 1)[0] + ",1511000000")  # back in time for that user
     topic = unique("events")
-    ensure_topic(kafka_bootstrap, topic, partitions=1)
-    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=20)
-    for line in lines:
-        producer.send(topic, value=line.encode())
-    producer.flush()
-    producer.close()
+    publish_lines(kafka_bootstrap, topic, lines)
 
     events = f"kafka://{topic}"
     job = ROOT / "jobs" / "ipv.py"

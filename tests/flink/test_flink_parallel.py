@@ -22,6 +22,7 @@ from streamflow.job import load_job  # noqa: E402
 from streamflow.runners.device import DeviceRunner  # noqa: E402
 from streamflow.sources import open_source  # noqa: E402
 from streamflow.testing import read_tables, rows_diff, summary_diff  # noqa: E402
+from tests.kafka_broker import publish_lines  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "jobs" / "data" / "taobao_user_behavior_10k.csv"
@@ -87,9 +88,6 @@ def test_a_topic_read_at_parallelism_2_gives_the_device_runners_rows(kafka_boots
     """Each partition by one reader: a one-partition topic leaves the second reader idle (it ends at once, so
     the watermark is the busy reader's), records numbered by offset as the device numbers lines."""
     pytest.importorskip("kafka")
-    from kafka import KafkaProducer
-
-    from connectors.tunnel.kafka import ensure_topic
     from streamflow.flink import connector_jars
     from streamflow.sources import TaobaoBehaviorSource
 
@@ -98,12 +96,7 @@ def test_a_topic_read_at_parallelism_2_gives_the_device_runners_rows(kafka_boots
     lines[100:100] = ["999477,1,2,pv", "999477,1,2,teleport,1511848894", ""]
     lines.insert(1500, lines[1499].rsplit(",", 1)[0] + ",1511000000")
     topic = f"events-{uuid.uuid4().hex[:10]}"
-    ensure_topic(kafka_bootstrap, topic, partitions=1)
-    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=20)
-    for line in lines:
-        producer.send(topic, value=line.encode())
-    producer.flush()
-    producer.close()
+    publish_lines(kafka_bootstrap, topic, lines)
     events, job = f"kafka://{topic}", load_job(IPV)
     with CollectiveStorage(tmp_path / "device.duckdb") as storage:
         runner = DeviceRunner(job, storage)
