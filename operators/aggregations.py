@@ -27,9 +27,9 @@ class Aggregation:
             raise TypeError(f"where= must be a function of the item, got {where!r}")
         self.field = field
         self.where = where
-        self._read = field_reader(field) if field is not None else None
+        self._read: Callable[[Any], Any] = field_reader(field) if field is not None else _no_field
         if where is None:
-            self.fold = self._fold  # skip the filtering layer on the hot path
+            self.fold = self._fold  # type: ignore[method-assign]  # skip the filtering layer on the hot path
 
     def create(self) -> Any:
         raise NotImplementedError
@@ -68,6 +68,11 @@ class Aggregation:
         if self.where is not None:
             parts.append("where=...")
         return f"{type(self).__name__}({', '.join(parts)})"
+
+
+def _no_field(item: Any) -> Any:
+    """The reader of an aggregation without a field (``Count()``), which reads none."""
+    raise TypeError("this aggregation reads no field")
 
 
 def _read_check(self: Aggregation, item: Any) -> None:
@@ -346,8 +351,9 @@ class LastN(Aggregation):
         return list(acc)
 
 
-class Distinct(Aggregation):
-    """The distinct values of a field, in first-seen order."""
+class _DistinctValues(Aggregation):
+    """What :class:`Distinct` and :class:`CountDistinct` share: the distinct values in first-seen order (a dict's
+    keys); each gives its own result of them."""
 
     check = _hash_check
 
@@ -363,6 +369,10 @@ class Distinct(Aggregation):
 
     def _fold(self, items: list[Any]) -> Any:
         return self.result(dict.fromkeys(map(self._read, items)))
+
+
+class Distinct(_DistinctValues):
+    """The distinct values of a field, in first-seen order."""
 
     def result(self, acc: dict[Any, None]) -> list[Any]:
         return list(acc)
@@ -402,7 +412,7 @@ class CountBy(Aggregation):
         return counts
 
 
-class CountDistinct(Distinct):
+class CountDistinct(_DistinctValues):
     """Number of distinct values of a field."""
 
     def result(self, acc: dict[Any, None]) -> int:

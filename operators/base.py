@@ -200,19 +200,20 @@ def compile_pipeline(operators: Sequence[Operator]) -> Callable[[list[Any]], lis
         [{'twice': 4}]
     """
     ops = list(operators)
-    if ops and getattr(ops[0], "fold_one", None) is not None and all(
-            getattr(op, "element_step", None) is not None for op in ops[1:]):
+    fold_one = getattr(ops[0], "fold_one", None) if ops else None
+    if fold_one is not None and all(getattr(op, "element_step", None) is not None for op in ops[1:]):
         steps = element_steps(ops[1:])
         fold_rows = getattr(ops[0], "fold_rows", None)  # the fold and the steps as one function (Aggregate)
-        return fold_rows(steps) if fold_rows is not None else _one_row(ops[0].fold_one, steps)
-    steps = [op.apply_one for op in ops]
-    if any(step is None for step in steps):
+        return fold_rows(steps) if fold_rows is not None else _one_row(fold_one, steps)
+    calls = [op.apply_one for op in ops]
+    if any(call is None for call in calls):
         return lambda items: run_pipeline(ops, items)
+    chain = [call for call in calls if call is not None]
 
     def run(items: list[Any]) -> list[dict[str, Any]]:
         rows = items if type(items) is list else list(items)
-        for step in steps:
-            rows = step(rows)
+        for call in chain:
+            rows = call(rows)
         for row in rows:
             if type(row) is not dict and not isinstance(row, Mapping):
                 _not_a_row(row)

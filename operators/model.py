@@ -153,9 +153,11 @@ class Infer(Operator):
                 os.close(fd)
                 save_streamable(self.model, self._streamable)
             self._session = BudgetedSession(self._streamable, budget, threads=self.threads)
-        elif self._session.budget != budget:
-            self._session.set_budget(budget)
-        return self._session
+        session = self._session
+        assert isinstance(session, BudgetedSession)  # an Infer with a memory budget only ever makes this one
+        if session.budget != budget:
+            session.set_budget(budget)
+        return session
 
 
 class Train(Operator):

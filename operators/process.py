@@ -40,9 +40,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, overload
 
 from operators.base import FieldSpec, Group, Operator
+
+if TYPE_CHECKING:
+    # A state's value type defaults to Any: ``ValueStateDescriptor("seen")`` needs no annotation, and
+    # ``ValueStateDescriptor[int]("seen")`` gives a ``ValueState[int]``. (TypeVar defaults are Python 3.13's;
+    # the checker reads them from typing_extensions, the runtime needs none.)
+    from typing_extensions import TypeVar
+
+    T = TypeVar("T", default=Any)
+    K = TypeVar("K", default=Any)
+    V = TypeVar("V", default=Any)
+else:
+    from typing import TypeVar
+
+    T, K, V = TypeVar("T"), TypeVar("K"), TypeVar("V")
 
 #: Side output of items too late for any window.
 LATE = "late_events"
@@ -70,54 +84,74 @@ class StateDescriptor:
 
 
 @dataclass(frozen=True)
-class ValueStateDescriptor(StateDescriptor):
-    """One value per key (``value()``, ``update(v)``, ``clear()``)."""
+class ValueStateDescriptor(StateDescriptor, Generic[T]):
+    """One value per key (``value()``, ``update(v)``, ``clear()``): ``ValueStateDescriptor[int]("seen")``
+    declares a :class:`ValueState` of ints (the type is for the checker; state holds any picklable value)."""
 
     kind: ClassVar[str] = "value"
 
 
 @dataclass(frozen=True)
-class ListStateDescriptor(StateDescriptor):
-    """A list per key (``get()``, ``add(v)``, ``add_all(vs)``, ``update(vs)``, ``clear()``)."""
+class ListStateDescriptor(StateDescriptor, Generic[T]):
+    """A list per key (``get()``, ``add(v)``, ``add_all(vs)``, ``update(vs)``, ``clear()``):
+    ``ListStateDescriptor[str]("pages")`` declares a :class:`ListState` of strings."""
 
     kind: ClassVar[str] = "list"
 
 
 @dataclass(frozen=True)
-class MapStateDescriptor(StateDescriptor):
+class MapStateDescriptor(StateDescriptor, Generic[K, V]):
     """A map per key (``get(k)``, ``put(k, v)``, ``remove(k)``, ``contains(k)``, ``items()``, ``is_empty()``,
-    ``clear()``); entry keys compare as a dict's do. With ``ttl_s`` each entry expires on its own."""
+    ``clear()``); entry keys compare as a dict's do. With ``ttl_s`` each entry expires on its own.
+    ``MapStateDescriptor[str, int]("counts")`` declares a :class:`MapState` from strings to ints."""
 
     kind: ClassVar[str] = "map"
 
 
-class ValueState(Protocol):
-    def value(self) -> Any: ...
-    def update(self, value: Any) -> None: ...
+# The handles ``ctx.get_state`` gives, generic in what they hold as PyFlink's ``ValueState[T]``,
+# ``ListState[T]`` and ``MapState[K, V]`` are.
+
+class ValueState(Protocol[T]):
+    """The value of the current key: ``None`` when it has none (never written, cleared or expired)."""
+
+    def value(self) -> T | None: ...
+    def update(self, value: T) -> None: ...
     def clear(self) -> None: ...
 
 
-class ListState(Protocol):
-    def get(self) -> list[Any]: ...
-    def add(self, value: Any) -> None: ...
-    def add_all(self, values: Iterable[Any]) -> None: ...
-    def update(self, values: Iterable[Any]) -> None: ...
+class ListState(Protocol[T]):
+    """The list of the current key (empty when it has none)."""
+
+    def get(self) -> list[T]: ...
+    def add(self, value: T) -> None: ...
+    def add_all(self, values: Iterable[T]) -> None: ...
+    def update(self, values: Iterable[T]) -> None: ...
     def clear(self) -> None: ...
 
 
-class MapState(Protocol):
-    def get(self, key: Any, default: Any = None) -> Any: ...
-    def put(self, key: Any, value: Any) -> None: ...
-    def remove(self, key: Any) -> None: ...
-    def contains(self, key: Any) -> bool: ...
-    def items(self) -> Iterator[tuple[Any, Any]]: ...
+class MapState(Protocol[K, V]):
+    """The map of the current key."""
+
+    def get(self, key: K, default: V | None = None) -> V | None: ...
+    def put(self, key: K, value: V) -> None: ...
+    def remove(self, key: K) -> None: ...
+    def contains(self, key: K) -> bool: ...
+    def items(self) -> Iterator[tuple[K, V]]: ...
     def is_empty(self) -> bool: ...
     def clear(self) -> None: ...
 
 
 class RuntimeContext(Protocol):
-    """What :meth:`KeyedProcessFunction.open` receives: where state handles come from."""
+    """What :meth:`KeyedProcessFunction.open` receives: where state handles come from, each typed by its
+    descriptor."""
 
+    @overload
+    def get_state(self, descriptor: ValueStateDescriptor[T]) -> ValueState[T]: ...
+    @overload
+    def get_state(self, descriptor: ListStateDescriptor[T]) -> ListState[T]: ...
+    @overload
+    def get_state(self, descriptor: MapStateDescriptor[K, V]) -> MapState[K, V]: ...
+    @overload
     def get_state(self, descriptor: StateDescriptor) -> Any: ...
 
 

@@ -46,7 +46,7 @@ class Serve(Operator):
         self.into = into
         self._image = field_reader(image)
         self._sla: Callable[[Any], float] = (field_reader(sla_ms) if isinstance(sla_ms, str) or callable(sla_ms)
-                                             else (lambda _row, value=float(sla_ms): value))
+                                             else _constant(float(sla_ms)))
 
     def apply(self, groups: list[Group]) -> list[Group]:
         rows = [row for _, items in groups for row in items]
@@ -72,3 +72,8 @@ class Serve(Operator):
 
 
 __all__ = ["Serve"]
+
+
+def _constant(value: float) -> Callable[[Any], float]:
+    """The SLA of every row when ``sla_ms`` is a number."""
+    return lambda _row: value
