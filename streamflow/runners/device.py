@@ -79,6 +79,7 @@ from streamflow.keyed import KeyedRuntime, rows_by_output
 from streamflow.runners.batch import run_batch
 from streamflow.runners.batch_streams import run_stream_batch
 from streamflow.runners.plan import RunPlan, TriggerTaskPlan
+from streamflow.runners.swaps import Hook, SafePoint, TaskSwap
 from streamflow.sources import LineSource, SourcePosition, SourceReader
 from streamflow.summary import TASK_ERRORS_TABLE, RunSummary, TaskStats
 from streamflow.windowing import StreamTaskRun, stream_error_row
@@ -156,10 +157,8 @@ class DeviceRunner:
         self._input: dict[str, Any] = {}
         #: The tasks this runner runs, by name (quarantined ones included); see :meth:`swap_tasks`.
         self.tasks: dict[str, Task] = {}
-        self._swap_lock = threading.Lock()
-        self._swaps: list[TaskSwap] = []
-        self._hooks: tuple[Callable[[], bool], ...] = ()
-        self._in_run = False
+        #: Where swaps and safe-point hooks wait for the safe point between two events.
+        self.safe_point = SafePoint(self._replace)
         self._replace((), job.tasks, initial=True)
 
     # -- tasks at run time -----------------------------------------------------------------------
@@ -200,51 +199,16 @@ class DeviceRunner:
             (True, None, ['favs'])
             >>> runner.close()
         """
-        swap = TaskSwap(tuple(add), tuple(remove), on_applied)
-        with self._swap_lock:
-            self._swaps.append(swap)
-            if not self._in_run:
-                self._apply_swaps_locked()
-        return swap
+        return self.safe_point.request(add, remove, on_applied)
 
-    def add_safe_point_hook(self, hook: Callable[[], bool]) -> None:
+    def add_safe_point_hook(self, hook: Hook) -> None:
         """Call ``hook()`` at every safe point from now on (before each event, on the thread that feeds
         them, before pending swaps are applied) until it returns False.
 
         A hook watches what the last event did and may react before the next one: a swap it requests
         is applied at this same safe point. It must be quick; it runs once per event.
         """
-        with self._swap_lock:
-            self._hooks = (*self._hooks, hook)
-
-    def _safe_point(self) -> None:
-        hooks = self._hooks
-        if hooks:
-            done = [hook for hook in hooks if not hook()]
-            if done:
-                with self._swap_lock:
-                    self._hooks = tuple(h for h in self._hooks if h not in done)
-        if self._swaps:
-            with self._swap_lock:
-                self._apply_swaps_locked()
-
-    def _apply_swaps_locked(self) -> None:
-        swaps, self._swaps = self._swaps, []
-        for swap in swaps:
-            try:
-                self._replace(swap.remove, swap.add)
-            except Exception as exc:  # refused: nothing changed, the caller reads why
-                log.warning("task swap refused (adding %s, removing %s): %s", [t.name for t in swap.add],
-                            list(swap.remove), exc)
-                swap._finish(exc)
-            else:
-                log.info("tasks swapped: added %s, removed %s", [t.name for t in swap.add], list(swap.remove))
-                if swap.on_applied is not None:
-                    try:
-                        swap.on_applied()
-                    except Exception:  # the swap stands; the caller's callback is its own business
-                        log.exception("on_applied callback of a task swap failed")
-                swap._finish(None)
+        self.safe_point.add_hook(hook)
 
     def _replace(self, remove: Sequence[str], add: Sequence[Task], initial: bool = False) -> None:
         """Remove and add tasks as one change; everything is checked before anything changes."""
@@ -296,14 +260,8 @@ class DeviceRunner:
         Without, a storage holding a checkpoint of the job is refused (a run would duplicate its rows).
         """
         self._started = time.perf_counter()
-        with self._swap_lock:
-            self._in_run = True  # from now on swaps wait for the safe point between two events
-        try:
+        with self.safe_point.run():  # swaps wait for the safe point between two events, and after the last
             return self._run(records, progress)
-        finally:
-            with self._swap_lock:
-                self._in_run = False
-            self._safe_point()  # after the last event: hooks see it, swaps requested since apply now
 
     def _run(self, records: Iterable[Event | Rejected] | LineSource,
              progress: Callable[[Iterable[Any]], Iterator[Any]] | None) -> RunSummary:
@@ -355,7 +313,7 @@ class DeviceRunner:
             streams=dict(self._streams), guard=self.guard, default_guard=self._own_guard,
             checkpoint_interval_s=self.checkpoint_interval_s, state_ttl_s=self.state_ttl_s, max_users=self.max_users,
             tunnel=self.tunnel is not None, record_latency=self.latencies_s is not None,
-            swaps_or_hooks=bool(self._hooks or self._swaps), run_task=execution.run_task)
+            swaps_or_hooks=self.safe_point.waiting, run_task=execution.run_task)
 
     def _run_batch(self, source: Iterable[Event | Rejected] | LineSource,
                    progress: Callable[[Iterable[Any]], Iterator[Any]] | None = None) -> bool:
@@ -500,14 +458,14 @@ class DeviceRunner:
         block's first record was asked for) to the block's rows handed to storage (a buffer flush, when
         one happens, is inside it). A live stream whose events arrive one by one wants ``block_size=1``.
         """
-        if len(self._streams) == 1 and not (self.execution.tasks or self._hooks or self._swaps
-                                            or self.latencies_s is not None):
+        watched = self.safe_point.waiting
+        if len(self._streams) == 1 and not (self.execution.tasks or watched or self.latencies_s is not None):
             self._stream_block(records)  # a job of one stream task: its tables are its own
             return
-        if self._streams or self._hooks or self._swaps:
+        if self._streams or watched:
             # Rows are held and written once per table at the end of the block, unless something watches
             # each event's effect (a hook, a swap on probation, latency recording).
-            hold = not (self._hooks or self._swaps or self.latencies_s is not None)
+            hold = not (watched or self.latencies_s is not None)
             self._held = held = {} if hold else None
             try:
                 for record in records:
@@ -567,8 +525,8 @@ class DeviceRunner:
 
     def process(self, event: Event) -> None:
         """Process one event of any user."""
-        if self._swaps or self._hooks:  # the safe point: between the previous event and this one
-            self._safe_point()
+        if self.safe_point.waiting:  # the safe point: between the previous event and this one
+            self.safe_point.reach()
         started = time.perf_counter() if self.latencies_s is not None else 0.0
         summary = self.summary
         reason = self.guard.check(event.user_id, event.ts) if not self._prechecked else None
@@ -662,31 +620,6 @@ class DeviceRunner:
         self.storage.flush()
         self.summary.rows_written = dict(self.storage.rows_written)
         self.summary.refused_rows = dict(self.storage.refused)
-
-
-class TaskSwap:
-    """A request to replace tasks at a runner's next safe point (:meth:`DeviceRunner.swap_tasks`).
-
-    ``wait(timeout)`` is True once the swap was applied or refused; ``error`` is then the reason it
-    was refused (None: applied).
-    """
-
-    def __init__(self, add: tuple[Task, ...], remove: tuple[str, ...], on_applied: Callable[[], None] | None = None):
-        self.add = add
-        self.remove = remove
-        self.on_applied = on_applied
-        self.error: Exception | None = None
-        self._done = threading.Event()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
-
-    def _finish(self, error: Exception | None) -> None:
-        self.error = error
-        self._done.set()
 
 
 def _refuse_stateful_operators(tasks: Iterable[Task]) -> None:

@@ -91,7 +91,7 @@ def test_hot_swap_in_a_running_runner_loses_no_event_and_keeps_other_state(devic
     run.join(60)
     runner.close()
     assert swapped.status == "installed" and updater.versions() == {"counter": "2"}
-    assert updater.check() == [] and runner._hooks == ()  # v2 passed its probation: nothing watches it any more
+    assert updater.check() == [] and runner.safe_point.hooks == ()  # v2 passed its probation: nothing watches it now
 
     rows = counter_rows(storage)
     assert len(rows) == total  # every fav fired exactly once: by v1 or by v2, none lost, none twice

@@ -72,7 +72,8 @@ from streamflow.deploy.errors import (
 from streamflow.deploy.manifest import FileEntry, Limits, Manifest, check_task_name, version_key
 from streamflow.deploy.signing import TrustedKeys
 from streamflow.job import Job
-from streamflow.runners.device import DeviceRunner, TaskSwap
+from streamflow.runners.device import DeviceRunner
+from streamflow.runners.swaps import TaskSwap
 
 log = logging.getLogger("streamflow.deploy")
 
