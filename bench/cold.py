@@ -136,7 +136,7 @@ def read_files(paths: list[str]) -> int:
     return total
 
 
-STAGES = (("prefetch", "engine.coldstart.store", "EntryStore.prefetch"),
+STAGES = (("prefetch", "engine.cache.store", "EntryStore.prefetch"),
           ("link_and_version", "engine.coldstart.session", "graph_link_key"),
           ("graph_open", "engine.coldstart.session", "ColdSession._open_cached_graph"),
           ("loops_load", "engine.kernels.accel", "load_ahead_of_time"),
@@ -239,7 +239,7 @@ def child(variant: str, model: str, cache: str, files: str = "") -> dict:
         if hasattr(sess, "wait_verified"):  # the integrity check after the first output, off its path
             sess.wait_verified()
             out.update(sealed=sess.sealed, verify_cpu_ms=(time.process_time() - cpu_done) * 1e3)
-        from engine.coldstart.fingerprint import engine_version
+        from engine.cache.fingerprint import engine_version
         from engine.kernels import accel
 
         out.update(engine_version=engine_version(), aot=accel.loaded() is not None and "numba" not in sys.modules)
@@ -292,7 +292,7 @@ def prepare_caches(name: str, model: Path, work: Path) -> dict[str, Path]:
 
     base = work / f"{name}-base"  # calibration + compiled loops: what a machine has before it meets this model
     trial("cold_nocache", model, base)  # measures and stores the calibration (and, here, model entries)
-    from engine.coldstart.store import default_dir
+    from engine.cache.store import default_dir
     from engine.kernels import aot
 
     log("copying this machine's ahead-of-time compiled loops (built once per machine and engine version)")
@@ -314,7 +314,7 @@ def prepare_caches(name: str, model: Path, work: Path) -> dict[str, Path]:
 
 
 def bench_model(name: str, model: Path, rounds: int, work: Path, variants: list[str]) -> dict[str, float]:
-    from engine.coldstart.fingerprint import engine_version
+    from engine.cache.fingerprint import engine_version
 
     aot_version = engine_version()
     caches = prepare_caches(name, model, work)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.coldstart.store import default_dir
+from engine.cache.store import default_dir
 from engine.cost import Calibration
 from engine.format import load_model
 from engine.ir import Graph

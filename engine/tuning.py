@@ -2,8 +2,8 @@
 measured/analytic as that kernel's factor (the "semi-auto search" of MNN, ~1 s). The analytic model
 keeps ranking shapes; the factor fixes each kernel's efficiency.
 
-The result is persisted in the engine cache (:mod:`engine.coldstart.store`) under the CPU model,
-CPU features and engine version (:func:`engine.coldstart.fingerprint.machine_key`), so only the
+The result is persisted in the engine cache (:mod:`engine.cache.store`) under the CPU model,
+CPU features and engine version (:func:`engine.cache.fingerprint.machine_key`), so only the
 first process on a machine, after an engine change, pays for it; later ones read a small file.
 """
 
@@ -20,8 +20,8 @@ from dataclasses import replace
 import numpy as np
 
 from engine.builder import GraphBuilder
-from engine.coldstart.fingerprint import machine_key
-from engine.coldstart.store import EntryStore, default_dir
+from engine.cache.fingerprint import machine_key
+from engine.cache.store import EntryStore, default_dir
 from engine.cost import Calibration, calibrate_rates
 from engine.kernels import REGISTRY, accel
 from engine.measure import time_kernel

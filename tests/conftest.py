@@ -48,7 +48,7 @@ def _start_warmers() -> None:
     _warmers.append((subprocess.Popen([sys.executable, str(ENGINE_TESTS / "warm_kernels.py")],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       preexec_fn=lambda: os.nice(10)), None))
-    from engine.coldstart.store import default_dir
+    from engine.cache.store import default_dir
     from engine.kernels import aot
 
     if aot.load(default_dir()) is None:

@@ -18,7 +18,7 @@ What a first run costs and where it goes instead:
   weight-transform cost, as first-run cost (:meth:`Calibration.first_run_extra`), so it uses the
   numpy kernels, and the warm switch loads numba on a background thread.
 - Weight transforms: per layer entries of the cache keyed by model digest + node + kernel +
-  shapes + CPU/engine key (:func:`engine.coldstart.fingerprint.machine_key`); views are not cached.
+  shapes + CPU/engine key (:func:`engine.cache.fingerprint.machine_key`); views are not cached.
 - Reading and executing overlap: the kernel's readahead reads layer i+1.. while layer i runs. A
   preparation thread (:mod:`engine.coldstart.pipeline`) is added only when some layer has a weight
   transform to compute (a cache miss of a kernel that transforms): otherwise all it would do is
@@ -49,9 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.coldstart.fingerprint import engine_version, machine_key
+from engine.cache.fingerprint import engine_version, machine_key
+from engine.cache.store import LINK_SUFFIX, EntryStore
 from engine.coldstart.pipeline import StepTiming, run_pipelined, run_serial, schedule_table
-from engine.coldstart.store import LINK_SUFFIX, EntryStore
 from engine.format import graph_from_structure, graph_structure, save_model
 from engine.ir import Graph, GraphError
 from engine.kernels import Kernel, NodeCtx, accel, aot

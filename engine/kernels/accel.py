@@ -14,12 +14,12 @@ True
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
 import threading
 import time
 from types import ModuleType
+
+from engine.cache.fingerprint import find_spec
 
 # LLVM's SLP vectoriser (off by default in numba) packs the generated NCHWc loops' scalar
 # accumulators into vector registers (engine/kernels/nchwc_gen.py); numba reads this when imported.
@@ -41,15 +41,9 @@ def act_code(kind: str | None, params) -> tuple[int, float, float]:
 
 
 def available() -> bool:
-    """Whether numba is installed (without importing it)."""
-    return numba_spec() is not None
-
-
-@functools.cache
-def numba_spec():
-    """numba's import spec, or None: looked up once per process (each lookup scans ``sys.path``,
-    0.1-0.5 ms, and a cold start asked five times: the engine version, the layout, the loops)."""
-    return importlib.util.find_spec("numba")
+    """Whether numba is installed (without importing it; looked up once per process, with the engine version's
+    record of where it is installed)."""
+    return find_spec("numba") is not None
 
 
 def loaded() -> ModuleType | None:

@@ -4,7 +4,7 @@ without importing numba (loading the module takes milliseconds; numba's JIT, abo
 The module is built for this CPU (``target_cpu="host"``) by numba's ``pycc`` in a separate, niced
 process (``python -m engine.kernels.aot CACHE_DIR``, started in the background by the cold path when
 the module is missing), once per CPU model/features and version of the loops' sources
-(:func:`engine.coldstart.fingerprint.machine_key` of ``LOOP_SOURCES``). It is written atomically into
+(:func:`engine.cache.fingerprint.machine_key` of ``LOOP_SOURCES``). It is written atomically into
 ``CACHE_DIR/aot-<key>/``; its CRC-32 is kept in the engine cache, and a module whose bytes do not
 match is deleted, not loaded.
 
@@ -48,11 +48,13 @@ SIGNATURES = {
 
 
 # What the compiled module is made of: a change elsewhere in the engine does not rebuild it.
-LOOP_SOURCES = ("kernels/jit.py", "kernels/nchwc_loops.py", "kernels/aot.py", "kernels/accel.py")
+LOOP_SOURCES = (
+    "kernels/jit.py", "kernels/activation.py", "kernels/nchwc_loops.py", "kernels/aot.py", "kernels/accel.py",
+)
 
 
 def _key() -> str:
-    from engine.coldstart.fingerprint import machine_key
+    from engine.cache.fingerprint import machine_key
 
     return f"aot-{machine_key(LOOP_SOURCES)}"
 
@@ -74,7 +76,7 @@ def lock_path(cache_dir: str | os.PathLike) -> Path:
 
 def files(cache_dir: str | os.PathLike) -> list[Path]:
     """The files :func:`load` reads (to prefetch them): the module and its checksum entry."""
-    from engine.coldstart.store import EntryStore
+    from engine.cache.store import EntryStore
 
     return [module_path(cache_dir), EntryStore(cache_dir).path(_key())]
 
@@ -82,7 +84,7 @@ def files(cache_dir: str | os.PathLike) -> list[Path]:
 def check(cache_dir: str | os.PathLike) -> bool:
     """Whether the built module matches its checksum entry (read whole); a corrupt or unrecorded
     module is deleted (rebuilt, never loaded) with its seal."""
-    from engine.coldstart.store import EntryStore
+    from engine.cache.store import EntryStore
 
     path = module_path(cache_dir)
     entry = EntryStore(cache_dir).get(_key())
@@ -109,7 +111,7 @@ def load(cache_dir: str | os.PathLike) -> ModuleType | None:
     :func:`engine.memory.loader.seal_name`): later loads of the same, unchanged file skip the
     checksum (~0.7 ms of a cold start); any write, replacement or tear changes the name and it is
     checked again. :func:`audit` checks a sealed module again off the critical path."""
-    from engine.coldstart.store import EntryStore
+    from engine.cache.store import EntryStore
 
     path = module_path(cache_dir)
     store = EntryStore(cache_dir)
@@ -134,7 +136,7 @@ def load(cache_dir: str | os.PathLike) -> ModuleType | None:
 def audit(cache_dir: str | os.PathLike) -> bool:
     """Check the loaded module's file against its checksum after the fact (a background thread): False
     (and module and seal deleted, so the next process rebuilds it) if it is corrupt."""
-    from engine.coldstart.store import LINK_SUFFIX, EntryStore
+    from engine.cache.store import LINK_SUFFIX, EntryStore
 
     path = module_path(cache_dir)
     try:
@@ -153,7 +155,7 @@ def build(cache_dir: str | os.PathLike) -> Path:
         warnings.simplefilter("ignore")
         from numba.pycc import CC
 
-    from engine.coldstart.store import EntryStore
+    from engine.cache.store import EntryStore
     from engine.kernels import jit
 
     final = module_path(cache_dir)

@@ -10,30 +10,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from engine.kernels.accel import ACT_CODES, act_code  # noqa: F401 - re-exported for the loops' callers
-
-
-@numba.njit(inline="always")
-def _act_row(row, code, p0, p1):
-    """Activation over a contiguous row, one branch per code so each loop vectorises."""
-    lo, hi = np.float32(p0), np.float32(p1)
-    six, zero, one = np.float32(6.0), np.float32(0.0), np.float32(1.0)
-    if code == 1:
-        for k in range(row.shape[0]):
-            row[k] = max(row[k], zero)
-    elif code == 2:
-        for k in range(row.shape[0]):
-            row[k] = min(max(row[k], lo), hi)
-    elif code == 3:
-        for k in range(row.shape[0]):
-            v = row[k]
-            row[k] = v * min(max(v + np.float32(3.0), zero), six) / six
-    elif code == 4:
-        for k in range(row.shape[0]):
-            row[k] = min(max(row[k] * lo + hi, zero), one)
-    elif code == 5:
-        for k in range(row.shape[0]):
-            row[k] = one / (one + np.exp(-row[k]))
+from engine.kernels.activation import act_row
+from engine.kernels.nchwc_loops import nchwc_conv, nchwc_depthwise, nchwc_maxpool  # noqa: F401 - generated, ours too
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -50,7 +28,7 @@ def bias_act(y, b, r, has_b, has_r, code, p0, p1):  # pragma: no cover - compile
             res = r[c]
             for m in range(m_n):
                 row[m] += res[m]
-        _act_row(row, code, p0, p1)
+        act_row(row, code, p0, p1)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -111,7 +89,7 @@ def depthwise(x, w, b, r, has_r, out, phases, taps, sh, sw, pt, dh, code, p0, p1
                 res = r[c, oh]
                 for k in range(ow_n):
                     row[k] += res[k]
-            _act_row(row, code, p0, p1)
+            act_row(row, code, p0, p1)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -340,7 +318,3 @@ def depthwise3x3_s2(x, w, b, out):  # pragma: no cover - compiled
                         row[k] += wa * xr[2 * k - 1] + wb * xr[2 * k] + wc * xr[2 * k + 1]
                     for k in range(max(inner, 1), ow_n):  # a last column whose right tap is padding
                         row[k] += wa * xr[2 * k - 1] + wb * xr[2 * k]
-
-
-# The channel-blocked loops live in a generated module that uses _act_row above (imported last).
-from engine.kernels.nchwc_loops import nchwc_conv, nchwc_depthwise, nchwc_maxpool  # noqa: E402, F401

@@ -49,7 +49,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from engine.kernels.jit import _act_row
+from engine.kernels.activation import act_row
 
 B = {B}
 
@@ -215,7 +215,7 @@ def _conv_row(tile: int, nb: int, name: str) -> str:
         c.indent()
         c(f"col = ow + {QUAD * q} + t", "if col >= ow_n:", "    break")
         c("if has_r:", f"    rv = r[cb0 + {j}, oh, col]", f"    for l in range({B}):",
-          f"        a{j}{q}[t, l] += rv[l]", f"_act_row(a{j}{q}[t], code, p0, p1)  # in registers, before the store",
+          f"        a{j}{q}[t, l] += rv[l]", f"act_row(a{j}{q}[t], code, p0, p1)  # in registers, before the store",
           f"dst = y[cb0 + {j}, oh, col]", f"for l in range({B}):", f"    dst[l] = a{j}{q}[t, l]")
         c.dedent()
     return c.text()
@@ -252,7 +252,7 @@ def depthwise(tile: int = DW_TILE) -> str:
         _store_scalars(c, tile, checked, residual=True)
         c.dedent()
     c.dedent()
-    c("_act_row(y[cb0, oh].reshape(ow_n * B), code, p0, p1)  # while the row is in cache")
+    c("act_row(y[cb0, oh].reshape(ow_n * B), code, p0, p1)  # while the row is in cache")
     c.depth -= 2
     return c.text()
 

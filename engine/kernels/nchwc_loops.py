@@ -12,7 +12,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from engine.kernels.jit import _act_row
+from engine.kernels.activation import act_row
 
 B = 16
 
@@ -148,7 +148,7 @@ def _nchwc_conv_row4(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 0, oh, col]
                 for l in range(16):
                     a00[t, l] += rv[l]
-            _act_row(a00[t], code, p0, p1)  # in registers, before the store
+            act_row(a00[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 0, oh, col]
             for l in range(16):
                 dst[l] = a00[t, l]
@@ -160,7 +160,7 @@ def _nchwc_conv_row4(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 1, oh, col]
                 for l in range(16):
                     a10[t, l] += rv[l]
-            _act_row(a10[t], code, p0, p1)  # in registers, before the store
+            act_row(a10[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 1, oh, col]
             for l in range(16):
                 dst[l] = a10[t, l]
@@ -172,7 +172,7 @@ def _nchwc_conv_row4(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 2, oh, col]
                 for l in range(16):
                     a20[t, l] += rv[l]
-            _act_row(a20[t], code, p0, p1)  # in registers, before the store
+            act_row(a20[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 2, oh, col]
             for l in range(16):
                 dst[l] = a20[t, l]
@@ -184,7 +184,7 @@ def _nchwc_conv_row4(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 3, oh, col]
                 for l in range(16):
                     a30[t, l] += rv[l]
-            _act_row(a30[t], code, p0, p1)  # in registers, before the store
+            act_row(a30[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 3, oh, col]
             for l in range(16):
                 dst[l] = a30[t, l]
@@ -288,7 +288,7 @@ def _nchwc_conv_row2(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 0, oh, col]
                 for l in range(16):
                     a00[t, l] += rv[l]
-            _act_row(a00[t], code, p0, p1)  # in registers, before the store
+            act_row(a00[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 0, oh, col]
             for l in range(16):
                 dst[l] = a00[t, l]
@@ -300,7 +300,7 @@ def _nchwc_conv_row2(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 0, oh, col]
                 for l in range(16):
                     a01[t, l] += rv[l]
-            _act_row(a01[t], code, p0, p1)  # in registers, before the store
+            act_row(a01[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 0, oh, col]
             for l in range(16):
                 dst[l] = a01[t, l]
@@ -312,7 +312,7 @@ def _nchwc_conv_row2(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 1, oh, col]
                 for l in range(16):
                     a10[t, l] += rv[l]
-            _act_row(a10[t], code, p0, p1)  # in registers, before the store
+            act_row(a10[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 1, oh, col]
             for l in range(16):
                 dst[l] = a10[t, l]
@@ -324,7 +324,7 @@ def _nchwc_conv_row2(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 1, oh, col]
                 for l in range(16):
                     a11[t, l] += rv[l]
-            _act_row(a11[t], code, p0, p1)  # in registers, before the store
+            act_row(a11[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 1, oh, col]
             for l in range(16):
                 dst[l] = a11[t, l]
@@ -400,7 +400,7 @@ def _nchwc_conv_row1(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 0, oh, col]
                 for l in range(16):
                     a00[t, l] += rv[l]
-            _act_row(a00[t], code, p0, p1)  # in registers, before the store
+            act_row(a00[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 0, oh, col]
             for l in range(16):
                 dst[l] = a00[t, l]
@@ -412,7 +412,7 @@ def _nchwc_conv_row1(x, w, b, r, has_r, y, cb0, oh, lo, hi, sh, sw, pt, pl, dh, 
                 rv = r[cb0 + 0, oh, col]
                 for l in range(16):
                     a01[t, l] += rv[l]
-            _act_row(a01[t], code, p0, p1)  # in registers, before the store
+            act_row(a01[t], code, p0, p1)  # in registers, before the store
             dst = y[cb0 + 0, oh, col]
             for l in range(16):
                 dst[l] = a01[t, l]
@@ -1614,7 +1614,7 @@ def nchwc_depthwise(x, w, b, r, has_r, y, sh, sw, pt, pl, dh, dw, code, p0, p1):
                         dst[13] = a7_13
                         dst[14] = a7_14
                         dst[15] = a7_15
-            _act_row(y[cb0, oh].reshape(ow_n * B), code, p0, p1)  # while the row is in cache
+            act_row(y[cb0, oh].reshape(ow_n * B), code, p0, p1)  # while the row is in cache
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from engine.builder import GraphBuilder
+from engine.cache.store import EntryStore
 from engine.coldstart.session import ColdSession, graph_digest, stamp_key
-from engine.coldstart.store import EntryStore
 from engine.cost import Calibration
 from engine.session import InferenceSession
 from engine.tuning import calibrate, calibration_key
@@ -569,7 +569,7 @@ def test_cold_process_with_aot_loops_matches_warm_without_numba(fixed_cache, tmp
     which kernels it picks is known: with the compiled loops loaded a numba kernel has no load cost
     and is cheaper than its numpy twin in the cost model, on any machine, at any load."""
     pytest.importorskip("numba")
-    from engine.coldstart.store import default_dir
+    from engine.cache.store import default_dir
     from engine.kernels import aot
 
     aot.copy_built(default_dir(), fixed_cache)
@@ -699,7 +699,7 @@ def test_background_audit_finds_corruption_a_seal_cannot_see(cache, x):
     """A seal vouches for a file identity; the medium changing under it (simulated: the seal re-made
     for the damaged file) is found by the audit after the first output: seal and file removed, the next
     run rebuilds the graph and answers right."""
-    from engine.coldstart.store import EntryStore
+    from engine.cache.store import EntryStore
     from engine.memory.loader import WeightLoader
 
     graph = small_net()

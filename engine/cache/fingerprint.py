@@ -49,15 +49,18 @@ def cpu_features() -> str:
 
 
 @functools.cache
+def find_spec(module: str):
+    """A library's import spec, or None, found without importing it and looked up once per process (each
+    lookup scans ``sys.path``, 0.1-0.5 ms, and a cold start asked for numba's five times: the engine version,
+    the layout, the loops; :func:`engine.kernels.accel.available` asks here)."""
+    return importlib.util.find_spec(module)
+
+
+@functools.cache
 def _build_of(module: str) -> str:
     """Where a library is installed and when: changes with every (re)install, found without
     importing it (importing numba costs half a second; ``importlib.metadata`` scans every dist)."""
-    if module == "numba":  # looked up once per process, with available()
-        from engine.kernels.accel import numba_spec
-
-        spec = numba_spec()
-    else:
-        spec = importlib.util.find_spec(module)
+    spec = find_spec(module)
     if spec is None or spec.origin is None:
         return "-"
     return f"{spec.origin}@{os.stat(spec.origin).st_mtime_ns}"
