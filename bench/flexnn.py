@@ -51,7 +51,7 @@ CHILD = textwrap.dedent("""
     import json, sys, threading, time
     import numpy as np
     from engine.cost import Calibration
-    from engine.measure import warm_up_kernels
+    from engine.session import warm_up_kernels
     from engine.session import InferenceSession
 
     def status():

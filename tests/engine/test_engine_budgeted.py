@@ -297,7 +297,7 @@ RSS_CHILD = textwrap.dedent("""
     import numpy as np
     from engine.builder import GraphBuilder
     from engine.cost import Calibration
-    from engine.measure import warm_up_kernels
+    from engine.session import warm_up_kernels
     from engine.memory.budgeted import BudgetedSession
     from engine.session import InferenceSession
 
