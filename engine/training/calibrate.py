@@ -8,15 +8,13 @@ from __future__ import annotations
 import time
 import tracemalloc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from engine.autograd.graph import GraphModel
 from engine.autograd.tensor import Tensor
 from engine.ir import Node
-
-if TYPE_CHECKING:
-    from engine.training.program import Program
 
 CALIBRATION_BATCHES = (2, 4)
 # forward times are fitted on larger batches (the chunks a streamed step runs are ~8-20 rows) and the
@@ -25,6 +23,26 @@ CALIBRATION_BATCHES = (2, 4)
 TIMING_BATCHES = (4, 16)
 TIMING_ROUNDS = 5
 BACKWARD_ROUNDS = 3  # backward times: the least of this many rounds on the same batches
+
+
+class TrainingProgram(Protocol):
+    """What calibration runs: a training program (:class:`engine.training.program.Program`, which calibrates
+    itself when made) as seen from here, its computing nodes one at a time. A protocol, so that this module, which
+    the program and the streamed step (:mod:`engine.training.stream`) import, imports neither."""
+
+    model: GraphModel
+    loss: str
+    sample_shape: tuple[int, ...]
+    input: str
+    output: str
+
+    def _infos(self, batch: int) -> tuple[dict, dict]: ...
+
+    def computing_nodes(self, batch: int) -> list[Node]: ...
+
+    def forward_node(self, node: Node, env: dict[str, np.ndarray], batch: int, replay: bool = False) -> Any: ...
+
+    def loss_grad(self, logits: np.ndarray, target: np.ndarray, scale: float) -> tuple[float, np.ndarray]: ...
 
 
 @dataclass
@@ -81,7 +99,7 @@ def _saved_arrays(out: Tensor) -> list[np.ndarray]:
     return found
 
 
-def calibrate(prog: Program) -> Calibration:
+def calibrate(prog: TrainingProgram) -> Calibration:
     """Run the program unplanned on two small batches, measuring per node the output and saved
     context bytes and the transient scratch (tracemalloc), and its forward on two more (the forward
     time, perf_counter: ``TIMING_BATCHES``, the least of ``TIMING_ROUNDS`` rounds)."""
@@ -131,7 +149,7 @@ def calibrate(prog: Program) -> Calibration:
                        {k: p.data.nbytes for k, p in prog.model.params.items()}, users)
 
 
-def _time_forward(prog: Program, nodes: list[Node], xs: list[np.ndarray]) -> list[list[float]]:
+def _time_forward(prog: TrainingProgram, nodes: list[Node], xs: list[np.ndarray]) -> list[list[float]]:
     """Each node's forward time on each of ``xs`` (the least of ``TIMING_ROUNDS`` rounds, the
     batches in turns); each output is freed after its last reader."""
     last: dict[str, int] = {}
@@ -154,7 +172,7 @@ def _time_forward(prog: Program, nodes: list[Node], xs: list[np.ndarray]) -> lis
     return best
 
 
-def _time_backward(prog: Program, nodes: list[Node], xs: list[np.ndarray],
+def _time_backward(prog: TrainingProgram, nodes: list[Node], xs: list[np.ndarray],
                    rng: np.random.Generator) -> list[list[float]]:
     """Each node's backward time on each of ``xs`` (the least of ``BACKWARD_ROUNDS`` rounds, the
     batches in turns): a forward keeping every context, the loss, then each node's backward timed."""
@@ -204,7 +222,7 @@ def _backward_node(out: Any, leaves: dict[str, Tensor], gi: np.ndarray | None, g
                 grads[name] = gi
 
 
-def _trace(prog: Program, nodes: list[Node], x: np.ndarray, target: np.ndarray) -> dict:
+def _trace(prog: TrainingProgram, nodes: list[Node], x: np.ndarray, target: np.ndarray) -> dict:
     for p in prog.model.params.values():  # as after zero_grad: no accumulation into earlier gradients
         p.grad = None
     weights = [p.data for p in prog.model.params.values()]
