@@ -60,10 +60,9 @@ again).
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import nullcontext
 from itertools import islice
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -71,13 +70,13 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from connectors.json_values import to_json
 from connectors.sql import check_table_name
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
-from streamflow.checkpoint import Checkpoint, CheckpointError, has_checkpoint, job_fingerprint, load_checkpoint
 from streamflow.events import Event, Rejected, TimestampGuard
 from streamflow.execution import TaskExecution, TriggerTasks, task_error_row
 from streamflow.job import Job, Task
 from streamflow.keyed import KeyedRuntime, rows_by_output
 from streamflow.runners.batch import run_batch
 from streamflow.runners.batch_streams import run_stream_batch
+from streamflow.runners.checkpointing import Checkpointer, refuse_resumable
 from streamflow.runners.plan import RunPlan, TriggerTaskPlan
 from streamflow.runners.swaps import Hook, SafePoint, TaskSwap
 from streamflow.sources import LineSource, SourcePosition, SourceReader
@@ -123,10 +122,8 @@ class DeviceRunner:
         if runtime_mode not in RUNTIME_MODES:
             raise ValueError(f"runtime_mode must be one of {', '.join(RUNTIME_MODES)}, got {runtime_mode!r}")
         self.runtime_mode = runtime_mode
-        if checkpoint_interval_s is not None and not checkpoint_interval_s > 0:
-            raise ValueError(f"checkpoint_interval_s must be > 0 seconds, got {checkpoint_interval_s!r}")
-        if checkpoint_interval_s is not None:
-            _refuse_stateful_operators(job.tasks)
+        #: The run's checkpoints (None: checkpoints are off).
+        self.checkpoints = None if checkpoint_interval_s is None else Checkpointer(storage, checkpoint_interval_s)
         self.job = job
         self.storage = storage
         self.tunnel = tunnel
@@ -150,11 +147,6 @@ class DeviceRunner:
         self._shipped: set[str] = set()  # sink tables whose rows also go to the tunnel
         self.max_users = max_users
         self.state_ttl_s = state_ttl_s
-        self.checkpoint_interval_s = checkpoint_interval_s
-        self.checkpoints_taken = 0
-        self._next_checkpoint = float("inf")  # monotonic time of the next checkpoint
-        self._stop_signal: int | None = None
-        self._input: dict[str, Any] = {}
         #: The tasks this runner runs, by name (quarantined ones included); see :meth:`swap_tasks`.
         self.tasks: dict[str, Task] = {}
         #: Where swaps and safe-point hooks wait for the safe point between two events.
@@ -221,8 +213,8 @@ class DeviceRunner:
         clash = sorted({name for name in names if name in staying or names.count(name) > 1})
         if clash:
             raise ValueError(f"tasks {clash} are already running (or named twice)")
-        if self.checkpoint_interval_s is not None:
-            _refuse_stateful_operators(add)
+        if self.checkpoints is not None:
+            self.checkpoints.check_tasks(add)
         for task in add:
             check_table_name(task.sink)
         streams = {task.name: StreamTaskRun(task, self.max_users, self.execution.quarantine_after)
@@ -267,12 +259,10 @@ class DeviceRunner:
              progress: Callable[[Iterable[Any]], Iterator[Any]] | None) -> RunSummary:
         reader = None
         source = self._source = records
-        if self.checkpoint_interval_s is None:
-            if has_checkpoint(self.storage, self.job.name):
-                raise CheckpointError(f"{self.storage.path} holds a checkpoint of job {self.job.name!r}: resume it "
-                                      f"with checkpoints on (--checkpoint-interval), or start over with --replace")
+        if self.checkpoints is None:
+            refuse_resumable(self.storage, self.job)
         else:
-            records = reader = self._resume(records)
+            records = reader = self.checkpoints.resume(self.job, records, self._restore)
         # With a TTL the two guards may forget a user at different times: both check then.
         self._prechecked = (self._own_guard and isinstance(source, LineSource) and source.events_checked
                             and source.guard is None and source.state_ttl_s is None and self.state_ttl_s is None)
@@ -332,8 +322,16 @@ class DeviceRunner:
         return False
 
     # -- checkpoints ---------------------------------------------------------------------------
+    @property
+    def checkpoint_interval_s(self) -> float | None:
+        """Seconds between two checkpoints (None: checkpoints are off)."""
+        return None if self.checkpoints is None else self.checkpoints.interval_s
+
     def checkpoint(self, position: SourcePosition, complete: bool = False) -> None:
-        """Store the run's state at ``position`` with the rows buffered so far, in one transaction."""
+        """Store the run's state at ``position`` with the rows buffered so far, in one transaction (a run with
+        checkpoints on takes them itself: see :class:`~streamflow.runners.checkpointing.Checkpointer`)."""
+        if self.checkpoints is None:
+            raise ValueError("this runner has checkpoints off (checkpoint_interval_s=None)")
         state = None if complete else {
             "triggers": self.triggers.snapshot(),
             "streams": {name: stream.runtime.snapshot() for name, stream in self._streams.items()},
@@ -345,32 +343,10 @@ class DeviceRunner:
             "rows_written": self.storage.rows_written,  # pickled inside the commit: after refusals are counted
             "source": position,
         }
-        saved = Checkpoint(self.job.name, job_fingerprint(self.job), self._input, complete, position.line, state)
-        self.storage.commit(saved.save)
-        self.checkpoints_taken += 1
-        log.debug("checkpoint %d of job %s after line %d%s", self.checkpoints_taken, self.job.name, position.line,
-                  " (complete)" if complete else "")
-        self._next_checkpoint = time.monotonic() + self.checkpoint_interval_s
-
-    def _resume(self, source: Iterable[Event | Rejected] | LineSource) -> SourceReader:
-        """Restore the job's checkpoint, if any; hold the storage's rows for checkpoints; the reader."""
-        if not isinstance(source, LineSource):
-            raise TypeError("a checkpointed run reads a file source (streamflow.sources.open_source), whose "
-                            f"position it can checkpoint, not a {type(source).__name__}")
-        self._input = source.identity()
-        saved = load_checkpoint(self.storage, self.job.name)
-        position = None
-        if saved is not None:
-            saved.check(self.job, self._input, self.storage.path)
-            self._restore(saved.state)
-            position = saved.state["source"]
-            log.info("job %s resumes from its checkpoint after line %d of %s", self.job.name, saved.line,
-                     source.name)
-        self.storage.hold(self._checkpoint_due)
-        self._next_checkpoint = time.monotonic() + self.checkpoint_interval_s
-        return source.read(position)
+        self.checkpoints.save(self.job, position, state, complete)
 
     def _restore(self, state: dict[str, Any]) -> None:
+        """Put the state of a checkpoint (as :meth:`checkpoint` stores it) back in place."""
         self.triggers.restore(state["triggers"])
         for name, snapshot in state["streams"].items():
             self._streams[name].runtime.restore(snapshot)
@@ -395,18 +371,14 @@ class DeviceRunner:
         A file source hands its records over a block at a time (:meth:`SourceReader.blocks`: each block
         ends with a line's last record) unless ``block_size`` is 1 or ``progress`` wraps the records one
         by one (a progress with a ``blocks`` method wraps the blocks instead, see :meth:`run`)."""
-        handlers = {}
-        if reader is not None and threading.current_thread() is threading.main_thread():
-            handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        checkpoints = self.checkpoints
         self._block_started = time.perf_counter()
-        try:
+        with checkpoints.signals() if checkpoints is not None and reader is not None else nullcontext():
             for block in self.blocks(records, progress):
                 self.process_block(block)
-                if reader is not None and time.monotonic() >= self._next_checkpoint:
-                    self._checkpoint_between(reader, block[-1])
-        finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
+                if reader is not None and checkpoints is not None and checkpoints.due:
+                    self.checkpoint(reader.position_after(block[-1]))
+                    checkpoints.stop_if_signalled(self.job)
 
     def blocks(self, records: Iterable[Event | Rejected] | LineSource | SourceReader,
                progress: Callable[[Iterable[Any]], Iterator[Any]] | None = None) -> Iterator[list[Event | Rejected]]:
@@ -420,22 +392,6 @@ class DeviceRunner:
             return iter(blocks)
         it = iter(records if progress is None else progress(records))
         return iter(lambda: list(islice(it, size)), [])
-
-    def _checkpoint_between(self, reader: SourceReader, record: Event | Rejected) -> None:
-        self.checkpoint(reader.position_after(record))
-        if self._stop_signal is not None:
-            log.info("job %s stopped by signal %d after a checkpoint", self.job.name, self._stop_signal)
-            if self._stop_signal == signal.SIGINT:
-                raise KeyboardInterrupt
-            raise SystemExit(128 + self._stop_signal)
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        # Only flags: the checkpoint is taken between records, never in the middle of one.
-        self._stop_signal = signum
-        self._next_checkpoint = float("-inf")
-
-    def _checkpoint_due(self) -> None:
-        self._next_checkpoint = float("-inf")
 
     def reject(self, record: Rejected) -> None:
         """Store a rejected record in the dead-letter table and count it."""
@@ -621,10 +577,3 @@ class DeviceRunner:
         self.summary.rows_written = dict(self.storage.rows_written)
         self.summary.refused_rows = dict(self.storage.refused)
 
-
-def _refuse_stateful_operators(tasks: Iterable[Task]) -> None:
-    stateful = [f"{task.name}: {type(op).__name__}" for task in tasks for op in task.pipeline
-                if getattr(op, "keeps_state", False)]
-    if stateful:
-        raise ValueError(f"checkpoints do not cover operators that keep state between firings "
-                         f"({', '.join(stateful)}); run this job without checkpoints")
