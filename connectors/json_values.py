@@ -57,7 +57,7 @@ def _encoder(sort_keys: bool) -> Callable[[Any], str]:
     the encoder's own ``encode``. No circular-reference markers: a cycle ends in ``RecursionError``, which
     :func:`to_json` handles."""
     encoder = json.JSONEncoder(default=str, sort_keys=sort_keys)
-    make = json.encoder.c_make_encoder
+    make = getattr(json.encoder, "c_make_encoder", None)  # None (or absent) without the C accelerator
     if make is None:
         return encoder.encode
     chunks = make(None, str, json.encoder.encode_basestring_ascii, None, encoder.key_separator,

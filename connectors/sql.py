@@ -27,6 +27,14 @@ def is_identifier(name: object) -> bool:
     return isinstance(name, str) and _IDENTIFIER.fullmatch(name) is not None
 
 
+def scalar(con: duckdb.DuckDBPyConnection, sql: str, parameters: list[Any] | None = None) -> Any:
+    """The one value a query of one row gives (``SELECT count(*) ...``)."""
+    row = con.execute(sql, parameters).fetchone()
+    if row is None:
+        raise LookupError(f"no row: {sql}")
+    return row[0]
+
+
 def check_table_name(name: str) -> str:
     """``name`` if it is a plain SQL identifier (letters, digits, underscore), else ``ValueError``."""
     if not is_identifier(name):
@@ -86,10 +94,14 @@ _NUMERIC = {"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "
             "UHUGEINT", "FLOAT", "DOUBLE"}
 
 
+_SHAPE = re.compile(r"(\[\d*\])*$")
+
+
 def number_shape(column_type: str) -> str | None:
     """The shape of a number, or of a list or array of numbers (``""`` for ``BIGINT`` or ``DECIMAL(9,2)``,
     ``"[]"`` for ``DOUBLE[]``, ``"[768]"`` for ``FLOAT[768]``); ``None`` for any other type."""
-    shape = re.search(r"(\[\d*\])*$", column_type).group()
+    match = _SHAPE.search(column_type)  # it matches every string (at least at its end)
+    shape = match[0] if match else ""
     base = column_type[:len(column_type) - len(shape)]
     return shape if base in _NUMERIC or base.startswith("DECIMAL(") else None
 
@@ -136,8 +148,7 @@ def ensure_columns(con: duckdb.DuckDBPyConnection, table: str, relation: str, co
             known.add(name)
             known.types[name] = new
         elif new != old and number_shape(new) is not None and number_shape(new) == number_shape(old):
-            wider = con.execute(f"SELECT typeof(x) FROM (SELECT NULL::{old} AS x UNION ALL SELECT NULL::{new})"
-                                ).fetchone()[0]
+            wider = scalar(con, f"SELECT typeof(x) FROM (SELECT NULL::{old} AS x UNION ALL SELECT NULL::{new})")
             if wider != old:
                 con.execute(f"ALTER TABLE {quoted_table} ALTER COLUMN {quote_identifier(name)} SET DATA TYPE {wider}")
                 known.types[name] = wider

@@ -41,7 +41,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -304,7 +304,7 @@ class CollectiveStorage:
         return self._store_batches(table, buffer.to_batches, buffer.rows)
 
     def _store_batches(self, table: str, batches: Callable[[], list[pa.Table | dict[str, np.ndarray]]],
-                       rows: Callable[[], list[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+                       rows: Callable[[], Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
         """Insert ``batches()`` in one transaction, or, if they cannot be made or are refused, ``rows()`` one
         by one; the refused rows' dead letters."""
         try:
@@ -315,6 +315,7 @@ class CollectiveStorage:
 
     def _settle(self) -> None:
         """Count what the background writer refused, and hand the dead letters to it."""
+        assert self._writer is not None  # called only when there is one
         outcomes = self._writer.outcomes
         while outcomes:
             table, refused = outcomes.popleft()
@@ -341,7 +342,7 @@ class CollectiveStorage:
                 "reason": f"{whose} refused by table {table}: {type(exc).__name__}: {exc}".strip()[:2000],
                 "raw": to_json(row)}
 
-    def _insert_row_by_row(self, table: str, rows: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    def _insert_row_by_row(self, table: str, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Insert ``rows`` one by one; the dead-letter rows of those ``table`` refused."""
         refused = []
         for index, row in enumerate(rows):

@@ -85,6 +85,7 @@ from connectors.sql import (
     quote_identifier,
     quoted_list,
     registered,
+    scalar,
 )
 from connectors.tunnel import strict
 from connectors.tunnel.budget import DEFAULT as DEFAULT_BUDGET
@@ -341,7 +342,10 @@ class CloudStore:
             opened = open_message(topic, partition, offset, raw, keys, registry=self.registry)
             if isinstance(opened, DeadLetter) and opened.reason == PARKED:
                 continue
-            (batches if isinstance(opened, Batch) else dead).append(opened)
+            if isinstance(opened, Batch):
+                batches.append(opened)
+            else:
+                dead.append(opened)
             resolved.append((topic, partition, offset))
         if not resolved:
             return ApplyResult()
@@ -420,8 +424,8 @@ class CloudStore:
                 result.stored += rows.num_rows
                 result.dead_letters += refused
             self._record(fresh, now)  # after the rows: a batch is recorded only together with its rows
-            refused = self._refused_spans(result.dead_letters)
-            self._record_refused(refused, now)
+            refused_spans = self._refused_spans(result.dead_letters)
+            self._record_refused(refused_spans, now)
             if result.dead_letters:
                 con.executemany(self._tables.insert("dead_letter"), [
                     [d.topic, d.partition, d.offset, d.device, d.reason, d.detail[:2000], d.raw, now, None]
@@ -446,7 +450,7 @@ class CloudStore:
             self._seq_end.clear()
             raise
         self._parked_devices.update(d.device for d in result.dead_letters if d.reason == PARKED and d.device)
-        result.gaps = self._account([(b.device, b.first_seq, b.last_seq + 1) for b in fresh] + refused, now)
+        result.gaps = self._account([(b.device, b.first_seq, b.last_seq + 1) for b in fresh] + refused_spans, now)
         if self.online_lag_s > 0 and stored:
             with self._pending_lock:
                 for table, rows in stored:  # only rows whose transaction committed
@@ -584,7 +588,8 @@ class CloudStore:
         deferred); the rows stored, as stored, and a ``bad_value`` dead letter for each row refused because its
         column's type would change a value (:mod:`.strict`)."""
         known = self._known(table)
-        parts, refused = [], []
+        parts: list[pa.Table] = []
+        refused: list[DeadLetter] = []
         for batch in batches:
             rows = batch.rows
             n = rows.num_rows
@@ -815,9 +820,8 @@ class CloudStore:
         con = con or self._con
         key = self._online_keys.get(online)
         if key is None:
-            exists = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_catalog = "
-                                 "current_database() AND table_schema = 'main' AND lower(table_name) = ?",
-                                 [online]).fetchone()[0]
+            exists = scalar(con, "SELECT count(*) FROM information_schema.tables WHERE table_catalog = "
+                            "current_database() AND table_schema = 'main' AND lower(table_name) = ?", [online])
             if not exists:
                 key = ["device_id"] + [k for k in self.online_key if k in full.column_names]
                 types = dict(con.execute("SELECT column_name, column_type FROM (DESCRIBE SELECT * FROM _sf_rows)")
@@ -949,7 +953,8 @@ def open_message(topic: str, partition: int, offset: int, value: bytes | None, k
     were keyed by device), must be the signed device.
     """
     try:
-        batch = replace(decode(value, keys, registry, budget), origin=Origin(topic, partition, offset, bytes(value)))
+        batch = replace(decode(value, keys, registry, budget),
+                        origin=Origin(topic, partition, offset, bytes(value or b"")))
     except EnvelopeError as exc:
         return DeadLetter(topic, partition, offset, exc.reason, str(exc), exc.device, bytes(value or b""),
                           exc.registrations, exc.seqs)

@@ -27,7 +27,7 @@ import logging
 
 import duckdb
 
-from connectors.sql import quote_identifier, quoted_list
+from connectors.sql import quote_identifier, quoted_list, scalar
 
 log = logging.getLogger("streamflow.cloud")
 
@@ -60,7 +60,7 @@ class Tables:
 
     def __init__(self, con: duckdb.DuckDBPyConnection):
         self._con = con
-        catalog = con.execute("SELECT current_database()").fetchone()[0]
+        catalog = scalar(con, "SELECT current_database()")
         self._prefix = f"{quote_identifier(catalog)}.{quote_identifier(SCHEMA)}"
 
     def name(self, table: str) -> str:

@@ -417,6 +417,6 @@ def _read_varints(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray, in
     if size.max() > 10:
         raise ValueError(f"a varint longer than 10 bytes at byte {pos}")
     end = int(ends[-1]) + 1
-    shift = (np.arange(end, dtype=np.int64) - np.repeat(starts, size)) * 7
-    parts = (window[:end] & 0x7F).astype(_U64) << shift.astype(_U64)
+    shifts = (np.arange(end, dtype=np.int64) - np.repeat(starts, size)) * 7
+    parts = (window[:end] & 0x7F).astype(_U64) << shifts.astype(_U64)
     return np.add.reduceat(parts, starts), pos + end

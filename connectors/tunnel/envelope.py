@@ -169,7 +169,8 @@ def encode(device: str, table: str, first_seq: int, rows: pa.Table, key: bytes, 
         packed = compress(payload, dictionary)
         if len(packed) + (ID_BYTES if dictionary is not None else 0) < len(payload):
             compression, body = (_ZSTD_DICT if dictionary is not None else _ZSTD), packed
-    used = [schema] + ([dictionary] if compression == _ZSTD_DICT else [])
+    used_dictionary = dictionary if compression == _ZSTD_DICT else None
+    used = [schema] + ([used_dictionary] if used_dictionary is not None else [])
     inline = [r for r in used if (announce(r) if callable(announce) else announce)]
     inline += [r for r in carry if r not in inline]
     n = rows.num_rows
@@ -179,8 +180,8 @@ def encode(device: str, table: str, first_seq: int, rows: pa.Table, key: bytes, 
     if n != 1:
         head.append(varint(n))
     head.append(schema.id)
-    if compression == _ZSTD_DICT:
-        head.append(dictionary.id)  # type: ignore[union-attr]
+    if used_dictionary is not None:
+        head.append(used_dictionary.id)
     if inline:
         head.append(varint(len(inline)))
         for r in inline:

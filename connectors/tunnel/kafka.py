@@ -12,6 +12,7 @@ import logging
 import socket
 import struct
 import time
+from typing import Literal, TypedDict
 
 log = logging.getLogger("streamflow.tunnel")
 
@@ -20,9 +21,21 @@ DEFAULT_TOPIC = "streamflow.features"
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 #: Kafka record-batch codecs the sink offers (``none`` is for measuring what compression saves).
 COMPRESSION = ("zstd", "gzip", "lz4", "none")
+#: A codec as kafka-python's ``compression_type`` names it (``None``: none).
+KafkaCodec = Literal["zstd", "gzip", "lz4"] | None
+KAFKA_CODECS: dict[str, KafkaCodec] = {"zstd": "zstd", "gzip": "gzip", "lz4": "lz4", "none": None}
+
+
+class ClientTimeouts(TypedDict):
+    bootstrap_timeout_ms: int
+    reconnect_backoff_max_ms: int
+    request_timeout_ms: int
+
+
 #: kafka-python settings for every client: give up on an unreachable broker within seconds (the sink's
 #: spool and the consumer's retry loop wait for it), reconnect at least every second once it is back.
-CLIENT_TIMEOUTS = {"bootstrap_timeout_ms": 3000, "reconnect_backoff_max_ms": 1000, "request_timeout_ms": 5000}
+CLIENT_TIMEOUTS: ClientTimeouts = {"bootstrap_timeout_ms": 3000, "reconnect_backoff_max_ms": 1000,
+                                   "request_timeout_ms": 5000}
 _known_topics: set[tuple[str, str]] = set()
 
 

@@ -79,6 +79,8 @@ from connectors.tunnel.kafka import (
     COMPRESSION,
     DEFAULT_BOOTSTRAP,
     DEFAULT_TOPIC,
+    KAFKA_CODECS,
+    ClientTimeouts,
     Retry,
     TunnelUnavailable,
     ensure_topic,
@@ -627,12 +629,12 @@ class TunnelSink:
             # kafka-python refuses delivery_timeout_ms <= linger_ms + request_timeout_ms (a config error the
             # send loop would retry forever): a send timeout under 5 s shortens the request timeout instead.
             delivery_ms = max(2, int(self.send_timeout_s * 1000))
-            timeouts = {**CLIENT_TIMEOUTS, "request_timeout_ms": min(CLIENT_TIMEOUTS["request_timeout_ms"],
-                                                                     delivery_ms - 1)}
+            timeouts: ClientTimeouts = {**CLIENT_TIMEOUTS, "request_timeout_ms": min(
+                CLIENT_TIMEOUTS["request_timeout_ms"], delivery_ms - 1)}
             self._producer = KafkaProducer(
                 bootstrap_servers=self.bootstrap, client_id=f"streamflow-{self.device}",
                 enable_idempotence=True, acks="all",
-                compression_type=None if self.compression == "none" else self.compression,
+                compression_type=KAFKA_CODECS[self.compression],
                 linger_ms=0, max_in_flight_requests_per_connection=1, delivery_timeout_ms=delivery_ms,
                 max_request_size=MAX_ENVELOPE_BYTES + 100_000, **timeouts)
             log.info("tunnel: connected to %s, topic %s, %s compression", self.bootstrap, self.topic, self.compression)

@@ -38,7 +38,7 @@ from typing import Any
 
 import duckdb
 
-from connectors.sql import quote_identifier
+from connectors.sql import quote_identifier, scalar
 
 _INTEGERS = {"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT",
              "UHUGEINT"}
@@ -74,7 +74,7 @@ def normalize(con: duckdb.DuckDBPyConnection, declared: str) -> str:
     if not isinstance(declared, str) or not _TYPE_TEXT.fullmatch(declared):
         raise ValueError(f"{declared!r} is not a type name")
     try:
-        return con.execute(f"SELECT typeof(NULL::{declared})").fetchone()[0]
+        return str(scalar(con, f"SELECT typeof(NULL::{declared})"))
     except duckdb.Error as exc:
         raise ValueError(f"{declared!r} is not a DuckDB type: {exc}") from exc
 
@@ -137,8 +137,7 @@ def common(source: str, target: str) -> str | None:
     """DuckDB's common type of two types (what a UNION of both would be), None if it has none."""
     con = duckdb.connect()
     try:
-        return con.execute(f"SELECT typeof(x) FROM (SELECT NULL::{target} AS x UNION ALL SELECT NULL::{source})"
-                           ).fetchone()[0]
+        return str(scalar(con, f"SELECT typeof(x) FROM (SELECT NULL::{target} AS x UNION ALL SELECT NULL::{source})"))
     except duckdb.Error:
         return None
     finally:
