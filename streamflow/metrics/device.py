@@ -71,9 +71,8 @@ class DeviceMetrics:
             yield family
         yield CounterMetricFamily("streamflow_device_storage_flushes", "Buffer flushes to the DuckDB file",
                                   value=storage.flushes)
-        evicted = runner.triggers.evicted + sum(s.runtime.evicted for s in list(runner._streams.values()))
         yield CounterMetricFamily("streamflow_device_evicted_users", "Users whose state was dropped over the cap",
-                                  value=evicted)
+                                  value=runner.evicted_users)
         if tunnel is not None:
             yield CounterMetricFamily("streamflow_device_tunnel_rows_acked", "Tunnelled rows the broker acknowledged",
                                       value=tunnel.stats.rows_acked)

@@ -516,10 +516,15 @@ class DeviceRunner:
         for table, row in self.triggers.finish():
             self.write(table, [row])
 
+    @property
+    def evicted_users(self) -> int:
+        """Users whose state was dropped over ``max_users``, trigger and stream tasks (any thread may read it)."""
+        return self.triggers.evicted + sum(s.runtime.evicted for s in list(self._streams.values()))
+
     def _count(self) -> None:
         summary = self.summary
         summary.tasks_fired = sum(stats.fired for stats in summary.task_stats.values())
-        summary.evicted_users = self.triggers.evicted + sum(s.runtime.evicted for s in self._streams.values())
+        summary.evicted_users = self.evicted_users
         for stream in self._streams.values():  # the run of failures at the end (counted per block while it ran)
             stats = summary.task_stats[stream.name]
             if stats.errors:
