@@ -242,10 +242,11 @@ def _runner_imports() -> dict[str, set[str]]:
 
 
 def test_the_batch_modes_and_the_device_runner_import_one_way():
-    """device.py imports the batch modes and the plan it hands them (runners/plan.py); the batch modes import the
-    plan, never the device runner (that no module anywhere imports itself back through another:
+    """device.py imports the batch modes, the plan it hands them (runners/plan.py) and its collaborators (the safe
+    point, runners/swaps.py; the checkpoints, runners/checkpointing.py); the batch modes import the plan, and none
+    of them the device runner (that no module anywhere imports itself back through another:
     :func:`test_no_module_imports_itself_back`)."""
     graph = _runner_imports()
-    assert {"batch", "batch_streams", "plan"} <= graph["device"]
-    for name in ("batch", "batch_streams", "plan"):
+    assert {"batch", "batch_streams", "plan", "swaps", "checkpointing"} <= graph["device"]
+    for name in ("batch", "batch_streams", "plan", "swaps", "checkpointing"):
         assert "device" not in graph[name], f"runners/{name}.py imports runners/device.py"

@@ -35,7 +35,8 @@ errors and late events stay on the device.
 Tasks change while events flow at the *safe point* before each event: :meth:`DeviceRunner.swap_tasks`
 (callable from any thread) replaces tasks there, all or nothing, keeping every other task's state
 and the users' sequences; safe-point hooks (:meth:`DeviceRunner.add_safe_point_hook`) look at what
-the last event did before the next one (deployment judges a new task version that way).
+the last event did before the next one (deployment judges a new task version that way). Both wait in
+:class:`~streamflow.runners.swaps.SafePoint` (``runner.safe_point``); the change of tasks itself is the runner's.
 
 Stream tasks (``input="stream"``) see every event and close event-time windows as the watermark
 passes them (:mod:`streamflow.windowing`); their late events go to ``late_events``.
@@ -54,7 +55,9 @@ each time in one transaction with the rows buffered since the previous checkpoin
 resumes from the checkpoint: the rows come out as if the run had never stopped, none missing and
 none twice. Not covered: operators that keep state between firings (``Train``; such jobs are
 refused) and rows already shipped to the tunnel (a resumed run ships the rows after the checkpoint
-again).
+again). When a checkpoint is due, where it goes, the resume and the signals are
+:class:`~streamflow.runners.checkpointing.Checkpointer`'s (``runner.checkpoints``); what the state holds is the
+runner's (:meth:`DeviceRunner.checkpoint`).
 """
 
 from __future__ import annotations
