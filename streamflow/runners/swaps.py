@@ -75,16 +75,14 @@ class SafePoint:
         self._swaps: list[TaskSwap] = []
         self._hooks: tuple[Hook, ...] = ()
         self._in_run = False
+        #: Whether a swap is pending or a hook watches: the next safe point has something to do. A plain attribute
+        #: (kept under the lock, read without it), as the runner reads it before every event; do not set it.
+        self.waiting = False
 
     @property
     def hooks(self) -> tuple[Hook, ...]:
         """The hooks still watching (each called at every safe point until it returns False)."""
         return self._hooks
-
-    @property
-    def waiting(self) -> bool:
-        """Whether a swap is pending or a hook watches: the next safe point has something to do."""
-        return bool(self._swaps or self._hooks)
 
     def request(self, add: Iterable[Task] = (), remove: Iterable[str] = (),
                 on_applied: Callable[[], None] | None = None) -> TaskSwap:
@@ -92,6 +90,7 @@ class SafePoint:
         swap = TaskSwap(tuple(add), tuple(remove), on_applied)
         with self._lock:
             self._swaps.append(swap)
+            self.waiting = True
             if not self._in_run:
                 self._apply_locked()
         return swap
@@ -100,6 +99,7 @@ class SafePoint:
         """Call ``hook()`` at every safe point from now on, before pending swaps are applied, until it returns False."""
         with self._lock:
             self._hooks = (*self._hooks, hook)
+            self.waiting = True
 
     def reach(self) -> None:
         """The safe point: call the hooks (dropping those done), then apply the pending swaps in order."""
@@ -109,6 +109,7 @@ class SafePoint:
             if done:
                 with self._lock:
                     self._hooks = tuple(h for h in self._hooks if h not in done)
+                    self.waiting = bool(self._swaps or self._hooks)
         if self._swaps:
             with self._lock:
                 self._apply_locked()
@@ -143,6 +144,7 @@ class SafePoint:
                     except Exception:  # the swap stands; the caller's callback is its own business
                         log.exception("on_applied callback of a task swap failed")
                 swap._finish(None)
+        self.waiting = bool(self._swaps or self._hooks)
 
 
 __all__ = ["Hook", "SafePoint", "TaskSwap"]
