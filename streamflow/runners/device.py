@@ -387,12 +387,10 @@ class DeviceRunner:
                progress: Callable[[Iterable[Any]], Iterator[Any]] | None = None) -> Iterator[list[Event | Rejected]]:
         """``records`` in blocks of ``block_size`` records, as the record loop takes them (see :meth:`_run_blocks`)."""
         size = self.block_size or (BLOCK_SIZE if isinstance(self._source, LineSource) else 1)
-        if size > 1 and isinstance(records, (LineSource, SourceReader)) and (
-                progress is None or callable(getattr(progress, "blocks", None))):
+        wrap_blocks = getattr(progress, "blocks", None)  # a progress that counts blocks (progress.Track)
+        if size > 1 and isinstance(records, (LineSource, SourceReader)) and (progress is None or callable(wrap_blocks)):
             blocks = (records if isinstance(records, SourceReader) else records.read()).blocks(size)
-            if progress is not None:
-                blocks = progress.blocks(blocks)  # type: ignore[attr-defined]
-            return iter(blocks)
+            return iter(blocks if wrap_blocks is None else wrap_blocks(blocks))
         it = iter(records if progress is None else progress(records))
         return iter(lambda: list(islice(it, size)), [])
 
@@ -425,7 +423,8 @@ class DeviceRunner:
             # Rows are held and written once per table at the end of the block, unless something watches
             # each event's effect (a hook, a swap on probation, latency recording).
             hold = not (watched or self.latencies_s is not None)
-            self._held = held = {} if hold else None
+            held: dict[str, list[dict[str, Any]]] | None = {} if hold else None
+            self._held = held
             try:
                 for record in records:
                     if isinstance(record, Event):
