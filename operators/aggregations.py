@@ -19,6 +19,9 @@ class Aggregation:
     """Base class. Subclasses define ``create``, ``add``, ``merge`` and ``result``."""
 
     needs_field = True
+    #: Set (to ``field``) where the items are known to be events, so that a generated fold may read the field
+    #: inline (``streamflow.execution``; :func:`operators.aggregate._generated_fold`).
+    _event_field: str | None = None
 
     def __init__(self, field: FieldSpec | None = None, where: Callable[[Any], bool] | None = None):
         if field is None and self.needs_field:

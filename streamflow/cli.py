@@ -19,7 +19,6 @@ missing prerequisite (an extra, a JVM, a Kafka broker or a Flink cluster that do
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import os
@@ -68,7 +67,12 @@ app.add_typer(release_app, name="release")
 app.command("deploy-server", help="the release server: deploy directives, bundles, status page (127.0.0.1)")(
     deploy_server)
 
-FormatName = Literal[tuple(sorted(FORMATS))]  # type: ignore[valid-type]
+if typing.TYPE_CHECKING:  # choices made at run time: Typer reads them, the type checker sees the names
+    FormatName = str
+    CompressionName = str
+else:
+    FormatName = Literal[tuple(sorted(FORMATS))]
+    CompressionName = Literal[tuple(tunnel_commands.COMPRESSION)]
 KeyRegistryOption = Annotated[str | None, typer.Option(
     "--key-registry", help="key registry file (default: $STREAMFLOW_KEY_REGISTRY or .streamflow/keys.json)")]
 MetricsPortOption = Annotated[int | None, typer.Option(
@@ -279,7 +283,7 @@ def run(
     key_registry: KeyRegistryOption = None,
     topic: Annotated[str, typer.Option(rich_help_panel=TUNNEL_PANEL, help="features topic")]
     = tunnel_commands.DEFAULT_TOPIC,
-    compression: Annotated[Literal[tuple(tunnel_commands.COMPRESSION)], typer.Option(  # type: ignore[valid-type]
+    compression: Annotated[CompressionName, typer.Option(
         rich_help_panel=TUNNEL_PANEL, help="Kafka record-batch compression on top of the envelopes' own zstd "
         "(none: it would only add a frame)")] = "none",
     spool: Annotated[str | None, typer.Option(rich_help_panel=TUNNEL_PANEL, help="durable send queue for rows the "
@@ -405,8 +409,8 @@ def flink_cluster_command(
         require_java("flink-cluster start")
     try:
         if action == "start":
-            overview = flink_cluster.start(port=port or flink_cluster.DEFAULT_PORT, directory=directory)
-            print(f"Flink cluster up: http://127.0.0.1:{port or flink_cluster.DEFAULT_PORT} {overview}")
+            started = flink_cluster.start(port=port or flink_cluster.DEFAULT_PORT, directory=directory)
+            print(f"Flink cluster up: http://127.0.0.1:{port or flink_cluster.DEFAULT_PORT} {started}")
         elif action == "stop":
             print("stopped" if flink_cluster.stop(directory) else "no cluster running")
         else:
@@ -466,6 +470,7 @@ def _describe_stream_task(task: Task) -> list[str]:
         rows = f"what {_function_name(plan.window)} emits (ctx.emit); its side outputs to their own tables"
     else:
         bounds = [] if isinstance(plan.window, CountWindow) else ["window_start", "window_end"]
+        assert plan.aggregate is not None  # a window is followed by its Aggregate
         rows = ", ".join([plan.key_by.name, *bounds, *plan.aggregate.aggregations])
         if plan.after_window:
             rows += ", then what the steps after Aggregate make of them"
@@ -526,6 +531,7 @@ def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
                                   tunnel=tunnel, state_ttl_s=args.state_ttl, max_users=args.max_users,
                                   checkpoint_interval_s=args.checkpoint_interval, runtime_mode=args.mode)
             metrics = _device_metrics(runner, args.metrics_port)
+            assert source is not None  # events from Kafka are the Flink runner's (checked above)
             try:
                 summary = runner.run(source, progress=Track(f"{job.name} on device"))
             finally:
@@ -540,11 +546,12 @@ def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
     if tunnel_line:
         print(tunnel_line)
     shown = [task for task in job.tasks if summary.task_stats[task.name].rows] if args.show > 0 else []
-    with CollectiveStorage(summary.db_path) if shown else contextlib.nullcontext() as storage:
-        for task in shown:  # (with --show 0 the file is not opened again)
-            print(f"\nfirst rows of table {task.sink}:")
-            for row in storage.read(task.sink).slice(0, args.show).to_pylist():
-                print("  " + ", ".join(f"{k}={_show(v)}" for k, v in row.items()))
+    if shown:  # (with --show 0 the file is not opened again)
+        with CollectiveStorage(summary.db_path) as storage:
+            for task in shown:
+                print(f"\nfirst rows of table {task.sink}:")
+                for row in storage.read(task.sink).slice(0, args.show).to_pylist():
+                    print("  " + ", ".join(f"{k}={_show(v)}" for k, v in row.items()))
     if job.tasks:
         sql = f"SELECT * FROM {job.tasks[0].sink} LIMIT 10"
         print(f"\nquery them: {_python()} -c \"import duckdb; print(duckdb.connect('{summary.db_path}', "

@@ -54,13 +54,13 @@ class _Opaque:
     __str__ = _refuse("str()")
     __repr__ = _refuse("repr()")
     __format__ = _refuse("format()")
-    __hash__ = _refuse("hash()")  # type: ignore[assignment]
+    __hash__ = _refuse("hash()")
     __iter__ = _refuse("iteration")
     __len__ = _refuse("len()")
     __contains__ = _refuse("'in'")
     __getitem__ = _refuse("indexing")
-    __eq__ = _refuse("==")  # type: ignore[assignment]
-    __ne__ = _refuse("!=")  # type: ignore[assignment]
+    __eq__ = _refuse("==")
+    __ne__ = _refuse("!=")
     __lt__ = _refuse("<")
     __le__ = _refuse("<=")
     __gt__ = _refuse(">")
@@ -180,8 +180,8 @@ class Column(_Opaque):
     __and__ = _bitwise(np.bitwise_and)
     __or__ = _bitwise(np.bitwise_or)
     __xor__ = _bitwise(np.bitwise_xor)
-    __eq__ = _compare(np.equal)  # type: ignore[assignment]
-    __ne__ = _compare(np.not_equal)  # type: ignore[assignment]
+    __eq__ = _compare(np.equal)
+    __ne__ = _compare(np.not_equal)
     __lt__ = _compare(np.less)
     __le__ = _compare(np.less_equal)
     __gt__ = _compare(np.greater)
@@ -296,7 +296,7 @@ class ColumnRow(Mapping):
     __hash__ = None  # type: ignore[assignment]
 
 
-def constant(value: Any, size: int) -> Column:
+def constant(value: Any, size: int) -> Column | TextColumn:
     """A column holding ``value`` in every row (a Map's constant output), or :class:`NotColumnar`."""
     if type(value) is bool:
         return Column(np.full(size, value, dtype=bool))

@@ -181,7 +181,7 @@ class BatchTimeWindows:
         """The end of the input: the windows whose on-time firing is still to come fire, by time and registration,
         each with all its items (numbered :attr:`seen`)."""
         pair_item, pair_key, pair_start, pair_on_time = self._pairs
-        if not len(pair_item):
+        if not len(pair_item) or self._clock is None:  # (a block with pairs has set the clock)
             return []
         group, group_start = _runs(pair_key, pair_start)
         fire_time = pair_start[group_start] + (self.size - 1)
@@ -260,9 +260,10 @@ class BatchTimeWindows:
                                                    for values in zip(*columns.values(), strict=True)]
         if folded:
             for f, (b, e) in enumerate(zip(begin.tolist(), end.tolist(), strict=True)):
-                part = items[b:e]
+                part, row = items[b:e], rows[f]
+                assert not isinstance(row, Exception)  # each firing's row is filled here, once
                 try:
-                    rows[f].update((name, aggregation.fold(part)) for name, aggregation in folded)
+                    row.update((name, aggregation.fold(part)) for name, aggregation in folded)
                 except Exception as exc:  # noqa: BLE001 - the firing fails alone
                     rows[f] = exc
         if list(columns) != names:
@@ -380,7 +381,7 @@ def _column(aggregation: Aggregation, items: list[Any], begin: np.ndarray, end: 
         return [values[b] for b in begin.tolist()]
     if kind is Last:
         return [values[e - 1] for e in end.tolist()]
-    if kind is CountDistinct:
+    if kind is CountDistinct and group is not None:  # (checked above: it needs the windows)
         codes: dict[Any, int] = {}
         try:
             code = np.fromiter((codes.setdefault(v, len(codes)) for v in values), np.int64, len(values))

@@ -57,7 +57,7 @@ class Fields:
         """The first 8 bytes of field ``k`` of each line as one little-endian ``uint64``, zeros past the field's
         end: :meth:`window` ``(k, 8)`` as words, read as unaligned words of ``buf`` (no row of bytes per line)."""
         starts = self.starts[:, k]
-        words = np.ndarray((len(self.buf) - 7,), dtype="<u8", buffer=self.buf, strides=(1,))
+        words: np.ndarray = np.ndarray((len(self.buf) - 7,), dtype="<u8", buffer=self.buf, strides=(1,))
         return words[starts] & _LOW_BYTES[np.minimum(self.ends[:, k] - starts, 8)]
 
     def window(self, k: int, width: int) -> np.ndarray:
@@ -86,7 +86,7 @@ def plain_lines(data: bytes, n_fields: int) -> tuple[Fields, np.ndarray, np.ndar
     buf = np.frombuffer(data, dtype=np.uint8)
     body = buf[:-MAX_WIDTH]
     position = np.int32 if len(buf) < 2**31 else np.int64
-    line_ends = np.flatnonzero(body == _NEWLINE).astype(position)
+    line_ends: np.ndarray = np.flatnonzero(body == _NEWLINE).astype(position)
     n = len(line_ends)
     line_starts = np.empty(n, dtype=position)
     line_starts[:1] = 0

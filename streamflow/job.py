@@ -21,7 +21,7 @@ import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from operators import Operator, Process, TimeWindow
 from streamflow.trie import normalize_condition
@@ -32,7 +32,7 @@ TASK_INPUTS: tuple[str, ...] = ("page", "recent", "pages", "stream")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 
-@dataclass
+@dataclass(init=False)
 class Task:
     """A trigger condition and the pipeline it runs over the user's recent events.
 
@@ -56,16 +56,22 @@ class Task:
     ``tunnel=False`` keeps them on the device.
     """
 
+    # Once made, a task's trigger is a normalized condition (``()`` for a stream task) and its sink a table
+    # name; ``None`` for either is only what the constructor takes.
     name: str
-    trigger: Sequence[str] | None
+    trigger: Sequence[str]
     pipeline: Sequence[Operator]
     input: TaskInput = "page"
     history_s: float | None = None
     history_events: int = 256
-    sink: str | None = None
+    sink: str = ""
     tunnel: bool = True
 
-    def __post_init__(self) -> None:
+    def __init__(self, name: str, trigger: Sequence[str] | None, pipeline: Sequence[Operator],
+                 input: TaskInput = "page", history_s: float | None = None, history_events: int = 256,
+                 sink: str | None = None, tunnel: bool = True) -> None:
+        self.name, self.pipeline, self.input, self.history_s = name, pipeline, input, history_s
+        self.history_events, self.tunnel = history_events, tunnel
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ValueError(f"task name {self.name!r} must be letters, digits and underscores")
         if self.input not in TASK_INPUTS:
@@ -76,16 +82,16 @@ class Task:
                 raise TypeError(f"task {self.name!r}: pipeline step {op!r} is not an operator "
                                 "(KeyBy, TimeWindow, Filter, Map, Aggregate, ...)")
         if self.input == "stream":
-            if self.trigger:
+            if trigger:
                 raise ValueError(f"stream task {self.name!r} runs over every event: it takes no trigger")
             self.trigger = ()
             StreamPlan.of(self.name, self.pipeline)
         else:
-            self.trigger = normalize_condition(self.trigger or ())
+            self.trigger = normalize_condition(trigger or ())
             _refuse_stream_only_options(self.name, self.pipeline)
         if self.history_events < 1:
             raise ValueError(f"task {self.name!r}: history_events must be >= 1")
-        self.sink = self.sink or self.name
+        self.sink = sink or self.name
         if not _NAME.match(self.sink):
             raise ValueError(f"task {self.name!r}: sink {self.sink!r} must be letters, digits and underscores")
 
@@ -133,7 +139,7 @@ class Job:
         self.tasks.append(task)
         return task
 
-    def task(self, name: str, trigger: Sequence[str], pipeline: Sequence[Operator], **options) -> Task:
+    def task(self, name: str, trigger: Sequence[str] | None, pipeline: Sequence[Operator], **options: Any) -> Task:
         """Define and add a task; see :class:`Task` for ``options``."""
         return self.add(Task(name, trigger, pipeline, **options))
 
@@ -169,10 +175,12 @@ def load_job(path: str | Path, module_name: str | None = None, source: bytes | N
     if source is None and not path.is_file():
         raise JobLoadError(f"job file not found: {path}")
     module_name = module_name or f"streamflow_job_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
+    loader = None
     if source is None:
         spec = importlib.util.spec_from_file_location(module_name, path)
         if spec is None or spec.loader is None:
             raise JobLoadError(f"cannot load {path}: not a Python file")
+        loader = spec.loader
         module = importlib.util.module_from_spec(spec)
     else:
         module = types.ModuleType(module_name)
@@ -180,10 +188,10 @@ def load_job(path: str | Path, module_name: str | None = None, source: bytes | N
     vars(module).update(namespace or {})
     sys.modules[module_name] = module
     try:
-        if source is None:
-            spec.loader.exec_module(module)
-        else:
+        if source is not None:
             exec(compile(source, str(path), "exec", dont_inherit=True), module.__dict__)
+        elif loader is not None:
+            loader.exec_module(module)
     except SyntaxError as exc:
         raise JobLoadError(f"cannot load job file {path}: syntax error at line {exc.lineno}: {exc.msg}") from exc
     except (Exception, SystemExit) as exc:  # a job file calling sys.exit() is a load error too

@@ -73,7 +73,8 @@ class KeyedStore:
 
     def get(self, key: Any, clock: int) -> Any:
         value = self.data.get(key)
-        if value is not None and self.written is not None and self.written[key] + self.ttl < clock:
+        written = self.written  # not None exactly when there is a TTL
+        if value is not None and written is not None and written[key] + (self.ttl or 0) < clock:
             self.delete(key)
             return None
         return value
@@ -97,7 +98,7 @@ class KeyedStore:
         written, n = self.written, 0
         if written is None:
             return 0
-        limit = clock - self.ttl
+        limit = clock - (self.ttl or 0)
         while written:
             key, at = next(iter(written.items()))
             if at >= limit:
@@ -110,7 +111,8 @@ class KeyedStore:
 
     def _drop(self, key: Any) -> Any:
         """Drop what ``written``'s entry ``key`` stands for; its value."""
-        del self.written[key]
+        if self.written is not None:
+            del self.written[key]
         return self.data.pop(key)
 
 
@@ -232,18 +234,18 @@ class MapHandle(_Handle):
     __slots__ = ()
     store: MapStore
 
-    def _map(self, create: bool = False) -> dict[Any, Any] | None:
-        runtime = self.runtime
-        mapping = self.store.data.get(runtime.key)
-        if mapping is None and create:
-            mapping = self.store.data[runtime.key] = {}
-        return mapping
+    def _map(self) -> dict[Any, Any] | None:
+        return self.store.data.get(self.runtime.key)
 
     def get(self, key: Any, default: Any = None) -> Any:
         return (self._map() or {}).get(key, default)
 
     def put(self, key: Any, value: Any) -> None:
-        self._map(create=True)[key] = value
+        data = self.store.data
+        mapping = data.get(self.runtime.key)
+        if mapping is None:
+            mapping = data[self.runtime.key] = {}
+        mapping[key] = value
         self.store.touch_entry(self.runtime.key, key, self.runtime.clock)
 
     def remove(self, key: Any) -> None:
@@ -366,8 +368,9 @@ class KeyedRuntime:
             self.clock = ts
             for store in self._ttl_stores:
                 self.expired += store.expire(ts)
-        if self._recent is not None:
-            self._see(key)
+        recent = self._recent
+        if recent is not None:
+            self._see(recent, key)
         self.key, self.timestamp = key, ts
         self.function.on_event(item, self)
         if self._processing_timers and self._processing_timers[0][0] <= time.time() * 1000:
@@ -483,13 +486,13 @@ class KeyedRuntime:
             self.key, self.timestamp = key, time_ms
             self.function.on_timer(time_ms, self)
 
-    def _see(self, key: Any) -> None:
-        recent = self._recent
+    def _see(self, recent: OrderedDict[Any, None], key: Any) -> None:
+        """``key`` is the most recently seen of ``recent`` (the keys held, kept under ``max_keys``)."""
         if key in recent:
             recent.move_to_end(key)
             return
         recent[key] = None
-        if len(recent) > self.max_keys:
+        if len(recent) > (self.max_keys or 0):
             old, _ = recent.popitem(last=False)
             for store in self._stores.values():
                 store.delete(old)

@@ -96,9 +96,9 @@ class Settings:
     serve_temperature: float = _setting(0.002, "MDInference: softmax temperature over the candidates' accuracies "
                                                "(0 = always the most accurate)", _number, ge=0)
     serve_alpha: float = _setting(0.2, "MDInference: EWMA weight of a new latency sample", _number, gt=0, le=1)
-    serve_rule: str = _setting("expected", "MDInference's model choice: `expected` (the most expected accuracy, "
-                                           "the device's answer counted in) or `paper` (the most accurate model "
-                                           "whose mean + std fits the budget)", choices=("expected", "paper"))
+    serve_rule: Literal["expected", "paper"] = _setting(
+        "expected", "MDInference's model choice: `expected` (the most expected accuracy, the device's answer counted "
+        "in) or `paper` (the most accurate model whose mean + std fits the budget)", choices=("expected", "paper"))
 
     def __post_init__(self) -> None:
         for field in FIELDS.values():
@@ -140,7 +140,7 @@ def settings(**explicit: Any) -> Settings:
         raise TypeError(f"no settings named {sorted(unknown)}")
     environment = {key.upper(): value for key, value in os.environ.items()
                    if key[:len(ENV_PREFIX)].upper() == ENV_PREFIX and value != ""}
-    values = {}
+    values: dict[str, Any] = {}
     for name in FIELDS:
         value = explicit.get(name)
         if value is None or value == "":

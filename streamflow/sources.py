@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -62,7 +62,8 @@ class LineSource:
 
     events_checked = False
 
-    def __init__(self, path: str | Path, guard: TimestampGuard | None = None, state_ttl_s: float | None = None):
+    def __init__(self, path: str | os.PathLike[str], guard: TimestampGuard | None = None,
+                 state_ttl_s: float | None = None):
         self.path = Path(path)
         self.name = str(path)
         self.guard = guard
@@ -113,7 +114,7 @@ class LineSource:
         parsed = self.parse(raw)
         return Rejected(self.name, line_no, parsed, raw) if type(parsed) is str else parsed
 
-    def fast_blocks(self, reader: SourceReader, step: Callable[[int, str], list[Event | Rejected]], size: int
+    def fast_blocks(self, reader: SourceReader, step: Callable[[int, str], Sequence[Event | Rejected]], size: int
                     ) -> FastBlocks | None:
         """A format's own loop over ``(line number, line)`` giving what ``step`` per line gives, in lists
         as :meth:`SourceReader.blocks` hands them out (and moving ``reader`` the same way), returning the
@@ -249,13 +250,14 @@ class SourceReader:
         """
         source, states = self.source, self.states
         if self.pending:  # a resumed read: the rest of the line a checkpoint fell in
-            records, self.pending = self.pending, []
-            yield records
+            rest, self.pending = self.pending, []
+            yield rest
         lines: Iterator[tuple[int, str]] = enumerate(source.raw_lines(), start=1)
         if self.line:
             lines = islice(lines, self.line, None)
         step = self._line_step()
         fast = source.fast_blocks(self, step, size)
+        out: list[Event | Rejected]
         if fast is not None:
             out = yield from fast(lines)
         else:
@@ -274,7 +276,7 @@ class SourceReader:
         if out or self.pending:
             yield out + self.pending  # the last lines' records and what the end of the input owes
 
-    def _line_step(self) -> Callable[[int, str], list[Event | Rejected]]:
+    def _line_step(self) -> Callable[[int, str], Sequence[Event | Rejected]]:
         """The records of one line (a blank line: none), with the reader's state moved past it."""
         source, states = self.source, self.states
         owed: list[Event] = []
@@ -287,7 +289,7 @@ class SourceReader:
             source.user_events
         check, ttl = self.guard.check, states.ttl
 
-        def step(line_no: int, line: str) -> list[Event | Rejected]:
+        def step(line_no: int, line: str) -> Sequence[Event | Rejected]:
             parsed = read_line(line_no, line)
             if parsed is None:
                 return []
@@ -396,7 +398,7 @@ class TaobaoBehaviorSource(LineSource):
         [('page_enter', 'pv', 1511848894.0), ('buy', 'buy', 1511848900.0), ('page_exit', None, 1511848900.0)]
     """
 
-    def __init__(self, path: str | Path, inactivity_gap_s: float = DEFAULT_INACTIVITY_GAP_S,
+    def __init__(self, path: str | os.PathLike[str], inactivity_gap_s: float = DEFAULT_INACTIVITY_GAP_S,
                  guard: TimestampGuard | None = None, state_ttl_s: float | None = None):
         if state_ttl_s is not None and state_ttl_s < inactivity_gap_s:
             raise ValueError(f"state_ttl_s ({state_ttl_s}) must be >= the page inactivity gap ({inactivity_gap_s} s): "
@@ -410,7 +412,7 @@ class TaobaoBehaviorSource(LineSource):
     def user_of(self, parsed: tuple[str, str, str, str, float]) -> str:
         return parsed[0]
 
-    def fast_blocks(self, reader: SourceReader, step: Callable[[int, str], list[Event | Rejected]], size: int
+    def fast_blocks(self, reader: SourceReader, step: Callable[[int, str], Sequence[Event | Rejected]], size: int
                     ) -> FastBlocks | None:
         """Clean lines (those :data:`_CLEAN_LINE` matches once the line break is stripped, narrowed to printable ASCII
         without spaces and an unsigned timestamp) in one loop that inlines the guard's check and
@@ -537,7 +539,7 @@ class TaobaoBehaviorSource(LineSource):
         return user, item, category, behavior, ts
 
 
-def _taobao_blocks(source: TaobaoBehaviorSource, reader: SourceReader, step: Callable[[int, str], list[Any]],
+def _taobao_blocks(source: TaobaoBehaviorSource, reader: SourceReader, step: Callable[[int, str], Sequence[Any]],
                    lines: Iterator[tuple[int, str]], size: int
                    ) -> Generator[list[Event | Rejected], None, list[Event | Rejected]]:
     """:meth:`TaobaoBehaviorSource.fast_blocks`: per clean line what ``step`` does (``TimestampGuard.check``
@@ -731,7 +733,7 @@ def event_from_json(raw: str) -> Event | str:
 FORMATS = {"taobao": TaobaoBehaviorSource, "jsonl": JsonLinesSource}
 
 
-def open_source(path: str | Path, fmt: str | None = None,
+def open_source(path: str | os.PathLike[str], fmt: str | None = None,
                 state_ttl_s: float | None = None) -> TaobaoBehaviorSource | JsonLinesSource:
     """The source for ``path``: ``fmt`` if given, else ``.csv`` → taobao, ``.jsonl``/``.json`` → jsonl.
 

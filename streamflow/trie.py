@@ -219,7 +219,9 @@ class TriggerTrie:
         cond = self._conditions.pop(task)
         node = self.root
         for symbol in cond:
-            node = node.star if symbol == WILDCARD else node.children[symbol]
+            step = node.star if symbol == WILDCARD else node.children[symbol]
+            assert step is not None  # the condition's path is in the trie
+            node = step
             if symbol != WILDCARD:
                 self._alphabet[symbol] -= 1
                 if not self._alphabet[symbol]:
@@ -292,7 +294,9 @@ class TriggerTrie:
         symbols = []
         while node is not self.root:
             symbols.append(node.symbol)
-            node = node.parent  # type: ignore[assignment]
+            parent = node.parent
+            assert parent is not None  # only the root has none
+            node = parent
         return tuple(reversed(symbols))
 
     def _compute_step(self, pending: frozenset[int], symbol: tuple[str, ...]) -> _Step:

@@ -46,7 +46,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any
+from typing import Any, final
 
 from connectors.json_values import to_json
 from connectors.sql import check_table_name
@@ -96,18 +96,21 @@ class StreamPlan:
         if len(keys) != 1 or len(keyed) != 1 or keys[0] > keyed[0]:
             raise ValueError(f"stream task {task_name!r}: the pipeline must be {shape}")
         k, w = keys[0], keyed[0]
-        aggregate = None
+        key_by, window = ops[k], ops[w]
+        assert isinstance(key_by, KeyBy) and isinstance(window, (TimeWindow, SessionWindow, CountWindow, Process))
+        aggregate: Aggregate | None = None
         after = w + 1
-        if isinstance(ops[w], WINDOWS):
-            if not (len(ops) > w + 1 and isinstance(ops[w + 1], Aggregate)):
-                raise ValueError(f"stream task {task_name!r}: {ops[w]!r} must be followed by Aggregate(...); "
+        if isinstance(window, WINDOWS):
+            following = ops[w + 1] if len(ops) > w + 1 else None
+            if not isinstance(following, Aggregate):
+                raise ValueError(f"stream task {task_name!r}: {window!r} must be followed by Aggregate(...); "
                                  f"the pipeline must be {shape}")
-            aggregate, after = ops[w + 1], w + 2
+            aggregate, after = following, w + 2
         for op in ops[:k] + ops[k + 1:w] + ops[after:]:
             if getattr(op, "element_step", None) is None:  # not a Filter or Map
                 raise ValueError(f"stream task {task_name!r}: {op!r} cannot run outside a window; "
                                  f"the pipeline must be {shape}")
-        return cls(element_steps(ops[:k]), ops[k], element_steps(ops[k + 1:w]), ops[w], aggregate,
+        return cls(element_steps(ops[:k]), key_by, element_steps(ops[k + 1:w]), window, aggregate,
                    element_steps(ops[after:]))
 
     @property
@@ -127,11 +130,13 @@ class StreamPlan:
         window, key_name = self.window, self.key_by.name
         if isinstance(window, Process):
             return window.function
+        aggregate = self.aggregate
+        assert aggregate is not None  # a window is followed by its Aggregate (of)
         if isinstance(window, TimeWindow):
-            return EventTimeWindows(window, self.aggregate, key_name)
+            return EventTimeWindows(window, aggregate, key_name)
         if isinstance(window, SessionWindow):
-            return SessionWindows(window, self.aggregate, key_name)
-        return CountWindows(window, self.aggregate, key_name)
+            return SessionWindows(window, aggregate, key_name)
+        return CountWindows(window, aggregate, key_name)
 
 
 def elementwise(steps: Sequence[ElementStep]) -> Callable[[Any], Any]:
@@ -494,7 +499,7 @@ def window_row(key_name: str, key: Any, start: float, end: float, results: dict[
     return {key_name: key, "window_start": start, "window_end": end, **results}
 
 
-def late_row(task: str, ts: float, item: Any) -> dict[str, Any]:
+def late_row(task: str, ts: float | None, item: Any) -> dict[str, Any]:
     """The late side output's row for an item no window would take."""
     if type(item) is Event:
         return {"task": task, "ts": ts, "item": item.to_sorted_json()}
@@ -509,6 +514,7 @@ _RUNNER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _NO_KEY = object()
 
 
+@final  # (tested as `type(x) is Failure`)
 @dataclass(frozen=True)
 class Failure:
     """What a step of a stream task raised, as text (picklable: on Flink it may wait in a window's accumulator).

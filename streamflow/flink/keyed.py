@@ -612,6 +612,7 @@ class FlinkKeyed(KeyedProcessFunction):
             self._handles.append(lean)
             self._by_name[name] = lean
             return lean
+        handle: type[_Handle]
         if descriptor.kind == "value":
             state = _ValueSlot(packed) if packed else runtime.get_state(ValueStateDescriptor(name, _PICKLED))
             handle = _Value
@@ -733,16 +734,16 @@ class FlinkKeyed(KeyedProcessFunction):
         self._ctx, self.timestamp = ctx, ts_ms
         self.set_key(key)
         out = self._out = []
-        self.function.on_block(items, self)
+        self.function.on_block(items, self)  # type: ignore[attr-defined]  # can_call_block checked it has one
         return out
 
-    def process_element(self, value: tuple[Any, Any], ctx: KeyedProcessFunction.Context):
+    def process_element(self, value: tuple[Any, Any], ctx: KeyedProcessFunction.Context) -> list[tuple[str, Any]]:
         try:
             return self.call(ctx, value[1], key=value[0])  # the key_by key: no crossing into the JVM for it
         finally:
             self.commit()
 
-    def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
+    def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> list[tuple[str, Any]]:
         self._ctx, self.timestamp = ctx, timestamp
         self.set_key(ctx.get_current_key())
         if self.backstop_fired(ctx):

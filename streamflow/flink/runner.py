@@ -44,6 +44,7 @@ import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +183,7 @@ class ParseLines(ProcessFunction):
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self.line_no = 0
-        self._key: str | None = None
+        self._key = ""  # the user of the current run (read only while there is one)
         self._run: list[tuple[int, str, Any]] = []
 
     def process_element(self, line: str, ctx: ProcessFunction.Context) -> list[tuple[str, list[Any]]]:
@@ -360,6 +361,8 @@ class UserTasks(FlinkKeyed):
     its state in small typed Flink states). An event-time timer fires at the end of the input (the
     final watermark) to emit what is still owed (the last page exits) and this subtask's counts."""
 
+    function: TriggerTasks
+
     def __init__(self, job: Job, source: LineSource, state_ttl_days: int, quarantine_after: int = 5,
                  ordered: bool = False):
         execution = TaskExecution(job.trigger_tasks, quarantine_after)
@@ -388,7 +391,8 @@ class UserTasks(FlinkKeyed):
         if self.ordered:
             self.pending = runtime_context.get_state(ValueStateDescriptor("pending", _PICKLED))
 
-    def process_element(self, value: tuple[str, list[tuple[int, str, Any]]], ctx: KeyedProcessFunction.Context):
+    def process_element(self, value: tuple[str, list[tuple[int, str, Any]]], ctx: KeyedProcessFunction.Context
+                        ) -> list[tuple[str, Any]]:
         if not self.ordered:
             return self._take(value, ctx)
         self.pending.update([*(self.pending.value() or ()), value])
@@ -450,7 +454,7 @@ class UserTasks(FlinkKeyed):
             self.source_state.update((last_ts, adapter))
         return events
 
-    def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext):
+    def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> list[tuple[str, Any]]:
         if (self.ordered and timestamp != _END_OF_INPUT
                 and ctx.time_domain() == TimeDomain.EVENT_TIME):
             return self._take_due(timestamp, ctx)
@@ -560,7 +564,8 @@ class WindowRows(ProcessWindowFunction):
         self.key_name = key_name
         self.streak = Streak(quarantine_after)
 
-    def process(self, key: Any, context: ProcessWindowFunction.Context, elements: Any):
+    def process(self, key: Any, context: ProcessWindowFunction.Context, elements: Any
+                ) -> Iterator[tuple[str, dict[str, Any]]]:
         streak = self.streak
         if streak.quarantined:
             return
@@ -613,7 +618,8 @@ def _stream_task(events: DataStream, task: Any, quarantine_after: int = 5) -> Da
     keyed = pairs.key_by(lambda pair: pair[0])
     output = StreamOutput(task.name, task.sink, plan, quarantine_after)
     if isinstance(plan.window, TimeWindow):
-        window = plan.window
+        window, aggregate = plan.window, plan.aggregate
+        assert aggregate is not None  # a window is followed by its Aggregate (StreamPlan.of)
         late = OutputTag(f"late_{task.name}", _PICKLED)
         size, slide = to_millis(window.size), to_millis(window.slide)
         offset = to_millis(window.offset) % slide  # the same alignment; Flink takes only |offset| < slide
@@ -621,7 +627,7 @@ def _stream_task(events: DataStream, task: Any, quarantine_after: int = 5) -> Da
                                                            Time.milliseconds(offset)))
                    .allowed_lateness(to_millis(window.allowed_lateness))
                    .side_output_late_data(late)
-                   .aggregate(WindowAggregate(plan.aggregate.aggregations),
+                   .aggregate(WindowAggregate(aggregate.aggregations),
                               WindowRows(task.name, plan.key_by.name, quarantine_after),
                               accumulator_type=_PICKLED, output_type=_PICKLED))
         lates = outputs.get_side_output(late).flat_map(lambda pair: output.records(LATE, pair[1]),
@@ -652,7 +658,7 @@ class StorageWriter(ProcessFunction):
         self.tasks: dict[str, dict[str, Any]] = {}
         self.quarantined: set[str] = set()
 
-    def process_element(self, value: tuple[str, Any], ctx: ProcessFunction.Context):
+    def process_element(self, value: tuple[str, Any], ctx: ProcessFunction.Context) -> list[Any]:
         table, row = value
         if table == _ROWS:  # a run's rows (UserTasks): stored a table at a time, each table's rows in order
             for name, rows in rows_by_output(row).items():
@@ -747,9 +753,10 @@ def job_modules(job: Job) -> list[str]:
         True
     """
     top = sys.modules.get(job.module or "")
-    if top is None or not getattr(top, "__file__", None):
+    top_file = getattr(top, "__file__", None) if top is not None else None
+    if not top_file:
         return []
-    home = Path(top.__file__).resolve().parent
+    home = Path(top_file).resolve().parent
     names = []
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
@@ -819,17 +826,18 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
         env.get_config().set_auto_watermark_interval(max(1, int(pace_ms / 10)))
         env.set_buffer_timeout(1)
     # Runs of lines need the input's end: a file read once from its start, unpaced (pacing is per line).
-    once = kafka_topic(events) is None and restore_from is None and checkpoint_dir is None and not pace_ms
+    topic = kafka_topic(events)
+    once = topic is None and restore_from is None and checkpoint_dir is None and not pace_ms
     readers = parallel_readers(job, events, parallelism, once)
-    if readers > 1 and kafka_topic(events) is None:  # split across readers, a user's runs put in order again
+    if readers > 1 and topic is None:  # split across readers, a user's runs put in order again
         parsed = (env.from_collection(file_splits(events, split_count(events, readers)), type_info=_SPLIT)
                   .rebalance().flat_map(ReadSplits(source), output_type=_PICKLED).set_parallelism(readers)
                   .assign_timestamps_and_watermarks(
                       WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner(RunOrder()))
                   .set_parallelism(readers))
-    elif readers > 1:  # each partition by one reader, in offset order
+    elif readers > 1 and topic is not None:  # each partition by one reader, in offset order
         add_kafka_jars(env)
-        parsed = kafka_records(env, kafka_topic(events)).flat_map(KafkaRuns(source), output_type=_PICKLED)
+        parsed = kafka_records(env, topic).flat_map(KafkaRuns(source), output_type=_PICKLED)
     else:
         parse = ParseLines(source, pace_ms / 1000, last_line=_line_count(events) if once else None)
         parsed = _event_lines(env, events).process(parse, output_type=_PICKLED).set_parallelism(1)

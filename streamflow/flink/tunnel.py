@@ -38,7 +38,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,7 +93,7 @@ class OpenEnvelopes(FlatMapFunction):
         self.registry = KeyRegistry(self.registry_path)  # re-read when an unknown device shows up
         self.known = Registry((d, Registration(kind, id_, body)) for d, kind, id_, body in self.schemas)
 
-    def flat_map(self, record: Any):
+    def flat_map(self, record: Any) -> Iterator[tuple[tuple[str, int], int, Batch | DeadLetter]]:
         topic, partition, offset, key, value = record[0], record[1], record[2], record[3], record[4]
         yield (topic, partition), offset, open_message(topic, partition, offset, value, self.registry, key,
                                                        self.known)
@@ -122,10 +122,14 @@ class TunnelWriter(ProcessFunction):
         self.stats = CloudStats()
         self.logged = time.monotonic()
 
-    def process_element(self, value: tuple[tuple[str, int], int, Batch | DeadLetter], ctx: ProcessFunction.Context):
+    def process_element(self, value: tuple[tuple[str, int], int, Batch | DeadLetter], ctx: ProcessFunction.Context
+                        ) -> list[Any]:
         where, offset, opened = value
         self.pending_messages += 1
-        (self.batches if isinstance(opened, Batch) else self.dead).append(opened)
+        if isinstance(opened, Batch):
+            self.batches.append(opened)
+        else:
+            self.dead.append(opened)
         self.offsets[where] = max(self.offsets.get(where, 0), offset + 1)
         if len(self.batches) + len(self.dead) >= self.group_size:
             self._flush()

@@ -94,8 +94,9 @@ from streamflow.sources import (
 
 log = logging.getLogger("streamflow.runners")
 
+_LIBC: ctypes.CDLL | None
 try:
-    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6")
+    _LIBC = ctypes.CDLL("libc.so.6")
     _LIBC.malloc_trim  # noqa: B018 - glibc only
 except (OSError, AttributeError):
     _LIBC = None
@@ -248,7 +249,9 @@ def guarded_lines(lines: PlainLines, users: TextColumn, guard: TimestampGuard, s
                 last[names[code]] = top
     backwards = stamps < previous
     for i, before in zip(order[backwards].tolist(), previous[backwards].tolist(), strict=True):
-        reasons[i] = guard.reason(names[users.codes[i]], float(ts[i]), before)
+        reason = guard.reason(names[users.codes[i]], float(ts[i]), before)
+        assert reason is not None  # an event before the user's last one is always refused
+        reasons[i] = reason
         accepted[i] = False
     refused = sorted(reasons)
     at = np.array(refused, dtype=np.int64)
@@ -314,11 +317,13 @@ def aggregate_columns(aggregate: Aggregate, visits: PageVisits) -> dict[str, Any
     leave = {**enter, "event_id": constant(PAGE_EXIT, size), "ts": Column(visits.exit_ts)}
     columns: dict[str, Any] = {}
     for name, aggregation in aggregate.aggregations.items():
-        kind = type(aggregation)
+        kind, field = type(aggregation), aggregation.field
         if kind in (First, Min):
-            columns[name] = enter[aggregation.field]
+            assert isinstance(field, str)  # refusal lets through only named fields
+            columns[name] = enter[field]
         elif kind in (Last, Max):
-            columns[name] = leave[aggregation.field]
+            assert isinstance(field, str)
+            columns[name] = leave[field]
         elif kind is Count:
             columns[name] = Column(visits.n_events)
         else:  # CountBy("event_id"): page_enter, then the page's behaviours, then page_exit

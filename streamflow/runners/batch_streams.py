@@ -104,8 +104,13 @@ class _BatchTask:
         self.alone = alone  # the job's only task: no other task's rows to interleave with
         why = keyed_refusal(run)
         plan = run.plan
-        kind = BatchCountWindows if isinstance(plan.window, CountWindow) else BatchTimeWindows
-        self.windows = None if why is not None else kind(plan.window, plan.aggregate, plan.key_by.name)
+        self.windows: BatchTimeWindows | None = None
+        if why is None:
+            window, aggregate, key_name = plan.window, plan.aggregate, plan.key_by.name
+            # what keyed_refusal lets through: a count or time window, with its Aggregate (StreamPlan.of)
+            assert isinstance(window, (CountWindow, TimeWindow)) and aggregate is not None
+            self.windows = (BatchCountWindows(window, aggregate, key_name) if isinstance(window, CountWindow)
+                            else BatchTimeWindows(window, aggregate, key_name))
         self.mode = COLUMNAR if why is None else f"item by item: {why}"
         #: what the task made so far and nobody took yet, in order
         self.outputs: list[Outputs] = []
@@ -124,7 +129,7 @@ class _BatchTask:
                     outputs.append((first + k, index, rows, sides))
             return
         step, failed = run.input.step, run.input.out
-        entries: list[tuple[Any, Any, int]] = []
+        entries: list[tuple[Any, Any, Any]] = []  # (key, item, event time: None for a count window)
         at: list[int] = []
         keep, place = entries.append, at.append
         for k, event in enumerate(events, first):
