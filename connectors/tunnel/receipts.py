@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -57,6 +58,9 @@ MAGIC = b"SFR1"
 MAX_HOLES = 64
 #: a device's receipt is published at most this often (the last change waits at most this long)
 DEFAULT_EVERY_S = 0.25
+#: a receipt the broker has not acknowledged this long after its send fails and is published again (more than
+#: CLIENT_TIMEOUTS' request timeout, as kafka-python requires)
+DELIVERY_TIMEOUT_MS = CLIENT_TIMEOUTS["request_timeout_ms"] + 1000
 #: the receipts topic is compacted: the newest receipt of each device is what a device needs
 TOPIC_CONFIG = {"cleanup.policy": "compact"}
 
@@ -119,7 +123,9 @@ class ReceiptPublisher:
     """The cloud's side: publishes the receipts of the devices noted (:meth:`note`), at most every ``every_s`` each.
 
     ``receipt_of(device)`` builds a device's receipt (``CloudStore.receipt``); ``keys`` signs it (a device the
-    registry does not know gets none). Sends are asynchronous: a receipt lost with the broker is followed by the
+    registry does not know gets none). Sends are asynchronous: a send that fails (the broker went away, or lost the
+    receipts topic and made it again with other partitions) notes its device again, and the next call publishes
+    it on a new producer (fresh metadata); a receipt the broker acknowledged and then lost is followed by the
     next one, and a device that hears nothing resends after its timeout, which makes the cloud publish again.
 
     Example (needs a broker)::
@@ -138,6 +144,9 @@ class ReceiptPublisher:
         self.partitions = partitions
         self.published = 0
         self._dirty: set[str] = set()
+        # device → the producer a send of its receipt failed on (added by that producer's I/O thread)
+        self._failed: dict[str, Any] = {}
+        self._failed_lock = threading.Lock()
         self._sent_at: dict[str, float] = {}
         self._producer: Any = None
 
@@ -147,6 +156,15 @@ class ReceiptPublisher:
 
     def publish_due(self, receipt_of: Callable[[str], Receipt], force: bool = False) -> int:
         """Publish the noted receipts whose device had none for ``every_s`` (all of them with ``force``)."""
+        with self._failed_lock:
+            failed, self._failed = self._failed, {}
+        if failed:
+            log.info("cloud: the receipts of %d devices did not reach the broker; publishing them again", len(failed))
+            if self._producer is not None and any(p is self._producer for p in failed.values()):
+                self._drop_producer()  # not one dropped before: its records failed as it closed
+            self._dirty |= failed.keys()
+            for device in failed:
+                self._sent_at.pop(device, None)
         if not self._dirty:
             return 0
         now = time.monotonic()
@@ -159,7 +177,8 @@ class ReceiptPublisher:
             key = self.keys.key_for(device) if isinstance(self.keys, KeyRegistry) else self.keys.get(device)
             if key is None:
                 continue
-            producer.send(self.topic, key=device.encode(), value=encode_receipt(receipt_of(device), key))
+            future = producer.send(self.topic, key=device.encode(), value=encode_receipt(receipt_of(device), key))
+            future.add_errback(self._send_failed, device, producer)
             self._sent_at[device] = now
             self.published += 1
         return len(due)
@@ -170,10 +189,22 @@ class ReceiptPublisher:
 
             ensure_topic(self.bootstrap, self.topic, self.partitions, TOPIC_CONFIG)
             # max_block_ms: a broker away must not hold the consumer's loop (its next poll notices the outage)
+            # delivery_timeout_ms: a receipt held for a partition the topic no longer has fails within seconds
             self._producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks=1, enable_idempotence=False,
                                            linger_ms=0, max_block_ms=2000, client_id="streamflow-cloud-receipts",
-                                           **CLIENT_TIMEOUTS)
+                                           delivery_timeout_ms=DELIVERY_TIMEOUT_MS, **CLIENT_TIMEOUTS)
         return self._producer
+
+    def _send_failed(self, device: str, producer: Any, exc: BaseException) -> None:
+        log.debug("cloud: the receipt of %s was not published (%s)", device, exc)
+        with self._failed_lock:
+            self._failed[device] = producer
+
+    def _drop_producer(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            with contextlib.suppress(Exception):
+                producer.close(timeout=0)
 
     def flush(self, timeout_s: float = 5.0) -> None:
         if self._producer is not None:

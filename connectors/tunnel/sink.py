@@ -129,6 +129,7 @@ class TunnelStats:
     bytes_acked: int = 0  # envelope bytes (before Kafka's compression)
     rows_refused: int = 0
     send_failures: int = 0
+    offsets_reused: int = 0  # acknowledgements at an offset the broker had given before: it lost records
     rows_receipted: int = 0  # rows the cloud's receipts said it stored (they left the spool)
     rows_resent: int = 0  # rows sent again: a receipt showed them missing, or none came in time
     batches_resent: int = 0
@@ -202,6 +203,7 @@ class TunnelSink:
         self._failing_since = 0.0  # time.time() of the first of the sender's current run of failures
         self._recovering_until = 0.0  # monotonic time until which receipts are polled often (after an outage)
         self._receipts_looked_up = float("-inf")
+        self._offsets: dict[int, int] = {}  # partition → the offset of the newest record the broker acknowledged
         self.codebook = Codebook(device, key, self.spool, dictionary_rows=dictionary_rows,
                                  announce_every_s=announce_every_s)
         self._device_key = device.encode()
@@ -446,7 +448,8 @@ class TunnelSink:
                                timestamp_ms=_record_time_ms(entry.sealed_at))
         # the producer fails the batch itself at delivery_timeout_ms (= send_timeout_s); waiting a little longer
         # leaves it no record pending, so _drop_producer can close it at once
-        future.get(timeout=self.send_timeout_s + 2.0)
+        metadata = future.get(timeout=self.send_timeout_s + 2.0)
+        self._check_offset(metadata.partition, metadata.offset)
         if self._on_ack is not None:  # before the spool forgets the batch: a crash in between repeats the call
             self._on_ack(entry)
         self.spool.ack(entry.first_seq)
@@ -458,6 +461,19 @@ class TunnelSink:
         stats.bytes_acked += len(entry.value)
         with self._lock:
             self._wake.notify_all()
+
+    def _check_offset(self, partition: int, offset: int) -> None:
+        """An offset at or below one the broker gave this device before on the same partition means the partition
+        lost records it had acknowledged (a broker that restarted without them, a topic deleted and made again) and
+        hands their offsets to new ones, whether or not a send failed meanwhile: recover as after an outage."""
+        last = self._offsets.get(partition, -1)
+        self._offsets[partition] = offset
+        if offset <= last:
+            self.stats.offsets_reused += 1
+            log.warning("tunnel: the broker gave offset %d of partition %d again (it acknowledged offset %d before): "
+                        "it lost records; reading the receipts again", offset, partition, last)
+            self._failing_since = time.time()  # every batch acknowledged before this one may be lost
+            self._broker_back.set()
 
     def _announce(self) -> None:
         """Send every registration in use again, in zero-row envelopes on the device's partition (a receipt asked)."""
@@ -487,14 +503,14 @@ class TunnelSink:
                     self._acked.wait(1.0)  # costs nothing while idle (polling would: ~5 % of a core)
                     self._acked.clear()
                     continue
-                if self._broker_back.is_set() and consumer.assignment():
-                    self._after_outage(consumer)
+                if self._broker_back.is_set():
+                    consumer = self._after_outage(consumer)
                 if consumer.assignment() or self._assign_receipts(consumer):
                     self._read_receipts(consumer)
                 if time.monotonic() - self._timeouts_checked >= _TIMEOUT_CHECK_S:
                     self._timeouts_checked = time.monotonic()
                     if self._resend_overdue():
-                        _rewind_if_past_end(consumer)
+                        consumer = self._read_receipts_afresh(consumer)
             except Exception as exc:  # noqa: BLE001 - a broker away: the receipts wait, the spool keeps everything
                 log.debug("tunnel: receipts of %s not read (%s); trying again", self.device, exc)
                 _close_quietly(consumer)
@@ -566,25 +582,37 @@ class TunnelSink:
                 self._announce_wait = min(MAX_RECEIPT_TIMEOUT_S, 2 * self._announce_wait)
             self._wake.notify_all()
 
-    def _after_outage(self, consumer: Any) -> None:
-        """The broker answers again after failing: read the receipts from the start, and probe at once.
+    def _after_outage(self, consumer: Any) -> Any:
+        """The broker answers again after failing: read the receipts afresh, and probe at once; the new consumer.
 
         A broker that restarted may have lost what it acknowledged last (receipts and batches alike) and handed their
         offsets to new records: a receipt consumer whose position lies past the lost ones skips the new receipts
         until the log grows past it, and a loss at the tail of what this device sent shows in no receipt until a
-        later batch of it is stored. So the receipts are read again from the start of the partition (compacted:
-        little to read), and the newest batch acknowledged before the outage that no receipt covers is sent again:
-        stored past a hole it makes the next receipt show the hole; dropped as a repeat it makes the cloud publish
-        its receipt again.
+        later batch of it is stored. It may also have lost the receipts topic itself, made again (by the cloud's
+        next receipt) with other partitions: the device's receipts then land on another partition. So the receipts
+        are read again from the start, by a new consumer that looks the partition up again (compacted: little to
+        read), and the newest batch acknowledged before the outage that no receipt covers is sent again: stored
+        past a hole it makes the next receipt show the hole; dropped as a repeat it makes the cloud publish its
+        receipt again.
         """
         self._broker_back.clear()
         self._recovering_until = time.monotonic() + _RECOVERING_S
-        for tp in consumer.assignment():
-            consumer.seek_to_beginning(tp)
+        consumer = self._read_receipts_afresh(consumer)
         before = [a for a in self.spool.acked() if a.acked_at < self._failing_since]
         if self._receipts_seen and before:
             self._resend(before[-1:], "the broker answers again after an outage and may have lost what it "
                                       "acknowledged last")
+        return consumer
+
+    def _read_receipts_afresh(self, consumer: Any) -> Any:
+        """A new receipt consumer in place of ``consumer``, assigned this device's partition as the broker has the
+        topic now and reading it from the start (after an outage, and with each probe: a topic deleted and made
+        again, with another number of partitions or offsets that restart, is followed)."""
+        _close_quietly(consumer)
+        consumer = self._receipt_consumer()
+        self._receipts_looked_up = float("-inf")
+        self._assign_receipts(consumer)
+        return consumer
 
     def _resend_overdue(self) -> bool:
         """Send again the newest acknowledged batch no receipt covered within ``receipt_timeout_s`` (a probe; see
@@ -678,15 +706,6 @@ def _partition_of(key: bytes, partitions: Any) -> int:
 
     ordered = sorted(partitions)
     return ordered[(murmur2(key) & 0x7FFFFFFF) % len(ordered)]
-
-
-def _rewind_if_past_end(consumer: Any) -> None:
-    """Read the receipts from the start again if the broker's log ends before the consumer's position (a broker
-    that lost records hands their offsets to new ones, which the consumer would otherwise skip)."""
-    for tp in consumer.assignment():
-        if consumer.position(tp) > consumer.end_offsets([tp])[tp]:
-            log.info("tunnel: the receipts topic ends before where this device read it; reading it again")
-            consumer.seek_to_beginning(tp)
 
 
 def _close_quietly(client: Any) -> None:

@@ -190,6 +190,51 @@ def test_a_topic_deleted_and_made_again_mid_run_loses_no_acknowledged_row(tmp_pa
     assert len(acked) == ROWS
     _audit(db, acked)
     assert sink.stats.rows_resent >= 3000  # what the deleted topic held and the cloud had not read
+    assert sink.stats.offsets_reused == 1  # the device saw the partition start again, no send having failed
+
+
+@pytest.mark.slow
+def test_a_receipts_topic_lost_with_the_broker_is_followed_where_it_is_made_again(tmp_path, private_broker):
+    """The broker goes down having lost the receipts topic (deleted here before the kill; noida-db loses a topic
+    made in its last second the same way) and the cloud's next receipt makes it again as the broker makes a topic
+    nobody created: one partition, so this device's receipts land on another partition than the one it read. After
+    the outage the device looks its partition up again and reads the receipts within seconds, not at its next
+    probe (``receipt_timeout_s`` 30 s here)."""
+    broker = private_broker
+    registry = KeyRegistry(tmp_path / "keys.json")
+    topic, db = f"receipts.{uuid.uuid4().hex[:12]}", tmp_path / "cloud.duckdb"
+    device = "phone-1"  # on partition 3 of the receipts topic's four; on 0 once it has one
+    cloud = _Cloud(db, registry, topic, broker.bootstrap)
+    sink = TunnelSink(device, registry.add(device), tmp_path / "spool", topic=topic, bootstrap=broker.bootstrap,
+                      linger_s=0.01, batch_rows=CHUNK, send_timeout_s=2.0, receipt_timeout_s=30.0)
+    try:
+        _write(sink, 0, 1000)
+        assert sink.wait_receipted(30), "the first receipts never came"
+        cloud.pause()
+        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap, **CLIENT_TIMEOUTS)
+        try:
+            admin.delete_topics([f"{topic}.receipts"])
+        finally:
+            admin.close()
+        time.sleep(1.5)  # noida-db writes its state about once a second: the deletion survives the kill
+        _kill(broker)
+        _write(sink, 1000, 1500)
+        time.sleep(3.0)  # past send_timeout_s: the sender fails while the broker is down, and sees it answer again
+        broker.up()
+        cloud.paused.clear()
+        _wait_acked(sink, 1500)
+        assert sink.wait_receipted(15), (f"no receipt read since the outage: {sink.spool.rows_held} rows wait for "
+                                         f"one; the cloud stored {cloud.consumer.stats.stored} rows and published "
+                                         f"{cloud.consumer.receipts.published} receipts")
+        consumer = KafkaConsumer(bootstrap_servers=broker.bootstrap, **CLIENT_TIMEOUTS)
+        try:
+            assert consumer.partitions_for_topic(f"{topic}.receipts") == {0}  # the case tested
+        finally:
+            consumer.close()
+    finally:
+        sink.close(timeout_s=5)
+        cloud.stop()
+    assert [seq for seq, _ in _stored(db)] == list(range(1500))
 
 
 def _receipt_values(bootstrap: str, topic: str, devices: tuple[str, ...] = ("phone-1",)) -> list[bytes]:
