@@ -147,10 +147,10 @@ def check_version(new: Manifest, current: Manifest | None, *, rollback: bool = F
         ...
         streamflow.deploy.errors.Downgrade: t@1: version 1 is older than 3, the highest this device has accepted
     """
-    kept = {v for v in kept if v is not None}
+    kept_versions = {v for v in kept if v is not None}
     if current is None or version_key(new.version) > version_key(current.version):
         if highest is not None and version_key(new.version) < version_key(highest) and not (
-                rollback and new.version in kept):
+                rollback and new.version in kept_versions):
             raise Downgrade(f"version {new.version} is older than {highest}, the highest this device has accepted",
                             bundle=new.label)
         return
@@ -159,9 +159,9 @@ def check_version(new: Manifest, current: Manifest | None, *, rollback: bool = F
     if not rollback:
         raise Downgrade(f"version {new.version} is older than the running {current.version} and the server did "
                         f"not mark it a rollback", bundle=new.label)
-    if new.version not in kept:
+    if new.version not in kept_versions:
         raise Downgrade(f"version {new.version} is older than the running {current.version} and not its kept "
-                        f"N-1 ({', '.join(sorted(kept, key=version_key)) or 'none'})",
+                        f"N-1 ({', '.join(sorted(kept_versions, key=version_key)) or 'none'})",
                         bundle=new.label)
 
 

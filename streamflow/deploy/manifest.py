@@ -60,14 +60,14 @@ def canonical_json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
-def version_key(version: str) -> tuple[int, ...]:
+def version_key(version: object) -> tuple[int, ...]:
     """A version's sort key: ``"3"`` < ``"3.1"`` < ``"10"``; ``ValueError`` for anything but dotted numbers."""
     if not isinstance(version, str) or not _VERSION.match(version):
         raise ValueError(f"version {version!r} must be 1 to 4 dot-separated numbers, e.g. 3 or 1.2.0")
     return tuple(int(part) for part in version.split("."))
 
 
-def check_task_name(task: str) -> str:
+def check_task_name(task: object) -> str:
     """``task`` if it is a usable task name (letters, digits, underscores), else ``ValueError``."""
     if not isinstance(task, str) or not _TASK.match(task):
         raise ValueError(f"task name {task!r} must be letters, digits and underscores (not starting with a digit)")

@@ -26,9 +26,10 @@ USER_HEADER = "X-Streamflow-User"
 DEPLOY_HEADER = "X-Streamflow-Deploy"
 
 
-def valid_version(value: str) -> str:
+def valid_version(value: object) -> str:
     """``value`` if it is a version (:func:`~streamflow.deploy.manifest.version_key`), else ``ValueError``."""
     version_key(value)
+    assert isinstance(value, str)  # (version_key refuses anything else)
     return value
 
 

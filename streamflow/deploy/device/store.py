@@ -167,7 +167,7 @@ class BundleStore:
         for version in self.installed(task):
             if version not in (state.current, state.previous):
                 shutil.rmtree(self.bundle_dir(task, version), ignore_errors=True)
-        keep = set()
+        keep: set[str] = set()
         for manifest_path in (self.root / "tasks").glob("*/*/" + MANIFEST):
             try:
                 keep.update(entry.sha256 for entry in Manifest.from_bytes(manifest_path.read_bytes()).files)

@@ -58,7 +58,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from streamflow.deploy.bundle import check_version, load_bundle_job, verify_manifest
 from streamflow.deploy.device.store import BundleStore
@@ -70,6 +70,7 @@ from streamflow.deploy.errors import (
     LocallyBlocked,
 )
 from streamflow.deploy.manifest import FileEntry, Limits, Manifest, check_task_name, version_key
+from streamflow.deploy.protocol import valid_version
 from streamflow.deploy.signing import TrustedKeys
 from streamflow.job import Job
 from streamflow.runners.device import DeviceRunner
@@ -190,7 +191,7 @@ class _Probation:
             self.cancelled = self.rollback is None
             return self.cancelled
 
-    def verdict(self, baseline: dict[str, tuple[int, int]]) -> str | bool | None:
+    def verdict(self, baseline: dict[str, tuple[int, int]]) -> str | Literal[True] | None:
         """A failure (why), True (every task ran ``firings`` times without raising), or None (not yet known)."""
         stats = self.runner.summary.task_stats
         passed = True
@@ -254,7 +255,10 @@ class Updater:
     def request(self, path: str, **options: Any) -> tuple[Any, list[Outcome]]:
         """Make an app request through the client (an :class:`AppClient`) carrying this device's task
         versions, and apply the directives its response carries; ``(response, outcomes)``."""
-        response, directives = self.client.request(path, tasks=self.versions(), **options)  # type: ignore[union-attr]
+        request = getattr(self.client, "request", None)  # an AppClient's; a bundles directory makes no requests
+        if request is None:
+            raise AttributeError(f"{type(self.client).__name__} makes no app requests (an AppClient does)")
+        response, directives = request(path, tasks=self.versions(), **options)
         return response, self.apply(directives)
 
     def apply(self, directives: Iterable[Mapping[str, Any]] | None, *, source: BundleSource | None = None
@@ -335,7 +339,7 @@ class Updater:
         probation = self._probation.get(task)
         if probation is not None:  # the version on probation is being replaced anyway
             if not probation.cancel():
-                return Outcome(task, version, "pending", f"{running.manifest.label} is being rolled back locally")
+                return Outcome(task, version, "pending", f"{probation.new.manifest.label} is being rolled back locally")
             del self._probation[task]
         watch = _Probation(self.runner, new, running, self.probation_firings) if kind == "update" else None
         if watch is not None:  # watching before the swap can apply: the verdict comes at the first safe point
@@ -356,6 +360,7 @@ class Updater:
             if source is None:
                 raise DirectiveInvalid("no client to fetch the bundle with", bundle=f"{task}@{version}")
             manifest_bytes, signature = source.fetch_manifest(directive)
+            fetch_file = source.fetch_file
             manifest = verify_manifest(manifest_bytes, signature, self.trusted)
             if (manifest.task, manifest.version) != (task, version):
                 raise DirectiveInvalid(f"the directive names {task}@{version} but its manifest is {manifest.label}",
@@ -364,7 +369,7 @@ class Updater:
         check_version(manifest, running.manifest if running else None, rollback=action == "rollback", kept=kept,
                       highest=state.highest)
         if not local:
-            self.store.install(manifest, signature, source.fetch_file)
+            self.store.install(manifest, signature, fetch_file)
             manifest = self.store.load(task, version)  # what runs is what is on disk, verified there
         return self._load(task, version, manifest)
 
@@ -418,7 +423,8 @@ class Updater:
             self.store.set_state(task, version, old.manifest.version if old else None)
             if old is not None:
                 self._previous[task] = old
-            self._probation[task] = pending.probation  # type: ignore[assignment]
+            if pending.probation is not None:  # (an update always has one)
+                self._probation[task] = pending.probation
         else:  # the server's rollback
             self.store.set_state(task, version, None)
             self._previous.pop(task, None)
@@ -486,8 +492,7 @@ def _parse_directive(directive: Any) -> tuple[str, str, str]:
         raise DirectiveInvalid(f"a directive is a JSON object, got {type(directive).__name__}")
     try:
         task = check_task_name(directive.get("task"))
-        version = directive.get("version")
-        version_key(version)
+        version = valid_version(directive.get("version"))
     except ValueError as exc:
         raise DirectiveInvalid(f"directive {dict(directive)!r}: {exc}") from None
     action = directive.get("action", "update")

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,10 @@ def version_order(version: str) -> tuple[int, ...] | None:
         return version_key(version)
     except ValueError:
         return None
+
+
+_ORDER: dict[str, Callable[[Any, Any], bool]] = {">=": operator.ge, "<=": operator.le, ">": operator.gt,
+                                                  "<": operator.lt}
 
 
 @dataclass(frozen=True)
@@ -108,9 +113,11 @@ class Rule:
             return have in self.values
         if self.op == "!=":
             return have not in self.values
+        compare = _ORDER[self.op]
         left, right = version_order(have), version_order(self.values[0])
-        a, b = (left, right) if left is not None and right is not None else (have, self.values[0])
-        return {">=": a >= b, "<=": a <= b, ">": a > b, "<": a < b}[self.op]
+        if left is not None and right is not None:
+            return compare(left, right)
+        return compare(have, self.values[0])  # not versions: as text
 
     def __str__(self) -> str:
         return f"{self.key}{self.op}{'|'.join(self.values)}"
@@ -239,7 +246,7 @@ class Policy:
             if want is None or want == version:
                 continue
             have, wanted = version_order(version), version_order(want)
-            action = "rollback" if have is not None and have > wanted else "update"
+            action = "rollback" if have is not None and wanted is not None and have > wanted else "update"
             out.append(policy.fragment(want, action))
         return out
 

@@ -128,7 +128,7 @@ class DeployServer:
         registry = registry or self.devices
         if registry is None:
             raise ValueError("tunnel reports are verified with the devices' keys: give the server a key registry")
-        options = {"topic": topic} if topic else {}
+        options: dict[str, Any] = {"topic": topic} if topic else {}
         self.tunnel_reader = TunnelReportReader(self.report_threadsafe, registry, bootstrap=bootstrap, **options)
 
     def report_threadsafe(self, device: str, task: str, version: str, ok: bool, reason: str) -> None:
@@ -272,7 +272,7 @@ class DeployServer:
     def _file(self, sha256: str, *, shared_only: bool) -> Path:
         info = self.store.file_info(sha256) if _SHA256.match(sha256) else None
         path = self.store.file_path(sha256) if info is not None else None
-        if path is None:
+        if path is None or info is None:
             raise web.HTTPNotFound(text=f"no file {sha256[:64]!r}")
         if shared_only and info.scope != "shared":
             raise web.HTTPNotFound(text=f"file {sha256} is exclusive: fetch it from /deploy/api/files/ with the "

@@ -54,9 +54,11 @@ class ReplaySimulator:
         return compare(new_label, old_rows, new_rows, self.max_changed_fraction)
 
     def _run(self, stored: StoredBundle, fetch: Callable[[str], bytes], dest: Path) -> tuple[dict, str]:
-        manifest = verify_manifest(stored.manifest, stored.signature, self.trusted)
+        trusted = self.trusted
+        assert trusted is not None  # (__call__ checked it)
+        manifest = verify_manifest(stored.manifest, stored.signature, trusted)
         installed = install_bundle(manifest, lambda entry: fetch(entry.sha256), dest, signature=stored.signature)
-        job = load_bundle_job(installed, load_installed(installed, self.trusted))
+        job = load_bundle_job(installed, load_installed(installed, trusted))
         return run_job(job, self.events), manifest.label
 
 

@@ -60,7 +60,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from streamflow.deploy.manifest import check_task_name
+from streamflow.deploy.manifest import check_task_name, version_key
 from streamflow.deploy.protocol import parse_pairs, valid_version
 from streamflow.deploy.release.policy import (
     Layer,
@@ -68,7 +68,6 @@ from streamflow.deploy.release.policy import (
     Target,
     TaskPolicy,
     cohort_point,
-    version_order,
 )
 from streamflow.deploy.release.state import ReleaseStore, StoredBundle
 
@@ -363,7 +362,7 @@ class ReleaseManager:
                 raise ReleaseError(f"task {task} has no stable version to roll back to: publish "
                                    f"{task}@{bundle.previous or '<previous>'} (the manifest's previous) or set one "
                                    "with `streamflow release pin`")
-            if version_order(version) <= version_order(stable):
+            if version_key(version) <= version_key(stable):  # (published versions are versions)
                 raise ReleaseError(f"{task}@{version} is not newer than the stable {task}@{stable}: a release "
                                    "moves forward; to go back, roll the newer one back")
             now = self.clock()
@@ -378,7 +377,7 @@ class ReleaseManager:
             self.store.add_event(release.release_id, now, "start", f"{task}@{version} over {task}@{stable}; "
                                  f"plan {plan.to_json()}")
         if plan.simulate and self.simulator is not None:
-            self._simulate(release, stable)  # outside the lock: it runs jobs
+            self._simulate(self.simulator, release, stable)  # outside the lock: it runs jobs
         with self._lock:
             if release.status == "refused":
                 return release
@@ -389,11 +388,13 @@ class ReleaseManager:
                 self._enter(release, "gray", 0, plan.steps[0], f"gray {plan.steps[0]:.0%}")
         return release
 
-    def _simulate(self, release: Release, stable: str) -> None:
+    def _simulate(self, simulator: Simulator, release: Release, stable: str) -> None:
         old = self.store.bundle(release.task, stable)
         new = self.store.bundle(release.task, release.version)
         try:
-            report = dict(self.simulator(old, new, self._stored_file))
+            if old is None or new is None:  # (both were published: start checked them)
+                raise LookupError(f"{release.task}@{stable} or @{release.version} is not in the store")
+            report = dict(simulator(old, new, self._stored_file))
         except Exception as exc:  # noqa: BLE001 - any failure of the new version refuses the release
             report = {"ok": False, "summary": f"simulation raised {type(exc).__name__}: {exc}"}
         with self._lock:
@@ -504,9 +505,9 @@ class ReleaseManager:
             done = [r for r in self.releases.values()
                     if r.task == task and r.status == "complete" and not r.plan.target.uniform]
             stable = self.stable.get(task)
-            stable_key = version_order(stable) if stable is not None else ()
+            stable_key = version_key(stable) if stable is not None else ()
             layers += [r.layer() for r in sorted(done, key=lambda r: r.seq, reverse=True)
-                       if version_order(r.version) > stable_key]
+                       if version_key(r.version) > stable_key]
             policies.append(TaskPolicy(task, stable, tuple(layers)))
         self.policy = Policy.build(policies)
 
@@ -687,7 +688,7 @@ class ReleaseManager:
                 tasks[task] = {"stable": self.stable.get(task), "devices": len(seen),
                                "versions": dict(sorted(self.counts.get(task, Counter()).items())),
                                "active": active.release_id if active else None,
-                               "published": sorted((v for t, v in self.bundles if t == task), key=version_order)}
+                               "published": sorted((v for t, v in self.bundles if t == task), key=version_key)}
             return {"now": self.clock(), "tasks": tasks,
                     "releases": [r.to_json() for r in sorted(self.releases.values(), key=lambda r: -r.seq)],
                     "blocked": [{"digest": d, "task": t, "version": v, "reason": why, "at": at}

@@ -75,7 +75,7 @@ def chart(samples: Sequence[Sequence[float]], width: int = 640, height: int = 18
 
     coverage = [(x(s[0]), y(s[3] / s[2] if s[2] else 0.0)) for s in samples]
     failure = [(x(s[0]), y(s[5] / s[4] if s[4] else 0.0)) for s in samples]
-    fraction = []
+    fraction: list[tuple[float, float]] = []
     for s in samples:
         if fraction:
             fraction.append((x(s[0]), fraction[-1][1]))
