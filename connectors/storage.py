@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import duckdb
-import numpy as np
+from numpy.typing import NDArray
 
 from connectors.json_values import to_json
 from connectors.row_buffer import RowBuffer, column_names, row_encoding_errors
@@ -152,7 +152,7 @@ class CollectiveStorage:
             if self._writer is not None and self._writer.outcomes:
                 self._settle()
 
-    def write_table(self, table: str, data: dict[str, np.ndarray]) -> None:
+    def write_table(self, table: str, data: dict[str, NDArray[Any]]) -> None:
         """Store ``data`` (NumPy columns of one length; text as object arrays of ``str``) in ``table`` now,
         after the rows buffered for it: one insert; rows the table refuses go to the dead letter, as
         :meth:`write`'s do (the device runner's batch mode writes so).
@@ -303,7 +303,7 @@ class CollectiveStorage:
         writer runs it, and the caller's thread counts the refusals (:meth:`_account_refusals`)."""
         return self._store_batches(table, buffer.to_batches, buffer.rows)
 
-    def _store_batches(self, table: str, batches: Callable[[], list[pa.Table | dict[str, np.ndarray]]],
+    def _store_batches(self, table: str, batches: Callable[[], list[pa.Table | dict[str, NDArray[Any]]]],
                        rows: Callable[[], Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
         """Insert ``batches()`` in one transaction, or, if they cannot be made or are refused, ``rows()`` one
         by one; the refused rows' dead letters."""
@@ -321,11 +321,11 @@ class CollectiveStorage:
             table, refused = outcomes.popleft()
             self._account_refusals(table, refused)
 
-    def _insert(self, table: str, *batches: pa.Table | dict[str, np.ndarray]) -> None:
+    def _insert(self, table: str, *batches: pa.Table | dict[str, NDArray[Any]]) -> None:
         """Insert the batches in one transaction: all of them or none."""
         self._transaction([(table, list(batches))], None)
 
-    def _insert_batches(self, table: str, batches: Iterable[pa.Table | dict[str, np.ndarray]]) -> None:
+    def _insert_batches(self, table: str, batches: Iterable[pa.Table | dict[str, NDArray[Any]]]) -> None:
         for batch in batches:
             with registered(self._con, "_sf_batch", batch):
                 columns = column_names(batch)

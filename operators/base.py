@@ -276,4 +276,5 @@ def generated(name: str, lines: list[str], namespace: dict[str, Any]) -> Callabl
         6
     """
     exec(compile("\n".join(lines), GENERATED_CODE, "exec"), namespace)
-    return namespace[name]
+    function: Callable[..., Any] = namespace[name]
+    return function

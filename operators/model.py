@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from operators.base import Group, Operator
 
@@ -73,7 +74,7 @@ class MemoryBudget:
         self._lock = threading.Lock()
         self._bytes = state["bytes"]
 
-    def __deepcopy__(self, memo: dict) -> MemoryBudget:
+    def __deepcopy__(self, memo: dict[int, Any]) -> MemoryBudget:
         return self
 
     def __copy__(self) -> MemoryBudget:
@@ -265,7 +266,7 @@ class Train(Operator):
         self._x, self._y = [], []
         return {"step": self.steps, "loss": float(loss.data), "examples": len(x)}
 
-    def _budgeted_step(self, model: GraphModel, x: np.ndarray) -> dict[str, Any]:
+    def _budgeted_step(self, model: GraphModel, x: NDArray[Any]) -> dict[str, Any]:
         if self._trainer is None:
             from engine.training import BudgetedTrainer
 

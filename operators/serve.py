@@ -65,7 +65,7 @@ class Serve(Operator):
             out.append((key, served))
         return out
 
-    def __deepcopy__(self, memo: dict) -> Serve:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Serve:
         twin = copy.copy(self)  # the client (threads, Kafka connections) is shared, not copied
         memo[id(self)] = twin
         return twin

@@ -90,7 +90,7 @@ class Event:
         """
         return self.contents.get(BEHAVIOR)
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         # A plain constructor call pickles several times faster than the slots dataclass default,
         # and runners that keep sequences in keyed state (Flink) pickle them on every event.
         return Event, (self.user_id, self.event_id, self.page_id, self.ts, self.contents)

@@ -215,12 +215,12 @@ def _events_file(events: Events, tmp: Path) -> Path | str:
     return path
 
 
-def _order(row: Mapping[str, Any]) -> tuple:
+def _order(row: Mapping[str, Any]) -> tuple[Any, ...]:
     """A sort key for rows of one table: values in column order, None first, numbers, strings, the rest."""
     return tuple(_value_order(v) for v in row.values())
 
 
-def _value_order(value: Any) -> tuple:
+def _value_order(value: Any) -> tuple[Any, ...]:
     if value is None:
         return (0, 0)
     if isinstance(value, (bool, int, float)) and not (isinstance(value, float) and math.isnan(value)):

@@ -177,10 +177,10 @@ class CloudStats:
     messages: int = 0
     stored: int = 0
     duplicates: int = 0
-    dead: Counter = field(default_factory=Counter)
+    dead: Counter[str] = field(default_factory=Counter)
     registered: int = 0
     resolved: int = 0  # parked envelopes opened again once their registration arrived
-    gaps: Counter = field(default_factory=Counter)  # per-device sequence gaps: noticed, filled, lost
+    gaps: Counter[str] = field(default_factory=Counter)  # per-device sequence gaps: noticed, filled, lost
     rows_lost: int = 0  # the numbers of the lost gaps
 
     @property
@@ -1169,6 +1169,7 @@ class CloudConsumer:
         arrives).
         """
         flowing = time.monotonic() - self._last_record < IDLE_AFTER_S
+        records: dict[Any, list[Any]]
         if self.idle_poll_s is None or flowing:
             records = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
         else:

@@ -635,7 +635,7 @@ class TunnelSink:
         """How long after the broker acknowledged ``batch`` a receipt's hole may send it again: time for the cloud
         to read it (a receipt older than the batch's last send still shows the hole), doubling per resend (a
         resend lost again, to the next kill of the broker say, is sent again within seconds, not in a storm)."""
-        return min(MAX_RECEIPT_TIMEOUT_S / 2, HOLE_GRACE_S * 2 ** self._resends.get(batch.first_seq, 0))
+        return min(MAX_RECEIPT_TIMEOUT_S / 2, HOLE_GRACE_S * (1 << self._resends.get(batch.first_seq, 0)))
 
     def _resend(self, batches: list[Acked], why: str) -> None:
         for a in batches:
@@ -700,7 +700,7 @@ class _TooBig(Exception):
     """An envelope over MAX_ENVELOPE_BYTES (raised before anything is numbered or stored)."""
 
 
-def _partition_of(key: bytes, partitions: Any) -> int:
+def _partition_of(key: bytes, partitions: Iterable[int]) -> int:
     """The partition Kafka's default partitioner gives ``key`` among ``partitions``."""
     from kafka.partitioner import murmur2
 

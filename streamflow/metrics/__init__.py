@@ -80,7 +80,8 @@ class MetricsServer:
 
         self._http = ThreadingHTTPServer((host, port), Handler)
         self._http.daemon_threads = True
-        self.host, self.port = self._http.server_address[:2]
+        bound, self.port = self._http.server_address[:2]
+        self.host = bound if isinstance(bound, str) else bound.decode()  # (an IPv4 address: a str)
         self._thread = threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True)
         self._thread.start()
 

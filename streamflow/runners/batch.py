@@ -85,7 +85,6 @@ from streamflow.keyed import KeyedStore
 from streamflow.runners.plan import BatchHost, RunPlan, TriggerTaskPlan
 from streamflow.sources import (
     ITEM_PAGE,
-    LineSource,
     PlainLines,
     SourcePosition,
     TaobaoBehaviorSource,
@@ -549,12 +548,12 @@ def _run_chunk(plan: RunPlan, source: TaobaoBehaviorSource, lines: PlainLines, c
     return dead, visits, outputs
 
 
-def run_batch(runner: BatchHost, source: LineSource, chunk_bytes: int | None = None) -> str | None:
+def run_batch(runner: BatchHost, source: object, chunk_bytes: int | None = None) -> str | None:
     """Run ``runner``'s job over ``source`` in batch mode, ``chunk_bytes`` of the file at a time (default
     :data:`CHUNK_BYTES`); ``None`` when it ran (rows written, summary counted), else why not (then nothing was
-    written or counted). Each chunk's rows are written before the next is read; from a chunk after the first
-    that batch mode cannot compute (a line taken only after trimming it, steps that do not run over its
-    columns) the file streams on, from the state the chunks before left."""
+    written or counted; any source but a Taobao CSV file is refused). Each chunk's rows are written before the
+    next is read; from a chunk after the first that batch mode cannot compute (a line taken only after trimming
+    it, steps that do not run over its columns) the file streams on, from the state the chunks before left."""
     plan = runner.plan()
     why = refusal(plan, source)
     if why is not None:

@@ -65,8 +65,9 @@ class TriggerTaskPlan:
     @property
     def steps(self) -> tuple[ElementStep, ...] | None:
         """The element steps after the first operator, or ``None`` if one of them is not a Filter or Map."""
-        steps = tuple(getattr(op, "element_step", None) for op in self.pipeline[1:])
-        return None if None in steps else steps  # type: ignore[return-value]
+        after = self.pipeline[1:]
+        steps = tuple(op.element_step for op in after if op.element_step is not None)
+        return steps if len(steps) == len(after) else None
 
 
 @dataclass(frozen=True)
