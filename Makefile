@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 CORE   := $(VENV)/.installed-core
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: run test lint java chromium bench clean broker-up broker-down
+.PHONY: run test lint typecheck java chromium bench clean broker-up broker-down
 
 # A Kafka-protocol broker on 127.0.0.1 for the tunnel (noida-db; any Kafka broker works, see docker/).
 BROKER_DIR  ?= .broker
@@ -60,12 +60,16 @@ run: $(CORE)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
+# mypy over streamflow/, operators/ and connectors/, as [tool.mypy] in pyproject.toml sets it (ARCHITECTURE.md, "Types").
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
 # Two pytest workers (xdist) where there are two cores: the suite mostly waits on brokers, JVMs and servers. A file
 # stays on one worker (its module fixtures start once); tests/conftest.py hands out the files with slow tests first.
 PYTEST_WORKERS ?= $(shell [ "$$(nproc)" -ge 2 ] && echo "-n 2 --dist loadfile --no-loadscope-reorder")
 
 # The tests get a broker of their own (a free port, a fresh data dir), stopped whatever pytest's outcome.
-test: lint java chromium flink-kafka-jars
+test: lint typecheck java chromium flink-kafka-jars
 	@dir=$$(mktemp -d); port=$$($(PY) -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'); \
 	$(VENV)/bin/noida-db up --data-dir $$dir --only kafka --kafka-port $$port --host 127.0.0.1 >/dev/null 2>&1 \
 	  || { echo "could not start the test broker (noida-db)"; exit 1; }; \
@@ -81,4 +85,4 @@ bench: $(STAMP)
 	$(PY) -m bench.deploy --quick
 
 clean:
-	rm -rf $(VENV) out .pytest_cache .ruff_cache
+	rm -rf $(VENV) out .pytest_cache .ruff_cache .mypy_cache

@@ -61,7 +61,7 @@ from streamflow.serve.messages import (
     reply_partition,
     short,
 )
-from streamflow.serve.policy import POLICIES, Choice, MDInference, Profile
+from streamflow.serve.policy import POLICIES, Choice, MDInference, Profile, RuleName
 
 if TYPE_CHECKING:
     import faust
@@ -88,7 +88,7 @@ class ServeConfig:
     temperature: float = 0.002
     alpha: float = 0.2
     explore: float = 0.02
-    rule: str = "expected"  # MDInference's model-choice rule: "expected" or "paper" (streamflow.serve.policy)
+    rule: RuleName = "expected"  # MDInference's model-choice rule: "expected" or "paper" (streamflow.serve.policy)
     seed: int = 0
     key_registry: Path | None = None
     skip_expired: bool = True
@@ -165,7 +165,7 @@ def load_server(config: ServeConfig) -> Server:
     if config.warm_up:
         zoo.warm_up([m.name for m in models])
     return Server(config, zoo, models, MDInference(config.temperature, config.alpha, config.explore,
-                                                          rule=config.rule),  # type: ignore[arg-type]
+                                                          rule=config.rule),
                   random.Random(config.seed),
                   KeyRegistry(settings(key_registry=config.key_registry).key_registry))
 
@@ -184,7 +184,7 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
         raise ValueError("the metrics are served on faust's web server: give --web-port and --metrics-port the same "
                          "port, or only one of them")
     port = config.metrics_port if config.metrics_port is not None else config.web_port
-    web = {"web_enabled": port is not None, "web_bind": "127.0.0.1", "web_host": "127.0.0.1"}
+    web: dict[str, Any] = {"web_enabled": port is not None, "web_bind": "127.0.0.1", "web_host": "127.0.0.1"}
     if port is not None:
         web["web_port"] = port
     app = faust.App(
@@ -193,7 +193,7 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
         producer_linger=0.0, consumer_auto_offset_reset="earliest", **web)
     if config.empty_fetch_pause_ms > 0:  # before the first topic: it builds the app's transport
         app.transport = pausing_transport(config.empty_fetch_pause_ms)(app.conf.broker_consumer, app)
-    raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
+    raw: dict[str, Any] = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
     requests = app.topic(REQUEST_TOPIC, partitions=1, **raw)
     replies = app.topic(REPLY_TOPIC, partitions=REPLY_PARTITIONS, **raw)
     dead_letters = app.topic(DEAD_LETTER_TOPIC, partitions=1, **raw)
@@ -230,8 +230,12 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
         sent = await replies.send(key=request.device.encode(), value=encode_reply(answer, key), partition=partition)
         if metrics is not None:
             metrics.replied(request.sent_ms, answer.inference_ms, answer.model)
-        sent.add_done_callback(lambda f: f.exception() or server.replies_sent.append(
-            (time.monotonic(), f.result().topic_partition.partition, f.result().offset)))
+
+        def delivered(f: asyncio.Future[Any]) -> None:
+            if not f.exception():
+                server.replies_sent.append((time.monotonic(), f.result().topic_partition.partition, f.result().offset))
+
+        asyncio.ensure_future(sent).add_done_callback(delivered)  # (faust's send gives a Future: handed back as is)
 
     async def handle(event: Any) -> None:
         server.consumed[event.message.partition] = event.message.offset + 1
@@ -240,7 +244,7 @@ def create_app(config: ServeConfig, server: Server | None = None) -> faust.App:
         except MessageError as exc:
             await dead_letter(event, exc)
             return
-        base = {"device": request.device, "request_id": request.request_id}
+        base: dict[str, Any] = {"device": request.device, "request_id": request.request_id}
         if request.policy not in POLICIES:
             count("error.policy")
             await reply(request, Reply(**base, status="error", detail=f"unknown policy {request.policy!r}"))
@@ -364,6 +368,9 @@ def served_models(config: ServeConfig) -> Sequence[str]:
 
     zoo = Zoo.load(config.zoo_path)
     return [zoo.get(n).name for n in config.models] if config.models else zoo.names
+
+
+app: faust.App  # (not set at import: the module's __getattr__ builds it)
 
 
 def __getattr__(name: str) -> Any:

@@ -73,7 +73,8 @@ def _line(rng: np.random.Generator, font: Any, width: float, form: bool, lengths
     else:
         indent = 4 * space if rng.random() < 0.1 else 0.0
         right = width * (float(rng.uniform(0.3, 1.0)) if rng.random() < 0.15 else 1.0)
-    words, x = [], indent
+    words: list[str] = []
+    x = indent
     while True:
         word = _word(rng)
         x += length(word) + space
@@ -104,11 +105,13 @@ def render_page(rng: np.random.Generator) -> np.ndarray:
     spacing = size * float(rng.uniform(1.8, 3.2) if form else rng.uniform(1.15, 1.8))
     y = margin + float(rng.uniform(-0.2, 0.2)) * PAGE * factor
     if rng.random() < 0.5:  # a heading
-        heading = ImageFont.load_default(size=int(size * rng.uniform(1.3, 2.0)))
+        heading_size = int(size * rng.uniform(1.3, 2.0))
+        heading = ImageFont.load_default(size=heading_size)
         draw.text((margin, y), " ".join(_word(rng) for _ in range(int(rng.integers(1, 5)))).title(),
                   font=heading, fill=ink)
-        y += heading.size * 1.8
-    width, lengths = side - margin - (side - PAGE * factor) / 2, {}
+        y += heading_size * 1.8
+    width = side - margin - (side - PAGE * factor) / 2
+    lengths: dict[str, float] = {}
     while y < side:
         if rng.random() < (0.25 if form else 0.08):  # a paragraph or section break
             y += spacing
@@ -143,7 +146,8 @@ def add_noise(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
     x = image.astype(np.float32)
     x = (x - 128.0) * float(rng.uniform(0.7, 1.1)) + 128.0 + float(rng.uniform(-25, 15))
-    x += rng.normal(0.0, float(rng.uniform(2.0, 14.0)), size=x.shape).astype(np.float32)
+    shape: tuple[int, ...] = x.shape
+    x += rng.normal(0.0, float(rng.uniform(2.0, 14.0)), size=shape).astype(np.float32)
     noisy = np.clip(np.rint(x), 0, 255).astype(np.uint8)
     if rng.random() < 0.5:
         buffer = io.BytesIO()

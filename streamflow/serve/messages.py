@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from connectors.tunnel.envelope import EnvelopeError, Keys, decode, encode
+from connectors.tunnel.envelope import Batch, EnvelopeError, Keys, decode, encode
 
 REQUEST_TOPIC = "serve.requests"
 REPLY_TOPIC = "serve.replies"
@@ -245,7 +245,7 @@ def short(value: Any) -> str:
     return text[:_REPR_CHARS] + "..." + size
 
 
-def _open(value: bytes | None, keys: Keys, kind: str):
+def _open(value: bytes | None, keys: Keys, kind: str) -> Batch:
     try:
         batch = decode(value, keys)
     except EnvelopeError as exc:

@@ -38,16 +38,26 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 log = logging.getLogger("streamflow.serve.netshim")
 
 METADATA_API_KEY = 3
 FIND_COORDINATOR_API_KEY = 10
 _REWRITTEN = (METADATA_API_KEY, FIND_COORDINATOR_API_KEY)
+T = TypeVar("T")
 OutageMode = Literal["drop", "stall"]
+_OUTAGE_MODES: tuple[OutageMode, ...] = ("drop", "stall")
+
+
+def _outage_mode(text: str) -> OutageMode:
+    """``text`` as an outage mode; ``ValueError`` if it is none."""
+    for mode in _OUTAGE_MODES:
+        if mode == text:
+            return mode
+    raise ValueError(f"an outage mode is 'drop' or 'stall', got {text!r}")
 
 
 @dataclass(frozen=True)
@@ -106,12 +116,12 @@ class KafkaShim:
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> KafkaShim:
         ready = threading.Event()
-        self._loop = asyncio.new_event_loop()
+        self._loop = loop = asyncio.new_event_loop()
 
         def run() -> None:
-            asyncio.set_event_loop(self._loop)
+            asyncio.set_event_loop(loop)
             ready.set()
-            self._loop.run_forever()
+            loop.run_forever()
 
         self._thread = threading.Thread(target=run, name="kafka-shim", daemon=True)
         self._thread.start()
@@ -137,7 +147,7 @@ class KafkaShim:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _call(self, coro, timeout: float = 10.0):
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
         assert self._loop is not None, "the shim is not started"
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
@@ -283,7 +293,7 @@ class _DelayedPipe:
     """Reads frames from one side, holds each for its delay (never overtaking), writes them to the other."""
 
     def __init__(self, shim: KafkaShim, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stream: str,
-                 transform):
+                 transform: Callable[[bytes], Awaitable[bytes]]):
         self.shim = shim
         self.reader = reader
         self.writer = writer
@@ -419,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             words = line.split()
             try:
                 if words[:1] == ["outage"] and len(words) == 3:
-                    shim.outage(float(words[1]), words[2])  # type: ignore[arg-type]
+                    shim.outage(float(words[1]), _outage_mode(words[2]))
                     print("ok", flush=True)
                 elif words[:1] == ["profile"] and len(words) == 4:
                     shim.set_profile(LinkProfile(float(words[1]), float(words[2]), int(words[3])))

@@ -95,8 +95,10 @@ def on_time_probability(budget_ms: float, profile: Profile, network_std_ms: floa
 
 
 class HasAccuracy(Protocol):
-    name: str
-    accuracy: float
+    @property
+    def name(self) -> str: ...
+    @property
+    def accuracy(self) -> float: ...
 
 
 @dataclass(frozen=True)
