@@ -1,6 +1,10 @@
 """Three jobs on streamflow's device runner vs the same jobs hand-written for Bytewax 0.21.1.
 
-``python -m bench.peers [--quick]``
+``python -m bench.peers [--quick] [--jobs ipv,windows,sessions]``
+
+``--jobs`` runs only the jobs named (default: all three, written to ``bench/results/peers.json``); a run of some
+of them writes its keys, the same keys, to ``peers_<jobs>.json`` instead (``peers_ipv.json``), so the full
+results stay as they were. Without ``ipv`` the start-up runs, the sample and the bare loop are skipped too.
 
 The jobs, each against its own Bytewax dataflow (the ``dev`` extra), over the same CSV:
 
@@ -62,6 +66,7 @@ with ``PYTHONDONTWRITEBYTECODE=1`` would otherwise compile streamflow's sources 
 
 from __future__ import annotations
 
+import argparse
 import compileall
 import os
 import random
@@ -402,9 +407,23 @@ def bare_loop_seconds(csv: Path, runs: int = 3) -> float:
     return median(seconds)
 
 
+JOBS = ("ipv", *(job.name for job in WINDOW_JOBS))
+
+
+def _jobs_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--jobs", default=",".join(JOBS),
+                        help=f"comma-separated jobs to run, of {', '.join(JOBS)} (default: all)")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args("Three jobs (ipv, windows, sessions): streamflow's device runner vs hand-written Bytewax "
-                      "dataflows.", argv)
+                      "dataflows.", argv, _jobs_option)
+    jobs = [name.strip() for name in args.jobs.split(",") if name.strip()]
+    unknown = sorted(set(jobs) - set(JOBS))
+    if unknown or not jobs:
+        raise SystemExit(f"--jobs: unknown {', '.join(unknown) or 'nothing'}; choose from {', '.join(JOBS)}")
+    window_jobs = [job for job in WINDOW_JOBS if job.name in jobs]
+    with_ipv = "ipv" in jobs
     given = argv if argv is not None else sys.argv[1:]
     rounds_given = any(arg == "--rounds" or arg.startswith("--rounds=") for arg in given)
     pairs = QUICK_PAIRS if args.quick and not rounds_given else args.rounds
@@ -421,19 +440,35 @@ def main(argv: list[str] | None = None) -> None:
         one_line.write_text(lines[0] + "\n", encoding="utf-8")
         log(f"inputs: the sample ({len(lines):,} lines) and {copies} shifted copies ({large_lines:,} lines, {bad} of "
             "them bad)")
-        sf_start, bw_start = startup(one_line, STARTUP_RUNS[args.quick], tmp)
-        log(f"start-up (one-line input): streamflow {sf_start:.2f} s, bytewax {bw_start:.2f} s")
-        small = None if args.quick else compare(TAOBAO_SAMPLE, len(lines), pairs, tmp, "10k")
-        big = compare(large, large_lines, pairs, tmp, "large")
+        if with_ipv:
+            sf_start, bw_start = startup(one_line, STARTUP_RUNS[args.quick], tmp)
+            log(f"start-up (one-line input): streamflow {sf_start:.2f} s, bytewax {bw_start:.2f} s")
+            small = None if args.quick else compare(TAOBAO_SAMPLE, len(lines), pairs, tmp, "10k")
+            big = compare(large, large_lines, pairs, tmp, "large")
         windowed = {job.name: compare_windows(job, large, large_lines, pairs, tmp, default_mode=True)
-                    for job in WINDOW_JOBS}
-        in_time = tmp / "large_time_ordered.csv"
-        time_ordered(large, in_time)
-        log("the window jobs over the same lines in time order")
-        time_windowed = {job.name: compare_windows(job, in_time, large_lines, pairs, tmp) for job in WINDOW_JOBS}
-        bare_s = bare_loop_seconds(large)
+                    for job in window_jobs}
+        time_windowed = {}
+        if window_jobs:
+            in_time = tmp / "large_time_ordered.csv"
+            time_ordered(large, in_time)
+            log("the window jobs over the same lines in time order")
+            time_windowed = {job.name: compare_windows(job, in_time, large_lines, pairs, tmp) for job in window_jobs}
+        if with_ipv:
+            bare_s = bare_loop_seconds(large)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    per_job = {
+        **{key: value for name, result in windowed.items() for key, value in job_metrics(name, result).items()},
+        **{key: value for name, result in time_windowed.items()
+           for key, value in job_metrics(f"{name}_time_ordered", result).items()},
+        "pairs": pairs,
+        "cpu_count": cpu_count(),
+        "quick": args.quick,
+    }
+    name = "peers" if set(jobs) == set(JOBS) else "peers_" + "_".join(job for job in JOBS if job in jobs)
+    if not with_ipv:
+        finish(name, per_job, quick=args.quick)
+        return
 
     def after_startup(result: dict[str, Any], ours: bool) -> float | None:
         seconds = result["wall_s"] - sf_start if ours else result["bytewax_wall_s"] - bw_start
@@ -476,14 +511,9 @@ def main(argv: list[str] | None = None) -> None:
         "target_peak_mb_met": big["peak_mb"] <= big["bytewax_peak_mb"],
         # per job, ours with --mode streaming (the ipv job's ipv_* keys too: its streaming process)
         **job_metrics("ipv", big),
-        **{key: value for name, result in windowed.items() for key, value in job_metrics(name, result).items()},
-        **{key: value for name, result in time_windowed.items()
-           for key, value in job_metrics(f"{name}_time_ordered", result).items()},
-        "pairs": pairs,
-        "cpu_count": cpu_count(),
-        "quick": args.quick,
+        **per_job,
     }
-    finish("peers", metrics, quick=args.quick)
+    finish(name, metrics, quick=args.quick)
 
 
 if __name__ == "__main__":
