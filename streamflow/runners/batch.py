@@ -82,9 +82,11 @@ from streamflow.columnar import (
 )
 from streamflow.events import PAGE_ENTER, PAGE_EXIT, Rejected, TimestampGuard
 from streamflow.keyed import KeyedStore
+from streamflow.runners.batch_jsonl import run_jsonl_batch, trigger_page
 from streamflow.runners.plan import BatchHost, RunPlan, TriggerTaskPlan
 from streamflow.sources import (
     ITEM_PAGE,
+    JsonLinesSource,
     PlainLines,
     SourcePosition,
     TaobaoBehaviorSource,
@@ -108,8 +110,9 @@ SAMPLE_FIRINGS = 16
 def refusal(plan: RunPlan, source: Any) -> str | None:
     """Why batch mode cannot run the job of ``plan`` (:meth:`DeviceRunner.plan()
     <streamflow.runners.device.DeviceRunner.plan>`) over ``source`` (before reading it), or ``None``."""
-    if not isinstance(source, TaobaoBehaviorSource):
-        return f"the input is not a Taobao CSV file but {type(source).__name__}"
+    jsonl = isinstance(source, JsonLinesSource) and source._lines is None
+    if not isinstance(source, TaobaoBehaviorSource) and not jsonl:
+        return f"the input is not a Taobao CSV or JSON-lines file but {type(source).__name__}"
     settings = {"checkpoints": plan.checkpoint_interval_s, "a state TTL": plan.state_ttl_s or source.state_ttl_s,
                 "a cap on users": plan.max_users, "the tunnel": plan.tunnel,
                 "latency recording": plan.record_latency, "stream tasks": plan.streams,
@@ -120,7 +123,9 @@ def refusal(plan: RunPlan, source: Any) -> str | None:
             return f"the run has {what}"
     for name, trigger in plan.triggers.items():
         task = trigger.task
-        if task.input != "page" or tuple(task.trigger) != (ITEM_PAGE,):
+        if jsonl and (task.input != "page" or trigger_page(trigger) is None):  # (runners/batch_jsonl.py)
+            return f"task {name} does not fire on a page's exit over the page"
+        if not jsonl and (task.input != "page" or tuple(task.trigger) != (ITEM_PAGE,)):
             return f"task {name} does not fire on the item page's exit over the page"
         why = _pipeline_refusal(trigger)
         if why is not None:
@@ -257,7 +262,7 @@ def guarded_lines(lines: PlainLines, users: TextColumn, guard: TimestampGuard, s
     data, begin, end = lines.fields.data, lines.fields.starts[at, 0].tolist(), lines.fields.ends[at, -1].tolist()
     return accepted, DeadLetters([source] * len(refused), lines.line_numbers[at].tolist(),
                                  [reasons[i] for i in refused],
-                                 [data[b:e].decode("ascii") for b, e in zip(begin, end, strict=True)])
+                                 [data[b:e].decode("utf-8") for b, e in zip(begin, end, strict=True)])
 
 
 def page_visits(columns: dict[str, Any], gap: float, ranks: np.ndarray | None = None) -> PageVisits:
@@ -558,6 +563,8 @@ def run_batch(runner: BatchHost, source: object, chunk_bytes: int | None = None)
     why = refusal(plan, source)
     if why is not None:
         return why
+    if isinstance(source, JsonLinesSource):  # one event a line: the pages are the events' own
+        return run_jsonl_batch(runner, plan, source, chunk_bytes or CHUNK_BYTES, guarded_lines)
     assert isinstance(source, TaobaoBehaviorSource)  # refusal() said so
     carried, written, lines_before, lines_after = _Carried(), False, 0, 0
     for lines in source.plain_chunks(chunk_bytes or CHUNK_BYTES):

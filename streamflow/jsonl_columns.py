@@ -1,0 +1,276 @@
+"""A JSON-lines file's events as NumPy columns, a chunk at a time (the device runner's batch mode reads so).
+
+The JSON-lines counterpart of :mod:`streamflow.csv_columns`: each line of
+:class:`~streamflow.sources.JsonLinesSource` is one event, and a chunk's events become text columns
+(:class:`~streamflow.columnar.TextColumn`: ``user_id``, ``event_id``, ``page_id`` and the ``contents`` keys
+asked for) and a float64 ``ts``, in line order, with each event's line number and where its line lies in the
+chunk's bytes (for the dead letters the timestamp guard makes).
+
+Two parsers, one result. Plain lines (printable ASCII, no backslash, ``{`` first and ``}`` last) go to pyarrow's
+JSON reader (a core dependency) with an explicit schema, a few thousand at a time; the lines it refuses (its error
+names the row), and every line it takes where the streaming parser could decide otherwise (a missing or null id or
+``ts``, an empty id, ``|ts| >= 1e15``, a missing or null ``contents`` key asked for), go through the streaming
+run's own reader (:meth:`~streamflow.sources.LineSource.read_line`), line by line: a line it rejects is the same
+:class:`~streamflow.events.Rejected` (reason, line number, text) as when streaming, a line it takes joins the
+columns. pyarrow takes only objects whose ids and ``ts`` have the schema's types, so a value it reads is the
+value ``json.loads`` reads (an integer id is read line by line: the streaming parser makes it text).
+
+A ``contents`` key asked for whose value is not text (missing, null, a number) is marked in ``odd``: the batch
+mode cannot hold it in a text column.
+
+Example:
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "e.jsonl")
+    >>> _ = open(path, "w").write('{"user_id": "u", "event_id": "page_enter", "page_id": "item", "ts": 1511848894,'
+    ...                           ' "contents": {"item_id": "9"}}\\n{"user_id": "u"}\\n\\n'
+    ...                           '{"user_id": 7, "event_id": "fav", "page_id": "item", "ts": 1511848900}\\n')
+    >>> (chunk,) = json_chunks(path, "e.jsonl", ["item_id"], 1 << 20)
+    >>> chunk.line_numbers.tolist(), chunk.text("user_id"), chunk.text("item_id"), chunk.odd.tolist()
+    ([1, 4], ['u', '7'], ['9', ''], [False, True])
+    >>> [(r.line, r.reason) for r in chunk.rejected]
+    [(2, 'missing field: event_id, page_id, ts')]
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from streamflow.columnar import TextColumn
+from streamflow.csv_columns import Fields
+from streamflow.events import Event, Rejected
+from streamflow.sources import JsonLinesSource
+
+_NEWLINE, _OPEN, _CLOSE, _BACKSLASH = 10, ord("{"), ord("}"), ord("\\")
+#: Lines pyarrow parses at a time once a chunk holds a line it refuses (each refusal parses the rest of its piece
+#: again).
+PIECE_LINES = 2048
+#: Event attributes read as text columns (``contents`` keys are asked for by name).
+ID_FIELDS = ("user_id", "event_id", "page_id")
+_ROW = re.compile(r"in row (\d+)")
+#: The largest ``|ts|`` pyarrow's value is taken for (``event_from_json`` refuses an integer of more digits).
+_TS_BOUND = 1e15
+
+
+@dataclass
+class JsonChunk:
+    """A chunk's events as columns, in line order, and its lines the parser rejected.
+
+    ``columns``: ``user_id``, ``event_id``, ``page_id`` and each ``contents`` key asked for as text (``""`` where
+    ``odd``), ``ts`` as float64. ``fields`` gives each event's line (one field: the whole line) in ``data``, as
+    :func:`streamflow.runners.batch.guarded_lines` reads it."""
+
+    columns: dict[str, Any]
+    line_numbers: np.ndarray
+    fields: Fields
+    #: Events with a ``contents`` key asked for whose value is not text.
+    odd: np.ndarray
+    rejected: list[Rejected] = field(default_factory=list)
+    last: bool = True
+    lines_before: int = 0
+    last_line: int = 0
+
+    @property
+    def ts(self) -> np.ndarray:
+        ts: np.ndarray = self.columns["ts"]
+        return ts
+
+    def __len__(self) -> int:
+        return len(self.line_numbers)
+
+    def text(self, name: str) -> list[str]:
+        """Text column ``name`` as a list (tests, examples)."""
+        column = self.columns[name]
+        values: list[str] = column.dictionary[column.codes].tolist()
+        return values
+
+
+def json_chunks(path: Any, name: str, contents_keys: Sequence[str], chunk_bytes: int) -> Iterator[JsonChunk | str]:
+    """The file at ``path`` (a JSON-lines source named ``name``) a chunk of about ``chunk_bytes`` bytes at a time
+    (whole lines, cut after a line break, line numbers counted on), each as a :class:`JsonChunk`; a chunk that
+    cannot be read so gives the reason instead (a lone carriage return), and nothing more is read."""
+    lines_before, rest = 0, b""
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        while True:
+            block = file.read(max(chunk_bytes, 1))
+            data = rest + block
+            if not data:
+                return
+            cut = data.rfind(b"\n") + 1 if block else len(data)
+            if not cut:
+                rest = data
+                continue
+            data, rest = data[:cut], data[cut:]
+            last = not rest and file.tell() >= size
+            chunk = json_chunk(data, name, contents_keys, lines_before)
+            if isinstance(chunk, str):
+                yield chunk
+                return
+            lines_before += data.count(b"\n") + (not data.endswith(b"\n"))
+            chunk.last, chunk.last_line = last, lines_before
+            yield chunk
+            if last:
+                return
+
+
+def _schema(contents_keys: Sequence[str]) -> Any:
+    import pyarrow as pa
+
+    fields = [(name, pa.string()) for name in ID_FIELDS] + [("ts", pa.float64())]
+    if contents_keys:
+        fields.append(("contents", pa.struct([(key, pa.string()) for key in contents_keys])))
+    return pa.schema(fields)
+
+
+def json_chunk(data: bytes, name: str, contents_keys: Sequence[str], lines_before: int = 0) -> JsonChunk | str:
+    """One chunk (whole lines of the file after its first ``lines_before``) as a :class:`JsonChunk`, or why not."""
+    if b"\r" in data:
+        data = data.replace(b"\r\n", b"\n")
+        if b"\r" in data:
+            return "a lone carriage return"
+    if not data.endswith(b"\n"):
+        data += b"\n"
+    buf = np.frombuffer(data, dtype=np.uint8)
+    ends = np.flatnonzero(buf == _NEWLINE)
+    starts = np.empty_like(ends)
+    starts[:1] = 0
+    starts[1:] = ends[:-1] + 1
+    lengths = ends - starts
+    nonempty = lengths > 0
+    plain = nonempty.copy()
+    plain[nonempty] = (buf[starts[nonempty]] == _OPEN) & (buf[ends[nonempty] - 1] == _CLOSE)
+    odd_byte = (buf < 0x20) | (buf > 0x7E) | (buf == _BACKSLASH)
+    odd_byte[ends] = False
+    plain[np.unique(np.searchsorted(ends, np.flatnonzero(odd_byte)))] = False
+    fast = np.flatnonzero(plain)
+    values, slow = _parse_plain(buf, starts[fast], ends[fast], contents_keys)
+    slow_lines = np.sort(np.concatenate([fast[slow], np.flatnonzero(nonempty & ~plain)]))
+    # The other lines, as the streaming run reads them: a rejection, or an event that joins the columns.
+    reader = JsonLinesSource.from_lines([], name=name)
+    rejected: list[Rejected] = []
+    taken: list[int] = []
+    events: list[Event] = []
+    for i in slow_lines.tolist():
+        record = reader.read_line(lines_before + i + 1, data[starts[i]:ends[i]].decode("utf-8", "surrogateescape"))
+        if record is None:
+            continue
+        if type(record) is Rejected:
+            rejected.append(record)
+        else:
+            taken.append(i)
+            events.append(record)
+    good = np.ones(len(fast), dtype=bool)
+    good[slow] = False
+    rows = np.concatenate([fast[good], np.array(taken, dtype=fast.dtype)])
+    order = np.argsort(rows, kind="stable")
+    rows = rows[order]
+    columns: dict[str, Any] = {}
+    odd = np.zeros(len(rows), dtype=bool)
+    for key in (*ID_FIELDS, *contents_keys):
+        if key in ID_FIELDS:
+            extra = [getattr(event, key) for event in events]
+        else:
+            raw = [event.contents.get(key) for event in events]
+            extra = [value if type(value) is str else "" for value in raw]
+            odd[len(rows) - len(events):] |= np.array([type(value) is not str for value in raw], dtype=bool)
+        columns[key] = _text(values[key][good] if len(values[key]) else values[key], extra, order)
+    odd = odd[order] if len(events) else odd
+    ts = np.concatenate([values["ts"][good], np.array([event.ts for event in events], dtype=np.float64)])
+    columns["ts"] = ts[order]
+    fields = Fields(data, buf, starts[rows][:, None], ends[rows][:, None])
+    return JsonChunk(columns, rows + 1 + lines_before, fields, odd, rejected, lines_before=lines_before)
+
+
+def _text(fast: Any, extra: list[str], order: np.ndarray) -> TextColumn:
+    """A text column of ``fast`` (an object array) then ``extra``, in ``order``."""
+    values = np.concatenate([fast, np.array(extra, dtype=object)]) if extra else fast
+    values = values[order]
+    if not len(values):
+        return TextColumn(np.empty(0, dtype=np.int64), np.empty(0, dtype=object))
+    dictionary, codes = np.unique(values.astype(str), return_inverse=True)
+    return TextColumn(codes.astype(np.int64).ravel(), dictionary.astype(object))
+
+
+def _parse_plain(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, contents_keys: Sequence[str]
+                 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """pyarrow's reading of the plain lines ``[starts, ends)`` of ``buf``: the values per field (object arrays of
+    ``str``, ``ts`` float64; meaningless where slow) and the indices of the lines to read line by line instead."""
+    keys = (*ID_FIELDS, *contents_keys)
+    n = len(starts)
+    values: dict[str, np.ndarray] = {key: np.empty(n, dtype=object) for key in keys}
+    values["ts"] = np.zeros(n)
+    slow = np.zeros(n, dtype=bool)
+    if not n:
+        return values, np.flatnonzero(slow)
+    # The plain lines, each with its newline, back to back.
+    keep = np.zeros(len(buf) + 1, dtype=np.int32)
+    np.add.at(keep, starts, 1)
+    np.add.at(keep, ends + 1, -1)
+    text = buf[np.cumsum(keep[:-1]) > 0].tobytes()
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(ends - starts + 1)
+    schema = _schema(contents_keys)
+    pending = [(0, n, True)]
+    while pending:
+        lo, hi, threads = pending.pop()
+        if lo >= hi:
+            continue
+        table, error_row = _read(text[offsets[lo]:offsets[hi]], schema, threads)
+        if table is not None and table.num_rows == hi - lo:
+            _take(table, lo, hi, values, slow, contents_keys)
+        elif table is not None or error_row is None or error_row >= hi - lo:
+            if threads and hi - lo > PIECE_LINES:  # the whole chunk at once failed: a piece at a time
+                pending += [(a, min(a + PIECE_LINES, hi), False) for a in range(lo, hi, PIECE_LINES)][::-1]
+            else:
+                slow[lo:hi] = True  # a line holds two values, or pyarrow names no row: every line on its own
+        elif threads and hi - lo > PIECE_LINES:
+            pending += [(a, min(a + PIECE_LINES, hi), False) for a in range(lo, hi, PIECE_LINES)][::-1]
+        else:
+            slow[lo + error_row] = True
+            pending += [(lo + error_row + 1, hi, False), (lo, lo + error_row, False)]
+    return values, np.flatnonzero(slow)
+
+
+def _read(text: bytes, schema: Any, threads: bool) -> tuple[Any, int | None]:
+    """pyarrow's table of ``text``, or ``(None, the row it names in its error)``."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    try:
+        table = pj.read_json(io.BytesIO(text), read_options=pj.ReadOptions(use_threads=threads,
+                                                                           block_size=max(len(text), 1 << 20)),
+                             parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+        found = _ROW.search(str(exc))
+        return None, int(found.group(1)) if found else None
+    return table, None
+
+
+def _take(table: Any, lo: int, hi: int, values: dict[str, np.ndarray], slow: np.ndarray,
+          contents_keys: Sequence[str]) -> None:
+    """pyarrow's rows of lines ``[lo, hi)`` into ``values``; where the streaming parser could decide otherwise,
+    the line is marked slow."""
+    import pyarrow.compute as pc
+
+    doubt = np.zeros(hi - lo, dtype=bool)
+    for key in ID_FIELDS:
+        column = table.column(key)
+        doubt |= np.asarray(pc.fill_null(pc.equal(pc.utf8_length(column), 0), True))
+        values[key][lo:hi] = column.to_numpy(zero_copy_only=False)
+    ts = table.column("ts")
+    values["ts"][lo:hi] = np.asarray(pc.fill_null(ts, 0.0))
+    doubt |= np.asarray(ts.is_null()) | ~(np.abs(values["ts"][lo:hi]) < _TS_BOUND)
+    if contents_keys:
+        contents = table.column("contents").combine_chunks()
+        for key in contents_keys:
+            column = pc.struct_field(contents, [key]) if len(contents) else contents
+            doubt |= np.asarray(column.is_null()) if len(contents) else doubt
+            values[key][lo:hi] = column.to_numpy(zero_copy_only=False) if len(contents) else []
+    slow[lo:hi] |= doubt
