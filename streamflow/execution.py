@@ -278,7 +278,7 @@ class TriggerTasks(KeyedProcessFunction):
                 self.on_event(event, ctx)
             return
         open_pages = ctx.state_data("open_page")
-        firing, side = execution._firing, ctx.side
+        fire, side = execution.fire, ctx.side
         state = trie.initial_state()
         steps, exit_steps = state.steps, state.exit_steps
         for event in events:
@@ -306,29 +306,15 @@ class TriggerTasks(KeyedProcessFunction):
             if not fired:
                 continue
             ctx.key = event.user_id
-            if len(fired) == 1:  # TaskExecution.fire inline (a call and a tuple less per firing): the same rows
-                name = fired[0]
-                run, stats, sink = firing[name]
-                try:
-                    rows = run(page if kind == PAGE_EXIT else list(page))
-                except Exception as exc:
-                    table, rows = execution.settle(name, event, exc)
-                    for row in rows:
-                        side(table, row)
-                    if trie.initial_state() is not state:  # the task was quarantined: the trie changed
-                        state = trie.initial_state()
-                        steps, exit_steps = state.steps, state.exit_steps
-                    continue
-                stats.fired += 1
-                stats.consecutive_errors = 0
-                stats.rows += len(rows)
+            if len(fired) == 1:
+                table, rows = fire(fired[0], event, page if kind == PAGE_EXIT else list(page))
                 for row in rows:
-                    side(sink, {"user_id": event.user_id, "trigger_ts": event.ts, **row})
+                    side(table, row)
             else:
                 self._run(event, fired, [list(page) for _ in fired], ctx)
-                if trie.initial_state() is not state:  # a task was quarantined: the trie changed
-                    state = trie.initial_state()
-                    steps, exit_steps = state.steps, state.exit_steps
+            if trie.initial_state() is not state:  # a task was quarantined: the trie changed
+                state = trie.initial_state()
+                steps, exit_steps = state.steps, state.exit_steps
 
     def _run(self, event: Event, fired: tuple[str, ...], inputs: list[list[Any]], ctx: Any) -> None:
         """Run the tasks ``fired`` by ``event`` over their ``inputs``; their rows (or errors) as side outputs."""
