@@ -42,15 +42,15 @@ from typing import Any
 
 import numpy as np
 
-from streamflow.columnar import TextColumn
+from streamflow.columnar import TextColumn, select_rows
 from streamflow.csv_columns import Fields
 from streamflow.events import Event, Rejected
 from streamflow.sources import JsonLinesSource
 
 _NEWLINE, _OPEN, _CLOSE, _BACKSLASH = 10, ord("{"), ord("}"), ord("\\")
-#: Lines pyarrow parses at a time once a chunk holds a line it refuses (each refusal parses the rest of its piece
-#: again).
-PIECE_LINES = 2048
+#: Lines pyarrow parses at a time (one line it refuses makes it parse the rest of their piece again; the row it names
+#: is the piece's).
+PIECE_LINES = 1024
 #: Event attributes read as text columns (``contents`` keys are asked for by name).
 ID_FIELDS = ("user_id", "event_id", "page_id")
 _ROW = re.compile(r"in row (\d+)")
@@ -150,7 +150,7 @@ def json_chunk(data: bytes, name: str, contents_keys: Sequence[str], lines_befor
     odd_byte[ends] = False
     plain[np.unique(np.searchsorted(ends, np.flatnonzero(odd_byte)))] = False
     fast = np.flatnonzero(plain)
-    values, slow = _parse_plain(buf, starts[fast], ends[fast], contents_keys)
+    parsed, fast_ts, slow = _parse_plain(buf, plain, starts[fast], ends[fast], contents_keys)
     slow_lines = np.sort(np.concatenate([fast[slow], np.flatnonzero(nonempty & ~plain)]))
     # The other lines, as the streaming run reads them: a rejection, or an event that joins the columns.
     reader = JsonLinesSource.from_lines([], name=name)
@@ -180,97 +180,125 @@ def json_chunk(data: bytes, name: str, contents_keys: Sequence[str], lines_befor
             raw = [event.contents.get(key) for event in events]
             extra = [value if type(value) is str else "" for value in raw]
             odd[len(rows) - len(events):] |= np.array([type(value) is not str for value in raw], dtype=bool)
-        columns[key] = _text(values[key][good] if len(values[key]) else values[key], extra, order)
-    odd = odd[order] if len(events) else odd
-    ts = np.concatenate([values["ts"][good], np.array([event.ts for event in events], dtype=np.float64)])
+        columns[key] = _text(select_rows(parsed[key], good), extra, order)
+    odd = odd[order]
+    ts = np.concatenate([fast_ts[good], np.array([event.ts for event in events], dtype=np.float64)])
     columns["ts"] = ts[order]
     fields = Fields(data, buf, starts[rows][:, None], ends[rows][:, None])
     return JsonChunk(columns, rows + 1 + lines_before, fields, odd, rejected, lines_before=lines_before)
 
 
-def _text(fast: Any, extra: list[str], order: np.ndarray) -> TextColumn:
-    """A text column of ``fast`` (an object array) then ``extra``, in ``order``."""
-    values = np.concatenate([fast, np.array(extra, dtype=object)]) if extra else fast
-    values = values[order]
-    if not len(values):
-        return TextColumn(np.empty(0, dtype=np.int64), np.empty(0, dtype=object))
-    dictionary, codes = np.unique(values.astype(str), return_inverse=True)
-    return TextColumn(codes.astype(np.int64).ravel(), dictionary.astype(object))
+def _text(fast: TextColumn, extra: list[str], order: np.ndarray) -> TextColumn:
+    """A text column of ``fast``'s rows then ``extra``, in ``order``."""
+    if not extra:
+        return TextColumn(fast.codes[order], fast.dictionary)
+    return select_rows(_append(fast, extra), order)
 
 
-def _parse_plain(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, contents_keys: Sequence[str]
-                 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """pyarrow's reading of the plain lines ``[starts, ends)`` of ``buf``: the values per field (object arrays of
-    ``str``, ``ts`` float64; meaningless where slow) and the indices of the lines to read line by line instead."""
+def _append(column: TextColumn, strings: list[str]) -> TextColumn:
+    dictionary = column.dictionary.tolist()
+    index = {value: code for code, value in enumerate(dictionary)}
+    codes = np.fromiter((index.setdefault(value, len(index)) for value in strings), np.int64, len(strings))
+    if len(index) > len(dictionary):
+        dictionary = list(index)
+    return TextColumn(np.concatenate([column.codes, codes]), np.array(dictionary, dtype=object))
+
+
+def _parse_plain(buf: np.ndarray, plain: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                 contents_keys: Sequence[str]) -> tuple[dict[str, TextColumn], np.ndarray, np.ndarray]:
+    """pyarrow's reading of the plain lines (``plain``: which lines; ``[starts, ends)``: where those lie in
+    ``buf``): per field a text column of every plain line (meaningless where slow), ``ts`` float64, and the
+    indices (among the plain lines) of those to read line by line instead. No value becomes a Python object but
+    the dictionaries' (nor goes through pyarrow's ``to_numpy``, which imports pandas)."""
     keys = (*ID_FIELDS, *contents_keys)
     n = len(starts)
-    values: dict[str, np.ndarray] = {key: np.empty(n, dtype=object) for key in keys}
-    values["ts"] = np.zeros(n)
     slow = np.zeros(n, dtype=bool)
     if not n:
-        return values, np.flatnonzero(slow)
-    # The plain lines, each with its newline, back to back.
-    keep = np.zeros(len(buf) + 1, dtype=np.int32)
-    np.add.at(keep, starts, 1)
-    np.add.at(keep, ends + 1, -1)
-    text = buf[np.cumsum(keep[:-1]) > 0].tobytes()
+        empty = TextColumn(np.empty(0, dtype=np.int64), np.empty(0, dtype=object))
+        return dict.fromkeys(keys, empty), np.zeros(0), np.flatnonzero(slow)
+    text = buf[np.repeat(plain, np.diff(np.append(-1, np.flatnonzero(buf == _NEWLINE))))].tobytes()
     offsets = np.zeros(n + 1, dtype=np.int64)
     offsets[1:] = np.cumsum(ends - starts + 1)
     schema = _schema(contents_keys)
-    pending = [(0, n, True)]
+    tables: list[tuple[int, int, Any]] = []
+    pending = [(a, min(a + PIECE_LINES, n)) for a in range(0, n, PIECE_LINES)][::-1]
     while pending:
-        lo, hi, threads = pending.pop()
+        lo, hi = pending.pop()
         if lo >= hi:
             continue
-        table, error_row = _read(text[offsets[lo]:offsets[hi]], schema, threads)
+        table, error_row = _read(text[offsets[lo]:offsets[hi]], schema)
         if table is not None and table.num_rows == hi - lo:
-            _take(table, lo, hi, values, slow, contents_keys)
+            tables.append((lo, hi, table))
         elif table is not None or error_row is None or error_row >= hi - lo:
-            if threads and hi - lo > PIECE_LINES:  # the whole chunk at once failed: a piece at a time
-                pending += [(a, min(a + PIECE_LINES, hi), False) for a in range(lo, hi, PIECE_LINES)][::-1]
-            else:
-                slow[lo:hi] = True  # a line holds two values, or pyarrow names no row: every line on its own
-        elif threads and hi - lo > PIECE_LINES:
-            pending += [(a, min(a + PIECE_LINES, hi), False) for a in range(lo, hi, PIECE_LINES)][::-1]
-        else:
+            slow[lo:hi] = True  # a line holds two values, or pyarrow names no row: every line on its own
+        else:  # the lines before the one refused again (one of them may hold two values), then those after it
             slow[lo + error_row] = True
-            pending += [(lo + error_row + 1, hi, False), (lo, lo + error_row, False)]
-    return values, np.flatnonzero(slow)
+            pending += [(lo + error_row + 1, hi), (lo, lo + error_row)]
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    tables.sort(key=lambda piece: piece[0])
+    parsed = np.concatenate([np.arange(lo, hi) for lo, hi, _ in tables]) if tables else np.zeros(0, dtype=np.int64)
+    slow[np.setdiff1d(np.arange(n), parsed)] = True
+    columns: dict[str, TextColumn] = {}
+    ts = np.zeros(n)
+    if not tables:
+        empty = TextColumn(np.zeros(n, dtype=np.int64), np.array([""], dtype=object))
+        return dict.fromkeys(keys, empty), ts, np.flatnonzero(slow)
+    table = pa.concat_tables([piece for _, _, piece in tables])
+    # where the streaming parser could decide otherwise: a null or empty id, no ts or a huge one, a key asked for null
+    # (computed in NumPy from the buffers: a Python scalar given to pyarrow.compute imports pandas)
+    ts[parsed] = _numbers(table.column("ts"), np.float64)
+    doubt = _bools(pc.is_null(table.column("ts"))) | ~(np.abs(ts[parsed]) < _TS_BOUND)
+    by_key = {key: table.column(key) for key in ID_FIELDS}
+    for key in ID_FIELDS:
+        doubt |= _bools(pc.is_null(by_key[key])) | (_numbers(pc.utf8_length(by_key[key]), np.int32) == 0)
+    if contents_keys:
+        contents = table.column("contents").combine_chunks()
+        for key in contents_keys:
+            by_key[key] = pc.struct_field(contents, [key])
+            doubt |= _bools(pc.is_null(by_key[key]))
+    slow[parsed[doubt]] = True
+    for key in keys:
+        encoded = pc.dictionary_encode(by_key[key])  # (a null's code is never read: its line is slow)
+        if isinstance(encoded, pa.ChunkedArray):
+            encoded = encoded.combine_chunks() if encoded.num_chunks != 1 else encoded.chunk(0)
+        if isinstance(encoded, pa.ChunkedArray):  # no chunk: nothing parsed
+            encoded = pa.DictionaryArray.from_arrays(pa.array([], pa.int32()), pa.array([], pa.string()))
+        codes = np.zeros(n, dtype=np.int64)
+        codes[parsed] = _numbers(encoded.indices, np.int32)
+        columns[key] = TextColumn(codes, np.array(encoded.dictionary.to_pylist() or [""], dtype=object))
+    return columns, ts, np.flatnonzero(slow)
 
 
-def _read(text: bytes, schema: Any, threads: bool) -> tuple[Any, int | None]:
+def _numbers(array: Any, dtype: Any) -> np.ndarray:
+    """A primitive pyarrow array without nulls (one chunk or several) as NumPy, from its buffers."""
+    chunks = array.chunks if hasattr(array, "chunks") else [array]
+    parts = [np.frombuffer(chunk.buffers()[1], dtype=dtype, count=chunk.offset + len(chunk))[chunk.offset:]
+             for chunk in chunks if len(chunk)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _bools(array: Any) -> np.ndarray:
+    """A boolean pyarrow array without nulls (one chunk or several) as NumPy, from its bitmaps."""
+    parts = []
+    for chunk in array.chunks if hasattr(array, "chunks") else [array]:
+        if len(chunk):
+            span = slice(chunk.offset, chunk.offset + len(chunk))
+            parts.append(np.unpackbits(np.frombuffer(chunk.buffers()[1], dtype=np.uint8), bitorder="little")[span])
+    return np.concatenate(parts).astype(bool) if parts else np.zeros(0, dtype=bool)
+
+
+def _read(text: bytes, schema: Any) -> tuple[Any, int | None]:
     """pyarrow's table of ``text``, or ``(None, the row it names in its error)``."""
     import pyarrow as pa
     import pyarrow.json as pj
 
     try:
-        table = pj.read_json(io.BytesIO(text), read_options=pj.ReadOptions(use_threads=threads,
+        table = pj.read_json(io.BytesIO(text), read_options=pj.ReadOptions(use_threads=False,
                                                                            block_size=max(len(text), 1 << 20)),
                              parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"))
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
         found = _ROW.search(str(exc))
         return None, int(found.group(1)) if found else None
     return table, None
-
-
-def _take(table: Any, lo: int, hi: int, values: dict[str, np.ndarray], slow: np.ndarray,
-          contents_keys: Sequence[str]) -> None:
-    """pyarrow's rows of lines ``[lo, hi)`` into ``values``; where the streaming parser could decide otherwise,
-    the line is marked slow."""
-    import pyarrow.compute as pc
-
-    doubt = np.zeros(hi - lo, dtype=bool)
-    for key in ID_FIELDS:
-        column = table.column(key)
-        doubt |= np.asarray(pc.fill_null(pc.equal(pc.utf8_length(column), 0), True))
-        values[key][lo:hi] = column.to_numpy(zero_copy_only=False)
-    ts = table.column("ts")
-    values["ts"][lo:hi] = np.asarray(pc.fill_null(ts, 0.0))
-    doubt |= np.asarray(ts.is_null()) | ~(np.abs(values["ts"][lo:hi]) < _TS_BOUND)
-    if contents_keys:
-        contents = table.column("contents").combine_chunks()
-        for key in contents_keys:
-            column = pc.struct_field(contents, [key]) if len(contents) else contents
-            doubt |= np.asarray(column.is_null()) if len(contents) else doubt
-            values[key][lo:hi] = column.to_numpy(zero_copy_only=False) if len(contents) else []
-    slow[lo:hi] |= doubt
