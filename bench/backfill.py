@@ -1,6 +1,6 @@
 """A backfill: the IPV job and the sliding-windows job over millions of lines, in the default mode.
 
-``python -m bench.backfill [--quick]``
+``python -m bench.backfill [--quick] [--format jsonl]``
 
 Recomputing a feature over weeks of logs before shipping it is where a user needs columnar speed and bounded memory.
 The input is made from the shared Taobao sample by shifted copies (:func:`bench.peers.shifted_copies`: users and
@@ -8,7 +8,8 @@ times moved on per copy) to ~5M lines (``--quick``: 200k), with 0.1% bad lines m
 (:func:`bench.peers.with_bad_lines`). Each job runs once as a whole process, ``streamflow run JOB --events CSV``
 with the default mode (``automatic``: batch where it applies), and once with ``--mode streaming`` over a prefix
 (1M lines; ``--quick``: the whole input), whose tables the default mode's run over the same prefix must equal, row
-for row in the order written.
+for row in the order written. ``--format jsonl``: the same over the input's app events as JSON lines
+(:func:`as_app_events`, 0.1% bad JSON lines), keys in ``backfill_jsonl.json``.
 
 Keys: per job ``J`` in ``ipv|windows``: ``J_events_per_s`` (input lines per wall second, start-up included),
 ``J_peak_mb`` (the process's peak RSS), ``J_runtime_mode``, ``J_rows_equal_streaming``; and over both
@@ -19,6 +20,8 @@ Keys: per job ``J`` in ``ipv|windows``: ``J_events_per_s`` (input lines per wall
 
 from __future__ import annotations
 
+import json
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,7 +30,28 @@ from typing import Any
 import duckdb
 
 from bench.common import REPO, TAOBAO_SAMPLE, finish, log, parse_args
-from bench.peers import compile_sources, run_process, shifted_copies, streamflow_command, with_bad_lines
+from bench.peers import BAD_FRACTION, compile_sources, run_process, shifted_copies, streamflow_command, with_bad_lines
+from streamflow.events import Event
+from streamflow.sources import TaobaoBehaviorSource
+
+#: Bad JSON lines mixed into ``--format jsonl``'s input (invalid JSON, a missing field, a wrong type, an absurd
+#: timestamp, bad UTF-8): ``{u}`` a user of the line next to it.
+BAD_JSON_LINES = ('{{"user_id": "{u}", "event_id": "pv", ', '{{"user_id": "{u}", "event_id": "pv", "page_id": "item"}}',
+                  '{{"user_id": "{u}", "event_id": "pv", "page_id": "item", "ts": "x"}}',
+                  '{{"user_id": "{u}", "event_id": "pv", "page_id": "item", "ts": 5}}',
+                  '{{"user_id": "{u}\udcff", "event_id": "pv", "page_id": "item", "ts": 1511848900}}')
+
+
+def as_app_events(csv: Path, path: Path, fraction: float = BAD_FRACTION, seed: int = 24) -> int:
+    """The app events the Taobao CSV at ``csv`` makes (its bad lines dropped) as JSON lines at ``path``, with
+    ``fraction`` of bad JSON lines (:data:`BAD_JSON_LINES`, in turn) at seeded random places; lines written."""
+    lines = [json.dumps(record.to_dict()) for record in TaobaoBehaviorSource(csv) if isinstance(record, Event)]
+    rng = random.Random(seed)
+    for n, at in enumerate(sorted(rng.sample(range(len(lines)), max(1, round(len(lines) * fraction))), reverse=True)):
+        lines.insert(at, BAD_JSON_LINES[n % len(BAD_JSON_LINES)].format(u=json.loads(lines[at])["user_id"]))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8", errors="surrogateescape")
+    return len(lines)
+
 
 JOBS = {"ipv": (REPO / "jobs" / "ipv.py", ("ipv",)),
         "windows": (REPO / "jobs" / "activity_windows.py", ("activity", "late_events"))}
@@ -44,19 +68,28 @@ def tables(db: Path, names: tuple[str, ...]) -> dict[str, list[tuple[Any, ...]]]
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args("A backfill: the IPV and windows jobs over millions of lines in the default mode.", argv)
+    args = parse_args("A backfill: the IPV and windows jobs over millions of lines in the default mode.", argv,
+                      lambda parser: parser.add_argument(
+                          "--format", choices=("csv", "jsonl"), default="csv",
+                          help="the input: the Taobao CSV (default), or its app events as JSON lines (about as many "
+                               "lines, made from half as many CSV lines; results in backfill_jsonl.json)"))
+    jsonl = args.format == "jsonl"
     sample = [line for line in TAOBAO_SAMPLE.read_text(encoding="utf-8").splitlines() if line.strip()]
     tmp = Path(tempfile.mkdtemp(prefix="streamflow-bench-backfill-"))
     compile_sources()
     metrics: dict[str, Any] = {}
     try:
         big = tmp / "backfill.csv"
-        lines = shifted_copies(sample, -(-LINES[args.quick] // len(sample)), big)
+        lines = shifted_copies(sample, -(-LINES[args.quick] // len(sample) // (2 if jsonl else 1)), big)
         lines += with_bad_lines(big)
+        if jsonl:  # each CSV line is about two app events
+            lines = as_app_events(big, tmp / "backfill.jsonl")
+            big.unlink()
+            big = tmp / "backfill.jsonl"
         prefix_lines = PREFIX[args.quick]
         prefix = big
         if prefix_lines is not None:
-            prefix = tmp / "prefix.csv"
+            prefix = tmp / f"prefix{big.suffix}"
             with open(big, encoding="utf-8") as source, open(prefix, "w", encoding="utf-8") as out:
                 for _, line in zip(range(prefix_lines), source, strict=False):
                     out.write(line)
@@ -90,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         "lines": lines,
         "quick": args.quick,
     }
-    finish("backfill", metrics, quick=args.quick)
+    finish("backfill_jsonl" if jsonl else "backfill", metrics, quick=args.quick)
 
 
 if __name__ == "__main__":
