@@ -6,7 +6,8 @@ The JSON-lines counterpart of :mod:`streamflow.csv_columns`: each line of
 asked for) and a float64 ``ts``, in line order, with each event's line number and where its line lies in the
 chunk's bytes (for the dead letters the timestamp guard makes).
 
-Two parsers, one result. Plain lines (printable ASCII, no backslash, ``{`` first and ``}`` last) go to pyarrow's
+Two parsers, one result. Plain lines (printable ASCII, no backslash, ``{`` first and ``}`` last, at most
+:data:`MAX_OPENERS` brackets) go to pyarrow's
 JSON reader (a core dependency) with an explicit schema, a few thousand at a time; the lines it refuses (its error
 names the row), and every line it takes where the streaming parser could decide otherwise (a missing or null id or
 ``ts``, an empty id, ``|ts| >= 1e15``, a missing or null ``contents`` key asked for), go through the streaming
@@ -47,7 +48,9 @@ from streamflow.csv_columns import Fields
 from streamflow.events import Event, Rejected
 from streamflow.sources import JsonLinesSource
 
-_NEWLINE, _OPEN, _CLOSE, _BACKSLASH = 10, ord("{"), ord("}"), ord("\\")
+_NEWLINE, _OPEN, _CLOSE, _BACKSLASH, _OPEN_LIST = 10, ord("{"), ord("}"), ord("\\"), ord("[")
+#: The most ``{`` and ``[`` a line pyarrow reads may hold (a deeper value is json.loads's to refuse).
+MAX_OPENERS = 64
 #: Lines pyarrow parses at a time (one line it refuses makes it parse the rest of their piece again; the row it names
 #: is the piece's).
 PIECE_LINES = 1024
@@ -149,6 +152,10 @@ def json_chunk(data: bytes, name: str, contents_keys: Sequence[str], lines_befor
     odd_byte = (buf < 0x20) | (buf > 0x7E) | (buf == _BACKSLASH)
     odd_byte[ends] = False
     plain[np.unique(np.searchsorted(ends, np.flatnonzero(odd_byte)))] = False
+    # json.loads refuses a value nested past Python's recursion limit (about 1,000 deep), pyarrow takes it: a line
+    # with many brackets is read line by line
+    openers = np.flatnonzero((buf == _OPEN) | (buf == _OPEN_LIST))
+    plain &= np.bincount(np.searchsorted(ends, openers), minlength=len(ends))[:len(ends)] <= MAX_OPENERS
     fast = np.flatnonzero(plain)
     parsed, fast_ts, slow = _parse_plain(buf, plain, starts[fast], ends[fast], contents_keys)
     slow_lines = np.sort(np.concatenate([fast[slow], np.flatnonzero(nonempty & ~plain)]))
