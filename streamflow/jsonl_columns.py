@@ -7,7 +7,7 @@ asked for) and a float64 ``ts``, in line order, with each event's line number an
 chunk's bytes (for the dead letters the timestamp guard makes).
 
 Two parsers, one result. Plain lines (printable ASCII, no backslash, ``{`` first and ``}`` last, at most
-:data:`MAX_OPENERS` brackets) go to pyarrow's
+:data:`MAX_OPENERS` brackets and :data:`MAX_PLAIN_BYTES` bytes) go to pyarrow's
 JSON reader (a core dependency) with an explicit schema, a few thousand at a time; the lines it refuses (its error
 names the row), and every line it takes where the streaming parser could decide otherwise (a missing or null id or
 ``ts``, an empty id, ``|ts| >= 1e15``, a missing or null ``contents`` key asked for), go through the streaming
@@ -51,6 +51,8 @@ from streamflow.sources import JsonLinesSource
 _NEWLINE, _OPEN, _CLOSE, _BACKSLASH, _OPEN_LIST = 10, ord("{"), ord("}"), ord("\\"), ord("[")
 #: The most ``{`` and ``[`` a line pyarrow reads may hold (a deeper value is json.loads's to refuse).
 MAX_OPENERS = 64
+#: The longest line pyarrow reads (a longer one may hold an integer too long for json.loads).
+MAX_PLAIN_BYTES = 4096
 #: Lines pyarrow parses at a time (one line it refuses makes it parse the rest of their piece again; the row it names
 #: is the piece's).
 PIECE_LINES = 1024
@@ -156,6 +158,7 @@ def json_chunk(data: bytes, name: str, contents_keys: Sequence[str], lines_befor
     # with many brackets is read line by line
     openers = np.flatnonzero((buf == _OPEN) | (buf == _OPEN_LIST))
     plain &= np.bincount(np.searchsorted(ends, openers), minlength=len(ends))[:len(ends)] <= MAX_OPENERS
+    plain &= lengths <= MAX_PLAIN_BYTES  # (json.loads refuses an integer of more than 4,300 digits, pyarrow takes it)
     fast = np.flatnonzero(plain)
     parsed, fast_ts, slow = _parse_plain(buf, plain, starts[fast], ends[fast], contents_keys)
     slow_lines = np.sort(np.concatenate([fast[slow], np.flatnonzero(nonempty & ~plain)]))

@@ -69,7 +69,8 @@ _BAD = st.sampled_from([
     '"contents": {"item_id": "10", "category_id": "c"}}',  # backwards
     '{"user_id": "7", "event_id": "pv", "page_id": "item", "ts": {ts}}{"a": 1}',  # two values
     '[1, 2]', '"text"', '', '   ', '{}',
-    # nested too deep for json.loads
+    # nested too deep for json.loads, an integer too long for it
+    '{"user_id": "7", "event_id": "pv", "page_id": "item", "ts": {ts}, "x": ' + "9" * 4400 + "}",
     '{"user_id": "7", "event_id": "pv", "page_id": "item", "ts": {ts}, "x": ' + "[" * 3000 + "]" * 3000 + "}",
     # taken, but only line by line: integer ids, spaces around, an escape, non-ASCII text, duplicate keys
     '{"user_id": 7, "event_id": "fav", "page_id": "item", "ts": {ts}, "contents": '
