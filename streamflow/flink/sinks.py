@@ -8,8 +8,12 @@
   cloud consumer (``streamflow tunnel consume``, or the Flink features job) stores each once by (device, seq),
   a device's envelopes in one partition, in order. Dead letters, task errors and the run's counts are few and
   stay in the local DuckDB file (as ``streamflow run --tunnel kafka`` keeps them on the device).
-- ``parquet:DIR``: not built. Flink's ``FileSink`` with exactly-once commits on checkpoints is the way, but its
-  Parquet writer (``flink-parquet`` and ``parquet-hadoop``) is not in the PyFlink wheel; refused with that reason.
+- ``parquet:DIR``: not built yet. The jars are there: ``flink-sql-parquet`` and Hadoop's shaded client, fetched and
+  verified by :func:`streamflow.flink.connector_jars.fetch_parquet`, load in PyFlink 2.3, and PyFlink's
+  ``FileSink.for_bulk_format`` with ``ParquetBulkWriters.for_row_type`` writes part files committed on checkpoints,
+  exactly once across a failure (``tests/flink/test_flink_parquet_jars.py``). What is missing is each table's
+  schema: that writer takes a fixed ``RowType`` when the job graph is built, and a task declares no output
+  columns or types (its rows are whatever its ``Map``/``Aggregate`` steps return, known only when they run).
 
 What ``kafka:`` does not give yet: exactly-once across a TaskManager's loss. A subtask's sequence numbers live in
 its spool on the TaskManager's disk (``<db>.tunnel-spool/``), not in Flink's checkpoints, so rows replayed after a
@@ -56,8 +60,8 @@ def parse_sink(uri: str | None) -> SinkSpec | None:
     if scheme not in SCHEMES or not target:
         raise ValueError(f"unknown sink {uri!r}: expected duckdb:PATH, kafka:TOPIC or parquet:DIR")
     if scheme == "parquet":
-        raise ValueError("parquet:DIR is not built yet (issue 29): Flink's FileSink writes Parquet through the "
-                         "flink-parquet and parquet-hadoop jars, which the PyFlink wheel does not ship; use "
+        raise ValueError("parquet:DIR is not built yet (issue 29): Flink's Parquet FileSink needs each table's "
+                         "columns and types when the job is built, and tasks do not declare them; use "
                          "kafka:TOPIC on a cluster, or duckdb:PATH locally")
     return SinkSpec(scheme, target)
 
