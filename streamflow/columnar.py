@@ -371,6 +371,19 @@ def _truth(verdict: Any, size: int) -> np.ndarray | None:
     raise NotColumnar(f"a Filter verdict of type {type(verdict).__name__}")
 
 
+def prepend_text(strings: np.ndarray, column: TextColumn) -> TextColumn:
+    """``strings`` (an object array of ``str``) then ``column``'s rows, as one text column (rows carried over from
+    an earlier chunk, then this chunk's)."""
+    if not len(strings):
+        return column
+    dictionary = column.dictionary.tolist()
+    index = {value: code for code, value in enumerate(dictionary)}
+    codes = np.fromiter((index.setdefault(value, len(index)) for value in strings.tolist()), np.int64, len(strings))
+    if len(index) > len(dictionary):
+        dictionary = list(index)
+    return TextColumn(np.concatenate([codes, column.codes]), np.array(dictionary, dtype=object))
+
+
 def select_rows(value: Any, indices: np.ndarray) -> Any:
     """The rows ``indices`` of a column (any other value, a constant, as it is)."""
     if isinstance(value, Column):

@@ -35,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import io
-import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ import numpy as np
 from streamflow.columnar import TextColumn, select_rows
 from streamflow.csv_columns import Fields
 from streamflow.events import Event, Rejected
-from streamflow.sources import JsonLinesSource
+from streamflow.sources import JsonLinesSource, whole_line_chunks
 
 _NEWLINE, _OPEN, _CLOSE, _BACKSLASH, _OPEN_LIST = 10, ord("{"), ord("}"), ord("\\"), ord("[")
 #: The most ``{`` and ``[`` a line pyarrow reads may hold (a deeper value is json.loads's to refuse).
@@ -100,29 +99,13 @@ def json_chunks(path: Any, name: str, contents_keys: Sequence[str], chunk_bytes:
     """The file at ``path`` (a JSON-lines source named ``name``) a chunk of about ``chunk_bytes`` bytes at a time
     (whole lines, cut after a line break, line numbers counted on), each as a :class:`JsonChunk`; a chunk that
     cannot be read so gives the reason instead (a lone carriage return), and nothing more is read."""
-    lines_before, rest = 0, b""
-    with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        while True:
-            block = file.read(max(chunk_bytes, 1))
-            data = rest + block
-            if not data:
-                return
-            cut = data.rfind(b"\n") + 1 if block else len(data)
-            if not cut:
-                rest = data
-                continue
-            data, rest = data[:cut], data[cut:]
-            last = not rest and file.tell() >= size
-            chunk = json_chunk(data, name, contents_keys, lines_before)
-            if isinstance(chunk, str):
-                yield chunk
-                return
-            lines_before += data.count(b"\n") + (not data.endswith(b"\n"))
-            chunk.last, chunk.last_line = last, lines_before
+    for data, lines_before, lines_after, last in whole_line_chunks(path, chunk_bytes):
+        chunk = json_chunk(data, name, contents_keys, lines_before)
+        if isinstance(chunk, str):
             yield chunk
-            if last:
-                return
+            return
+        chunk.last, chunk.last_line = last, lines_after
+        yield chunk
 
 
 def _schema(contents_keys: Sequence[str]) -> Any:

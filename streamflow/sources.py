@@ -44,6 +44,39 @@ _IDENTITY_BYTES = 1 << 20
 FastBlocks = Callable[[Iterator[tuple[int, str]]], Generator[list[Event | Rejected], None, list[Any]]]
 
 
+
+def whole_line_chunks(path: str | os.PathLike[str], chunk_bytes: int) -> Iterator[tuple[bytes, int, int, bool]]:
+    """The file at ``path`` about ``chunk_bytes`` bytes at a time, cut after a line break (at least one whole line
+    a chunk; the last may lack its line break): ``(data, lines before it, lines up to its end, whether it is the
+    last)``, the batch readers' chunks.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "l.txt")
+        >>> _ = open(path, "wb").write(b"a\\nbb\\nccc")
+        >>> list(whole_line_chunks(path, 3))
+        [(b'a\\n', 0, 1, False), (b'bb\\n', 1, 2, False), (b'ccc', 2, 3, True)]
+    """
+    lines_before, rest = 0, b""
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        while True:
+            block = file.read(max(chunk_bytes, 1))
+            data = rest + block
+            if not data:
+                return
+            cut = data.rfind(b"\n") + 1 if block else len(data)
+            if not cut:  # no whole line yet
+                rest = data
+                continue
+            data, rest = data[:cut], data[cut:]
+            last = not rest and file.tell() >= size
+            lines_after = lines_before + data.count(b"\n") + (not data.endswith(b"\n"))
+            yield data, lines_before, lines_after, last
+            if last:
+                return
+            lines_before = lines_after
+
 class LineSource:
     """A file (or in-memory lines) read line by line, each line one record.
 
@@ -471,30 +504,13 @@ class TaobaoBehaviorSource(LineSource):
         if self._lines is not None:
             yield "lines in memory, not a file"
             return
-        lines_before, rest = 0, b""
-        with open(self.path, "rb") as file:
-            size = os.fstat(file.fileno()).st_size
-            while True:
-                block = file.read(max(chunk_bytes, 1))
-                data = rest + block
-                if not data:
-                    return
-                cut = data.rfind(b"\n") + 1 if block else len(data)
-                if not cut:  # no whole line yet
-                    rest = data
-                    continue
-                data, rest = data[:cut], data[cut:]
-                chunk = self.plain_chunk(data, lines_before)
-                if isinstance(chunk, str):
-                    yield chunk
-                    return
-                chunk.last = not rest and file.tell() >= size
-                lines_before += data.count(b"\n") + (not data.endswith(b"\n"))
-                chunk.last_line = lines_before
-                del data
+        for data, lines_before, lines_after, last in whole_line_chunks(self.path, chunk_bytes):
+            chunk = self.plain_chunk(data, lines_before)
+            if isinstance(chunk, str):
                 yield chunk
-                if chunk.last:
-                    return
+                return
+            chunk.last, chunk.last_line = last, lines_after
+            yield chunk
 
     def plain_chunk(self, data: bytes, lines_before: int) -> PlainLines | str:
         """:meth:`plain_lines` of ``data``, whole lines of the file after its first ``lines_before`` ones."""

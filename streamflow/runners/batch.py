@@ -76,6 +76,7 @@ from streamflow.columnar import (
     NotColumnar,
     TextColumn,
     constant,
+    prepend_text,
     run_row_steps,
     select_rows,
     to_numpy,
@@ -458,7 +459,7 @@ class _Carried:
         take = np.ones(len(self.ts), dtype=bool) if final else np.isin(self.rank, chunk_ranks)
         joined: dict[str, Any] = {}
         for name in _TEXT_FIELDS:
-            joined[name] = _prepend(self.text[name][take], columns[name])
+            joined[name] = prepend_text(self.text[name][take], columns[name])
             self.text[name] = self.text[name][~take]
         joined["ts"] = np.concatenate([self.ts[take], columns["ts"]])
         self.ts, self.rank = self.ts[~take], self.rank[~take]
@@ -479,18 +480,6 @@ class _Carried:
         self.ts = np.concatenate([self.ts, lines["ts"][rows]])
         self.rank = np.concatenate([self.rank, ranks[lines["users"].codes[rows]]])
         return _select(visits, ~open_pages)
-
-
-def _prepend(strings: np.ndarray, column: TextColumn) -> TextColumn:
-    """``strings`` (an object array of ``str``) then ``column``'s rows, as one text column."""
-    if not len(strings):
-        return column
-    dictionary = column.dictionary.tolist()
-    index = {value: code for code, value in enumerate(dictionary)}
-    codes = np.fromiter((index.setdefault(value, len(index)) for value in strings.tolist()), np.int64, len(strings))
-    if len(index) > len(dictionary):
-        dictionary = list(index)
-    return TextColumn(np.concatenate([codes, column.codes]), np.array(dictionary, dtype=object))
 
 
 def _select(visits: PageVisits, keep: np.ndarray) -> PageVisits:

@@ -30,7 +30,16 @@ import numpy as np
 from connectors.storage import DEAD_LETTER_TABLE
 from operators import Count, CountBy, First, Last, Max, Min
 from operators.process import ValueStateDescriptor
-from streamflow.columnar import Column, CountsColumn, NotColumnar, TextColumn, run_row_steps, select_rows, to_numpy
+from streamflow.columnar import (
+    Column,
+    CountsColumn,
+    NotColumnar,
+    TextColumn,
+    prepend_text,
+    run_row_steps,
+    select_rows,
+    to_numpy,
+)
 from streamflow.events import EVENT_ATTRIBUTES, PAGE_ENTER, PAGE_EXIT, Event, Rejected
 from streamflow.jsonl_columns import ID_FIELDS, JsonChunk, json_chunks
 from streamflow.keyed import KeyedStore
@@ -96,17 +105,6 @@ class _Carried:
         runner.finish()
 
 
-def _prepend(strings: np.ndarray, column: TextColumn) -> TextColumn:
-    if not len(strings):
-        return column
-    dictionary = column.dictionary.tolist()
-    index = {value: code for code, value in enumerate(dictionary)}
-    codes = np.fromiter((index.setdefault(value, len(index)) for value in strings.tolist()), np.int64, len(strings))
-    if len(index) > len(dictionary):
-        dictionary = list(index)
-    return TextColumn(np.concatenate([codes, column.codes]), np.array(dictionary, dtype=object))
-
-
 #: A chunk's dead letters, its accepted events, and per task (pages fired, rows).
 _Chunk = tuple[Any, int, dict[str, tuple[int, dict[str, np.ndarray]]]]
 
@@ -127,7 +125,7 @@ def _run_chunk(plan: RunPlan, source: JsonLinesSource, chunk: JsonChunk, carried
         if page in event_names and np.any(columns["event_id"].codes == event_names.index(page)):
             return f"an event's event_id is {page!r}, task {name}'s trigger (fired outside a page exit)"
     n_old = len(carried.ts)
-    joined = {key: _prepend(carried.text[key], columns[key]) for key in (*ID_FIELDS, *keys)}
+    joined = {key: prepend_text(carried.text[key], columns[key]) for key in (*ID_FIELDS, *keys)}
     ts = np.concatenate([carried.ts, columns["ts"]])
     n = len(ts)
     order = np.argsort(joined["user_id"].codes, kind="stable")  # by user, each user's events in line order
