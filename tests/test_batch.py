@@ -17,7 +17,7 @@ from operators.base import ElementStep
 from streamflow import Job, Task, load_job
 from streamflow.columnar import Column, ColumnRow, NotColumnar, run_row_steps
 from streamflow.runners import DeviceRunner
-from streamflow.sources import TaobaoBehaviorSource
+from streamflow.sources import LineSource, TaobaoBehaviorSource
 
 REPO = Path(__file__).resolve().parents[1]
 IPV = load_job(REPO / "jobs" / "ipv.py").tasks[0]
@@ -37,9 +37,10 @@ COUNTS = Task("counts", ["item"], [
 ], input="page")
 
 
-def _run(csv: Path, db: Path, tasks: list[Task], mode: str) -> tuple[DeviceRunner, dict]:
+def _run(csv: Path | LineSource, db: Path, tasks: list[Task], mode: str) -> tuple[DeviceRunner, dict]:
+    """The run's summary and its tables (columns, rows in physical order); ``csv`` a Taobao CSV or any source."""
     runner = DeviceRunner(Job("j", tasks), CollectiveStorage(db), runtime_mode=mode)
-    summary = runner.run(TaobaoBehaviorSource(csv))
+    summary = runner.run(csv if isinstance(csv, LineSource) else TaobaoBehaviorSource(csv))
     runner.close()
     tables = {}
     for name in runner.storage.tables():

@@ -11,24 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connectors import CollectiveStorage
-from streamflow import Job, Task
-from streamflow.runners import DeviceRunner, batch
+from streamflow.runners import batch
 from streamflow.sources import JsonLinesSource, TaobaoBehaviorSource
-from tests.test_batch import COUNTS, IPV, REPO, T0, _clockless
-
-
-def _run(path: Path, db: Path, tasks: list[Task], mode: str) -> tuple[object, dict]:
-    runner = DeviceRunner(Job("j", tasks), CollectiveStorage(db), runtime_mode=mode)
-    summary = runner.run(JsonLinesSource(path))
-    runner.close()
-    tables = {}
-    for name in runner.storage.tables():
-        columns = runner.storage.query(f"SELECT column_name, data_type FROM information_schema.columns "
-                                       f"WHERE table_name = '{name}' ORDER BY ordinal_position")
-        tables[name] = (columns, runner.storage.query(f"SELECT * FROM {name}"))  # physical order, as written
-    runner.storage.close()
-    return summary, tables
+from tests.test_batch import COUNTS, IPV, REPO, T0, _clockless, _run
 
 
 def _compare(tmp_path: Path, lines: list[str], chunk_bytes: int, monkeypatch: pytest.MonkeyPatch,
@@ -37,10 +22,10 @@ def _compare(tmp_path: Path, lines: list[str], chunk_bytes: int, monkeypatch: py
     path.write_text("".join(line + "\n" for line in lines), errors="surrogateescape")
     for db in tmp_path.glob("*.duckdb*"):
         db.unlink()
-    streamed, stream_tables = _run(path, tmp_path / "s.duckdb", [IPV, COUNTS], "streaming")
+    streamed, stream_tables = _run(JsonLinesSource(path), tmp_path / "s.duckdb", [IPV, COUNTS], "streaming")
     with monkeypatch.context() as patch:
         patch.setattr(batch, "CHUNK_BYTES", chunk_bytes)
-        batched, batch_tables = _run(path, tmp_path / "b.duckdb", [IPV, COUNTS], "automatic")
+        batched, batch_tables = _run(JsonLinesSource(path), tmp_path / "b.duckdb", [IPV, COUNTS], "automatic")
     assert batched.runtime_mode == expect
     assert _clockless(batch_tables) == _clockless(stream_tables)
     assert (batched.events_in, batched.rejected, batched.rows_written) == (
