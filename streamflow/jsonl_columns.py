@@ -112,8 +112,9 @@ def _schema(contents_keys: Sequence[str]) -> Any:
     import pyarrow as pa
 
     fields = [(name, pa.string()) for name in ID_FIELDS] + [("ts", pa.float64())]
-    if contents_keys:
-        fields.append(("contents", pa.struct([(key, pa.string()) for key in contents_keys])))
+    # contents always, an object even when no key is read: pyarrow then refuses what the streaming parser refuses
+    # (a list, a string, a number: "contents must be a JSON object")
+    fields.append(("contents", pa.struct([(key, pa.string()) for key in contents_keys])))
     return pa.schema(fields)
 
 
