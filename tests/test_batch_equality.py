@@ -173,12 +173,22 @@ def _sample_inputs(draw: st.DrawFn) -> tuple[str, list[str]]:
     pulls = [k for k, lines in enumerate(by_user.values()) for _ in lines]
     rng.shuffle(pulls)
     fmt = draw(st.sampled_from(["csv", "jsonl"]))
-    lines = []
+    lines: list[str] = []
+    viewing: dict[str, str] = {}  # JSON lines: each user's item page open, closed when the user views another
     for k in pulls:
         user, item, category, behavior, ts = next(queues[k])
-        lines.append(",".join((user, item, category, behavior, ts)) if fmt == "csv" else json.dumps(
-            {"user_id": user, "event_id": behavior, "page_id": "item", "ts": int(ts),
-             "contents": {"item_id": item, "category_id": category}}))
+        if fmt == "csv":
+            lines.append(",".join((user, item, category, behavior, ts)))
+            continue
+        contents = {"item_id": item, "category_id": category}
+        if viewing.get(user, item) != item:
+            lines.append(json.dumps({"user_id": user, "event_id": "page_exit", "page_id": "item", "ts": int(ts),
+                                     "contents": {"item_id": viewing[user], "category_id": category}}))
+        if behavior == "pv" and viewing.get(user) != item:
+            behavior = "page_enter"
+        viewing[user] = item
+        lines.append(json.dumps({"user_id": user, "event_id": behavior, "page_id": "item", "ts": int(ts),
+                                 "contents": contents}))
     bad = _CSV_BAD if fmt == "csv" else _JSON_BAD
     users = list(by_user)
     for _ in range(draw(st.integers(0, 12))):
