@@ -18,6 +18,7 @@ from streamflow import Job, Task, load_job
 from streamflow.columnar import Column, ColumnRow, NotColumnar, run_row_steps
 from streamflow.runners import DeviceRunner
 from streamflow.sources import LineSource, TaobaoBehaviorSource
+from streamflow.summary import RunSummary
 
 REPO = Path(__file__).resolve().parents[1]
 IPV = load_job(REPO / "jobs" / "ipv.py").tasks[0]
@@ -37,7 +38,7 @@ COUNTS = Task("counts", ["item"], [
 ], input="page")
 
 
-def _run(csv: Path | LineSource, db: Path, tasks: list[Task], mode: str) -> tuple[DeviceRunner, dict]:
+def _run(csv: Path | LineSource, db: Path, tasks: list[Task], mode: str) -> tuple[RunSummary, dict]:
     """The run's summary and its tables (columns, rows in physical order); ``csv`` a Taobao CSV or any source."""
     runner = DeviceRunner(Job("j", tasks), CollectiveStorage(db), runtime_mode=mode)
     summary = runner.run(csv if isinstance(csv, LineSource) else TaobaoBehaviorSource(csv))
@@ -58,12 +59,19 @@ def _compare_modes(tmp_path: Path, lines: list[str], tasks: list[Task], expect: 
         db.unlink()
     streamed, stream_tables = _run(csv, tmp_path / "s.duckdb", tasks, "streaming")
     batched, batch_tables = _run(csv, tmp_path / "b.duckdb", tasks, "automatic")
+    _assert_same_run(batched, batch_tables, streamed, stream_tables, expect)
+    return batch_tables
+
+
+def _assert_same_run(batched: RunSummary, batch_tables: dict, streamed: RunSummary, stream_tables: dict,
+                     expect: str) -> None:
+    """The default mode's run (``expect``: the runtime mode it must have taken) wrote what streaming did: tables,
+    dead letters, counters, each task's stats."""
     assert batched.runtime_mode == expect
     assert _clockless(batch_tables) == _clockless(stream_tables)
     assert (batched.events_in, batched.rejected, batched.rows_written) == (
         streamed.events_in, streamed.rejected, streamed.rows_written)
     assert {n: vars(s) for n, s in batched.task_stats.items()} == {n: vars(s) for n, s in streamed.task_stats.items()}
-    return batch_tables
 
 
 def _clockless(tables: dict) -> dict:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from streamflow.runners import batch
 from streamflow.sources import JsonLinesSource, TaobaoBehaviorSource
-from tests.test_batch import COUNTS, IPV, REPO, T0, _clockless, _run
+from tests.test_batch import COUNTS, IPV, REPO, T0, _assert_same_run, _run
 
 
 def _compare(tmp_path: Path, lines: list[str], chunk_bytes: int, monkeypatch: pytest.MonkeyPatch,
@@ -26,11 +26,7 @@ def _compare(tmp_path: Path, lines: list[str], chunk_bytes: int, monkeypatch: py
     with monkeypatch.context() as patch:
         patch.setattr(batch, "CHUNK_BYTES", chunk_bytes)
         batched, batch_tables = _run(JsonLinesSource(path), tmp_path / "b.duckdb", [IPV, COUNTS], "automatic")
-    assert batched.runtime_mode == expect
-    assert _clockless(batch_tables) == _clockless(stream_tables)
-    assert (batched.events_in, batched.rejected, batched.rows_written) == (
-        streamed.events_in, streamed.rejected, streamed.rows_written)
-    assert {n: vars(s) for n, s in batched.task_stats.items()} == {n: vars(s) for n, s in streamed.task_stats.items()}
+    _assert_same_run(batched, batch_tables, streamed, stream_tables, expect)
     return batch_tables
 
 
