@@ -25,8 +25,10 @@ Guarantees:
   (stored past what is missing it makes a receipt show the rest missing; dropped as a repeat it makes the cloud
   publish its receipt again), one probe per wait, the wait doubling up to 60 s while no receipt brings progress.
   When the broker answers again after the sender failed (it restarted, and may have lost what it acknowledged
-  last), the receipt thread reads the receipts again from the start, probes at once with the newest batch
-  acknowledged before the outage and polls often for a few seconds: a loss is resent within about a second.
+  last), or acknowledges a batch at an offset it gave before (it lost records, or the topic was made again), the
+  receipt thread reads the receipts again from the start with a new consumer that looks its partition up again (a
+  receipts topic lost and made again may have other partitions; each probe does the same), probes at once with
+  the newest batch acknowledged before and polls often for a few seconds: a loss is resent within about a second.
   A receipt that says ``announce`` (the cloud parked envelopes it cannot open: the broker lost the one that
   announced their schema) makes the sender announce every registration again at once, in zero-row envelopes
   (:meth:`~.codebook.Codebook.announcements`), then again after 1 s, doubling to 60 s while the receipts still ask.
