@@ -251,9 +251,11 @@ def run(
                                                 "(REST endpoint) instead of a local MiniCluster")] = None,
     parallelism: Annotated[int, typer.Option(help="flink runner: job parallelism")] = 1,
     sink: Annotated[str | None, typer.Option(metavar="URI", help="flink runner: where rows go: duckdb:PATH (as "
-                                             "--db), or kafka:TOPIC (feature rows in the tunnel's envelope at the "
+                                             "--db), kafka:TOPIC (feature rows in the tunnel's envelope at the "
                                              "job's parallelism, one device flink-JOB-i per subtask; the rest in "
-                                             "--db)")] = None,
+                                             "--db), or parquet:DIR (feature rows as Parquet files in DIR/TABLE/ "
+                                             "at the job's parallelism, committed on checkpoints and at the end; "
+                                             "each shipped task declares its columns=; the rest in --db)")] = None,
     pace_ms: Annotated[float, typer.Option(help="flink runner: replay one record per N ms, so that periodic "
                                                 "watermarks decide lateness per event as the device runner does")]
     = 0.0,
@@ -548,11 +550,17 @@ def _run(job: Job, args: RunOptions, tunnel_options: TunnelOptions) -> int:
     shown = [task for task in job.tasks if summary.task_stats[task.name].rows] if args.show > 0 else []
     if shown:  # (with --show 0 the file is not opened again)
         with CollectiveStorage(summary.db_path) as storage:
+            present = set(storage.tables())  # a --sink kafka:/parquet: run's shipped tables are elsewhere
             for task in shown:
+                if task.sink not in present:
+                    continue
                 print(f"\nfirst rows of table {task.sink}:")
                 for row in storage.read(task.sink).slice(0, args.show).to_pylist():
                     print("  " + ", ".join(f"{k}={_show(v)}" for k, v in row.items()))
-    if job.tasks:
+    if args.sink is not None and args.sink.startswith("parquet:"):
+        print(f"\nread them: {_python()} -c \"import pyarrow.dataset as ds; "
+              f"print(ds.dataset('{args.sink.partition(':')[2]}/{job.tasks[0].sink}').to_table())\"")
+    elif job.tasks:
         sql = f"SELECT * FROM {job.tasks[0].sink} LIMIT 10"
         print(f"\nquery them: {_python()} -c \"import duckdb; print(duckdb.connect('{summary.db_path}', "
               f"read_only=True).sql('{sql}'))\"")

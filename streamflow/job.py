@@ -54,6 +54,25 @@ class Task:
     and the aggregates; a ``Process``'s: what it emits), through the steps after it. When the runner has a
     tunnel (``streamflow run --tunnel kafka``) they are also shipped to the cloud, unless
     ``tunnel=False`` keeps them on the device.
+
+    ``columns`` (optional) declares the task's output row, in order: column name -> type, one of
+    ``"string"``, ``"bigint"``, ``"double"``, ``"boolean"`` (see :data:`COLUMN_TYPES`). The names are the full
+    row the task writes: a trigger task's include ``user_id`` (``"string"``) and ``trigger_ts``
+    (``"double"``). A sink that needs a fixed schema when the job is built (the Flink runner's
+    ``--sink parquet:DIR``) requires it of every shipped task (``tunnel=True``); a row that does not fit it
+    (a missing or extra key, a value of another type; an int widens to ``"double"``, nothing else converts) is
+    a dead letter there. Other sinks ignore it.
+
+    Example:
+        >>> from operators import Aggregate, Count
+        >>> task = Task("buys", ["item"], [Aggregate(n=Count())],
+        ...             columns={"user_id": "string", "trigger_ts": "double", "n": "bigint"})
+        >>> list(task.columns)
+        ['user_id', 'trigger_ts', 'n']
+        >>> Task("buys", ["item"], [Aggregate(n=Count())], columns={"user_id": "string", "n": "int"})
+        Traceback (most recent call last):
+        ...
+        ValueError: task 'buys': column 'n' has type 'int'; expected one of string, bigint, double, boolean
     """
 
     # Once made, a task's trigger is a normalized condition (``()`` for a stream task) and its sink a table
@@ -66,10 +85,11 @@ class Task:
     history_events: int = 256
     sink: str = ""
     tunnel: bool = True
+    columns: dict[str, str] | None = None
 
     def __init__(self, name: str, trigger: Sequence[str] | None, pipeline: Sequence[Operator],
                  input: TaskInput = "page", history_s: float | None = None, history_events: int = 256,
-                 sink: str | None = None, tunnel: bool = True) -> None:
+                 sink: str | None = None, tunnel: bool = True, columns: Mapping[str, str] | None = None) -> None:
         self.name, self.pipeline, self.input, self.history_s = name, pipeline, input, history_s
         self.history_events, self.tunnel = history_events, tunnel
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -94,6 +114,32 @@ class Task:
         self.sink = sink or self.name
         if not _NAME.match(self.sink):
             raise ValueError(f"task {self.name!r}: sink {self.sink!r} must be letters, digits and underscores")
+        self.columns = None if columns is None else _checked_columns(self.name, self.input, columns)
+
+
+#: The column types a task's ``columns`` may declare.
+COLUMN_TYPES: tuple[str, ...] = ("string", "bigint", "double", "boolean")
+#: The columns a trigger task's rows start with, and their types.
+TRIGGER_COLUMNS: dict[str, str] = {"user_id": "string", "trigger_ts": "double"}
+
+
+def _checked_columns(task: str, input: str, columns: Mapping[str, str]) -> dict[str, str]:
+    """A task's declared ``columns`` as a dict, or ``ValueError`` naming the task and what is wrong."""
+    if not isinstance(columns, Mapping) or not columns:
+        raise ValueError(f"task {task!r}: columns must be a non-empty mapping of column name to type "
+                         f"({', '.join(COLUMN_TYPES)}), got {columns!r}")
+    for name, kind in columns.items():
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(f"task {task!r}: column name {name!r} must be letters, digits and underscores")
+        if kind not in COLUMN_TYPES:
+            raise ValueError(f"task {task!r}: column {name!r} has type {kind!r}; expected one of "
+                             f"{', '.join(COLUMN_TYPES)}")
+    if input != "stream":
+        for name, kind in TRIGGER_COLUMNS.items():
+            if columns.get(name) != kind:
+                raise ValueError(f"task {task!r}: a trigger task's rows carry user_id and trigger_ts: columns "
+                                 f"must declare {name!r} as {kind!r}, got {columns.get(name)!r}")
+    return dict(columns)
 
 
 def _refuse_stream_only_options(task: str, pipeline: list[Operator]) -> None:

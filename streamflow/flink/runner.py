@@ -20,6 +20,9 @@ runner calls)::
                           of the input (the final watermark) to emit what is still owed (page exits)
       ─ ShipRows          with ``sink="kafka:TOPIC"`` (:mod:`streamflow.flink.sinks`), at the job's
                           parallelism: feature rows out in the tunnel's envelope, the rest on
+      ─ ParquetRows       with ``sink="parquet:DIR"``, at the job's parallelism: the shipped tables' rows as
+                          ``Row``s of their declared columns (side outputs), each to a ``FileSink`` into
+                          ``DIR/<table>/``; rows that do not fit as dead letters, the rest on
       ─ StorageWriter     parallelism 1: CollectiveStorage, the device runner's DuckDB schema
       ─ discarding sink
 
@@ -50,6 +53,7 @@ from typing import Any
 
 import cloudpickle
 
+from connectors.json_values import to_json
 from connectors.storage import DEAD_LETTER_TABLE, CollectiveStorage
 from operators import TimeWindow
 from operators.base import field_reader
@@ -58,10 +62,18 @@ from operators.process import ValueStateDescriptor as TypedValue
 from operators.window import to_millis
 from streamflow.events import TimestampGuard
 from streamflow.execution import TaskExecution, TriggerTasks
+from streamflow.flink import connector_jars
 from streamflow.flink.cluster import python_path, remote_environment
 from streamflow.flink.kafka_source import add_kafka_jars, kafka_lines, kafka_records, kafka_topic
 from streamflow.flink.keyed import FlinkKeyed
-from streamflow.flink.sinks import TunnelShipper, device_keys, flink_devices, parse_sink
+from streamflow.flink.sinks import (
+    ParquetColumns,
+    TunnelShipper,
+    device_keys,
+    flink_devices,
+    parquet_tables,
+    parse_sink,
+)
 from streamflow.job import Job
 from streamflow.keyed import rows_by_output
 from streamflow.settings import settings
@@ -80,12 +92,19 @@ from streamflow.windowing import (
 )
 
 try:
-    from pyflink.common import Configuration, Types, WatermarkStrategy
+    from pyflink.common import Configuration, Row, Types, WatermarkStrategy
     from pyflink.common.time import Duration, Time
     from pyflink.common.watermark_strategy import TimestampAssigner
     from pyflink.datastream import DataStream, OutputTag, StreamExecutionEnvironment, TimeDomain
     from pyflink.datastream.connectors.base import Sink
-    from pyflink.datastream.connectors.file_system import FileSource, StreamFormat
+    from pyflink.datastream.connectors.file_system import (
+        BucketAssigner,
+        FileSink,
+        FileSource,
+        OutputFileConfig,
+        StreamFormat,
+    )
+    from pyflink.datastream.formats.parquet import ParquetBulkWriters
     from pyflink.datastream.functions import (
         AggregateFunction,
         FlatMapFunction,
@@ -97,6 +116,7 @@ try:
     from pyflink.datastream.state import ValueStateDescriptor
     from pyflink.datastream.window import SlidingEventTimeWindows
     from pyflink.java_gateway import get_gateway
+    from pyflink.table.types import DataTypes
 except ImportError as exc:  # the `flink` extra is optional
     raise ImportError("the Flink runner needs PyFlink: pip install 'streamflow[flink]'") from exc
 
@@ -740,6 +760,79 @@ class ShipRows(ProcessFunction):
         self.shipper.close()
 
 
+#: A declared column type (:data:`streamflow.job.COLUMN_TYPES`) as Flink's type information and Parquet's type.
+_COLUMN_TYPES = {"string": (Types.STRING, DataTypes.STRING), "bigint": (Types.LONG, DataTypes.BIGINT),
+                 "double": (Types.DOUBLE, DataTypes.DOUBLE), "boolean": (Types.BOOLEAN, DataTypes.BOOLEAN)}
+
+
+def parquet_tag(table: str, columns: dict[str, str]) -> OutputTag:
+    """The side output of ``ParquetRows`` that carries table ``table``'s rows."""
+    return OutputTag(f"parquet-{table}", Types.ROW_NAMED(list(columns),
+                                                         [_COLUMN_TYPES[kind][0]() for kind in columns.values()]))
+
+
+def parquet_file_sink(directory: Path, columns: dict[str, str]) -> FileSink:
+    """Flink's ``FileSink`` of one table: Parquet part files (Snappy) in ``directory``, committed on checkpoints
+    and at the end of a bounded input."""
+    row_type = DataTypes.ROW([DataTypes.FIELD(name, _COLUMN_TYPES[kind][1]()) for name, kind in columns.items()])
+    hadoop = Configuration()
+    hadoop.set_string("parquet.compression", "SNAPPY")
+    writer = ParquetBulkWriters.for_row_type(row_type, hadoop_config=hadoop, utc_timestamp=True)
+    return (FileSink.for_bulk_format(str(directory), writer)
+            .with_bucket_assigner(BucketAssigner.base_path_bucket_assigner())  # no date-hour folders
+            .with_output_file_config(OutputFileConfig.builder().with_part_prefix("part")
+                                     .with_part_suffix(".parquet").build())
+            .build())
+
+
+class ParquetRows(ProcessFunction):
+    """The ``parquet:DIR`` sink's first half (:mod:`streamflow.flink.sinks`), at the job's parallelism: each row of
+    a shipped table made a ``Row`` of its declared columns, to that table's side output (and its ``FileSink``);
+    a row that does not fit is a dead letter; every other record goes on to the run's local DuckDB writer. A
+    stream task's shipped rows are counted for the run's summary (``_STATS``), as StorageWriter counts them."""
+
+    def __init__(self, tables: dict[str, dict[str, str]], stream_sinks: dict[str, str]):
+        self.tables = tables
+        self.stream_sinks = stream_sinks  # sink table -> stream task
+        self.tags = {table: parquet_tag(table, columns) for table, columns in tables.items()}
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        self.fits = {table: ParquetColumns(table, columns) for table, columns in self.tables.items()}
+
+    def process_element(self, value: tuple[str, Any], ctx: ProcessFunction.Context) -> list[Any]:
+        table, row = value
+        out: list[Any] = []
+        if table == _ROWS:
+            kept = []
+            for name, rows in rows_by_output(row).items():
+                if name in self.fits:
+                    self._ship(name, rows, out)
+                else:
+                    kept += [(name, r) for r in rows]
+            if kept:
+                out.append((_ROWS, kept))
+        elif table in self.fits:
+            self._ship(table, [row], out)
+        else:
+            out.append(value)
+        return out
+
+    def _ship(self, table: str, rows: list[dict[str, Any]], out: list[Any]) -> None:
+        fit, tag = self.fits[table], self.tags[table]
+        for row in rows:
+            values, reason = fit.fit(row)
+            if values is None:
+                out.append((DEAD_LETTER_TABLE, {"source": f"parquet:{table}", "line": 0,
+                                                "reason": f"parquet: row does not fit table {table}'s declared "
+                                                          f"columns: {reason}",
+                                                "raw": to_json(row)}))
+            else:
+                out.append((tag, Row(*values)))
+        task = self.stream_sinks.get(table)
+        if task is not None and rows:
+            out.append((_STATS, {"events": 0, "tasks": {task: {"fired": len(rows), "rows": len(rows)}}}))
+
+
 def job_modules(job: Job) -> list[str]:
     """The modules a job file brought with it: the job's own module and every module loaded from a file
     in the job file's directory (e.g. ``jobs/ipv_encoder.py`` loads ``jobs/ipv.py``). The workers cannot
@@ -781,7 +874,9 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
 
     ``sink``: where the rows go (:mod:`streamflow.flink.sinks`): ``duckdb:PATH`` (instead of ``db``), or
     ``kafka:TOPIC``, the feature rows in the tunnel's envelope at the job's parallelism (broker:
-    ``$STREAMFLOW_KAFKA_BOOTSTRAP``; the subtasks' device keys from the key registry); the rest stays in ``db``.
+    ``$STREAMFLOW_KAFKA_BOOTSTRAP``; the subtasks' device keys from the key registry); the rest stays in ``db``;
+    or ``parquet:DIR``, the shipped tasks' rows as Parquet part files in ``DIR/<table>/`` (each such task declares
+    its ``columns``; refused here, before a JVM starts, if one does not).
 
     ``events`` may also be ``kafka://TOPIC`` (broker: ``$STREAMFLOW_KAFKA_BOOTSTRAP``, default
     ``127.0.0.1:9092``): each record's value is one line of the format ``fmt`` (required then), read from
@@ -812,6 +907,7 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
     resolved = settings(db=db)
     db_path = resolved.db.resolve()
     shipper = None
+    tables = parquet_tables(job) if spec is not None and spec.scheme == "parquet" else {}  # before a JVM starts
     if spec is not None and spec.scheme == "kafka":  # checked before a JVM starts
         # The broker resolved here: the JVM (and the Python it embeds) may be older than this process's environment.
         shipper = TunnelShipper(device_keys(flink_devices(job.name, parallelism)), spec.target,
@@ -852,6 +948,13 @@ def run_flink(job: Job, events: str | os.PathLike[str], fmt: str | None = None,
     if shipper is not None:
         shipped = {task.sink for task in job.tasks if task.tunnel}
         outputs = outputs.process(ShipRows(shipper, shipped), output_type=_PICKLED)
+    if spec is not None and spec.scheme == "parquet":
+        env.add_jars(*connector_jars.parquet_jar_urls())
+        parquet_rows = ParquetRows(tables, stream_sinks)
+        outputs = outputs.process(parquet_rows, output_type=_PICKLED)
+        for table, columns in tables.items():
+            (outputs.get_side_output(parquet_rows.tags[table])
+             .sink_to(parquet_file_sink(Path(spec.target).resolve() / table, columns)))
     (outputs.process(StorageWriter(str(db_path), str(report), stream_sinks, tasks), output_type=_PICKLED)
      .set_parallelism(1)
      .sink_to(Sink(get_gateway().jvm.org.apache.flink.streaming.api.functions.sink.v2.DiscardingSink())))

@@ -8,12 +8,24 @@
   cloud consumer (``streamflow tunnel consume``, or the Flink features job) stores each once by (device, seq),
   a device's envelopes in one partition, in order. Dead letters, task errors and the run's counts are few and
   stay in the local DuckDB file (as ``streamflow run --tunnel kafka`` keeps them on the device).
-- ``parquet:DIR``: not built yet. The jars are there: ``flink-sql-parquet`` and Hadoop's shaded client, fetched and
-  verified by :func:`streamflow.flink.connector_jars.fetch_parquet`, load in PyFlink 2.3, and PyFlink's
-  ``FileSink.for_bulk_format`` with ``ParquetBulkWriters.for_row_type`` writes part files committed on checkpoints,
-  exactly once across a failure (``tests/flink/test_flink_parquet_jars.py``). What is missing is each table's
-  schema: that writer takes a fixed ``RowType`` when the job graph is built, and a task declares no output
-  columns or types (its rows are whatever its ``Map``/``Aggregate`` steps return, known only when they run).
+- ``parquet:DIR``: the rows of the job's shipped tasks (those not marked ``tunnel=False``) as Parquet files, one
+  directory per table (``DIR/<table>/``), through Flink's ``FileSink`` (bulk format, ``ParquetBulkWriters``) at the
+  job's parallelism, with the jars of :func:`streamflow.flink.connector_jars.parquet_jar_urls`. The writer needs
+  each table's schema when the job is built, so every shipped task declares its ``columns``
+  (:class:`streamflow.job.Task`); a job that has one without is refused before any JVM starts
+  (:func:`parquet_tables`). Each row is made a row of the declared columns in order (:class:`ParquetColumns`);
+  one that does not fit (a missing or extra key, a value of another type: an int widens to ``double``, nothing
+  else converts) is a dead letter (``source`` ``parquet:<table>``, reason ``parquet: ...``) in the local DuckDB
+  file, counted under ``rejected["parquet"]``. Dead letters, task errors and the run's counts stay in the local
+  DuckDB file, as with ``kafka:``.
+
+  Guarantees: a part file is written in progress (hidden: ``.part-<uuid>-<n>.parquet.inprogress.<uuid>``) and
+  committed (renamed to ``part-<uuid>-<subtask>-<n>.parquet``) on a completed checkpoint, or when a bounded input
+  ends (Flink 2.x's final flush, with or without ``--checkpoint-dir``); readers that skip hidden files see committed
+  rows only. With checkpoints, a job restored from one rewrites nothing committed: the in-progress files of the
+  failed attempt are left behind, hidden, and the rows after the checkpoint are written again into new part files,
+  so the committed files hold every row exactly once. Without checkpoints a failed run commits nothing it had in
+  progress; rerun it into an empty directory (a rerun into the same one adds a second copy).
 
 What ``kafka:`` does not give yet: exactly-once across a TaskManager's loss. A subtask's sequence numbers live in
 its spool on the TaskManager's disk (``<db>.tunnel-spool/``), not in Flink's checkpoints, so rows replayed after a
@@ -59,11 +71,105 @@ def parse_sink(uri: str | None) -> SinkSpec | None:
     scheme, _, target = uri.partition(":")
     if scheme not in SCHEMES or not target:
         raise ValueError(f"unknown sink {uri!r}: expected duckdb:PATH, kafka:TOPIC or parquet:DIR")
-    if scheme == "parquet":
-        raise ValueError("parquet:DIR is not built yet (issue 29): Flink's Parquet FileSink needs each table's "
-                         "columns and types when the job is built, and tasks do not declare them; use "
-                         "kafka:TOPIC on a cluster, or duckdb:PATH locally")
     return SinkSpec(scheme, target)
+
+
+def parquet_tables(job: Any) -> dict[str, dict[str, str]]:
+    """The tables ``parquet:DIR`` writes: each shipped task's sink (``tunnel=True``) and its declared columns;
+    ``ValueError`` naming the shipped tasks that declare none (checked before a JVM starts).
+
+    Example:
+        >>> from operators import Aggregate, Count
+        >>> from streamflow.job import Job, Task
+        >>> cols = {"user_id": "string", "trigger_ts": "double", "n": "bigint"}
+        >>> parquet_tables(Job("j", [Task("a", ["item"], [Aggregate(n=Count())], columns=cols),
+        ...                         Task("b", ["item"], [Aggregate(n=Count())], tunnel=False)]))
+        {'a': {'user_id': 'string', 'trigger_ts': 'double', 'n': 'bigint'}}
+        >>> parquet_tables(Job("j", [Task("b", ["item"], [Aggregate(n=Count())])]))
+        Traceback (most recent call last):
+        ...
+        ValueError: parquet:DIR needs the output columns of every shipped task: task 'b' declares none; give it \
+columns={...} (see streamflow.job.Task), or tunnel=False to keep its rows in the local DuckDB file
+    """
+    missing = [task.name for task in job.tasks if task.tunnel and task.columns is None]
+    if missing:
+        names = ", ".join(f"task {name!r}" for name in missing)
+        one = len(missing) == 1
+        raise ValueError(f"parquet:DIR needs the output columns of every shipped task: {names} "
+                         f"declare{'s' if one else ''} none; give {'it' if one else 'them'} "
+                         f"columns={{...}} (see streamflow.job.Task), or tunnel=False to keep its rows in the local "
+                         f"DuckDB file")
+    tables: dict[str, dict[str, str]] = {}
+    for task in job.tasks:
+        if not task.tunnel:
+            continue
+        if task.sink in tables and tables[task.sink] != task.columns:
+            raise ValueError(f"parquet:DIR: tasks writing table {task.sink!r} declare different columns "
+                             f"(task {task.name!r}: {task.columns})")
+        tables[task.sink] = dict(task.columns or {})
+    return tables
+
+
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+class ParquetColumns:
+    """A table's declared columns: :meth:`fit` makes a row dict the tuple of its values in column order, or
+    says why it does not fit (no silent coercion: an int widens to ``double``; nothing else converts; ``None``
+    is a null of any type).
+
+    Example:
+        >>> cols = ParquetColumns("t", {"user_id": "string", "n": "bigint", "x": "double", "ok": "boolean"})
+        >>> cols.fit({"user_id": "u", "n": 3, "x": 2, "ok": True})
+        (('u', 3, 2.0, True), None)
+        >>> cols.fit({"user_id": "u", "n": "3", "x": 2.5, "ok": None})[1]
+        "column 'n' is bigint; got str '3'"
+        >>> cols.fit({"user_id": "u", "n": 3, "x": 2.5})[1]
+        "missing column 'ok'"
+        >>> cols.fit({"user_id": "u", "n": 3, "x": 2.5, "ok": False, "y": 1})[1]
+        "key 'y' is not a declared column"
+    """
+
+    def __init__(self, table: str, columns: dict[str, str]):
+        self.table = table
+        self.columns = dict(columns)
+        self.names = list(columns)
+        self.kinds = list(columns.values())
+
+    def fit(self, row: dict[str, Any]) -> tuple[tuple[Any, ...] | None, str | None]:
+        if not isinstance(row, dict):
+            return None, f"row is a {type(row).__name__}, not a dict"
+        values = []
+        for name, kind in zip(self.names, self.kinds, strict=True):
+            if name not in row:
+                return None, f"missing column {name!r}"
+            value = row[name]
+            if value is not None:
+                value, ok = _typed(kind, value)
+                if not ok:
+                    return None, f"column {name!r} is {kind}; got {type(row[name]).__name__} {row[name]!r:.80}"
+            values.append(value)
+        if len(row) != len(self.names):
+            extra = [key for key in row if key not in self.columns]
+            return None, f"key {extra[0]!r} is not a declared column"
+        return tuple(values), None
+
+
+def _typed(kind: str, value: Any) -> tuple[Any, bool]:
+    if kind == "string":
+        return value, isinstance(value, str)
+    if kind == "boolean":
+        return value, isinstance(value, bool)
+    if isinstance(value, bool):
+        return value, False
+    if kind == "bigint":
+        return value, isinstance(value, int) and _INT64[0] <= value <= _INT64[1]
+    if isinstance(value, int):  # double: an int widens (one too big for a double does not fit)
+        try:
+            return float(value), True
+        except OverflowError:
+            return value, False
+    return value, isinstance(value, float)
 
 
 def flink_devices(job_name: str, parallelism: int) -> list[str]:

@@ -7,8 +7,8 @@ carries a Flink 2.x ``flink-sql-parquet``). The MiniCluster test writes Parquet 
 ``FileSink.for_bulk_format(..., ParquetBulkWriters.for_row_type(...))`` at parallelism 2 with checkpoints, kills
 the job's tasks once after some checkpoints have committed part files, and reads what is left with pyarrow: every
 row exactly once in the committed part files (the failed attempt's in-progress files stay behind, hidden, as
-readers expect). It is the jars' test, not the ``--sink parquet:DIR`` of the
-runner (not built: see :mod:`streamflow.flink.sinks`).
+readers expect). It is the jars' test; the runner's ``--sink parquet:DIR`` built on them is
+tested in ``tests/flink/test_flink_parquet_sink.py``.
 """
 
 from __future__ import annotations
