@@ -60,8 +60,8 @@ class Task:
     row the task writes: a trigger task's include ``user_id`` (``"string"``) and ``trigger_ts``
     (``"double"``). A sink that needs a fixed schema when the job is built (the Flink runner's
     ``--sink parquet:DIR``) requires it of every shipped task (``tunnel=True``); a row that does not fit it
-    (a missing or extra key, a value of another type; an int widens to ``"double"``, nothing else converts) is
-    a dead letter there. Other sinks ignore it.
+    (a missing or extra key, a value of another type; an int widens to ``"double"`` when a double holds it
+    exactly, nothing else converts) is a dead letter there. Other sinks ignore it.
 
     Example:
         >>> from operators import Aggregate, Count

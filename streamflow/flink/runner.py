@@ -822,10 +822,9 @@ class ParquetRows(ProcessFunction):
         for row in rows:
             values, reason = fit.fit(row)
             if values is None:
-                out.append((DEAD_LETTER_TABLE, {"source": f"parquet:{table}", "line": 0,
-                                                "reason": f"parquet: row does not fit table {table}'s declared "
-                                                          f"columns: {reason}",
-                                                "raw": to_json(row)}))
+                out.append((DEAD_LETTER_TABLE, _dead_letter(
+                    f"parquet:{table}", 0, f"parquet: row does not fit table {table}'s declared columns: {reason}",
+                    to_json(row))))
             else:
                 out.append((tag, Row(*values)))
         task = self.stream_sinks.get(table)

@@ -14,10 +14,10 @@
   each table's schema when the job is built, so every shipped task declares its ``columns``
   (:class:`streamflow.job.Task`); a job that has one without is refused before any JVM starts
   (:func:`parquet_tables`). Each row is made a row of the declared columns in order (:class:`ParquetColumns`);
-  one that does not fit (a missing or extra key, a value of another type: an int widens to ``double``, nothing
-  else converts) is a dead letter (``source`` ``parquet:<table>``, reason ``parquet: ...``) in the local DuckDB
-  file, counted under ``rejected["parquet"]``. Dead letters, task errors and the run's counts stay in the local
-  DuckDB file, as with ``kafka:``.
+  one that does not fit (a missing or extra key, a value of another type: an int widens to ``double`` when a
+  double holds it exactly, nothing else converts) is a dead letter (``source`` ``parquet:<table>``, reason
+  ``parquet: ...``) in the local DuckDB file, counted under ``rejected["parquet"]``. Dead letters, task errors and
+  the run's counts stay in the local DuckDB file, as with ``kafka:``.
 
   Guarantees: a part file is written in progress (hidden: ``.part-<uuid>-<n>.parquet.inprogress.<uuid>``) and
   committed (renamed to ``part-<uuid>-<subtask>-<n>.parquet``) on a completed checkpoint, or when a bounded input
@@ -115,7 +115,8 @@ _INT64 = (-(2**63), 2**63 - 1)
 
 class ParquetColumns:
     """A table's declared columns: :meth:`fit` makes a row dict the tuple of its values in column order, or
-    says why it does not fit (no silent coercion: an int widens to ``double``; nothing else converts; ``None``
+    says why it does not fit (no silent coercion: an int widens to ``double`` when a double holds it exactly;
+    nothing else converts; ``None``
     is a null of any type).
 
     Example:
@@ -124,6 +125,8 @@ class ParquetColumns:
         (('u', 3, 2.0, True), None)
         >>> cols.fit({"user_id": "u", "n": "3", "x": 2.5, "ok": None})[1]
         "column 'n' is bigint; got str '3'"
+        >>> cols.fit({"user_id": "u", "n": 3, "x": 2**53 + 1, "ok": None})[1]  # no double holds it exactly
+        "column 'x' is double; got int 9007199254740993"
         >>> cols.fit({"user_id": "u", "n": 3, "x": 2.5})[1]
         "missing column 'ok'"
         >>> cols.fit({"user_id": "u", "n": 3, "x": 2.5, "ok": False, "y": 1})[1]
@@ -164,11 +167,12 @@ def _typed(kind: str, value: Any) -> tuple[Any, bool]:
         return value, False
     if kind == "bigint":
         return value, isinstance(value, int) and _INT64[0] <= value <= _INT64[1]
-    if isinstance(value, int):  # double: an int widens (one too big for a double does not fit)
+    if isinstance(value, int):  # double: an int widens if a double holds it exactly (as the tunnel's strict.py)
         try:
-            return float(value), True
+            widened = float(value)
         except OverflowError:
             return value, False
+        return widened, int(widened) == value
     return value, isinstance(value, float)
 
 
