@@ -376,12 +376,24 @@ def prepend_text(strings: np.ndarray, column: TextColumn) -> TextColumn:
     an earlier chunk, then this chunk's)."""
     if not len(strings):
         return column
+    codes, dictionary = _codes_in(column, strings.tolist())
+    return TextColumn(np.concatenate([codes, column.codes]), dictionary)
+
+
+def append_text(column: TextColumn, strings: list[str]) -> TextColumn:
+    """``column``'s rows then ``strings``, as one text column."""
+    codes, dictionary = _codes_in(column, strings)
+    return TextColumn(np.concatenate([column.codes, codes]), dictionary)
+
+
+def _codes_in(column: TextColumn, strings: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The codes of ``strings`` in ``column``'s dictionary, extended by the values it lacks, and that dictionary."""
     dictionary = column.dictionary.tolist()
     index = {value: code for code, value in enumerate(dictionary)}
-    codes = np.fromiter((index.setdefault(value, len(index)) for value in strings.tolist()), np.int64, len(strings))
+    codes = np.fromiter((index.setdefault(value, len(index)) for value in strings), np.int64, len(strings))
     if len(index) > len(dictionary):
         dictionary = list(index)
-    return TextColumn(np.concatenate([codes, column.codes]), np.array(dictionary, dtype=object))
+    return codes, np.array(dictionary, dtype=object)
 
 
 def select_rows(value: Any, indices: np.ndarray) -> Any:

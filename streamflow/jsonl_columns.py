@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from streamflow.columnar import TextColumn, select_rows
+from streamflow.columnar import TextColumn, append_text, select_rows
 from streamflow.csv_columns import Fields
 from streamflow.events import Event, Rejected
 from streamflow.sources import JsonLinesSource, whole_line_chunks
@@ -68,7 +68,7 @@ class JsonChunk:
 
     ``columns``: ``user_id``, ``event_id``, ``page_id`` and each ``contents`` key asked for as text (``""`` where
     ``odd``), ``ts`` as float64. ``fields`` gives each event's line (one field: the whole line) in ``data``, as
-    :func:`streamflow.runners.batch.guarded_lines` reads it."""
+    :func:`streamflow.runners.batch_rows.guarded_lines` reads it."""
 
     columns: dict[str, Any]
     line_numbers: np.ndarray
@@ -186,16 +186,7 @@ def _text(fast: TextColumn, extra: list[str], order: np.ndarray) -> TextColumn:
     """A text column of ``fast``'s rows then ``extra``, in ``order``."""
     if not extra:
         return TextColumn(fast.codes[order], fast.dictionary)
-    return select_rows(_append(fast, extra), order)
-
-
-def _append(column: TextColumn, strings: list[str]) -> TextColumn:
-    dictionary = column.dictionary.tolist()
-    index = {value: code for code, value in enumerate(dictionary)}
-    codes = np.fromiter((index.setdefault(value, len(index)) for value in strings), np.int64, len(strings))
-    if len(index) > len(dictionary):
-        dictionary = list(index)
-    return TextColumn(np.concatenate([column.codes, codes]), np.array(dictionary, dtype=object))
+    return select_rows(append_text(fast, extra), order)
 
 
 def _parse_plain(buf: np.ndarray, plain: np.ndarray, starts: np.ndarray, ends: np.ndarray,

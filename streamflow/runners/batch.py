@@ -19,7 +19,8 @@ It applies (otherwise the runner streams, and says why) when:
   columns (:meth:`~streamflow.sources.TaobaoBehaviorSource.plain_lines`); the others (a wrong field count,
   an empty field, bad UTF-8, an unknown behaviour, a timestamp that is no integer) go through the
   streaming run's own line reader (``read_line``), and the guard's rejections (a timestamp outside its
-  bounds, or earlier than the user's previous one) are found over the columns (:func:`guarded_lines`):
+  bounds, or earlier than the user's previous one) are found over the columns
+  (:func:`~streamflow.runners.batch_rows.guarded_lines`):
   each becomes the same dead letter, with the same reason and line number, as when streaming. Only a
   line the parser takes after trimming or decoding it (spaces around a field, non-ASCII text), or a lone
   carriage return, makes the run stream;
@@ -61,13 +62,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from connectors.storage import DEAD_LETTER_TABLE
 from operators import Aggregate, Count, CountBy, First, Last, Max, Min
 from operators.process import ValueStateDescriptor
 from streamflow.columnar import (
@@ -77,13 +77,12 @@ from streamflow.columnar import (
     TextColumn,
     constant,
     prepend_text,
-    run_row_steps,
     select_rows,
-    to_numpy,
 )
-from streamflow.events import PAGE_ENTER, PAGE_EXIT, Rejected, TimestampGuard
+from streamflow.events import PAGE_ENTER, PAGE_EXIT, Rejected
 from streamflow.keyed import KeyedStore
 from streamflow.runners.batch_jsonl import run_jsonl_batch, trigger_page
+from streamflow.runners.batch_rows import DeadLetters, guarded_lines, sample_difference, task_output, write_chunk
 from streamflow.runners.plan import BatchHost, RunPlan, TriggerTaskPlan
 from streamflow.sources import (
     ITEM_PAGE,
@@ -104,8 +103,6 @@ except (OSError, AttributeError):
     _LIBC = None
 #: Event fields every event of an item page carries (``Event`` attributes and ``contents`` keys).
 EVENT_FIELDS = ("user_id", "event_id", "page_id", "ts", "item_id", "category_id")
-#: Firings per task recomputed the streaming way before anything is written.
-SAMPLE_FIRINGS = 16
 
 
 def refusal(plan: RunPlan, source: Any) -> str | None:
@@ -175,95 +172,6 @@ class PageVisits:
 
     def __len__(self) -> int:
         return len(self.enter_ts)
-
-
-@dataclass
-class DeadLetters:
-    """Dead letters as columns, in line order: what :meth:`DeviceRunner.reject()
-    <streamflow.runners.device.DeviceRunner.reject>` stores of each :class:`~streamflow.events.Rejected`, without
-    an object per line (a backfill's bad lines may be many: every line past the guard's clock)."""
-
-    sources: list[str]
-    lines: list[int]
-    reasons: list[str]
-    raws: list[str]
-
-    def __len__(self) -> int:
-        return len(self.lines)
-
-    def merged(self, records: list[Rejected]) -> DeadLetters:
-        """These and ``records``, in line order."""
-        if not records:
-            return self
-        columns = (self.sources + [r.source for r in records], self.lines + [r.line for r in records],
-                   self.reasons + [r.reason for r in records], self.raws + [r.raw for r in records])
-        order = np.argsort(np.array(columns[1], dtype=np.int64), kind="stable").tolist()
-        return DeadLetters(*([column[i] for i in order] for column in columns))
-
-    def table(self) -> dict[str, np.ndarray]:
-        """The dead-letter table's columns."""
-        return {"source": np.array(self.sources, dtype=object), "line": np.array(self.lines, dtype=np.int64),
-                "reason": np.array(self.reasons, dtype=object), "raw": np.array(self.raws, dtype=object)}
-
-
-def guarded_lines(lines: PlainLines, users: TextColumn, guard: TimestampGuard, source: str,
-                  last: dict[str, float] | None = None) -> tuple[np.ndarray, DeadLetters]:
-    """Which plain lines ``guard`` accepts, and the others as the streaming run rejects them (line by line,
-    :meth:`~streamflow.events.TimestampGuard.check`): a timestamp outside its bounds, or earlier than the
-    user's previous accepted one. ``(accepted, the others' dead letters in line order)``.
-
-    A user's accepted timestamps never decrease, so the previous accepted one is the largest before it among
-    the user's lines within bounds (a line that goes backwards is below it and changes nothing). ``last``:
-    each user's last accepted timestamp in the lines before these (a chunk's), updated with these."""
-    ts, names = lines.ts, users.dictionary
-    accepted = (ts >= guard.min_ts) & (ts <= guard.max_ts)
-    reasons: dict[int, str] = {}
-    outside = np.flatnonzero(~accepted)
-    if len(outside):
-        # The guard reads the clock once for the latest of them (a new upper bound, as the streaming run's check of
-        # that line would), then every line outside the bounds gets the reason its check gives (streaming reads the
-        # clock again at each: the bound in the text may differ by the seconds the run took).
-        guard.reason(names[users.codes[outside[0]]], float(ts[outside].max()), None)
-        accepted = (ts >= guard.min_ts) & (ts <= guard.max_ts)
-        outside = np.flatnonzero(~accepted)
-        why = guard.outside_reason
-        reasons.update(zip(outside.tolist(), map(why, ts[outside].tolist()), strict=True))
-    within = np.flatnonzero(accepted)
-    order = within[np.argsort(users.codes[within], kind="stable")]  # by user, each user's lines in file order
-    user, stamps = users.codes[order], ts[order]
-    first = np.ones(len(order), dtype=bool)
-    first[1:] = user[1:] != user[:-1]
-    previous = np.full(len(order), -np.inf)
-    if len(order):
-        group = np.cumsum(first) - 1
-        base = stamps.min()
-        span = stamps.max() - base + 1
-        if span * (group[-1] + 1) < 2**52:  # a running maximum per user in one pass, exact in float64
-            shifted = np.maximum.accumulate(stamps - base + group * span) - group * span + base
-        else:
-            parts = np.split(stamps, np.flatnonzero(first)[1:])
-            shifted = np.concatenate([np.maximum.accumulate(part) for part in parts])
-        previous[1:] = shifted[:-1]
-        previous[first] = -np.inf
-        if last is not None:  # the lines before these: each user's running maximum starts at its last accepted
-            carried = np.array([last.get(name, -np.inf) for name in names.tolist()])
-            previous = np.maximum(previous, carried[user])
-            ends = np.append(np.flatnonzero(first)[1:], len(order)) - 1
-            for code, top in zip(user[ends].tolist(), np.maximum(shifted[ends], carried[user[ends]]).tolist(),
-                                 strict=True):
-                last[names[code]] = top
-    backwards = stamps < previous
-    for i, before in zip(order[backwards].tolist(), previous[backwards].tolist(), strict=True):
-        reason = guard.reason(names[users.codes[i]], float(ts[i]), before)
-        assert reason is not None  # an event before the user's last one is always refused
-        reasons[i] = reason
-        accepted[i] = False
-    refused = sorted(reasons)
-    at = np.array(refused, dtype=np.int64)
-    data, begin, end = lines.fields.data, lines.fields.starts[at, 0].tolist(), lines.fields.ends[at, -1].tolist()
-    return accepted, DeadLetters([source] * len(refused), lines.line_numbers[at].tolist(),
-                                 [reasons[i] for i in refused],
-                                 [data[b:e].decode("utf-8") for b, e in zip(begin, end, strict=True)])
 
 
 def page_visits(columns: dict[str, Any], gap: float, ranks: np.ndarray | None = None) -> PageVisits:
@@ -343,11 +251,7 @@ def task_rows(trigger: TriggerTaskPlan, visits: PageVisits) -> tuple[dict[str, n
     aggregate, steps = trigger.aggregate, trigger.steps
     if aggregate is None or steps is None:  # refusal() has said so already
         raise NotColumnar(f"task {trigger.task.name}'s pipeline is not an Aggregate and element steps")
-    columns = aggregate_columns(aggregate, visits)
-    out, kept = run_row_steps(steps, columns, len(visits))
-    pages = np.arange(len(visits)) if kept is None else kept
-    head = {"user_id": select_rows(visits.users, pages), "trigger_ts": Column(visits.exit_ts[pages])}
-    return {name: to_numpy(column) for name, column in {**head, **out}.items()}, pages
+    return task_output(steps, aggregate_columns(aggregate, visits), visits.users, visits.exit_ts)
 
 
 def streaming_rows(plan: RunPlan, source: TaobaoBehaviorSource, name: str, visits: PageVisits,
@@ -369,26 +273,6 @@ def streaming_rows(plan: RunPlan, source: TaobaoBehaviorSource, name: str, visit
     else:
         exit_event = source.end_events(user, state)[0]
     return plan.run_task(name, exit_event, [*events, exit_event])
-
-
-def sample_difference(plan: RunPlan, source: TaobaoBehaviorSource, name: str, visits: PageVisits,
-                      rows: dict[str, np.ndarray], pages: np.ndarray) -> str | None:
-    """How a sample of task ``name``'s batch rows differ from the streaming run's, or ``None``."""
-    sample = np.unique(np.linspace(0, len(visits) - 1, min(SAMPLE_FIRINGS, len(visits))).astype(np.int64))
-    position = np.full(len(visits), -1)
-    position[pages] = np.arange(len(pages))  # the row of each page that has one
-    for page in sample.tolist():
-        expected = streaming_rows(plan, source, name, visits, page)
-        row = int(position[page])
-        got = [{key: column[row] if column.dtype.kind == "O" else column[row].item()
-                for key, column in rows.items()}] if row >= 0 else []
-        if isinstance(expected, Exception) or _typed(expected) != _typed(got):
-            return f"task {name}, page {page}: the streaming pipeline gives {expected!r}, the columns {got!r}"
-    return None
-
-
-def _typed(rows: list[dict[str, Any]]) -> list[list[tuple[str, type, Any]]]:
-    return [[(key, type(value), value) for key, value in row.items()] for row in rows]
 
 
 def _release_free_memory() -> None:
@@ -535,7 +419,8 @@ def _run_chunk(plan: RunPlan, source: TaobaoBehaviorSource, lines: PlainLines, c
         except Exception as exc:  # the streaming run raises it again, per row, where it belongs
             return f"task {name}'s steps raised {type(exc).__name__} over columns"
         if len(visits):
-            difference = sample_difference(plan, source, name, visits, rows, pages)
+            difference = sample_difference(name, len(visits), rows, pages,
+                                           partial(streaming_rows, plan, source, name, visits))
             if difference is not None:
                 return f"a sample row differs: {difference}"
         outputs[name] = rows
@@ -553,7 +438,7 @@ def run_batch(runner: BatchHost, source: object, chunk_bytes: int | None = None)
     if why is not None:
         return why
     if isinstance(source, JsonLinesSource):  # one event a line: the pages are the events' own
-        return run_jsonl_batch(runner, plan, source, chunk_bytes or CHUNK_BYTES, guarded_lines)
+        return run_jsonl_batch(runner, plan, source, chunk_bytes or CHUNK_BYTES)
     assert isinstance(source, TaobaoBehaviorSource)  # refusal() said so
     carried, written, lines_before, lines_after = _Carried(), False, 0, 0
     for lines in source.plain_chunks(chunk_bytes or CHUNK_BYTES):
@@ -580,18 +465,8 @@ def run_batch(runner: BatchHost, source: object, chunk_bytes: int | None = None)
 
 def _write_chunk(runner: BatchHost, plan: RunPlan, rejected: DeadLetters, visits: PageVisits,
                  outputs: dict[str, dict[str, np.ndarray]]) -> None:
-    """A chunk's dead letters and rows stored, and counted."""
+    """A chunk's dead letters and rows stored, and counted (every task fired on every page of the chunk)."""
     events, pages_seen = int(visits.n_events.sum()), len(visits)
     del visits
     _release_free_memory()
-    summary = runner.summary
-    if len(rejected):  # as runner.reject() of each, in one insert
-        summary.rejected.update(Counter(reason.split(":", 1)[0] for reason in rejected.reasons))
-        runner.storage.write_table(DEAD_LETTER_TABLE, rejected.table())
-    summary.events_in += events
-    for name, rows in outputs.items():
-        stats = summary.task_stats[name]
-        stats.fired += pages_seen
-        stats.rows += len(rows["trigger_ts"])
-        if len(rows["trigger_ts"]):  # as streaming: no row, no table
-            runner.storage.write_table(plan.triggers[name].task.sink, rows)
+    write_chunk(runner, plan, rejected, events, {name: (pages_seen, rows) for name, rows in outputs.items()})

@@ -21,13 +21,11 @@ that chunk's first line on when chunks before it were written (:meth:`_Carried.s
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from connectors.storage import DEAD_LETTER_TABLE
 from operators import Count, CountBy, First, Last, Max, Min
 from operators.process import ValueStateDescriptor
 from streamflow.columnar import (
@@ -36,20 +34,16 @@ from streamflow.columnar import (
     NotColumnar,
     TextColumn,
     prepend_text,
-    run_row_steps,
     select_rows,
-    to_numpy,
 )
 from streamflow.events import EVENT_ATTRIBUTES, PAGE_ENTER, PAGE_EXIT, Event, Rejected
 from streamflow.jsonl_columns import ID_FIELDS, JsonChunk, json_chunks
 from streamflow.keyed import KeyedStore
+from streamflow.runners.batch_rows import DeadLetters, guarded_lines, sample_difference, task_output, write_chunk
 from streamflow.runners.plan import BatchHost, RunPlan, TriggerTaskPlan
 from streamflow.sources import JsonLinesSource, SourcePosition
 
 log = logging.getLogger("streamflow.runners")
-
-#: Firings per task and chunk recomputed the streaming way.
-SAMPLE_FIRINGS = 16
 
 
 def trigger_page(trigger: TriggerTaskPlan) -> str | None:
@@ -106,11 +100,11 @@ class _Carried:
 
 
 #: A chunk's dead letters, its accepted events, and per task (pages fired, rows).
-_Chunk = tuple[Any, int, dict[str, tuple[int, dict[str, np.ndarray]]]]
+_Chunk = tuple[DeadLetters, int, dict[str, tuple[int, dict[str, np.ndarray]]]]
 
 
-def _run_chunk(plan: RunPlan, source: JsonLinesSource, chunk: JsonChunk, carried: _Carried, keys: list[str],
-               guarded_lines: Callable[..., Any]) -> _Chunk | str:
+def _run_chunk(plan: RunPlan, source: JsonLinesSource, chunk: JsonChunk, carried: _Carried, keys: list[str]
+               ) -> _Chunk | str:
     """A chunk's dead letters, accepted events and per task (fired pages, rows), or why batch mode cannot."""
     accepted, refused = guarded_lines(chunk, chunk.columns["user_id"], plan.guard, source.name, carried.last_ts)
     dead = refused.merged(chunk.rejected)
@@ -165,7 +159,8 @@ def _run_chunk(plan: RunPlan, source: JsonLinesSource, chunk: JsonChunk, carried
             return f"task {name}'s steps do not run over columns ({exc})"
         except Exception as exc:  # the streaming run raises it again, per row, where it belongs
             return f"task {name}'s steps raised {type(exc).__name__} over columns"
-        difference = _sample_difference(plan, name, joined, order, ts, keys, starts, ends, rows, kept)
+        difference = sample_difference(name, len(fired), rows, kept,
+                                       partial(_streaming_rows, plan, name, joined, order, ts, keys, starts, ends))
         if difference is not None:
             return f"a sample row differs: {difference}"
         outputs[name] = (len(fired), rows)
@@ -215,50 +210,33 @@ def _task_rows(trigger: TriggerTaskPlan, joined: dict[str, TextColumn], order: n
             columns[name] = CountsColumn(counts, size)
         else:
             raise NotColumnar(f"{name}={aggregation!r} has no column form here")
-    out, kept = run_row_steps(steps, columns, size)
-    pages = np.arange(size) if kept is None else kept
-    head = {"user_id": select_rows(joined["user_id"], last_at[pages]), "trigger_ts": Column(ts[last_at[pages]])}
-    return {name: to_numpy(column) for name, column in {**head, **out}.items()}, pages
+    return task_output(steps, columns, select_rows(joined["user_id"], last_at), ts[last_at])
 
 
-def _sample_difference(plan: RunPlan, name: str, joined: dict[str, TextColumn], order: np.ndarray, ts: np.ndarray,
-                       keys: list[str], starts: np.ndarray, ends: np.ndarray, rows: dict[str, np.ndarray],
-                       kept: np.ndarray) -> str | None:
-    """How a sample of task ``name``'s rows differ from what its pipeline makes of the same events, or ``None``."""
-    size = len(starts)
-    if not size:
-        return None
-    position = np.full(size, -1)
-    position[kept] = np.arange(len(kept))
+def _streaming_rows(plan: RunPlan, name: str, joined: dict[str, TextColumn], order: np.ndarray, ts: np.ndarray,
+                    keys: list[str], starts: np.ndarray, ends: np.ndarray, page: int
+                    ) -> list[dict[str, Any]] | Exception:
+    """What task ``name``'s own pipeline makes of firing ``page``: its events ``order[starts[page]:ends[page] + 1]``,
+    rebuilt from the columns."""
 
     def text(key: str, i: int) -> str:
         column = joined[key]
         return str(column.dictionary[column.codes[i]])
 
-    for page in np.unique(np.linspace(0, size - 1, min(SAMPLE_FIRINGS, size)).astype(np.int64)).tolist():
-        events = [Event(text("user_id", i), text("event_id", i), text("page_id", i), float(ts[i]),
-                        {key: text(key, i) for key in keys}) for i in order[starts[page]:ends[page] + 1].tolist()]
-        expected = plan.run_task(name, events[-1], events)
-        row = int(position[page])
-        got = [{key: column[row] if column.dtype.kind == "O" else column[row].item() for key, column in rows.items()}
-               ] if row >= 0 else []
-        typed = [[(k, type(v), v) for k, v in r.items()] for r in got]
-        if isinstance(expected, Exception) or [[(k, type(v), v) for k, v in r.items()] for r in expected] != typed:
-            return f"task {name}, page {page}: the streaming pipeline gives {expected!r}, the columns {got!r}"
-    return None
+    events = [Event(text("user_id", i), text("event_id", i), text("page_id", i), float(ts[i]),
+                    {key: text(key, i) for key in keys}) for i in order[starts[page]:ends[page] + 1].tolist()]
+    return plan.run_task(name, events[-1], events)
 
 
-def run_jsonl_batch(runner: BatchHost, plan: RunPlan, source: JsonLinesSource, chunk_bytes: int,
-                    guarded_lines: Callable[..., Any]) -> str | None:
+def run_jsonl_batch(runner: BatchHost, plan: RunPlan, source: JsonLinesSource, chunk_bytes: int) -> str | None:
     """Run ``plan``'s trigger tasks over the JSON-lines ``source`` in batch mode, ``chunk_bytes`` at a time;
-    ``None`` when it ran, else why not (nothing written or counted). ``guarded_lines``: the guard's check over
-    columns (:func:`streamflow.runners.batch.guarded_lines`, which imports this module)."""
+    ``None`` when it ran, else why not (nothing written or counted)."""
     keys = contents_keys(plan)
     carried, written, lines_before = _Carried(keys), False, 0
     for chunk in json_chunks(source.path, source.name, keys, chunk_bytes):
         before = carried.copy() if written else carried
         result = f"the input has {chunk}" if isinstance(chunk, str) else _run_chunk(plan, source, chunk, carried,
-                                                                                     keys, guarded_lines)
+                                                                                     keys)
         if isinstance(result, str):
             if not written:
                 return result
@@ -267,25 +245,10 @@ def run_jsonl_batch(runner: BatchHost, plan: RunPlan, source: JsonLinesSource, c
             before.stream_rest(runner, source, lines_before)
             return None
         assert not isinstance(chunk, str)
-        _write(runner, plan, *result)
+        write_chunk(runner, plan, *result)
         written, lines_before = True, chunk.last_line
         runner.summary.runtime_mode = "batch"
     return None
-
-
-def _write(runner: BatchHost, plan: RunPlan, dead: Any, events: int,
-           outputs: dict[str, tuple[int, dict[str, np.ndarray]]]) -> None:
-    summary = runner.summary
-    if len(dead):
-        summary.rejected.update(Counter(reason.split(":", 1)[0] for reason in dead.reasons))
-        runner.storage.write_table(DEAD_LETTER_TABLE, dead.table())
-    summary.events_in += events
-    for name, (fired, rows) in outputs.items():
-        stats = summary.task_stats[name]
-        stats.fired += fired
-        stats.rows += len(rows["trigger_ts"])
-        if len(rows["trigger_ts"]):
-            runner.storage.write_table(plan.triggers[name].task.sink, rows)
 
 
 __all__ = ["run_jsonl_batch"]
